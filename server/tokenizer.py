@@ -1,0 +1,125 @@
+"""Prompt tokenization and chat templates, built from the GGUF itself.
+
+Token ids come from the model's own byte-level BPE, rebuilt with the
+``tokenizers`` library from the GGUF's vocab and merges. Special tokens such as
+``<|im_start|>`` stay single ids. Generated text is not decoded here: the token
+loop hands over each token's raw bytes, and :class:`TextStream` turns them into
+whole UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+
+class TokenizerError(ValueError):
+    """The GGUF holds no tokenizer this module can rebuild."""
+
+
+@dataclass(frozen=True)
+class ChatTokenizer:
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "ChatTokenizer":
+        fields = gguf.GGUFReader(str(path)).fields
+        kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
+        if kind != "gpt2":
+            raise TokenizerError(f"{path}: tokenizer model {kind!r} is not byte-level BPE ('gpt2')")
+        tokens = fields["tokenizer.ggml.tokens"].contents()
+        token_types = fields["tokenizer.ggml.token_type"].contents()
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+        pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
+
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                         fuse_unk=False, byte_fallback=False, ignore_merges=False)
+        tokenizer = Tokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in ("smollm", "starcoder", "refact", "codeshell"):
+            # These vocabularies split every digit on its own before the GPT-2 regex.
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tokenizer.pre_tokenizer = byte_level
+        tokenizer.decoder = decoders.ByteLevel()
+        special = [t for t, kind in zip(tokens, token_types)
+                   if kind in (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))]
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+        def token(key: str) -> str:
+            return tokens[fields[key].contents()] if key in fields else ""
+
+        template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        return cls(tokenizer, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id"))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """Render chat messages through the model's template, opening the assistant turn."""
+        template = self.chat_template or _CHATML
+        return _template_env().from_string(template).render(
+            messages=messages, add_generation_prompt=True,
+            bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
+
+
+def _template_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Chat templates come from model files: render them sandboxed.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env
+
+
+class TextStream:
+    """Turn streamed token bytes into text chunks that are safe to show.
+
+    Bytes are held back while they end inside a UTF-8 character, or while they
+    could be the beginning of a stop sequence; the native loop decides whether a
+    stop sequence actually matched and where the kept text ends.
+    """
+
+    def __init__(self, stop: list[bytes] = ()):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stop = [s for s in stop if s]
+        self._pending = b""
+
+    def feed(self, data: bytes) -> str:
+        self._pending += data
+        hold = self._stop_prefix_length(self._pending)
+        ready, self._pending = self._pending[:len(self._pending) - hold], self._pending[len(self._pending) - hold:]
+        return self._decoder.decode(ready)
+
+    def finish(self, drop_tail: int = 0) -> str:
+        """Flush what is left, after dropping ``drop_tail`` bytes (a matched stop sequence and what follows it)."""
+        tail = self._pending[:max(0, len(self._pending) - drop_tail)]
+        self._pending = b""
+        return self._decoder.decode(tail, final=True)
+
+    def _stop_prefix_length(self, data: bytes) -> int:
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop), len(data)), longest, -1):
+                if data.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

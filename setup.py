@@ -1,0 +1,12 @@
+# Static metadata lives in pyproject.toml; this file only declares the extension.
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=cythonize(
+        [Extension("stopline_core", ["ext/stopline_core.pyx"], include_dirs=["ext"],
+                   libraries=["dl"], extra_compile_args=["-O2"])],
+        include_path=["ext"],
+        compiler_directives={"language_level": "3"},
+    ),
+)
