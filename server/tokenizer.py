@@ -101,24 +101,33 @@ class TextStream:
     def __init__(self, stop: list[bytes] = ()):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = [s for s in stop if s]
-        self._pending = b""
+        self._received = bytearray()
+        self._released = 0
 
     def feed(self, data: bytes) -> str:
-        self._pending += data
-        hold = self._stop_prefix_length(self._pending)
-        ready, self._pending = self._pending[:len(self._pending) - hold], self._pending[len(self._pending) - hold:]
-        return self._decoder.decode(ready)
+        self._received += data
+        end = len(self._received) - self._stop_prefix_length()
+        for stop in self._stop:
+            # A whole stop sequence inside the newest bytes: release nothing from its start on.
+            found = self._received.find(stop, max(0, self._released - len(stop)))
+            if found != -1:
+                end = min(end, found)
+        return self._release(max(end, self._released), final=False)
 
-    def finish(self, drop_tail: int = 0) -> str:
-        """Flush what is left, after dropping ``drop_tail`` bytes (a matched stop sequence and what follows it)."""
-        tail = self._pending[:max(0, len(self._pending) - drop_tail)]
-        self._pending = b""
-        return self._decoder.decode(tail, final=True)
+    def finish(self, kept_bytes: int) -> str:
+        """Release the rest of the text, which ends at byte ``kept_bytes`` (before any stop sequence)."""
+        return self._release(max(kept_bytes, self._released), final=True)
 
-    def _stop_prefix_length(self, data: bytes) -> int:
+    def _release(self, end: int, final: bool) -> str:
+        text = self._decoder.decode(bytes(self._received[self._released:end]), final=final)
+        self._released = end
+        return text
+
+    def _stop_prefix_length(self) -> int:
+        data = self._received
         longest = 0
         for stop in self._stop:
-            for size in range(min(len(stop), len(data)), longest, -1):
+            for size in range(min(len(stop) - 1, len(data)), longest, -1):
                 if data.endswith(stop[:size]):
                     longest = size
                     break

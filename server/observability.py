@@ -1,0 +1,91 @@
+"""JSON logs (structlog) and Prometheus metrics, named from server/vocabulary.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .protocol import Ending, Request
+from .vocabulary import Outcome
+
+
+def configure_logging(level: str = "info", stream=None) -> None:
+    """JSON lines on stdout: one object per event, ISO 8601 UTC timestamps."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(ensure_ascii=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stdout),
+        cache_logger_on_first_use=False,
+    )
+
+
+log = structlog.get_logger("stopline")
+
+# Stop latencies are in the low milliseconds; the buckets start at 1 ms.
+_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """One registry per server, so several servers can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("stopline_requests", "Requests that ended, by outcome and reason.",
+                                ["outcome", "reason"], registry=r)
+        self.cancel_latency = Histogram("stopline_cancel_latency_seconds",
+                                        "From the cancel's arrival to the native loop's exit.",
+                                        ["reason"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_generated = Counter("stopline_tokens_generated", "Tokens generated, all outcomes.", registry=r)
+        self.tokens_wasted = Counter("stopline_tokens_wasted",
+                                     "Tokens computed (prompt and generated) for requests that did not finish.",
+                                     ["outcome", "reason"], registry=r)
+        self.ttft = Histogram("stopline_ttft_seconds", "Time from the start of a generation to its first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("stopline_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.active = Gauge("stopline_active_generations", "Generations running on a slot.", registry=r)
+        self.slots = Gauge("stopline_slots", "Generation slots.", registry=r)
+        self.connections = Gauge("stopline_connections", "Open WebSocket connections.", registry=r)
+        self.rejected = Counter("stopline_rejected_frames", "Frames answered with an error, by code.",
+                                ["code"], registry=r)
+
+    def record_end(self, ending: Ending) -> None:
+        self.requests.labels(str(ending.outcome), ending.reason).inc()
+        self.tokens_generated.inc(ending.tokens_generated)
+        if ending.tokens_wasted:
+            self.tokens_wasted.labels(str(ending.outcome), ending.reason).inc(ending.tokens_wasted)
+        if ending.cancel_latency_ms is not None:
+            self.cancel_latency.labels(ending.reason).observe(ending.cancel_latency_ms / 1000)
+        if ending.ttft_ms is not None:
+            self.ttft.observe(ending.ttft_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def log_accepted(request: Request, peer: str, queue_position: int) -> None:
+    log.info("generation_accepted", request_id=request.id, peer=peer, prompt_tokens=len(request.prompt_tokens),
+             max_tokens=request.params.max_tokens, queue_position=queue_position)
+
+
+def log_end(request: Request, ending: Ending, peer: str) -> None:
+    """The end line: the fields of the classic cancellation record, and then some."""
+    level = "warning" if ending.outcome is Outcome.ERROR else "info"
+    getattr(log, level)(
+        f"generation_{ending.outcome}",
+        request_id=request.id, reason=ending.reason, peer=peer,
+        tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
+        latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
+        prompt_tokens=ending.prompt_tokens, prompt_tokens_evaluated=ending.prompt_tokens_evaluated,
+        queue_ms=ending.queue_ms, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms,
+        **({"message": ending.message} if ending.message else {}))

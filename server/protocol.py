@@ -1,0 +1,398 @@
+"""The Stopline protocol without I/O.
+
+:class:`Connection` takes the frames one client sends and returns *actions*
+for the I/O layer: frames to send, requests to submit, requests to cancel. It
+owns each request's state machine and guarantees that a request gets exactly
+one terminal message, whatever races with what. Nothing here touches a
+socket, a thread or the event loop, so it is tested with plain function calls.
+
+A request moves through this table, and nowhere else::
+
+    QUEUED ──start──▶ PREFILL ──first token──▶ DECODING
+       │                 │                        │
+       └─────────────────┴──────── end ───────────┴──▶ ENDED (one terminal message)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Union
+
+from .engine import SamplingParams
+from .vocabulary import ErrorCode, Outcome, Reason
+
+PROTOCOL_VERSION = 1
+# Any deadline beyond a day is a mistake, not a wish.
+MAX_SECONDS = 86_400.0
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    ENDED = "ended"
+
+
+_TRANSITIONS = {
+    Phase.QUEUED: {Phase.PREFILL, Phase.ENDED},
+    Phase.PREFILL: {Phase.DECODING, Phase.ENDED},
+    Phase.DECODING: {Phase.ENDED},
+    Phase.ENDED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_length: int
+    vocab_size: int
+    default_max_tokens: int = 256
+    default_timeout_s: float = 300.0
+    max_timeout_s: float = 600.0
+    default_ttft_timeout_s: float = 120.0
+    max_ttft_timeout_s: float = 600.0
+    requests_per_connection: int = 8
+    max_prompt_chars: int = 400_000
+    max_messages: int = 512
+    max_stop_sequences: int = 4
+    max_stop_bytes: int = 64
+    # Token bucket for incoming frames.
+    frames_per_second: float = 50.0
+    frame_burst: int = 100
+    # How many ended request ids each connection remembers for cancel_ack.
+    remembered_ids: int = 1024
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    received_ns: int
+    phase: Phase = Phase.QUEUED
+    started_ns: int = 0
+    first_token_ns: int = 0
+    cancel_reason: Reason | None = None
+    cancel_requested_ns: int = 0
+    next_index: int = 0
+    outcome: Outcome | None = None
+
+    def advance(self, phase: Phase) -> None:
+        if phase not in _TRANSITIONS[self.phase]:
+            raise RuntimeError(f"request {self.id}: {self.phase.value} cannot become {phase.value}")
+        self.phase = phase
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Everything known about how a request ended: the terminal frame and the end log line come from it."""
+    outcome: Outcome
+    reason: str                       # a Reason, or an ErrorCode for errors
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    tokens_after_cancel: int = 0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+    duration_ms: float = 0.0
+    cancel_latency_ms: float | None = None
+    message: str = ""
+
+    @property
+    def tokens_wasted(self) -> int:
+        """Every token computed for a request that did not finish with ``done``."""
+        if self.outcome is Outcome.DONE:
+            return 0
+        return self.prompt_tokens_evaluated + self.tokens_generated
+
+
+# Actions returned to the I/O layer.
+@dataclass(frozen=True)
+class Send:
+    frame: dict
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request: Request
+    reason: Reason
+
+
+Action = Union[Send, Submit, Cancel]
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def error_frame(code: ErrorCode, message: str, request_id: str | None = None) -> dict:
+    return {"type": "error", "id": request_id, "code": str(code), "message": message}
+
+
+def encode_frame(frame: dict) -> str:
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+
+
+Tokenize = Callable[[Union[str, None], Union[list, None]], list]
+
+
+class Connection:
+    """One client's protocol state. ``now_ns`` is always CLOCK_MONOTONIC ns."""
+
+    def __init__(self, limits: Limits, tokenize: Tokenize, now_ns: int):
+        self.limits = limits
+        self._tokenize = tokenize
+        self.live: dict[str, Request] = {}
+        self._ended: OrderedDict[str, Outcome] = OrderedDict()
+        self._tokens = float(limits.frame_burst)
+        self._tokens_at = now_ns
+        self._rate_limited_reported_ns = -10**18
+
+    def hello(self, model: str) -> dict:
+        lim = self.limits
+        return {"type": "hello", "protocol": PROTOCOL_VERSION, "model": model,
+                "context_length": lim.context_length,
+                "limits": {"max_tokens": lim.context_length, "timeout_s": lim.max_timeout_s,
+                           "ttft_timeout_s": lim.max_ttft_timeout_s,
+                           "requests_per_connection": lim.requests_per_connection}}
+
+    # Incoming frames ------------------------------------------------------
+
+    def receive_binary(self, now_ns: int) -> list[Action]:
+        if not self._admit(now_ns):
+            return self._rate_limited(now_ns)
+        return [Send(error_frame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
+
+    def receive_text(self, data: str, now_ns: int) -> list[Action]:
+        if not self._admit(now_ns):
+            return self._rate_limited(now_ns)
+        try:
+            frame = _parse(data)
+            kind = frame["type"]
+            if kind == "generate":
+                return self._generate(frame, now_ns)
+            if kind == "cancel":
+                return self._cancel(frame, now_ns)
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {kind!r}; expected 'generate' or 'cancel'",
+                                _id_of(frame))
+        except ProtocolError as exc:
+            return [Send(error_frame(exc.code, exc.message, exc.request_id))]
+
+    def _generate(self, frame: dict, now_ns: int) -> list[Action]:
+        request_id = frame.get("id")
+        if request_id is None:
+            request_id = str(uuid.uuid4())
+        elif not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
+        if request_id in self.live:
+            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection",
+                                request_id)
+        if len(self.live) >= self.limits.requests_per_connection:
+            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS,
+                                f"this connection already has {len(self.live)} live requests "
+                                f"(the limit is {self.limits.requests_per_connection})", request_id)
+        params, prompt, messages = _validate_generate(frame, self.limits, request_id)
+        tokens = self._tokenize(prompt, messages)
+        if not tokens:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", request_id)
+        if len(tokens) >= self.limits.context_length:
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                                f"the prompt has {len(tokens)} tokens; the context holds {self.limits.context_length}, "
+                                "including at least one generated token", request_id)
+        request = Request(request_id, tokens, params, received_ns=now_ns)
+        self.live[request_id] = request
+        return [Submit(request)]
+
+    def _cancel(self, frame: dict, now_ns: int) -> list[Action]:
+        request_id = frame.get("id")
+        if not isinstance(request_id, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the string id of a request")
+        request = self.live.get(request_id)
+        if request is None:
+            status = self._ended.get(request_id)
+            return [Send({"type": "cancel_ack", "id": request_id, "status": str(status) if status else "unknown"})]
+        if request.cancel_reason is not None:
+            return [Send({"type": "cancel_ack", "id": request_id, "status": str(Outcome.CANCELLED)})]
+        return self.request_cancel(request, Reason.USER_CANCELLED, now_ns)
+
+    # Events from the engine side ------------------------------------------
+
+    def request_cancel(self, request: Request, reason: Reason, now_ns: int) -> list[Action]:
+        """Ask for a stop for ``reason``; only the first reason for a request counts."""
+        if request.ended or request.cancel_reason is not None:
+            return []
+        request.cancel_reason = reason
+        request.cancel_requested_ns = now_ns
+        return [Cancel(request, reason)]
+
+    def started(self, request: Request, now_ns: int) -> None:
+        request.advance(Phase.PREFILL)
+        request.started_ns = now_ns
+
+    def token(self, request: Request, text: str, now_ns: int) -> dict | None:
+        """The frame for newly generated text, or None once the request has ended."""
+        if request.ended:
+            return None
+        if request.phase is Phase.PREFILL:
+            request.advance(Phase.DECODING)
+            request.first_token_ns = now_ns
+        frame = {"type": "token", "id": request.id, "index": request.next_index, "text": text}
+        request.next_index += 1
+        return frame
+
+    def end(self, request: Request, ending: Ending) -> dict | None:
+        """The one terminal frame of ``request``; None if it already had one."""
+        if request.ended:
+            return None
+        request.advance(Phase.ENDED)
+        request.outcome = ending.outcome
+        del self.live[request.id]
+        self._ended[request.id] = ending.outcome
+        if len(self._ended) > self.limits.remembered_ids:
+            self._ended.popitem(last=False)
+        return terminal_frame(request.id, ending)
+
+    def disconnect(self, now_ns: int) -> list[Action]:
+        """The client is gone: stop everything it started."""
+        actions: list[Action] = []
+        for request in list(self.live.values()):
+            actions += self.request_cancel(request, Reason.CLIENT_DISCONNECTED, now_ns)
+        return actions
+
+    # Flood control ----------------------------------------------------------
+
+    def _admit(self, now_ns: int) -> bool:
+        elapsed = (now_ns - self._tokens_at) / 1e9
+        self._tokens_at = now_ns
+        self._tokens = min(float(self.limits.frame_burst), self._tokens + elapsed * self.limits.frames_per_second)
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def _rate_limited(self, now_ns: int) -> list[Action]:
+        # One error a second at most: answering every frame of a flood would be a flood too.
+        if now_ns - self._rate_limited_reported_ns < 1_000_000_000:
+            return []
+        self._rate_limited_reported_ns = now_ns
+        return [Send(error_frame(ErrorCode.RATE_LIMITED,
+                                 f"too many frames; the limit is {self.limits.frames_per_second:g} a second, "
+                                 "excess frames are dropped"))]
+
+
+def terminal_frame(request_id: str, ending: Ending) -> dict:
+    frame: dict = {"type": str(ending.outcome), "id": request_id}
+    if ending.outcome is Outcome.ERROR:
+        frame.update(code=ending.reason, message=ending.message)
+    elif ending.outcome is Outcome.DONE:
+        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
+                     prompt_tokens=ending.prompt_tokens, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
+    elif ending.outcome is Outcome.CANCELLED:
+        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
+                     tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms)
+    else:
+        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated, elapsed_ms=ending.duration_ms)
+    return frame
+
+
+# Validation ---------------------------------------------------------------
+
+def _parse(data: str) -> dict:
+    try:
+        frame = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ProtocolError(ErrorCode.INVALID_JSON, "the frame is not valid JSON") from None
+    if not isinstance(frame, dict):
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "the frame must be a JSON object")
+    if not isinstance(frame.get("type"), str):
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "the frame needs a string field 'type'", _id_of(frame))
+    return frame
+
+
+def _id_of(frame: dict) -> str | None:
+    value = frame.get("id")
+    return value if isinstance(value, str) else None
+
+
+def _number(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str,
+            low_open: bool = False):
+    value = frame.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    # bool is an int in Python, but true is not a number in JSON.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be {kind}", request_id)
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        bound = f"({low:g}" if low_open else f"[{low:g}"
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {value!r}", request_id)
+    return value
+
+
+def _validate_generate(frame: dict, limits: Limits, request_id: str):
+    prompt, messages = frame.get("prompt"), frame.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "give exactly one of 'prompt' or 'messages'", request_id)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "prompt must be a string", request_id)
+        size = len(prompt)
+    else:
+        if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                f"messages must be a list of 1 to {limits.max_messages} messages", request_id)
+        size = 0
+        for message in messages:
+            if (not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant")
+                    or not isinstance(message.get("content"), str)):
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    "each message must be {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": string}",
+                                    request_id)
+            size += len(message["content"])
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if size > limits.max_prompt_chars:
+        raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                            f"the prompt has {size} characters; the limit is {limits.max_prompt_chars}", request_id)
+
+    stop = frame.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or len(stop) > limits.max_stop_sequences
+            or not all(isinstance(s, str) and 1 <= len(s.encode()) <= limits.max_stop_bytes for s in stop)):
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            f"stop must be a list of at most {limits.max_stop_sequences} strings of "
+                            f"1 to {limits.max_stop_bytes} bytes", request_id)
+
+    n = dict(request_id=request_id)
+    params = SamplingParams(
+        max_tokens=_number(frame, "max_tokens", limits.default_max_tokens, 1, limits.context_length, integer=True, **n),
+        temperature=float(_number(frame, "temperature", 0.7, 0, 5, integer=False, **n)),
+        top_k=_number(frame, "top_k", 40, 0, limits.vocab_size, integer=True, **n),
+        top_p=float(_number(frame, "top_p", 0.95, 0, 1, integer=False, low_open=True, **n)),
+        repetition_penalty=float(_number(frame, "repetition_penalty", 1.1, 0.5, 2, integer=False, **n)),
+        seed=_number(frame, "seed", None, 0, 2**31 - 1, integer=True, **n),
+        stop=tuple(stop),
+        # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
+        timeout_s=min(limits.max_timeout_s, float(_number(
+            frame, "timeout_s", limits.default_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n))),
+        ttft_timeout_s=min(limits.max_ttft_timeout_s, float(_number(
+            frame, "ttft_timeout_s", limits.default_ttft_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n))),
+    )
+    return params, prompt, messages

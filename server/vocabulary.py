@@ -1,0 +1,53 @@
+"""The names of outcomes, reasons and error codes.
+
+Frames, JSON logs, Prometheus labels, docs and the native extension all use
+these exact strings. Define a name here before using it anywhere else.
+"""
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """How a request ended: the ``type`` of its terminal message."""
+    DONE = "done"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+class Reason(StrEnum):
+    """Why it ended that way: the ``reason`` field and the ``reason`` label."""
+    # done
+    EOS = "eos"
+    MAX_TOKENS = "max_tokens"
+    STOP_SEQUENCE = "stop_sequence"
+    # cancelled
+    USER_CANCELLED = "user_cancelled"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    SHUTDOWN = "shutdown"
+    SLOW_CONSUMER = "slow_consumer"
+    # timeout
+    TOTAL_TIMEOUT = "total_timeout"
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+
+
+REASONS_BY_OUTCOME = {
+    Outcome.DONE: (Reason.EOS, Reason.MAX_TOKENS, Reason.STOP_SEQUENCE),
+    Outcome.CANCELLED: (Reason.USER_CANCELLED, Reason.CLIENT_DISCONNECTED, Reason.SHUTDOWN, Reason.SLOW_CONSUMER),
+    Outcome.TIMEOUT: (Reason.TOTAL_TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT),
+}
+
+
+class ErrorCode(StrEnum):
+    """The ``code`` of an ``error`` frame; also its ``reason`` label in metrics."""
+    INVALID_JSON = "invalid_json"
+    INVALID_FRAME = "invalid_frame"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_FIELD = "invalid_field"
+    BINARY_FRAME = "binary_frame"
+    DUPLICATE_ID = "duplicate_id"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    TOO_MANY_REQUESTS = "too_many_requests"
+    BUSY = "busy"
+    RATE_LIMITED = "rate_limited"
+    INTERNAL_ERROR = "internal_error"
