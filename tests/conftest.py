@@ -1,0 +1,159 @@
+"""Shared fixtures: the real model, real servers on port 0, real WebSocket clients.
+
+Every wait in the tests is a multiple of ``UNIT`` seconds; set
+STOPLINE_TEST_TIME_SCALE to stretch them all on a slow machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import threading
+import time
+
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect
+
+from server.app import ServerConfig, StoplineServer
+from server.engine import Engine
+from server.observability import configure_logging
+
+UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
+TERMINAL_TYPES = {"done", "cancelled", "timeout", "error"}
+
+CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# A prompt that keeps the model talking for hundreds of tokens.
+LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+
+
+@pytest.fixture(scope="session")
+def engine() -> Engine:
+    # One compute thread per slot, as the server runs on two cores by default.
+    return Engine.load(threads=1, progress=False)
+
+
+class LogCapture(io.TextIOBase):
+    """Collects the JSON log lines the service writes."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self.lines.extend(line for line in text.splitlines() if line.strip())
+        return len(text)
+
+    def records(self, event: str | None = None, **match) -> list[dict]:
+        with self._lock:
+            records = [json.loads(line) for line in self.lines]
+        return [r for r in records if (event is None or r["event"] == event)
+                and all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.fixture(scope="session")
+def logs() -> LogCapture:
+    capture = LogCapture()
+    configure_logging("debug", stream=capture)
+    return capture
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@contextlib.asynccontextmanager
+async def running_server(engine: Engine, **config):
+    """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, **config))
+    await server.start()
+    server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
+    server.http_url = f"http://127.0.0.1:{server.port}"
+    try:
+        yield server
+    finally:
+        await server.shutdown()
+        assert server.scheduler.active == 0 and server.scheduler.queue_depth == 0
+        # Slot worker threads end with the server.
+        leftover = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
+        assert not [t.name for t in leftover if t.name.startswith("stopline")], leftover
+
+
+@pytest_asyncio.fixture
+async def server(engine, logs):
+    fds_before = open_fds()
+    async with running_server(engine) as s:
+        yield s
+    # eventfds and sockets are all closed again.
+    deadline = time.monotonic() + 2 * UNIT
+    while open_fds() - fds_before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - fds_before
+              if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not leaked, leaked
+
+
+class Client:
+    """A thin test client over a real WebSocket connection."""
+
+    def __init__(self, websocket):
+        self.ws = websocket
+        self.hello: dict | None = None
+        self.frames: list[dict] = []
+
+    async def send(self, frame) -> None:
+        await self.ws.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame))
+
+    async def recv(self, timeout: float = 30.0) -> dict:
+        frame = json.loads(await asyncio.wait_for(self.ws.recv(), timeout * UNIT))
+        self.frames.append(frame)
+        return frame
+
+    async def recv_until(self, predicate, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout * UNIT
+        while True:
+            frame = await self.recv(max(0.01, deadline - time.monotonic()))
+            if predicate(frame):
+                return frame
+
+    async def terminal(self, request_id: str, timeout: float = 60.0) -> dict:
+        return await self.recv_until(lambda f: f["type"] in TERMINAL_TYPES and f.get("id") == request_id, timeout)
+
+    async def generate(self, request_id: str, **fields) -> dict:
+        """Send a generate frame and return its accepted (or error) answer."""
+        await self.send({"type": "generate", "id": request_id, **fields})
+        return await self.recv_until(lambda f: f.get("id") == request_id and f["type"] in ("accepted", "error"))
+
+    def tokens(self, request_id: str) -> list[dict]:
+        return [f for f in self.frames if f["type"] == "token" and f["id"] == request_id]
+
+
+@contextlib.asynccontextmanager
+async def client_for(server, **kwargs):
+    async with connect(server.ws_url, **kwargs) as websocket:
+        client = Client(websocket)
+        client.hello = await client.recv()
+        yield client
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """Read one sample from Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        key, _, value = line.rpartition(" ")
+        if "{" in key:
+            metric, _, label_text = key.partition("{")
+            found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part)
+            found = {k: v.strip('"') for k, v in found.items()}
+        else:
+            metric, found = key, {}
+        if metric == name and all(found.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total
