@@ -157,3 +157,35 @@ def metric_value(text: str, name: str, **labels) -> float:
         if metric == name and all(found.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+async def http_get(server, path: str, headers: dict | None = None) -> tuple[int, str]:
+    """A plain HTTP/1.1 GET against the server's port."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n{extra}Connection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.decode("utf-8", "replace").partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def fetch_metrics(server) -> str:
+    status, body = await http_get(server, "/metrics")
+    assert status == 200
+    return body
+
+
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01):
+    """Poll ``predicate`` (sync or async) until it returns something truthy."""
+    deadline = time.monotonic() + timeout * UNIT
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate}")
+        await asyncio.sleep(interval)

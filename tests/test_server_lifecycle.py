@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, metric_value, running_server
+from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server,
+                      wait_for)
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -48,13 +49,207 @@ async def test_cancel_during_prefill_stops_within_one_chunk(server):
         cancelled = await client.terminal("r1")
         assert cancelled["type"] == "cancelled" and cancelled["tokens_generated"] == 0
         assert client.tokens("r1") == []
-    metrics = await _metrics(server)
+    metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
 
 
-async def _metrics(server) -> str:
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-    data = await reader.read()
-    writer.close()
-    return data.decode().partition("\r\n\r\n")[2]
+
+
+async def test_cancel_while_queued_computes_nothing(server, logs):
+    async with client_for(server) as client:
+        await client.generate("busy1", messages=LONG_ANSWER, max_tokens=400)
+        await client.generate("busy2", messages=LONG_ANSWER, max_tokens=400)
+        queued = await client.generate("q", messages=CHAT_FRANCE)
+        assert queued["queue_position"] == 1
+        await client.send({"type": "cancel", "id": "q"})
+        cancelled = await client.terminal("q")
+        assert cancelled["type"] == "cancelled" and cancelled["tokens_generated"] == 0
+        assert cancelled["tokens_after_cancel"] == 0
+        [end] = logs.records("generation_cancelled", request_id="q")
+        assert end["prompt_tokens_evaluated"] == 0 and end["tokens_wasted"] == 0
+        for request_id in ("busy1", "busy2"):
+            await client.send({"type": "cancel", "id": request_id})
+            assert (await client.terminal(request_id))["type"] == "cancelled"
+
+
+async def test_freed_slot_starts_the_next_queued_request_at_once(server, logs):
+    async with client_for(server) as client:
+        await client.generate("a", messages=LONG_ANSWER, max_tokens=400)
+        await client.generate("b", messages=LONG_ANSWER, max_tokens=400)
+        assert (await client.generate("c", messages=CHAT_FRANCE, temperature=0))["queue_position"] == 1
+        await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "a")
+        await client.send({"type": "cancel", "id": "a"})
+        await client.terminal("a")
+        assert (await client.terminal("c"))["type"] == "done"
+        for request_id in ("b",):
+            await client.send({"type": "cancel", "id": request_id})
+            await client.terminal(request_id)
+    [a_end] = logs.records("generation_cancelled", request_id="a")
+    [c_end] = logs.records("generation_done", request_id="c")
+    # c waited exactly as long as a ran: it started when a's loop exited, not later.
+    assert c_end["queue_ms"] <= a_end["duration_ms"] + 50
+
+
+async def test_client_disconnect_stops_every_request_of_the_connection(server, logs):
+    async with client_for(server) as client:
+        await client.generate("d1", messages=LONG_ANSWER, max_tokens=500)
+        await client.generate("d2", messages=LONG_ANSWER, max_tokens=500)
+        await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "d1" and f["index"] >= 3)
+    # The socket is closed: both generations stop within one decode step.
+    await wait_for(lambda: len(logs.records("generation_cancelled", reason="client_disconnected")) >= 2)
+    for request_id in ("d1", "d2"):
+        [end] = logs.records("generation_cancelled", request_id=request_id)
+        assert end["reason"] == "client_disconnected" and end["tokens_after_cancel"] <= 1
+        assert end["tokens_generated"] < 500
+    assert server.scheduler.active == 0
+    metrics = await fetch_metrics(server)
+    assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="client_disconnected") == 2
+    assert metric_value(metrics, "stopline_active_generations") == 0
+
+
+# A four-token raw prompt: its prefill is short, so a deadline lands in decode.
+STORY_START = "Once upon a time"
+
+
+async def test_total_timeout_default_override_and_cap(engine, logs):
+    async with running_server(engine, default_timeout_s=0.4, max_timeout_s=0.8) as server:
+        async with client_for(server) as client:
+            # The server default applies.
+            await client.generate("t1", prompt=STORY_START, max_tokens=2000)
+            t1 = await client.terminal("t1")
+            # A request may shorten it...
+            await client.generate("t2", prompt=STORY_START, max_tokens=2000, timeout_s=0.25)
+            t2 = await client.terminal("t2")
+            # ...but not lengthen it past the server's cap.
+            await client.generate("t3", prompt=STORY_START, max_tokens=2000, timeout_s=100)
+            t3 = await client.terminal("t3")
+    for frame, deadline_ms in ((t1, 400), (t2, 250), (t3, 800)):
+        assert frame["type"] == "timeout" and frame["reason"] == "total_timeout", frame
+        assert frame["tokens_generated"] > 0
+        # It fires at the deadline, not before, and within a few decode steps after.
+        assert deadline_ms <= frame["elapsed_ms"] <= deadline_ms + 250 * UNIT, frame
+
+
+async def test_first_token_timeout_stops_prefill(engine, logs):
+    long_prompt = "The history of bread is long. " * 220
+    async with running_server(engine, default_ttft_timeout_s=0.3) as server:
+        async with client_for(server) as client:
+            await client.generate("f1", prompt=long_prompt, max_tokens=8)
+            f1 = await client.terminal("f1")
+            await client.generate("f2", prompt=long_prompt, max_tokens=8, ttft_timeout_s=0.15)
+            f2 = await client.terminal("f2")
+    for frame, deadline_ms in ((f1, 300), (f2, 150)):
+        assert frame["type"] == "timeout" and frame["reason"] == "first_token_timeout", frame
+        assert frame["tokens_generated"] == 0
+        assert deadline_ms <= frame["elapsed_ms"] <= deadline_ms + 250 * UNIT, frame
+    [end] = logs.records("generation_timeout", request_id="f2")
+    assert 0 < end["prompt_tokens_evaluated"] < end["prompt_tokens"]
+
+
+async def test_timeout_while_queued_never_takes_a_slot(engine, logs):
+    async with running_server(engine, workers=1) as server:
+        async with client_for(server) as client:
+            await client.generate("long", messages=LONG_ANSWER, max_tokens=400)
+            await client.generate("waits", messages=CHAT_FRANCE, timeout_s=0.2)
+            waits = await client.terminal("waits")
+            assert waits["type"] == "timeout" and waits["reason"] == "total_timeout"
+            assert waits["tokens_generated"] == 0
+            await client.send({"type": "cancel", "id": "long"})
+            await client.terminal("long")
+    [end] = logs.records("generation_timeout", request_id="waits")
+    assert end["prompt_tokens_evaluated"] == 0
+
+
+async def test_cancel_racing_finish_gives_exactly_one_terminal_message(server):
+    async with client_for(server) as client:
+        for attempt in range(12):
+            request_id = f"race{attempt}"
+            await client.generate(request_id, prompt="Count: one, two, three,", max_tokens=3)
+            # Cancel as the last tokens arrive: sometimes the cancel wins, sometimes the finish.
+            first = await client.recv_until(lambda f: f["id"] == request_id and (
+                f["type"] == "done" or (f["type"] == "token" and f["index"] >= attempt % 3)))
+            await client.send({"type": "cancel", "id": request_id})
+            terminal = first if first["type"] == "done" else await client.terminal(request_id)
+            if terminal["type"] != "cancelled":
+                ack = await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == request_id)
+                assert ack["status"] == terminal["type"]
+        # Drain: nothing else may arrive for any of them.
+        await client.send({"type": "cancel", "id": "sentinel"})
+        await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == "sentinel")
+        for attempt in range(12):
+            request_id = f"race{attempt}"
+            terminals = [f for f in client.frames if f.get("id") == request_id
+                         and f["type"] in ("done", "cancelled", "timeout", "error")]
+            assert len(terminals) == 1, terminals
+
+
+async def test_late_and_repeated_cancels_are_acknowledged_not_errors(server):
+    async with client_for(server) as client:
+        await client.send({"type": "cancel", "id": "never-sent"})
+        assert await client.recv() == {"type": "cancel_ack", "id": "never-sent", "status": "unknown"}
+        await client.generate("fin", messages=CHAT_FRANCE, temperature=0, max_tokens=4)
+        await client.terminal("fin")
+        await client.send({"type": "cancel", "id": "fin"})
+        assert await client.recv() == {"type": "cancel_ack", "id": "fin", "status": "done"}
+        await client.generate("twice", messages=LONG_ANSWER, max_tokens=300)
+        await client.send({"type": "cancel", "id": "twice"})
+        await client.send({"type": "cancel", "id": "twice"})
+        terminal = await client.terminal("twice")
+        assert terminal["type"] == "cancelled"
+        ack = await client.recv_until(lambda f: f["type"] == "cancel_ack")
+        assert ack == {"type": "cancel_ack", "id": "twice", "status": "cancelled"}
+
+
+async def test_a_connection_cannot_cancel_or_see_another_connections_request(server):
+    async with client_for(server) as owner, client_for(server) as stranger:
+        await owner.generate("mine", messages=CHAT_FRANCE, temperature=0, max_tokens=16)
+        await stranger.send({"type": "cancel", "id": "mine"})
+        assert await stranger.recv() == {"type": "cancel_ack", "id": "mine", "status": "unknown"}
+        assert (await owner.terminal("mine"))["type"] == "done"
+        # The stranger saw nothing of it.
+        await stranger.send({"type": "cancel", "id": "probe"})
+        await stranger.recv()
+        assert all(f.get("id") != "mine" or f["type"] == "cancel_ack" for f in stranger.frames)
+
+
+async def test_shared_ids_on_two_connections_do_not_collide(server):
+    async with client_for(server) as a, client_for(server) as b:
+        await a.generate("same", messages=CHAT_FRANCE, temperature=0, max_tokens=8)
+        await b.generate("same", messages=LONG_ANSWER, max_tokens=300)
+        await b.send({"type": "cancel", "id": "same"})
+        assert (await b.terminal("same"))["type"] == "cancelled"
+        assert (await a.terminal("same"))["type"] == "done"
+
+
+async def test_server_assigns_ids_when_the_client_does_not(server):
+    async with client_for(server) as client:
+        await client.send({"type": "generate", "messages": CHAT_FRANCE, "max_tokens": 2})
+        accepted = await client.recv()
+        assert accepted["type"] == "accepted" and len(accepted["id"]) == 36
+        assert (await client.terminal(accepted["id"]))["type"] == "done"
+
+
+async def test_event_loop_stays_responsive_while_every_slot_generates(server):
+    async with client_for(server) as client:
+        await client.generate("x1", messages=LONG_ANSWER, max_tokens=300)
+        await client.generate("x2", messages=LONG_ANSWER, max_tokens=300)
+        await client.recv_until(lambda f: f["type"] == "token" and f["index"] >= 2)
+        # Timer overshoot on the server's own loop while both slots decode.
+        overshoots = []
+        for _ in range(50):
+            start = asyncio.get_running_loop().time()
+            await asyncio.sleep(0.005)
+            overshoots.append(asyncio.get_running_loop().time() - start - 0.005)
+        status, body = await http_get_healthz(server)
+        assert status == 200 and '"active": 2' in body
+        overshoots.sort()
+        # Bounded in decode steps: the loop is never blocked for one (about 14 ms).
+        assert overshoots[len(overshoots) // 2] < 0.014 * UNIT, overshoots
+        for request_id in ("x1", "x2"):
+            await client.send({"type": "cancel", "id": request_id})
+            await client.terminal(request_id)
+
+
+async def http_get_healthz(server):
+    from conftest import http_get
+    return await http_get(server, "/healthz")

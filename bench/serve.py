@@ -1,0 +1,88 @@
+"""python -m bench.serve: one benchmarked server in its own process.
+
+Runs a StoplineServer on the native engine (``--engine ours``) or on the
+ctransformers baseline (``--engine baseline``), on 127.0.0.1 and a free port,
+and next to it, on the same event loop, a probe that sleeps 10 ms over and over
+and records how late it wakes up: the event-loop lag the server's own work
+causes. A separate process keeps the benchmark client's work off the server's
+loop and out of its GIL.
+
+Prints one JSON line ``{"port": N}`` when ready, serves until stdin closes (or
+SIGTERM/SIGINT), then writes the lag samples to ``--lag-out`` and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+
+from server.app import ServerConfig, StoplineServer
+from server.engine import Engine
+from server.observability import configure_logging
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
+    p.add_argument("--engine", choices=["ours", "baseline"], required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="compute threads per slot")
+    p.add_argument("--lag-interval-ms", type=float, default=10.0)
+    p.add_argument("--lag-out", required=True, help="where to write the lag samples (JSON)")
+    p.add_argument("--log-file", required=True, help="the server's JSON log")
+    return p.parse_args(argv)
+
+
+async def lag_probe(interval_s: float, samples: list[tuple[int, int]]) -> None:
+    """Sleep ``interval_s`` repeatedly; record (start ns, overshoot ns) of each sleep."""
+    while True:
+        start = time.monotonic_ns()
+        await asyncio.sleep(interval_s)
+        samples.append((start, time.monotonic_ns() - start - int(interval_s * 1e9)))
+
+
+def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    # The parent holds our stdin: EOF means it is done, or gone.
+    def wait():
+        sys.stdin.buffer.read()
+        loop.call_soon_threadsafe(stop.set)
+    threading.Thread(target=wait, name="bench-stdin", daemon=True).start()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False)
+    if args.engine == "baseline":
+        from .baseline import BaselineEngine
+        engine = BaselineEngine(engine)
+    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, workers=args.workers))
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    _stop_on_stdin_eof(loop, stop)
+    samples: list[tuple[int, int]] = []
+    probe = asyncio.create_task(lag_probe(args.lag_interval_ms / 1000, samples))
+    print(json.dumps({"port": server.port, "engine": args.engine, "threads": engine.threads,
+                      "workers": args.workers, "prefill_chunk": engine.prefill_chunk}), flush=True)
+    await stop.wait()
+    probe.cancel()
+    await server.shutdown()
+    with open(args.lag_out, "w") as f:
+        json.dump({"interval_ms": args.lag_interval_ms, "samples": samples}, f)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with open(args.log_file, "a", buffering=1) as log_stream:
+        configure_logging("info", stream=log_stream)
+        asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
