@@ -196,8 +196,9 @@ async def test_late_and_repeated_cancels_are_acknowledged_not_errors(server):
         await client.send({"type": "cancel", "id": "twice"})
         terminal = await client.terminal("twice")
         assert terminal["type"] == "cancelled"
-        ack = await client.recv_until(lambda f: f["type"] == "cancel_ack")
-        assert ack == {"type": "cancel_ack", "id": "twice", "status": "cancelled"}
+        # The second cancel found the request already stopping; its ack may precede the terminal.
+        acks = [f for f in client.frames if f["type"] == "cancel_ack" and f["id"] == "twice"]
+        assert acks == [{"type": "cancel_ack", "id": "twice", "status": "cancelled"}]
 
 
 async def test_a_connection_cannot_cancel_or_see_another_connections_request(server):

@@ -1,0 +1,238 @@
+"""python -m bench: measure how fast Stop stops, against the usual Python pattern.
+
+Without --url it starts two servers, each in its own process on 127.0.0.1 and
+a free port: Stopline with its native token loop ("ours"), and the same server
+code on ctransformers' generate() stopped by a threading.Event between tokens
+("baseline", bench/baseline.py). Both serve the same model file with the same
+number of slots and threads per slot. Every scenario runs against each in turn,
+over real WebSockets and the production protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from server import model as embedded
+from server.tokenizer import ChatTokenizer
+
+from .prompts import PromptMaker
+from .report import Report, plot_stop_latency_cdf, write_json
+from .scenarios import ALL_SCENARIOS, Bench, Plan
+from .servers import ManagedServer, Target
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_REQUESTS = 30
+DEFAULT_LONG_REQUESTS = 10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"samples per scenario per engine (default {DEFAULT_REQUESTS}; unlimited with --duration)")
+    p.add_argument("--long-requests", type=int, default=None,
+                   help="samples for the two long-prompt scenarios, whose baseline samples each take a whole "
+                        f"long prefill (default: the smaller of --requests and {DEFAULT_LONG_REQUESTS})")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds per scenario per engine; a scenario ends at this or at --requests, whichever first")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="streams in the concurrent throughput run (default: one per slot)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="requests in flight at once in the prefill, decode and timeout scenarios (default 1)")
+    p.add_argument("--short-prompt-tokens", type=int, default=50)
+    p.add_argument("--long-prompt-tokens", type=int, default=1500)
+    p.add_argument("--decode-tokens", type=int, default=128, help="max_tokens of each throughput request")
+    p.add_argument("--throughput-reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="output directory (default bench/out)")
+    p.add_argument("--url", default=None,
+                   help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline")
+    p.add_argument("--engines", default="ours,baseline", help="servers to start: ours, baseline or both")
+    p.add_argument("--workers", type=int, default=2, help="slots of each started server")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
+    p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
+    p.add_argument("--results-md", action="store_true",
+                   help="also write bench/RESULTS.md and bench/stop_latency_cdf.png")
+    args = p.parse_args(argv)
+    unknown = set(args.scenarios.split(",")) - set(ALL_SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    engines = [e for e in args.engines.split(",") if e]
+    if not args.url and (not engines or set(engines) - {"ours", "baseline"}):
+        p.error("--engines takes ours, baseline or ours,baseline")
+    return args
+
+
+def make_plan(args) -> Plan:
+    requests = args.requests if args.requests is not None else (DEFAULT_REQUESTS if args.duration is None else math.inf)
+    long_requests = args.long_requests if args.long_requests is not None else min(requests, DEFAULT_LONG_REQUESTS)
+    return Plan(requests=requests, long_requests=long_requests, duration_s=args.duration,
+                short_tokens=args.short_prompt_tokens, long_tokens=args.long_prompt_tokens,
+                concurrency=args.concurrency, throughput_reps=args.throughput_reps,
+                decode_tokens=args.decode_tokens, parallel=max(1, args.parallel))
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None) -> int | None:
+    if plan.duration_s is not None and not math.isfinite(plan.requests):
+        return None
+    total = 0
+    for target in targets:
+        for scenario in scenarios:
+            if scenario == "throughput":
+                total += plan.throughput_reps * sum({1, concurrency or target.slots})
+            elif scenario in ("prefill_long", "timeout_ttft"):
+                total += int(plan.long_requests)
+            else:
+                total += int(plan.requests)
+    return total
+
+
+async def run(args) -> dict:
+    plan = make_plan(args)
+    scenarios = [s for s in ALL_SCENARIOS if s in args.scenarios.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    prompts = PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), rng)
+
+    managed: list[ManagedServer] = []
+    if args.url:
+        targets = [await Target.from_url(args.url)]
+    else:
+        managed = [ManagedServer(e, args.out, args.workers, args.threads) for e in args.engines.split(",") if e]
+        print(f"starting {', '.join(m.engine for m in managed)} ...", file=sys.stderr)
+        targets = list(await asyncio.gather(*(m.start() for m in managed)))
+
+    meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
+            "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
+            "scenarios": scenarios, "targets": {}}
+    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency), file=sys.stderr,
+                    unit="sample", dynamic_ncols=True)
+    bench = Bench(plan, prompts, rng, progress)
+    try:
+        for target in targets:
+            progress.set_description(f"calibrating [{target.name}]")
+            calibration = await bench.calibrate(target)
+            info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
+            if target.managed:
+                info.update(threads=target.managed.info["threads"],
+                            prefill_chunk=target.managed.info["prefill_chunk"])
+            meta["targets"][target.name] = info
+        # Scenario by scenario, each engine in turn, so both see the machine in the same state.
+        for scenario in scenarios:
+            for target in targets:
+                await bench.run(scenario, target)
+    finally:
+        progress.close()
+        await asyncio.gather(*(m.stop() for m in managed))
+
+    results = {"meta": meta, "samples": bench.samples, "runs": bench.runs, "lag": {}}
+    for target in targets:
+        if target.managed:
+            _attach_server_log(bench.samples, target)
+            results["lag"][target.name] = _lag(target)
+    return results
+
+
+def _attach_server_log(samples: list[dict], target: Target) -> None:
+    """Add what only the server's end-of-request log knows: prompt tokens evaluated, tokens wasted."""
+    ends = target.managed.request_log()
+    for sample in samples:
+        end = ends.get(sample.get("id")) if sample["target"] == target.name else None
+        if end is None:
+            continue
+        sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
+                      log_tokens_generated=end.get("tokens_generated"))
+        if sample["scenario"] == "disconnect":
+            sample["server_ms"] = end.get("latency_ms")
+
+
+def _lag(target: Target) -> dict:
+    """The probe's samples while a scenario ran against this server (its idle time left out)."""
+    samples = target.managed.lag_samples()
+    by_scenario: dict[str, list[float]] = {}
+    under_load: list[float] = []
+    for name, start, end in target.windows:
+        overs = [over / 1e6 for t, over in samples if start <= t < end]
+        by_scenario.setdefault(name, []).extend(overs)
+        under_load.extend(overs)
+    return {"interval_ms": 10.0, "under_load_ms": under_load, "by_scenario_ms": by_scenario,
+            "windows": target.windows, "samples": samples}
+
+
+def results_markdown(results: dict, tables: str) -> str:
+    meta = results["meta"]
+    m = meta["machine"]
+    targets = meta["targets"]
+    slots = next(iter(targets.values()))["slots"] if targets else "?"
+    threads = next(iter(targets.values())).get("threads", "?") if targets else "?"
+    return f"""# Stopline benchmark results
+
+Stop latency, tokens after cancel, throughput, event-loop lag, timeout precision and
+disconnect handling of Stopline's native token loop ("ours"), against the usual Python
+pattern ("baseline"): ctransformers' own `generate()` in an executor thread, checking a
+`threading.Event` between tokens, with its default prompt batch of 8 tokens evaluated in one
+uninterruptible call (`bench/baseline.py`). Both are served by the same WebSocket server,
+protocol, scheduler and metrics code; only the token loop differs. Ratios are baseline/ours.
+
+- Command: `{meta['command']}` ({meta['started_at']})
+- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_available']} available to the benchmark),
+  shared with other work; Python {m['python']}
+- Model: {meta['model']} (SmolLM2-135M-Instruct, the embedded model), context 2048, both engines on the same
+  converted GGUF file; {slots} slots per server, {threads} compute thread per slot
+- Servers: one process each (`python -m bench.serve`), on 127.0.0.1, started by the benchmark
+- Prompts: about {meta['plan']['short_tokens']} tokens (short) and {meta['plan']['long_tokens']} tokens (long),
+  each different, each asking for a long story; sampling at temperature 0.7
+
+{tables}
+![Stop latency CDF per scenario, ours against the baseline](stop_latency_cdf.png)
+
+Every sample is in the JSON file the run writes (`bench/out/results.json`).
+"""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = asyncio.run(run(args))
+    json_path = args.out / "results.json"
+    chart_path = args.out / "stop_latency_cdf.png"
+    write_json(results, json_path)
+    plot_stop_latency_cdf(results, chart_path)
+    tables = Report(results).markdown()
+    print(tables)
+    print(f"samples: {json_path}\nchart: {chart_path}", file=sys.stderr)
+    if args.results_md:
+        shutil.copyfile(chart_path, BENCH_DIR / "stop_latency_cdf.png")
+        (BENCH_DIR / "RESULTS.md").write_text(results_markdown(results, tables))
+        print(f"wrote {BENCH_DIR / 'RESULTS.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

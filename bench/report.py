@@ -1,0 +1,271 @@
+"""Turn the samples into tables (Markdown), a JSON file and the stop-latency CDF chart."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from .scenarios import STOP_SCENARIOS, TIMEOUT_SCENARIOS
+
+OURS, BASELINE = "ours", "baseline"
+SCENARIO_TITLES = {
+    "queued": "queued",
+    "prefill_short": "prefill, short prompt",
+    "prefill_long": "prefill, long prompt",
+    "decode": "decode",
+    "timeout_total": "total timeout (decode)",
+    "timeout_ttft": "first-token timeout (long prefill)",
+}
+
+
+def summary(values) -> dict | None:
+    v = np.array([x for x in values if x is not None], dtype=float)
+    if not len(v):
+        return None
+    return {"n": int(len(v)), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99)), "max": float(v.max()), "mean": float(v.mean())}
+
+
+def fmt(x: float | None) -> str:
+    if x is None:
+        return "–"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def fmt_ratio(base: float | None, ours: float | None) -> str:
+    if base is None or ours is None or ours <= 0 or base < 0:
+        return "–"
+    r = base / ours
+    return f"**{r:.0f}×**" if r >= 100 else f"**{r:.1f}×**" if r >= 10 else f"**{r:.2f}×**"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Report:
+    def __init__(self, results: dict):
+        self.results = results
+        self.samples = results["samples"]
+        self.targets = list(results["meta"]["targets"])
+        self.compare = OURS in self.targets and BASELINE in self.targets
+
+    def of(self, scenario: str, target: str, **match) -> list[dict]:
+        return [s for s in self.samples if s["scenario"] == scenario and s["target"] == target
+                and all(s.get(k) == v for k, v in match.items())]
+
+    def _rows_with_ratio(self, label: str, stats: dict[str, list], extra=None) -> list[list[str]]:
+        """One row per target, then baseline/ours for every column. ``stats[target]`` is a list of
+        (count, [values]) cells; the count column gets no ratio."""
+        rows = []
+        for target in self.targets:
+            count, values = stats[target]
+            rows.append([label if not rows else "", target, str(count)] + [fmt(v) for v in values])
+        if self.compare:
+            ours, base = stats[OURS][1], stats[BASELINE][1]
+            rows.append(["", "baseline/ours", ""] + [fmt_ratio(b, o) for b, o in zip(base, ours)])
+        return rows
+
+    # Sections -----------------------------------------------------------------------
+
+    def calibration(self) -> str:
+        rows = []
+        for target in self.targets:
+            info = self.results["meta"]["targets"][target]
+            cal = info.get("calibration", {})
+            prefill = cal.get("prefill_ms", {})
+            rows.append([target, str(info.get("prefill_chunk", "–")), str(info.get("threads", "–")),
+                         str(info.get("slots", "–"))] + [fmt(prefill.get(str(k), prefill.get(k)))
+                                                          for k in self._lengths()] + [fmt(cal.get("step_ms"))])
+        short, long = self._lengths()
+        return _table(["engine", "prompt tokens per uninterruptible step", "threads per slot", "slots",
+                       f"prefill, {short}-token prompt (ms)", f"prefill, {long}-token prompt (ms)",
+                       "decode step (ms)"], rows)
+
+    def _lengths(self) -> tuple[int, int]:
+        plan = self.results["meta"]["plan"]
+        return plan["short_tokens"], plan["long_tokens"]
+
+    def stop_latency(self) -> str:
+        rows = []
+        for scenario in STOP_SCENARIOS:
+            stats = {}
+            for target in self.targets:
+                samples = self.of(scenario, target)
+                client = summary(s["client_ms"] for s in samples)
+                server = summary(s["server_ms"] for s in samples)
+                stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
+                                 + [_get(server, k) for k in ("p50", "p90", "p99", "max")])
+            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
+        return _table(["scenario", "engine", "n", "client p50", "p90", "p99", "max",
+                       "server p50", "p90", "p99", "max"], rows)
+
+    def tokens_after_cancel(self) -> str:
+        rows = []
+        for scenario in STOP_SCENARIOS + ("all",):
+            for target in self.targets:
+                samples = [s for s in self.samples if s["target"] == target and s["scenario"] in STOP_SCENARIOS
+                           and (scenario == "all" or s["scenario"] == scenario)]
+                after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
+                frames = [s["frames_after_cancel"] for s in samples]
+                hist = " ".join(f"{k}: {v}" for k, v in sorted(Counter(after).items()))
+                rows.append([SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else "",
+                             target, str(len(after)), hist or "–", str(max(after)) if after else "–",
+                             str(max(frames)) if frames else "–"])
+        return _table(["scenario", "engine", "n", "tokens after cancel (server): histogram",
+                       "max", "token frames received after the cancel was sent: max"], rows)
+
+    def tokens_wasted(self) -> str:
+        rows = []
+        runs = {(r["scenario"], r["target"]): r for r in self.results["runs"]}
+        for scenario in STOP_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",):
+            stats = {}
+            for target in self.targets:
+                samples = [s for s in self.of(scenario, target) if s.get("tokens_wasted") is not None]
+                if samples:
+                    wasted = summary(s["tokens_wasted"] for s in samples)
+                    prompt = summary(s["prompt_tokens_evaluated"] for s in samples)
+                    generated = summary(s["log_tokens_generated"] for s in samples)
+                    stats[target] = (len(samples), [_get(wasted, "mean"), _get(wasted, "max"),
+                                                    _get(prompt, "mean"), _get(generated, "mean")])
+                else:
+                    # No server log (an already running server): the /metrics delta over the requests sent.
+                    run = runs.get((scenario, target))
+                    mean = run["tokens_wasted_delta"] / run["requests"] if run and run["requests"] else None
+                    stats[target] = (run["requests"] if run else 0, [mean, None, None, None])
+            rows += self._rows_with_ratio(SCENARIO_TITLES.get(scenario, scenario), stats)
+        return _table(["scenario", "engine", "n", "tokens wasted per request: mean", "max",
+                       "prompt tokens evaluated: mean", "tokens generated: mean"], rows)
+
+    def throughput(self) -> str:
+        rows = []
+        streams_seen = sorted({s["streams"] for s in self.samples if s["scenario"] == "throughput"})
+        for streams in streams_seen:
+            stats = {}
+            for target in self.targets:
+                samples = self.of("throughput", target, streams=streams)
+                rate = summary(s["tokens_per_s_client"] for s in samples)
+                rate_server = summary(s["tokens_per_s_server"] for s in samples)
+                # One aggregate per repetition.
+                aggregate = summary({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values())
+                ttft = summary(s["ttft_client_ms"] for s in samples)
+                ttft_server = summary(s["ttft_server_ms"] for s in samples)
+                stats[target] = (len(samples), [_get(rate, "p50"), _get(rate_server, "p50"), _get(aggregate, "mean"),
+                                                _get(ttft, "p50"), _get(ttft, "p99"), _get(ttft_server, "p50")])
+            rows += self._rows_with_ratio(f"{streams} stream{'s' if streams > 1 else ''}", stats)
+        return _table(["streams", "engine", "n", "decode tok/s per stream p50 (client)", "(server)",
+                       "aggregate tok/s", "TTFT p50 ms (client)", "TTFT p99", "TTFT p50 (server)"], rows)
+
+    def event_loop_lag(self) -> str | None:
+        lag = self.results.get("lag", {})
+        if not lag:
+            return None
+        stats = {}
+        for target in self.targets:
+            over = lag.get(target, {}).get("under_load_ms", [])
+            s = summary(over)
+            stats[target] = (len(over), [_get(s, "p50"), _get(s, "p99"), _get(s, "max")])
+        return _table(["", "engine", "n", "p50 ms", "p99 ms", "max ms"],
+                      self._rows_with_ratio("10 ms sleep overshoot", stats))
+
+    def timeouts(self) -> str:
+        rows = []
+        for scenario in TIMEOUT_SCENARIOS:
+            stats = {}
+            for target in self.targets:
+                samples = self.of(scenario, target)
+                server = summary(s["server_over_ms"] for s in samples)
+                client = summary(s["client_over_ms"] for s in samples)
+                stats[target] = (len(samples), [_get(server, k) for k in ("p50", "p90", "p99", "max")]
+                                 + [_get(client, k) for k in ("p50", "p90", "p99", "max")])
+            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
+        return _table(["deadline", "engine", "n", "server p50", "p90", "p99", "max",
+                       "client p50", "p90", "p99", "max"], rows)
+
+    def disconnect(self) -> str:
+        stats = {}
+        for target in self.targets:
+            samples = self.of("disconnect", target)
+            client = summary(s["client_ms"] for s in samples)
+            server = summary(s.get("server_ms") for s in samples)
+            stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
+                             + [_get(server, "p50"), _get(server, "max")])
+        return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"],
+                      self._rows_with_ratio("socket dropped", stats))
+
+    def markdown(self) -> str:
+        parts = [
+            "### Calibration", self.calibration(),
+            "### Stop latency (ms)",
+            "Client: cancel frame sent → terminal message received. Server: `cancel_latency_ms`, "
+            "cancel frame read → token loop exited.",
+            self.stop_latency(),
+            "### Tokens after cancel", self.tokens_after_cancel(),
+            "### Tokens wasted per request", self.tokens_wasted(),
+            "### Decode throughput and time to first token", self.throughput(),
+        ]
+        lag = self.event_loop_lag()
+        if lag:
+            parts += ["### Event-loop lag under load (server process)", lag]
+        parts += ["### Timeout precision (ms after the deadline)",
+                  "Server: `elapsed_ms` − deadline. Client: generate sent → terminal received, − deadline.",
+                  self.timeouts(),
+                  "### Disconnect to stop (ms)",
+                  "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0`. "
+                  "Server log: the `client_disconnected` cancel's `latency_ms`.",
+                  self.disconnect()]
+        return "\n\n".join(parts) + "\n"
+
+
+def _get(stats: dict | None, key: str) -> float | None:
+    return None if stats is None else stats[key]
+
+
+def write_json(results: dict, path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1))
+
+
+def plot_stop_latency_cdf(results: dict, path: Path) -> None:
+    """One panel per stop scenario: the CDF of stop latency, ours against the baseline, log time axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = Report(results)
+    colors = {OURS: "tab:blue", BASELINE: "tab:orange", "server": "tab:blue"}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
+    for ax, scenario in zip(axes.flat, STOP_SCENARIOS):
+        for target in report.targets:
+            samples = report.of(scenario, target)
+            for key, style, label in (("client_ms", "-", "client"), ("server_ms", "--", "server")):
+                values = np.sort([s[key] for s in samples if s.get(key) is not None])
+                if not len(values):
+                    continue
+                # Log axis: a latency below the clock's resolution is drawn at 1 µs.
+                values = np.maximum(values, 1e-3)
+                cdf = np.arange(1, len(values) + 1) / len(values)
+                ax.step(values, cdf, style, where="post", color=colors.get(target, "tab:green"),
+                        label=f"{target} ({label})")
+        ax.set_xscale("log")
+        ax.set_title(SCENARIO_TITLES[scenario])
+        ax.set_xlabel("stop latency (ms, log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("fraction of cancels")
+    fig.suptitle("Stop latency: Stopline's native loop vs. ctransformers generate() + threading.Event")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,372 @@
+"""The measurements. Each scenario drives one target over real WebSockets and
+appends plain-dict samples to :attr:`Bench.samples`.
+
+Stop latency is measured with cancels placed at random points of each phase:
+
+* ``queued``: every slot is held by a long generation; one more request is
+  queued and cancelled after a random delay.
+* ``prefill_short`` / ``prefill_long``: cancelled after a random delay shorter
+  than the prompt's measured prefill time. A request that already received a
+  token is counted under ``decode`` instead.
+* ``decode``: cancelled after a random number of token frames plus a random
+  fraction of a decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from .client import Call, Session, metrics
+from .prompts import PromptMaker
+from .servers import Target
+
+STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode")
+TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
+ALL_SCENARIOS = STOP_SCENARIOS + ("throughput",) + TIMEOUT_SCENARIOS + ("disconnect",)
+
+# Longest token-frame count before a decode-phase cancel or disconnect.
+MAX_FRAMES_BEFORE_STOP = 32
+# Generations that should still be running when they are stopped.
+LONG_GENERATION = 1024
+QUEUED_MAX_DELAY_MS = 100.0
+
+
+@dataclass
+class Plan:
+    requests: float          # samples per scenario per target (math.inf: until the duration is up)
+    long_requests: float     # the same for the two long-prompt scenarios
+    duration_s: float | None
+    short_tokens: int
+    long_tokens: int
+    concurrency: int | None  # streams in the concurrent throughput run (None: one per slot)
+    throughput_reps: int
+    decode_tokens: int
+    parallel: int            # concurrent samplers in the scenarios whose samples are independent
+
+
+async def sleep_until(ns: int) -> None:
+    await asyncio.sleep(max(0.0, (ns - time.monotonic_ns()) / 1e9))
+
+
+def stop_record(scenario: str, target: Target, call: Call, cancel_ns: int, **extra) -> dict:
+    term = call.terminal
+    return {"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
+            "reason": term.get("reason"),
+            "client_ms": (call.terminal_ns - cancel_ns) / 1e6,
+            "server_ms": term.get("cancel_latency_ms"),
+            "tokens_after_cancel": term.get("tokens_after_cancel"),
+            "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > cancel_ns),
+            "tokens_generated": term.get("tokens_generated"),
+            "token_frames": len(call.tokens), **extra}
+
+
+class Bench:
+    def __init__(self, plan: Plan, prompts: PromptMaker, rng: random.Random, progress):
+        self.plan = plan
+        self.prompts = prompts
+        self.rng = rng
+        self.progress = progress
+        self.samples: list[dict] = []
+        # One entry per (scenario, target): requests sent, discards, the /metrics deltas.
+        self.runs: list[dict] = []
+
+    def _seed(self) -> int:
+        return self.rng.randrange(2**31)
+
+    def _generate_fields(self, tokens: int, max_tokens: int, **extra) -> dict:
+        return {"messages": self.prompts.story(tokens), "max_tokens": max_tokens, "temperature": 0.7,
+                "seed": self._seed(), **extra}
+
+    # Calibration --------------------------------------------------------------
+
+    async def calibrate(self, target: Target) -> dict:
+        """Measure prefill time for both prompt lengths, and the decode step, before placing cancels."""
+        plan = self.plan
+        session = await Session.open(target.ws_url)
+        try:
+            for attempt in range(2):  # the first run warms the slot up
+                call = await session.generate("calibrate", **self._generate_fields(plan.short_tokens, 24))
+                short = await call.wait_end()
+            target.prefill_ms[plan.short_tokens] = short.get("ttft_ms") or short["duration_ms"]
+            if short.get("ttft_ms") and short["tokens_generated"] > 1:
+                target.step_ms = (short["duration_ms"] - short["ttft_ms"]) / (short["tokens_generated"] - 1)
+            if math.isfinite(plan.long_requests) and plan.long_requests <= 0:
+                return {"prefill_ms": dict(target.prefill_ms), "step_ms": target.step_ms}
+            call = await session.generate("calibrate", **self._generate_fields(plan.long_tokens, 1))
+            long = await call.wait_end()
+            target.prefill_ms[plan.long_tokens] = long.get("ttft_ms") or long["duration_ms"]
+        finally:
+            await session.close()
+        return {"prefill_ms": dict(target.prefill_ms), "step_ms": target.step_ms}
+
+    # The sampling loop ------------------------------------------------------------
+
+    async def run(self, scenario: str, target: Target) -> None:
+        plan = self.plan
+        long = scenario in ("prefill_long", "timeout_ttft")
+        wanted = plan.long_requests if long else plan.requests
+        if wanted <= 0:
+            return
+        if self.progress is not None:
+            self.progress.set_description(f"{scenario} [{target.name}]")
+        before = await metrics(target.http_url)
+        start = time.monotonic_ns()
+        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0}
+        if scenario == "queued":
+            await self._queued(target, run, wanted)
+        elif scenario == "throughput":
+            await self._throughput(target, run)
+        elif scenario == "disconnect":
+            await self._lanes(target, run, wanted, 1, self._disconnect_sample, own_session=True)
+        else:
+            sample = {"prefill_short": lambda t, s: self._prefill_sample(t, s, "prefill_short", plan.short_tokens),
+                      "prefill_long": lambda t, s: self._prefill_sample(t, s, "prefill_long", plan.long_tokens),
+                      "decode": self._decode_sample,
+                      "timeout_total": self._timeout_total_sample,
+                      "timeout_ttft": self._timeout_ttft_sample}[scenario]
+            await self._lanes(target, run, wanted, plan.parallel, sample)
+        after = await metrics(target.http_url)
+        target.windows.append((scenario, start, time.monotonic_ns()))
+        run["tokens_wasted_delta"] = (after.get("stopline_tokens_wasted_total", 0.0)
+                                      - before.get("stopline_tokens_wasted_total", 0.0))
+        run["tokens_generated_delta"] = (after.get("stopline_tokens_generated_total", 0.0)
+                                         - before.get("stopline_tokens_generated_total", 0.0))
+        self.runs.append(run)
+
+    def _more(self, run: dict, wanted: float, started_s: float) -> bool:
+        if run["valid"] >= wanted:
+            return False
+        # A scenario whose samples keep being discarded must still end.
+        if run["requests"] >= 3 * min(wanted, 10**6) + 5:
+            return False
+        return self.plan.duration_s is None or time.monotonic() - started_s < self.plan.duration_s
+
+    def _keep(self, scenario: str, run: dict, records: list[dict]) -> None:
+        run["requests"] += 1
+        own = [r for r in records if r["scenario"] == scenario]
+        run["valid"] += len(own)
+        run["discarded"] += not records
+        self.samples.extend(records)
+        if own and self.progress is not None:
+            self.progress.update(len(own))
+
+    async def _lanes(self, target: Target, run: dict, wanted: float, lanes: int, sample,
+                     own_session: bool = False) -> None:
+        """Take samples until the scenario has enough, ``lanes`` at a time, each lane on its own connection."""
+        started = time.monotonic()
+
+        async def lane():
+            session = None if own_session else await Session.open(target.ws_url)
+            try:
+                while self._more(run, wanted, started):
+                    self._keep(run["scenario"], run, await sample(target, session))
+            finally:
+                if session is not None:
+                    await session.close()
+
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+
+    # Stop latency -------------------------------------------------------------------
+
+    async def _prefill_sample(self, target: Target, session: Session, scenario: str, tokens: int) -> list[dict]:
+        estimate = target.prefill_ms[tokens]
+        delay_ms = self.rng.uniform(0.0, 0.9 * estimate)
+        call = await session.generate(scenario, **self._generate_fields(tokens, 64))
+        await sleep_until(call.sent_ns + int(delay_ms * 1e6))
+        if call.ended:
+            return self._discard(session, call)
+        cancel_ns = await session.cancel(call)
+        await call.wait_end()
+        session.forget(call)
+        if call.terminal["type"] != "cancelled":
+            return []
+        # The client saw a token, so the cancel landed after the prefill: it is a decode sample.
+        actual = scenario if not call.tokens else "decode"
+        return [stop_record(actual, target, call, cancel_ns, delay_ms=delay_ms, prefill_estimate_ms=estimate,
+                            prompt_tokens=tokens, measured_as=scenario)]
+
+    async def _decode_sample(self, target: Target, session: Session) -> list[dict]:
+        frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
+        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        call = await session.generate("decode", **self._generate_fields(self.plan.short_tokens, LONG_GENERATION))
+        await call.wait_tokens(frames)
+        if call.ended:
+            return self._discard(session, call)
+        await sleep_until(call.tokens[frames - 1][0] + int(jitter_ms * 1e6))
+        cancel_ns = await session.cancel(call)
+        await call.wait_end()
+        session.forget(call)
+        if call.terminal["type"] != "cancelled":
+            return []  # it finished on its own first
+        return [stop_record("decode", target, call, cancel_ns, cancel_after_frames=frames, jitter_ms=jitter_ms,
+                            prompt_tokens=self.plan.short_tokens, measured_as="decode")]
+
+    def _discard(self, session: Session, call: Call) -> list[dict]:
+        session.forget(call)
+        return []
+
+    async def _queued(self, target: Target, run: dict, wanted: float) -> None:
+        """Hold every slot with a long generation, then queue one more request and cancel it."""
+        holders = await Session.open(target.ws_url)
+        session = await Session.open(target.ws_url)
+        started = time.monotonic()
+
+        async def hold() -> Call:
+            call = await holders.generate("holder", **self._generate_fields(self.plan.short_tokens, 1900))
+            await call.wait_tokens(1)
+            return call
+
+        blockers = list(await asyncio.gather(*(hold() for _ in range(target.slots))))
+        try:
+            while self._more(run, wanted, started):
+                # A holder that finished on its own frees its slot: replace it first.
+                for i, blocker in enumerate(blockers):
+                    if blocker.ended:
+                        holders.forget(blocker)
+                        blockers[i] = await hold()
+                call = await session.generate("queued", **self._generate_fields(self.plan.short_tokens, 64))
+                await call.wait_accepted()
+                if call.ended or call.accepted["queue_position"] == 0:
+                    if not call.ended:
+                        await session.cancel(call)
+                        await call.wait_end()
+                    self._keep("queued", run, self._discard(session, call))
+                    continue
+                delay_ms = self.rng.uniform(0.0, QUEUED_MAX_DELAY_MS)
+                await sleep_until(call.accepted_ns + int(delay_ms * 1e6))
+                cancel_ns = await session.cancel(call)
+                await call.wait_end()
+                session.forget(call)
+                # If a holder ended first, the request may have left the queue before the cancel.
+                still_queued = all(not b.ended or b.terminal_ns > call.terminal_ns for b in blockers)
+                if call.terminal["type"] != "cancelled" or call.tokens or not still_queued:
+                    self._keep("queued", run, [])
+                    continue
+                self._keep("queued", run, [stop_record(
+                    "queued", target, call, cancel_ns, delay_ms=delay_ms,
+                    queue_position=call.accepted["queue_position"], prompt_tokens=self.plan.short_tokens,
+                    measured_as="queued")])
+        finally:
+            for blocker in blockers:
+                if not blocker.ended:
+                    await holders.cancel(blocker)
+            await asyncio.gather(*(b.wait_end() for b in blockers))
+            await holders.close()
+            await session.close()
+
+    # Throughput ------------------------------------------------------------------------
+
+    async def _throughput(self, target: Target, run: dict) -> None:
+        """Decode rate and time to first token, with one stream and with N concurrent streams."""
+        concurrency = self.plan.concurrency or target.slots
+        for streams in sorted({1, concurrency}):
+            for rep in range(self.plan.throughput_reps):
+                sessions = [await Session.open(target.ws_url) for _ in range(streams)]
+                try:
+                    calls = [await s.generate("throughput", **self._generate_fields(
+                        self.plan.short_tokens, self.plan.decode_tokens)) for s in sessions]
+                    await asyncio.gather(*(c.wait_end() for c in calls))
+                finally:
+                    for s in sessions:
+                        await s.close()
+                records = [self._throughput_record(target, call, streams, rep) for call in calls]
+                firsts = [c.tokens[0][0] for c in calls if len(c.tokens) >= 2]
+                lasts = [c.tokens[-1][0] for c in calls if len(c.tokens) >= 2]
+                if firsts:
+                    produced = sum(r["tokens"] - 1 for r in records if r["tokens_per_s_client"] is not None)
+                    aggregate = produced / ((max(lasts) - min(firsts)) / 1e9)
+                    for r in records:
+                        r["aggregate_tokens_per_s"] = aggregate
+                self.samples.extend(records)
+                run["requests"] += streams
+                run["valid"] += streams
+                if self.progress is not None:
+                    self.progress.update(streams)
+
+    def _throughput_record(self, target: Target, call: Call, streams: int, rep: int) -> dict:
+        term = call.terminal
+        n = term.get("tokens_generated", 0)
+        rate_client = rate_server = None
+        if len(call.tokens) >= 2 and n >= 2:
+            # Frames may carry several tokens (held-back UTF-8), so count tokens, not frames.
+            rate_client = (n - 1) / ((call.tokens[-1][0] - call.tokens[0][0]) / 1e9)
+            if term.get("ttft_ms") is not None and term["duration_ms"] > term["ttft_ms"]:
+                rate_server = (n - 1) / ((term["duration_ms"] - term["ttft_ms"]) / 1e3)
+        return {"scenario": "throughput", "target": target.name, "id": call.id, "streams": streams, "rep": rep,
+                "outcome": term["type"], "reason": term.get("reason"), "tokens": n,
+                "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+                "ttft_server_ms": term.get("ttft_ms"),
+                "tokens_per_s_client": rate_client, "tokens_per_s_server": rate_server}
+
+    # Timeouts ----------------------------------------------------------------------------
+
+    async def _timeout_total_sample(self, target: Target, session: Session) -> list[dict]:
+        # A deadline that falls in the decode phase: past the prefill, before the generation would end.
+        deadline_ms = target.prefill_ms[self.plan.short_tokens] + self.rng.uniform(100.0, 600.0)
+        call = await session.generate("timeout_total", **self._generate_fields(
+            self.plan.short_tokens, LONG_GENERATION, timeout_s=deadline_ms / 1000))
+        return self._timeout_record("timeout_total", "total_timeout", target, session, call, deadline_ms,
+                                    await call.wait_end())
+
+    async def _timeout_ttft_sample(self, target: Target, session: Session) -> list[dict]:
+        # A first-token deadline in the first half of a long prompt's prefill.
+        deadline_ms = target.prefill_ms[self.plan.long_tokens] * self.rng.uniform(0.05, 0.5)
+        call = await session.generate("timeout_ttft", **self._generate_fields(
+            self.plan.long_tokens, 16, ttft_timeout_s=deadline_ms / 1000))
+        return self._timeout_record("timeout_ttft", "first_token_timeout", target, session, call, deadline_ms,
+                                    await call.wait_end())
+
+    def _timeout_record(self, scenario: str, reason: str, target: Target, session: Session, call: Call,
+                        deadline_ms: float, term: dict) -> list[dict]:
+        session.forget(call)
+        if term["type"] != "timeout" or term.get("reason") != reason:
+            return []
+        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
+                 "reason": term["reason"], "deadline_ms": deadline_ms,
+                 "server_over_ms": term["elapsed_ms"] - deadline_ms,
+                 "client_over_ms": (call.terminal_ns - call.sent_ns) / 1e6 - deadline_ms,
+                 "tokens_generated": term.get("tokens_generated"), "token_frames": len(call.tokens)}]
+
+    # Disconnect ----------------------------------------------------------------------------
+
+    async def _disconnect_sample(self, target: Target, _session) -> list[dict]:
+        """Drop the socket mid-generation; time until /metrics shows no active generation."""
+        await self._wait_idle(target)
+        session = await Session.open(target.ws_url)
+        frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
+        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        try:
+            call = await session.generate("disconnect", **self._generate_fields(self.plan.short_tokens,
+                                                                                LONG_GENERATION))
+            await call.wait_tokens(frames)
+            if call.ended:
+                return []
+            await sleep_until(call.tokens[frames - 1][0] + int(jitter_ms * 1e6))
+            dropped_ns = session.drop()
+        finally:
+            await session.close()
+        polls = 0
+        while True:
+            sent_ns = time.monotonic_ns()
+            active = (await metrics(target.http_url)).get("stopline_active_generations", 0.0)
+            seen_ns = time.monotonic_ns()
+            polls += 1
+            if active == 0:
+                break
+        # The generation stopped between this poll's request and its answer: report the answer (upper bound).
+        return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
+                 "reason": "client_disconnected", "client_ms": (seen_ns - dropped_ns) / 1e6,
+                 "lower_bound_ms": (sent_ns - dropped_ns) / 1e6, "polls": polls,
+                 "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
+
+    async def _wait_idle(self, target: Target, timeout: float = 120.0) -> None:
+        async with asyncio.timeout(timeout):
+            while True:
+                m = await metrics(target.http_url)
+                if m.get("stopline_active_generations", 0.0) == 0 and m.get("stopline_queue_depth", 0.0) == 0:
+                    return
+                await asyncio.sleep(0.01)

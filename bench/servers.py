@@ -1,0 +1,100 @@
+"""The servers under test: ones this benchmark starts (``python -m bench.serve``
+subprocesses), or one that is already running (``--url``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import client
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Target:
+    """A server being measured, and what the benchmark learns about it on the way."""
+    name: str
+    ws_url: str
+    http_url: str
+    slots: int = 2
+    managed: "ManagedServer | None" = None
+    # Calibration: prefill time (ms) by prompt length in tokens, and the decode step (ms).
+    prefill_ms: dict[int, float] = field(default_factory=dict)
+    step_ms: float = 15.0
+    # (scenario, start ns, end ns): when each scenario ran against this target.
+    windows: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @classmethod
+    async def from_url(cls, url: str) -> "Target":
+        parts = urlsplit(url if "://" in url else f"ws://{url}")
+        secure = parts.scheme in ("wss", "https")
+        host = parts.netloc
+        target = cls("server", f"{'wss' if secure else 'ws'}://{host}/ws", f"{'https' if secure else 'http'}://{host}")
+        target.slots = int((await client.healthz(target.http_url))["slots"])
+        return target
+
+
+class ManagedServer:
+    """One ``python -m bench.serve`` process: a server on the native engine or on the baseline."""
+
+    def __init__(self, engine: str, out_dir: Path, workers: int, threads: int):
+        self.engine = engine
+        self.workers = workers
+        self.threads = threads
+        self.log_path = out_dir / f"server-{engine}.log"
+        self.stderr_path = out_dir / f"server-{engine}.stderr"
+        self.lag_path = out_dir / f"lag-{engine}.json"
+        self.info: dict = {}
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> Target:
+        for path in (self.log_path, self.lag_path):
+            path.unlink(missing_ok=True)
+        with open(self.stderr_path, "wb") as stderr:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.serve", "--engine", self.engine, "--workers", str(self.workers),
+                "--threads", str(self.threads), "--lag-out", str(self.lag_path), "--log-file", str(self.log_path),
+                cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        line = await asyncio.wait_for(self._process.stdout.readline(), 300)
+        if not line:
+            await self._process.wait()
+            raise RuntimeError(f"the {self.engine} server did not start; see {self.stderr_path}:\n"
+                               + self.stderr_path.read_text()[-2000:])
+        self.info = json.loads(line)
+        host = f"127.0.0.1:{self.info['port']}"
+        return Target(self.engine, f"ws://{host}/ws", f"http://{host}", slots=self.workers, managed=self)
+
+    async def stop(self) -> None:
+        if self._process is None or self._process.returncode is not None:
+            return
+        self._process.stdin.close()  # the server's signal to shut down
+        try:
+            await asyncio.wait_for(self._process.wait(), 60)
+        except TimeoutError:
+            self._process.kill()
+            await self._process.wait()
+
+    def lag_samples(self) -> list[tuple[int, int]]:
+        """(start ns, overshoot ns) of every 10 ms probe sleep on the server's event loop."""
+        if not self.lag_path.is_file():
+            return []
+        return [tuple(s) for s in json.loads(self.lag_path.read_text())["samples"]]
+
+    def request_log(self) -> dict[str, dict]:
+        """The end-of-request log line of every request, by request id."""
+        ends = {}
+        if self.log_path.is_file():
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("event", "").startswith("generation_") and "request_id" in record:
+                    if record["event"] != "generation_accepted":
+                        ends[record["request_id"]] = record
+        return ends
