@@ -30,7 +30,7 @@ from server.tokenizer import ChatTokenizer
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
 from .scenarios import ALL_SCENARIOS, Bench, Plan
-from .servers import ManagedServer, Target
+from .servers import CpuMeter, ManagedServer, Target
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_REQUESTS = 30
@@ -134,11 +134,13 @@ async def run(args) -> dict:
             "scenarios": scenarios, "targets": {}}
     progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency), file=sys.stderr,
                     unit="sample", dynamic_ncols=True)
-    bench = Bench(plan, prompts, rng, progress)
+    # Other work's CPU use can be told apart only when every server is ours to watch.
+    cpu = CpuMeter([os.getpid()] + [m.pid for m in managed]) if managed else None
+    bench = Bench(plan, prompts, rng, progress, cpu)
     try:
         for target in targets:
             progress.set_description(f"calibrating [{target.name}]")
-            calibration = await bench.calibrate(target)
+            calibration = await bench.calibrate(target, long=bool({"prefill_long", "timeout_ttft"} & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
                 info.update(threads=target.managed.info["threads"],

@@ -205,20 +205,47 @@ class Report:
         return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"],
                       self._rows_with_ratio("socket dropped", stats))
 
+    def other_load(self) -> str | None:
+        """How much CPU other processes took while the scenarios ran: context for every number here."""
+        runs = [r for r in self.results["runs"] if r.get("cpu")]
+        if not runs:
+            return None
+        weights = [r["cpu"]["wall_s"] for r in runs]
+        mean = sum(r["cpu"]["other_cores"] * w for r, w in zip(runs, weights)) / sum(weights)
+        worst = max(runs, key=lambda r: r["cpu"]["other_cores"])
+        return (f"Other processes on the machine used {mean:.2f} cores on average while the scenarios ran "
+                f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']}).")
+
     def markdown(self) -> str:
-        parts = [
-            "### Calibration", self.calibration(),
+        parts = ["### Calibration", self.calibration()]
+        load = self.other_load()
+        if load:
+            parts.append(load)
+        parts += [
             "### Stop latency (ms)",
             "Client: cancel frame sent → terminal message received. Server: `cancel_latency_ms`, "
             "cancel frame read → token loop exited.",
             self.stop_latency(),
-            "### Tokens after cancel", self.tokens_after_cancel(),
-            "### Tokens wasted per request", self.tokens_wasted(),
-            "### Decode throughput and time to first token", self.throughput(),
+            "### Tokens after cancel",
+            "Server: the terminal frame's `tokens_after_cancel`, tokens the loop produced after the cancel "
+            "was requested. Client: token frames that arrived after the cancel frame was sent.",
+            self.tokens_after_cancel(),
+            "### Tokens wasted per request",
+            "`tokens_wasted` = prompt tokens evaluated + tokens generated, for requests that did not end "
+            "with `done`; from the server's end-of-request log when the benchmark started the server, else "
+            "the `stopline_tokens_wasted_total` delta on `/metrics` divided by the requests sent. "
+            "The baseline's tokens generated include the one it computes and discards after a stop.",
+            self.tokens_wasted(),
+            "### Decode throughput and time to first token",
+            "Client rate: tokens after the first / time between the first and last token frames. "
+            "Server rate: from `duration_ms` − `ttft_ms` of the `done` frame. TTFT includes any queueing.",
+            self.throughput(),
         ]
         lag = self.event_loop_lag()
         if lag:
-            parts += ["### Event-loop lag under load (server process)", lag]
+            parts += ["### Event-loop lag under load (server process)",
+                      "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
+                      "over all the time the scenarios ran against that server.", lag]
         parts += ["### Timeout precision (ms after the deadline)",
                   "Server: `elapsed_ms` − deadline. Client: generate sent → terminal received, − deadline.",
                   self.timeouts(),
@@ -245,7 +272,10 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
 
     report = Report(results)
     colors = {OURS: "tab:blue", BASELINE: "tab:orange", "server": "tab:blue"}
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    # One shared time axis, so the panels can be compared at a glance.
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True)
     for ax, scenario in zip(axes.flat, STOP_SCENARIOS):
         for target in report.targets:
             samples = report.of(scenario, target)
@@ -255,14 +285,20 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
                     continue
                 # Log axis: a latency below the clock's resolution is drawn at 1 µs.
                 values = np.maximum(values, 1e-3)
-                cdf = np.arange(1, len(values) + 1) / len(values)
-                ax.step(values, cdf, style, where="post", color=colors.get(target, "tab:green"),
-                        label=f"{target} ({label})")
+                # Start each curve at 0 so that its first step is visible.
+                x = np.concatenate([[values[0]], values])
+                cdf = np.concatenate([[0.0], np.arange(1, len(values) + 1) / len(values)])
+                ax.step(x, cdf, style, where="post", color=colors.get(target, "tab:green"),
+                        label=f"{target} ({label}), n={len(values)}")
         ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(SCENARIO_TITLES[scenario])
-        ax.set_xlabel("stop latency (ms, log scale)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
     fig.suptitle("Stop latency: Stopline's native loop vs. ctransformers generate() + threading.Event")

@@ -15,14 +15,13 @@ Stop latency is measured with cancels placed at random points of each phase:
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from dataclasses import dataclass
 
 from .client import Call, Session, metrics
 from .prompts import PromptMaker
-from .servers import Target
+from .servers import CpuMeter, Target
 
 STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode")
 TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
@@ -65,8 +64,9 @@ def stop_record(scenario: str, target: Target, call: Call, cancel_ns: int, **ext
 
 
 class Bench:
-    def __init__(self, plan: Plan, prompts: PromptMaker, rng: random.Random, progress):
+    def __init__(self, plan: Plan, prompts: PromptMaker, rng: random.Random, progress, cpu: CpuMeter | None = None):
         self.plan = plan
+        self.cpu = cpu
         self.prompts = prompts
         self.rng = rng
         self.progress = progress
@@ -83,22 +83,21 @@ class Bench:
 
     # Calibration --------------------------------------------------------------
 
-    async def calibrate(self, target: Target) -> dict:
-        """Measure prefill time for both prompt lengths, and the decode step, before placing cancels."""
+    async def calibrate(self, target: Target, long: bool = True) -> dict:
+        """Measure the prefill time of each prompt length, and the decode step, before placing cancels."""
         plan = self.plan
         session = await Session.open(target.ws_url)
         try:
-            for attempt in range(2):  # the first run warms the slot up
+            for _ in range(2):  # the first run warms the slot up
                 call = await session.generate("calibrate", **self._generate_fields(plan.short_tokens, 24))
                 short = await call.wait_end()
             target.prefill_ms[plan.short_tokens] = short.get("ttft_ms") or short["duration_ms"]
             if short.get("ttft_ms") and short["tokens_generated"] > 1:
                 target.step_ms = (short["duration_ms"] - short["ttft_ms"]) / (short["tokens_generated"] - 1)
-            if math.isfinite(plan.long_requests) and plan.long_requests <= 0:
-                return {"prefill_ms": dict(target.prefill_ms), "step_ms": target.step_ms}
-            call = await session.generate("calibrate", **self._generate_fields(plan.long_tokens, 1))
-            long = await call.wait_end()
-            target.prefill_ms[plan.long_tokens] = long.get("ttft_ms") or long["duration_ms"]
+            if long:
+                call = await session.generate("calibrate", **self._generate_fields(plan.long_tokens, 1))
+                end = await call.wait_end()
+                target.prefill_ms[plan.long_tokens] = end.get("ttft_ms") or end["duration_ms"]
         finally:
             await session.close()
         return {"prefill_ms": dict(target.prefill_ms), "step_ms": target.step_ms}
@@ -113,9 +112,10 @@ class Bench:
             return
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")
-        before = await metrics(target.http_url)
         start = time.monotonic_ns()
-        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0}
+        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
+               "metrics_before": await metrics(target.http_url),
+               "cpu_before": self.cpu.read() if self.cpu else None}
         if scenario == "queued":
             await self._queued(target, run, wanted)
         elif scenario == "throughput":
@@ -129,13 +129,22 @@ class Bench:
                       "timeout_total": self._timeout_total_sample,
                       "timeout_ttft": self._timeout_ttft_sample}[scenario]
             await self._lanes(target, run, wanted, plan.parallel, sample)
-        after = await metrics(target.http_url)
+        await self._end_sampling(target, run)
         target.windows.append((scenario, start, time.monotonic_ns()))
-        run["tokens_wasted_delta"] = (after.get("stopline_tokens_wasted_total", 0.0)
-                                      - before.get("stopline_tokens_wasted_total", 0.0))
-        run["tokens_generated_delta"] = (after.get("stopline_tokens_generated_total", 0.0)
-                                         - before.get("stopline_tokens_generated_total", 0.0))
         self.runs.append(run)
+
+    async def _end_sampling(self, target: Target, run: dict) -> None:
+        """Close the scenario's accounts: /metrics deltas and CPU use. Called before any cleanup
+        requests (the queued scenario's slot holders) so that they are not counted."""
+        if "metrics_before" not in run:
+            return
+        before, after = run.pop("metrics_before"), await metrics(target.http_url)
+        for key in ("tokens_wasted", "tokens_generated"):
+            name = f"stopline_{key}_total"
+            run[f"{key}_delta"] = after.get(name, 0.0) - before.get(name, 0.0)
+        cpu_before = run.pop("cpu_before")
+        if cpu_before is not None:
+            run["cpu"] = self.cpu.usage_since(cpu_before)
 
     def _more(self, run: dict, wanted: float, started_s: float) -> bool:
         if run["valid"] >= wanted:
@@ -150,6 +159,7 @@ class Bench:
         own = [r for r in records if r["scenario"] == scenario]
         run["valid"] += len(own)
         run["discarded"] += not records
+        run["moved_to_decode"] = run.get("moved_to_decode", 0) + len(records) - len(own)
         self.samples.extend(records)
         if own and self.progress is not None:
             self.progress.update(len(own))
@@ -251,6 +261,7 @@ class Bench:
                     queue_position=call.accepted["queue_position"], prompt_tokens=self.plan.short_tokens,
                     measured_as="queued")])
         finally:
+            await self._end_sampling(target, run)
             for blocker in blockers:
                 if not blocker.ended:
                     await holders.cancel(blocker)

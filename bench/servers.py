@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -50,6 +52,7 @@ class ManagedServer:
         self.stderr_path = out_dir / f"server-{engine}.stderr"
         self.lag_path = out_dir / f"lag-{engine}.json"
         self.info: dict = {}
+        self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> Target:
@@ -60,6 +63,7 @@ class ManagedServer:
                 sys.executable, "-m", "bench.serve", "--engine", self.engine, "--workers", str(self.workers),
                 "--threads", str(self.threads), "--lag-out", str(self.lag_path), "--log-file", str(self.log_path),
                 cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        self.pid = self._process.pid
         line = await asyncio.wait_for(self._process.stdout.readline(), 300)
         if not line:
             await self._process.wait()
@@ -98,3 +102,34 @@ class ManagedServer:
                     if record["event"] != "generation_accepted":
                         ends[record["request_id"]] = record
         return ends
+
+
+class CpuMeter:
+    """CPU time used on the whole machine, and by the benchmark's own processes (client and
+    servers): the difference is what other work took from the cores while a scenario ran."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> tuple[float, float, float]:
+        """(wall s, machine busy s, our processes' s)."""
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy.
+        busy = sum(fields) - fields[3] - fields[4]
+        ours = 0
+        for pid in self.pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+            rest = stat.rsplit(")", 1)[1].split()
+            ours += int(rest[11]) + int(rest[12])
+        return time.monotonic(), busy / self.tick, ours / self.tick
+
+    def usage_since(self, before: tuple[float, float, float]) -> dict:
+        """Average cores busy since ``before``: in total, by our processes, by everything else."""
+        wall, busy, ours = (now - then for now, then in zip(self.read(), before))
+        wall = max(wall, 1e-9)
+        return {"wall_s": wall, "machine_cores": busy / wall, "bench_cores": ours / wall, "other_cores": max(0.0, busy - ours) / wall}

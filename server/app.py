@@ -208,12 +208,13 @@ class ClientSession:
                 await self._send(frame, request)
 
     async def finish(self, request: Request, ending: Ending) -> None:
-        frame = self.protocol.end(request, ending)
-        if frame is None:
+        frames = self.protocol.end(request, ending)
+        if not frames:
             return
         self.server.metrics.record_end(ending)
         log_end(request, ending, self.peer)
-        await self._send(frame)
+        for frame in frames:
+            await self._send(frame)
 
     async def _send(self, frame: dict, request: Request | None = None) -> None:
         """Send one frame. A client that stops reading makes this wait; past the

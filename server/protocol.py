@@ -257,17 +257,24 @@ class Connection:
         request.next_index += 1
         return frame
 
-    def end(self, request: Request, ending: Ending) -> dict | None:
-        """The one terminal frame of ``request``; None if it already had one."""
+    def end(self, request: Request, ending: Ending) -> list[dict]:
+        """The one terminal frame of ``request`` (nothing if it already had one).
+
+        A cancel frame that lost the race to another ending is answered here,
+        after the terminal frame, with a cancel_ack naming the outcome that won.
+        """
         if request.ended:
-            return None
+            return []
         request.advance(Phase.ENDED)
         request.outcome = ending.outcome
         del self.live[request.id]
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
-        return terminal_frame(request.id, ending)
+        frames = [terminal_frame(request.id, ending)]
+        if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
+            frames.append({"type": "cancel_ack", "id": request.id, "status": str(ending.outcome)})
+        return frames
 
     def disconnect(self, now_ns: int) -> list[Action]:
         """The client is gone: stop everything it started."""
