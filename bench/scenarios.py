@@ -223,7 +223,6 @@ class Bench:
         """Hold every slot with a long generation, then queue one more request and cancel it."""
         holders = await Session.open(target.ws_url)
         session = await Session.open(target.ws_url)
-        started = time.monotonic()
 
         async def hold() -> Call:
             call = await holders.generate("holder", **self._generate_fields(self.plan.short_tokens, 1900))
@@ -231,6 +230,7 @@ class Bench:
             return call
 
         blockers = list(await asyncio.gather(*(hold() for _ in range(target.slots))))
+        started = time.monotonic()
         try:
             while self._more(run, wanted, started):
                 # A holder that finished on its own frees its slot: replace it first.

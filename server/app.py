@@ -53,7 +53,9 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     frames_per_second: float = 50.0
     frame_burst: int = 100
-    # A small kernel send buffer keeps a stalled client's backlog bounded and visible.
+    # Small transport and kernel send buffers: a stalled client's backlog stays
+    # bounded, and backpressure reaches the token loop instead of piling up here.
+    write_limit: int = 16 * 1024
     socket_send_buffer: int = 16 * 1024
 
 
@@ -82,8 +84,7 @@ class StoplineServer:
         self._server = await serve(
             self._handle, self.config.host, self.config.port,
             process_request=self._process_request, max_size=self.config.max_frame_bytes,
-            # Small transport buffers: backpressure reaches the token loop instead of piling up here.
-            write_limit=16 * 1024, server_header="Stopline")
+            write_limit=self.config.write_limit, server_header="Stopline")
         log.info("server_started", url=f"http://{self.config.host}:{self.port}/", model=self.engine.name,
                  workers=self.config.workers, threads=self.engine.threads, context_length=self.engine.context_length,
                  prefill_chunk=self.engine.prefill_chunk)
