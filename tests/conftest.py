@@ -55,11 +55,23 @@ class LogCapture(io.TextIOBase):
                 and all(r.get(k) == v for k, v in match.items())]
 
 
+    def clear(self) -> None:
+        with self._lock:
+            self.lines.clear()
+
+
 @pytest.fixture(scope="session")
-def logs() -> LogCapture:
+def log_capture() -> LogCapture:
     capture = LogCapture()
     configure_logging("debug", stream=capture)
     return capture
+
+
+@pytest.fixture
+def logs(log_capture) -> LogCapture:
+    """The service's JSON log records, starting empty for each test."""
+    log_capture.clear()
+    return log_capture
 
 
 def open_fds() -> set[str]:
@@ -137,7 +149,7 @@ class Client:
 async def client_for(server, **kwargs):
     async with connect(server.ws_url, **kwargs) as websocket:
         client = Client(websocket)
-        client.hello = await client.recv()
+        client.hello = json.loads(await websocket.recv())
         yield client
 
 
