@@ -92,7 +92,9 @@ class StoplineServer:
     async def shutdown(self) -> None:
         """Cancel every request with reason ``shutdown``, then close connections with 1001."""
         log.info("server_stopping", active=self.scheduler.active, queued=self.scheduler.queue_depth)
-        self._server.close(close_connections=False)
+        # Stop accepting connections, end every request (its terminal message goes
+        # out on its still-open connection), then close connections with 1001.
+        self._server.server.close()
         await self.scheduler.shutdown()
         self._server.close(close_connections=True)
         await self._server.wait_closed()

@@ -1,0 +1,135 @@
+"""The service as a process: startup, signals, shutdown, and long runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def start_process(*args: str):
+    """``python -m server`` on port 0; returns the process and its URL once it listens."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", "--port", "0", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    lines = []
+    while True:
+        line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
+        if not line:
+            raise AssertionError(f"server exited: {lines} {(await process.stderr.read()).decode()[-2000:]}")
+        record = json.loads(line)
+        lines.append(record)
+        if record["event"] == "server_started":
+            return process, record["url"].replace("http://", "ws://") + "ws", lines
+
+
+async def read_logs(process) -> list[dict]:
+    out = await process.stdout.read()
+    return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
+    process, url, _ = await start_process("--workers", "1")
+    try:
+        async with connect(url) as ws:
+            await ws.recv()  # hello
+            for request_id in ("running", "queued"):
+                await ws.send(json.dumps({"type": "generate", "id": request_id, "messages": LONG_ANSWER,
+                                          "max_tokens": 1000}))
+            frames = []
+            while not any(f["type"] == "token" for f in frames):
+                frames.append(json.loads(await ws.recv()))
+            signalled = time.monotonic()
+            process.send_signal(sig)
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    frames.append(json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT)))
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        terminals = {f["id"]: f for f in frames if f["type"] in ("done", "cancelled", "timeout", "error")}
+        assert terminals["running"]["type"] == "cancelled" and terminals["running"]["reason"] == "shutdown"
+        assert terminals["queued"]["type"] == "cancelled" and terminals["queued"]["reason"] == "shutdown"
+        assert terminals["running"]["tokens_after_cancel"] <= 1
+        assert await asyncio.wait_for(process.wait(), 10 * UNIT) == 0
+        assert time.monotonic() - signalled < 2 * UNIT
+        events = [r["event"] for r in await read_logs(process)]
+        assert events.count("generation_cancelled") == 2 and events[-1] == "server_stopped"
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--model", "/nonexistent/model.gguf"], "not found"),
+    (["--model", "/etc/hostname"], "not a GGUF file"),
+])
+async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", "--port", "0", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(process.communicate(), 60 * UNIT)
+    assert process.returncode == 1
+    [failure] = [json.loads(line) for line in out.decode().splitlines() if '"startup_failed"' in line]
+    assert problem in failure["error"]
+
+
+async def test_metrics_count_outcomes_and_give_a_cancellation_rate(server):
+    async with client_for(server) as client:
+        await client.generate("ok", messages=CHAT_FRANCE, temperature=0, max_tokens=8)
+        done = await client.terminal("ok")
+        await client.generate("stop", messages=LONG_ANSWER, max_tokens=300)
+        await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "stop")
+        await client.send({"type": "cancel", "id": "stop"})
+        cancelled = await client.terminal("stop")
+        await client.send("not json")
+        await client.recv()
+    text = await fetch_metrics(server)
+    total = metric_value(text, "stopline_requests_total")
+    assert total == 2
+    assert metric_value(text, "stopline_requests_total", outcome="cancelled") / total == 0.5
+    assert metric_value(text, "stopline_tokens_generated_total") == done["tokens_generated"] + cancelled["tokens_generated"]
+    assert metric_value(text, "stopline_tokens_wasted_total", outcome="cancelled", reason="user_cancelled") > 0
+    assert metric_value(text, "stopline_cancel_latency_seconds_count", reason="user_cancelled") == 1
+    # The histogram resolves a single millisecond.
+    assert 'stopline_cancel_latency_seconds_bucket{le="0.001",reason="user_cancelled"}' in text
+    assert metric_value(text, "stopline_ttft_seconds_count") == 2
+    assert metric_value(text, "stopline_rejected_frames_total", code="invalid_json") == 1
+    assert metric_value(text, "stopline_queue_depth") == 0 and metric_value(text, "stopline_active_generations") == 0
+
+
+async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
+    """Many short lives of a connection: RSS stays flat, no slot, thread or fd is left behind."""
+    cycles = int(os.environ.get("STOPLINE_SOAK_CYCLES", "150"))
+    rss = psutil.Process().memory_info
+    async with running_server(engine) as server:
+        async def one_cycle(i: int):
+            async with client_for(server) as client:
+                await client.generate(f"s{i}", prompt="Hello", max_tokens=2)
+                if i % 2:
+                    await client.terminal(f"s{i}")
+            # Odd cycles wait for the end; even ones leave mid-generation.
+        for i in range(20):
+            await one_cycle(i)
+        threads, fds, before = len(psutil.Process().threads()), len(os.listdir("/proc/self/fd")), rss().rss
+        for i in range(cycles):
+            await one_cycle(i)
+        await asyncio.sleep(0.2)
+        assert server.scheduler.active == 0 and server.scheduler.queue_depth == 0
+        after = rss().rss
+        print(f"RSS before {before / 2**20:.1f} MiB, after {cycles} cycles {after / 2**20:.1f} MiB")
+        assert after - before < 32 * 2**20
+        assert len(psutil.Process().threads()) <= threads
+        assert len(os.listdir("/proc/self/fd")) <= fds
