@@ -95,6 +95,10 @@ class StoplineServer:
         # Stop accepting connections, end every request (its terminal message goes
         # out on its still-open connection), then close connections with 1001.
         self._server.server.close()
+        self.scheduler.close()
+        now = time.monotonic_ns()
+        for session in list(self._sessions):
+            await session.perform(session.protocol.stop_all(Reason.SHUTDOWN, now))
         await self.scheduler.shutdown()
         self._server.close(close_connections=True)
         await self._server.wait_closed()
@@ -165,15 +169,16 @@ class ClientSession:
                     actions = self.protocol.receive_text(message, now)
                 else:
                     actions = self.protocol.receive_binary(now)
-                await self._perform(actions)
+                await self.perform(actions)
         except ConnectionClosed:
             pass
         finally:
             if self.protocol.live:
                 log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
-            await self._perform(self.protocol.disconnect(time.monotonic_ns()))
+            await self.perform(self.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
 
-    async def _perform(self, actions) -> None:
+    async def perform(self, actions) -> None:
+        """Carry out what the protocol decided."""
         for action in actions:
             if isinstance(action, Send):
                 if action.frame["type"] == "error":
@@ -231,7 +236,7 @@ class ClientSession:
             # The frame stays in the transport buffer; only the wait was cut short.
             targets = [request] if request is not None else list(self.protocol.live.values())
             for target in targets:
-                await self._perform(self.protocol.request_cancel(target, Reason.SLOW_CONSUMER, time.monotonic_ns()))
+                await self.perform(self.protocol.request_cancel(target, Reason.SLOW_CONSUMER, time.monotonic_ns()))
 
 
 def _peer(connection: ServerConnection) -> str:

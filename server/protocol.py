@@ -276,11 +276,11 @@ class Connection:
             frames.append({"type": "cancel_ack", "id": request.id, "status": str(ending.outcome)})
         return frames
 
-    def disconnect(self, now_ns: int) -> list[Action]:
-        """The client is gone: stop everything it started."""
+    def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:
+        """Stop every live request of this connection: the client left, or the server is shutting down."""
         actions: list[Action] = []
         for request in list(self.live.values()):
-            actions += self.request_cancel(request, Reason.CLIENT_DISCONNECTED, now_ns)
+            actions += self.request_cancel(request, reason, now_ns)
         return actions
 
     # Flood control ----------------------------------------------------------

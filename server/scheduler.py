@@ -95,7 +95,7 @@ class Scheduler:
         if len(self._queue) >= self.max_queue:
             raise Busy(f"all {self.workers} slots are busy and the queue is full ({self.max_queue})")
         self._queue.append((request, sink))
-        self._arm_queue_deadline(request, sink)
+        self._arm_queue_deadline(request)
         self._update_gauges()
         return len(self._queue)
 
@@ -104,30 +104,16 @@ class Scheduler:
         stream = self._running.get(request)
         if stream is not None:
             stream.cancel(str(reason))
-            return
-        for index, (queued, sink) in enumerate(self._queue):
-            if queued is request:
-                del self._queue[index]
-                self._update_gauges()
-                now = time.monotonic_ns()
-                ending = Ending(Outcome.CANCELLED, str(reason), prompt_tokens=len(request.prompt_tokens),
-                                queue_ms=_ms(request.received_ns, now), duration_ms=_ms(request.received_ns, now),
-                                cancel_latency_ms=_ms(request.cancel_requested_ns, now))
-                self._spawn(self._end_queued(request, sink, ending))
-                return
+        else:
+            self._end_in_queue(request, Outcome.CANCELLED, reason)
+
+    def close(self) -> None:
+        """Refuse new requests from now on; those already here are unaffected."""
+        self._closed = True
 
     async def shutdown(self) -> None:
-        """Cancel everything with reason ``shutdown``, wait for the terminal messages, free the slots."""
-        self._closed = True
-        for request, sink in list(self._queue):
-            request.cancel_reason = request.cancel_reason or Reason.SHUTDOWN
-            request.cancel_requested_ns = request.cancel_requested_ns or time.monotonic_ns()
-            self.cancel(request, Reason.SHUTDOWN)
-        for request, stream in list(self._running.items()):
-            if request.cancel_reason is None:
-                request.cancel_reason = Reason.SHUTDOWN
-                request.cancel_requested_ns = time.monotonic_ns()
-            stream.cancel(str(Reason.SHUTDOWN))
+        """Wait for every request to end (the caller has cancelled them), then free the slots."""
+        self.close()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self._executor.shutdown(wait=True)
@@ -200,11 +186,23 @@ class Scheduler:
         self._free.append(slot)
         self._update_gauges()
 
-    async def _end_queued(self, request: Request, sink: Sink, ending: Ending) -> None:
+    def _end_in_queue(self, request: Request, outcome: Outcome, reason: Reason) -> None:
+        """End a request that never reached a slot: nothing was computed for it."""
+        for index, (queued, sink) in enumerate(self._queue):
+            if queued is request:
+                del self._queue[index]
+                break
+        else:
+            return
         self._disarm_queue_deadline(request)
-        await sink.finish(request, ending)
+        self._update_gauges()
+        now = time.monotonic_ns()
+        ending = Ending(outcome, str(reason), prompt_tokens=len(request.prompt_tokens),
+                        queue_ms=_ms(request.received_ns, now), duration_ms=_ms(request.received_ns, now),
+                        cancel_latency_ms=_ms(request.cancel_requested_ns, now) if outcome is Outcome.CANCELLED else None)
+        self._spawn(sink.finish(request, ending))
 
-    def _arm_queue_deadline(self, request: Request, sink: Sink) -> None:
+    def _arm_queue_deadline(self, request: Request) -> None:
         params = request.params
         deadlines = [(s, reason) for s, reason in ((params.timeout_s, Reason.TOTAL_TIMEOUT),
                                                    (params.ttft_timeout_s, Reason.FIRST_TOKEN_TIMEOUT)) if s]
@@ -214,24 +212,16 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         # loop.time() is time.monotonic(), the clock received_ns was read from.
         when = request.received_ns / 1e9 + seconds
-        self._queue_timers[request] = loop.call_at(when, self._expire_queued, request, sink, reason)
+        self._queue_timers[request] = loop.call_at(when, self._expire_queued, request, reason)
 
     def _disarm_queue_deadline(self, request: Request) -> None:
         timer = self._queue_timers.pop(request, None)
         if timer is not None:
             timer.cancel()
 
-    def _expire_queued(self, request: Request, sink: Sink, reason: Reason) -> None:
+    def _expire_queued(self, request: Request, reason: Reason) -> None:
         self._queue_timers.pop(request, None)
-        for index, (queued, _) in enumerate(self._queue):
-            if queued is request:
-                del self._queue[index]
-                self._update_gauges()
-                now = time.monotonic_ns()
-                ending = Ending(Outcome.TIMEOUT, str(reason), prompt_tokens=len(request.prompt_tokens),
-                                queue_ms=_ms(request.received_ns, now), duration_ms=_ms(request.received_ns, now))
-                self._spawn(sink.finish(request, ending))
-                return
+        self._end_in_queue(request, Outcome.TIMEOUT, reason)
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:

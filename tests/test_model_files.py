@@ -15,6 +15,7 @@ import shutil
 import gguf
 import numpy as np
 import pytest
+import stopline_core
 
 from server import model
 from server.engine import Engine
@@ -149,6 +150,26 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
     finally:
         second.open_slot().close()
     assert {p: p.stat().st_mtime_ns for p in files} == before
+
+
+def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, original_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
+    loaded = Engine.load(original_path, threads=1, progress=False)
+    slot = loaded.open_slot()
+    try:
+        assert loaded.model_path.parent == tmp_path / "converted"
+        assert gguf_version(loaded.model_path) == 2
+        assert sha256(loaded.model_path) == sha256(engine.model_path)
+        # The tokenizer comes from the original file given.
+        assert loaded.encode(prompt="Hello world") == engine.encode(prompt="Hello world")
+        result = stopline_core.Generation(slot, loaded.encode(prompt="1, 2, 3,"), max_tokens=3, temperature=0).run()
+        assert result.outcome == "done" and result.tokens_generated == 3
+    finally:
+        slot.close()
+    mtime = loaded.model_path.stat().st_mtime_ns
+    again = Engine.load(original_path, threads=1, progress=False)
+    again.open_slot().close()
+    assert again.model_path == loaded.model_path and loaded.model_path.stat().st_mtime_ns == mtime
 
 
 def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
