@@ -34,7 +34,7 @@ from .servers import CpuMeter, ManagedServer, Target
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_REQUESTS = 30
-DEFAULT_LONG_REQUESTS = 10
+DEFAULT_LONG_REQUESTS = 6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,15 +85,16 @@ def make_plan(args) -> Plan:
 
 
 def machine() -> dict:
-    cpu = "unknown"
+    cpu, virtual = "unknown", False
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags"):
+                virtual = virtual or "hypervisor" in line.split()
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
+    return {"cpu": cpu, "virtual": virtual, "cores": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "platform": platform.platform()}
 
 
@@ -131,7 +132,7 @@ async def run(args) -> dict:
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
             "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
-            "scenarios": scenarios, "targets": {}}
+            "scenarios": scenarios, "targets": {}, "results_json": _shown(args.out / "results.json")}
     progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency), file=sys.stderr,
                     unit="sample", dynamic_ncols=True)
     # Other work's CPU use can be told apart only when every server is ours to watch.
@@ -204,19 +205,43 @@ uninterruptible call (`bench/baseline.py`). Both are served by the same WebSocke
 protocol, scheduler and metrics code; only the token loop differs. Ratios are baseline/ours.
 
 - Command: `{meta['command']}` ({meta['started_at']})
-- Machine: {m['cpu']}, {m['cores']} cores ({m['cores_available']} available to the benchmark),
-  shared with other work; Python {m['python']}
-- Model: {meta['model']} (SmolLM2-135M-Instruct, the embedded model), context 2048, both engines on the same
-  converted GGUF file; {slots} slots per server, {threads} compute thread per slot
+- Machine: {m['cpu']}{' (virtual machine)' if m.get('virtual') else ''}, {m['cores']} cores
+  ({m['cores_available']} available to the benchmark), shared with other work; Python {m['python']}
+- Model: {meta['model']} GGUF (the embedded model), context 2048, both engines on the same converted
+  file; {slots} slots per server, {threads} compute thread per slot
 - Servers: one process each (`python -m bench.serve`), on 127.0.0.1, started by the benchmark
 - Prompts: about {meta['plan']['short_tokens']} tokens (short) and {meta['plan']['long_tokens']} tokens (long),
   each different, each asking for a long story; sampling at temperature 0.7
+- Samples: {_count(meta['plan']['requests'])} per scenario per engine, {_count(meta['plan']['long_requests'])} for the
+  two long-prompt scenarios (each baseline sample there costs a whole long prefill); one request at a time
+  unless a scenario needs more ({meta['plan']['parallel']} in flight in the prefill, decode and timeout scenarios)
+
+How the cancels are placed:
+
+- **queued**: every slot runs a long generation; one more request is queued and cancelled 0–100 ms after
+  its `accepted` frame (discarded if a slot freed up first).
+- **prefill**: cancelled after a random delay shorter than the prompt's prefill time, measured beforehand
+  (the calibration table). A request that had already received a token counts as a decode sample.
+- **decode**: cancelled after 1–32 token frames plus a random fraction of a decode step.
+- **timeouts**: `timeout_s` = 1.25 × the short prompt's prefill + 100–600 ms; `ttft_timeout_s` = 5–25 % of
+  the long prompt's prefill.
+- **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
+  `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
 
 {tables}
 ![Stop latency CDF per scenario, ours against the baseline](stop_latency_cdf.png)
 
-Every sample is in the JSON file the run writes (`bench/out/results.json`).
+Every sample is in the JSON file the run wrote (`{meta['results_json']}`).
 """
+
+
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(BENCH_DIR.parent)) if path.is_relative_to(BENCH_DIR.parent) else str(path)
+
+
+def _count(value) -> str:
+    return "unlimited (time-boxed)" if value is None else str(value)
 
 
 def main(argv=None) -> int:

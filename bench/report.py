@@ -18,6 +18,7 @@ SCENARIO_TITLES = {
     "decode": "decode",
     "timeout_total": "total timeout (decode)",
     "timeout_ttft": "first-token timeout (long prefill)",
+    "timeout_total_prefill": "total timeout that fell in the prefill",
 }
 
 
@@ -133,7 +134,9 @@ class Report:
         for scenario in STOP_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",):
             stats = {}
             for target in self.targets:
-                samples = [s for s in self.of(scenario, target) if s.get("tokens_wasted") is not None]
+                # By the scenario the request was sent in: its prompt length is what it can waste.
+                samples = [s for s in self.samples if s["target"] == target and s.get("tokens_wasted") is not None
+                           and s.get("measured_as", s["scenario"]) == scenario]
                 if samples:
                     wasted = summary(s["tokens_wasted"] for s in samples)
                     prompt = summary(s["prompt_tokens_evaluated"] for s in samples)
@@ -182,7 +185,8 @@ class Report:
 
     def timeouts(self) -> str:
         rows = []
-        for scenario in TIMEOUT_SCENARIOS:
+        landed_in_prefill = any(s["scenario"] == "timeout_total_prefill" for s in self.samples)
+        for scenario in TIMEOUT_SCENARIOS + (("timeout_total_prefill",) if landed_in_prefill else ()):
             stats = {}
             for target in self.targets:
                 samples = self.of(scenario, target)
@@ -233,7 +237,8 @@ class Report:
             "### Tokens wasted per request",
             "`tokens_wasted` = prompt tokens evaluated + tokens generated, for requests that did not end "
             "with `done`; from the server's end-of-request log when the benchmark started the server, else "
-            "the `stopline_tokens_wasted_total` delta on `/metrics` divided by the requests sent. "
+            "the `stopline_tokens_wasted_total` delta on `/metrics` divided by the requests sent. Requests are "
+            "grouped by the scenario they were sent in (a prefill cancel that landed in decode stays with its prompt). "
             "The baseline's tokens generated include the one it computes and discards after a stop.",
             self.tokens_wasted(),
             "### Decode throughput and time to first token",
@@ -247,7 +252,9 @@ class Report:
                       "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
                       "over all the time the scenarios ran against that server.", lag]
         parts += ["### Timeout precision (ms after the deadline)",
-                  "Server: `elapsed_ms` − deadline. Client: generate sent → terminal received, − deadline.",
+                  "Server: `elapsed_ms` − deadline. Client: generate sent → terminal received, − deadline. "
+                  "A total timeout meant for the decode phase that fired before any token (the prefill ran "
+                  "longer than calibrated) is shown on its own row.",
                   self.timeouts(),
                   "### Disconnect to stop (ms)",
                   "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0`. "

@@ -316,16 +316,16 @@ class Bench:
     # Timeouts ----------------------------------------------------------------------------
 
     async def _timeout_total_sample(self, target: Target, session: Session) -> list[dict]:
-        # A deadline that falls in the decode phase: past the prefill, before the generation would end.
-        deadline_ms = target.prefill_ms[self.plan.short_tokens] + self.rng.uniform(100.0, 600.0)
+        # A deadline meant for the decode phase: well past the prefill, before the generation would end.
+        deadline_ms = 1.25 * target.prefill_ms[self.plan.short_tokens] + self.rng.uniform(100.0, 600.0)
         call = await session.generate("timeout_total", **self._generate_fields(
             self.plan.short_tokens, LONG_GENERATION, timeout_s=deadline_ms / 1000))
         return self._timeout_record("timeout_total", "total_timeout", target, session, call, deadline_ms,
                                     await call.wait_end())
 
     async def _timeout_ttft_sample(self, target: Target, session: Session) -> list[dict]:
-        # A first-token deadline in the first half of a long prompt's prefill.
-        deadline_ms = target.prefill_ms[self.plan.long_tokens] * self.rng.uniform(0.05, 0.5)
+        # A first-token deadline in the first quarter of a long prompt's prefill.
+        deadline_ms = target.prefill_ms[self.plan.long_tokens] * self.rng.uniform(0.05, 0.25)
         call = await session.generate("timeout_ttft", **self._generate_fields(
             self.plan.long_tokens, 16, ttft_timeout_s=deadline_ms / 1000))
         return self._timeout_record("timeout_ttft", "first_token_timeout", target, session, call, deadline_ms,
@@ -336,6 +336,9 @@ class Bench:
         session.forget(call)
         if term["type"] != "timeout" or term.get("reason") != reason:
             return []
+        if scenario == "timeout_total" and not call.tokens:
+            # The prefill ran longer than calibrated and the deadline fell inside it: kept apart.
+            scenario = "timeout_total_prefill"
         return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
                  "reason": term["reason"], "deadline_ms": deadline_ms,
                  "server_over_ms": term["elapsed_ms"] - deadline_ms,
@@ -368,6 +371,8 @@ class Bench:
             polls += 1
             if active == 0:
                 break
+            # A short pause keeps the polling itself from loading the server it measures.
+            await asyncio.sleep(0.001)
         # The generation stopped between this poll's request and its answer: report the answer (upper bound).
         return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
                  "reason": "client_disconnected", "client_ms": (seen_ns - dropped_ns) / 1e6,

@@ -204,19 +204,25 @@ cdef inline bint should_stop(LoopState *s, ct_api *api) noexcept nogil:
 
 
 cdef inline bint stop_sequence_matched(LoopState *s, int old_size, int new_size) noexcept nogil:
-    # Only a match that ends inside the newest token's bytes can be new.
-    cdef int i, start, pos, offset = 0, size
+    """Whether a stop sequence now ends inside the newest token's bytes; if so,
+    s.stop_at is where the earliest such match starts."""
+    cdef int i, start, pos, offset = 0, size, earliest = -1
     for i in range(s.n_stops):
         size = s.stop_sizes[i]
         start = old_size - size + 1
         if start < 0:
             start = 0
         for pos in range(start, new_size - size + 1):
+            if earliest != -1 and pos >= earliest:
+                break
             if memcmp_n(s.text + pos, s.stops + offset, size):
-                s.stop_at = pos
-                return True
+                earliest = pos
+                break
         offset += size
-    return False
+    if earliest == -1:
+        return False
+    s.stop_at = earliest
+    return True
 
 
 cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
@@ -264,7 +270,8 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         if first_last < 0:
             first_last = 0
         token = api.llm_sample(llm, s.tokens + first_last, n_past - first_last, top_k, s.top_p,
-                               temperature, s.repetition_penalty, (s.seed + step) & 0x7fffffff)
+                               temperature, s.repetition_penalty,
+                               <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
         if api.llm_is_eos_token(llm, token):
             s.exit = EXIT_EOS
             return
@@ -335,6 +342,8 @@ cdef class Generation:
     cdef LoopState s
     cdef Context context
     cdef int state   # 0 new, 1 running, 2 finished
+    # Set only once eventfd() succeeded: __dealloc__ runs even when __cinit__ fails.
+    cdef bint owns_wake_fd
     cdef object cancel_reason
     cdef object _result
     cdef readonly object stop_sequences
@@ -345,7 +354,6 @@ cdef class Generation:
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
         context._check_open()
-        self.s.wake_fd = -1
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
         if n_prompt >= context.context_length:
@@ -390,6 +398,7 @@ cdef class Generation:
         self.s.wake_fd = sl_eventfd()
         if self.s.wake_fd < 0:
             raise OSError("eventfd failed")
+        self.owns_wake_fd = True
 
     def __dealloc__(self):
         free(self.s.tokens)
@@ -397,7 +406,7 @@ cdef class Generation:
         free(self.s.text_end)
         free(self.s.stops)
         free(self.s.stop_sizes)
-        if self.s.wake_fd >= 0:
+        if self.owns_wake_fd:
             os.close(self.s.wake_fd)
 
     def fileno(self):
@@ -408,9 +417,9 @@ cdef class Generation:
         """Release the eventfd early (the memory goes with the object)."""
         if self.state == 1:
             raise_engine_error(EngineError, "cannot close a running generation")
-        if self.s.wake_fd >= 0:
+        if self.owns_wake_fd:
             os.close(self.s.wake_fd)
-            self.s.wake_fd = -1
+            self.owns_wake_fd = False
 
     @property
     def finished(self):

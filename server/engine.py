@@ -124,7 +124,7 @@ class Engine:
         if is_gguf:
             try:
                 tokenizer = ChatTokenizer.from_gguf(path)
-            except (TokenizerError, KeyError):
+            except (TokenizerError, KeyError, ValueError):  # UnicodeDecodeError is a ValueError
                 tokenizer = None
             limit = _gguf_context_limit(path)
             if limit and context_length > limit:
@@ -192,6 +192,7 @@ class Stream:
         self.generation = generation
         self._text = text
         self.tokens_read = 0
+        self.ended = False
 
     @property
     def result(self) -> GenerationResult | None:
@@ -206,12 +207,15 @@ class Stream:
         return self.generation.cancel(reason)
 
     def read_available(self) -> list[str]:
-        """Text ready now (possibly none). After the loop ends, also the final text."""
+        """Text ready now (possibly none). Once the loop has ended, the first call
+        also returns the final text and sets :attr:`ended`: stop reading then."""
+        # Check before taking: a loop that had ended has published everything.
         finished = self.generation.finished
         pieces = self.generation.take()
         self.tokens_read += len(pieces)
         out = [t for t in (self._text.feed(p) for p in pieces) if t]
-        if finished:
+        if finished and not self.ended:
+            self.ended = True
             tail = self._text.finish(self.generation.result.text_kept_bytes)
             if tail:
                 out.append(tail)
@@ -235,7 +239,7 @@ class Stream:
                 wake.clear()
                 for text in self.read_available():
                     yield text
-                if self.generation.finished:
+                if self.ended:
                     await done
                     return
         finally:
@@ -255,7 +259,7 @@ class Stream:
             while True:
                 select.select([fd], [], [])
                 yield from self.read_available()
-                if self.generation.finished:
+                if self.ended:
                     return
         finally:
             if worker.is_alive():

@@ -209,7 +209,10 @@ class Connection:
                                 f"this connection already has {len(self.live)} live requests "
                                 f"(the limit is {self.limits.requests_per_connection})", request_id)
         params, prompt, messages = _validate_generate(frame, self.limits, request_id)
-        tokens = self._tokenize(prompt, messages)
+        try:
+            tokens = self._tokenize(prompt, messages)
+        except ValueError as exc:  # the tokenizer or the chat template refused the text
+            raise ProtocolError(ErrorCode.INVALID_FIELD, str(exc), request_id) from None
         if not tokens:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", request_id)
         if len(tokens) >= self.limits.context_length:

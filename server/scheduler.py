@@ -156,7 +156,7 @@ class Scheduler:
                 texts = stream.read_available()
                 if texts:
                     await sink.deliver(request, texts)
-                if stream.generation.finished:
+                if stream.ended:
                     break
             ending = ending_from_result(request, await finished)
         except Exception as exc:

@@ -62,7 +62,12 @@ class ChatTokenizer:
         return cls(tokenizer, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id"))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # The vocabulary lacks a few bytes (some control characters, some 4-byte
+        # UTF-8 leads); BPE would drop them silently, so refuse instead.
+        if self.tokenizer.decode(ids, skip_special_tokens=False) != text:
+            raise TokenizerError("the text has characters this model's vocabulary cannot represent")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

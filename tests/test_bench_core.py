@@ -29,6 +29,7 @@ PREFILL_TOKENS = 512
 CANCELS = 30
 LONG_PROMPT_TEXT = "The history of bread is long. " * 220
 
+
 @pytest.fixture(scope="module")
 def slot(engine):
     context = engine.open_slot()

@@ -314,8 +314,8 @@ def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
     # Generate for about twice as long as the first-token deadline.
     max_tokens = int(2 * ttft_ns / costs.step_ns) + 1
     started_ns = time.monotonic_ns()
-    text, result = stream_text(engine, slot, prompt, max_tokens=max_tokens, temperature=0,
-                               ttft_timeout_s=ttft_ns / 1e9)
+    _, result = stream_text(engine, slot, prompt, max_tokens=max_tokens, temperature=0,
+                            ttft_timeout_s=ttft_ns / 1e9)
     assert (result.outcome, result.reason) == ("done", "max_tokens")
     assert result.tokens_generated == max_tokens
     assert result.end_ns > started_ns + ttft_ns  # the deadline did pass during the run
@@ -443,8 +443,6 @@ def test_stop_sequence_ends_generation_and_is_not_streamed(engine, slot, france_
     assert result.text_kept_bytes == len(expected.encode())
 
 
-@pytest.mark.xfail(strict=True, reason="stop_sequence_matched() in ext/stopline_core.pyx takes the first stop in "
-                                       "list order whose match ends in the newest token, not the earliest match")
 def test_stop_sequences_cut_at_the_earliest_match_whatever_their_order(engine, slot, france_answer):
     # "is Paris" starts before "Paris", and both complete with the token " Paris".
     assert "is Paris" in france_answer
@@ -513,26 +511,16 @@ def test_slow_reader_pauses_the_loop(engine, slot):
 
 # --- Stream: every token reaches a slow consumer ------------------------------------
 
-SLOW_CONSUMER_REASON = ("Stream.read_available() samples generation.finished before take(), and __iter__/__aiter__ "
-                        "then re-read finished and return: tokens published after that take() and the text "
-                        "TextStream held back are dropped when the loop ends while the consumer is busy "
-                        "(server/engine.py; server/scheduler.py _run has the same pattern)")
-
-
-@pytest.mark.xfail(strict=True, reason=SLOW_CONSUMER_REASON)
 def test_slow_consumer_gets_every_token(engine, slot):
     # The loop runs ahead (up to its window) while the consumer handles a chunk, and
     # ends meanwhile; the stream must still deliver everything it generated.
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=40, temperature=0))
-    chunks = []
-    for text in stream:
-        chunks.append(text)
+    for _ in stream:
         time.sleep(0.05 * UNIT)
     assert stream.result.outcome == "done"
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
-@pytest.mark.xfail(strict=True, reason=SLOW_CONSUMER_REASON)
 async def test_slow_async_consumer_gets_every_token(engine, slot):
     import asyncio
 
@@ -667,9 +655,6 @@ def test_truncated_gguf(tmp_path):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="ChatTokenizer.from_gguf reads tokens with contents(), which raises "
-                                       "UnicodeDecodeError on raw-byte tokens; Engine.load catches only "
-                                       "TokenizerError and KeyError (server/engine.py, server/tokenizer.py)")
 def test_loading_the_converted_file_by_path(engine):
     # The converted cache file is a valid model: loading it by path must work or
     # fail with a ModelLoadError that says why, not a bare UnicodeDecodeError.
@@ -733,8 +718,6 @@ def test_closed_context(engine):
         context.token_bytes(1)
 
 
-@pytest.mark.xfail(strict=True, reason="Generation.__dealloc__ closes fd 0 when __cinit__ fails before "
-                                       "wake_fd is set to -1 (ext/stopline_core.pyx)")
 def test_failed_construction_leaves_other_fds_alone(engine):
     # In a child process: the bug closes whatever file descriptor 0 is.
     code = f"""
