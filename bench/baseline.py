@@ -233,6 +233,7 @@ class BaselineStream:
     def __init__(self, generation: BaselineGeneration, text: TextStream):
         self.generation = generation
         self._text = text
+        self.ended = False
 
     @property
     def result(self):
@@ -246,10 +247,13 @@ class BaselineStream:
         return self.generation.cancel(reason)
 
     def read_available(self) -> list[str]:
+        """Text ready now; once the loop has ended, the first call also returns the final text
+        and sets :attr:`ended`."""
         # Read "finished" before taking the pieces, so none published before the end is missed.
         finished = self.generation.finished
         out = [t for t in (self._text.feed(p) for p in self.generation.take()) if t]
-        if finished:
+        if finished and not self.ended:
+            self.ended = True
             tail = self._text.finish(self.generation.result.text_kept_bytes)
             if tail:
                 out.append(tail)

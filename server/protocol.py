@@ -316,9 +316,11 @@ def terminal_frame(request_id: str, ending: Ending) -> dict:
                      prompt_tokens=ending.prompt_tokens, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
     elif ending.outcome is Outcome.CANCELLED:
         frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
-                     tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms)
+                     tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms,
+                     tokens_wasted=ending.tokens_wasted)
     else:
-        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated, elapsed_ms=ending.duration_ms)
+        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated, elapsed_ms=ending.duration_ms,
+                     tokens_wasted=ending.tokens_wasted)
     return frame
 
 
