@@ -25,7 +25,7 @@ from websockets.http11 import Request as HTTPRequest, Response
 
 from .engine import Engine
 from .observability import Metrics, log, log_accepted, log_end
-from .protocol import Cancel, Connection, Ending, Limits, Request, Send, Submit, encode_frame, error_frame
+from .protocol import Cancel, Connection, Ending, Limits, Request, Send, Submit, encode_frame
 from .scheduler import Busy, Scheduler
 from .vocabulary import ErrorCode, Outcome, Reason
 
@@ -199,7 +199,8 @@ class ClientSession:
             log.exception("submit_failed", request_id=request.id)
             await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), message=str(exc)))
             return
-        # Sent before the generation's task first runs, so it precedes every token frame.
+        # A token needs the executor and another pass of the event loop to arrive,
+        # so this frame is written before any token frame.
         await self._send({"type": "accepted", "id": request.id, "queue_position": position})
         log_accepted(request, self.peer, position)
 

@@ -20,7 +20,7 @@ import random
 import select
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import stopline_core
@@ -48,7 +48,8 @@ class SamplingParams:
     repetition_penalty: float = 1.1
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    # Seconds from the start of the loop; None means no deadline.
+    # Seconds from the start time given to Engine.start (the server passes the
+    # request's arrival); None means no deadline.
     timeout_s: float | None = None
     ttft_timeout_s: float | None = None
 
