@@ -16,6 +16,7 @@ cdef extern from "ctransformers_api.h" nogil:
         void *handle
         ct_llm *(*llm_create)(const char *model_path, const char *model_type, ct_config config) noexcept nogil
         void (*llm_delete)(ct_llm *llm) noexcept nogil
+        int (*llm_tokenize)(ct_llm *llm, const char *text, bint add_bos_token, int *output) noexcept nogil
         const char *(*llm_detokenize)(ct_llm *llm, int token) noexcept nogil
         bint (*llm_is_eos_token)(ct_llm *llm, int token) noexcept nogil
         int (*llm_vocab_size)(ct_llm *llm) noexcept nogil

@@ -24,6 +24,7 @@ typedef struct {
     void *handle;
     ct_llm *(*llm_create)(const char *model_path, const char *model_type, ct_config config);
     void (*llm_delete)(ct_llm *llm);
+    int (*llm_tokenize)(ct_llm *llm, const char *text, bool add_bos_token, int *output);
     const char *(*llm_detokenize)(ct_llm *llm, int token);
     bool (*llm_is_eos_token)(ct_llm *llm, int token);
     int (*llm_vocab_size)(ct_llm *llm);
@@ -52,6 +53,7 @@ static int ct_api_open(ct_api *api, const char *path, char *err, size_t err_size
     }
     CT_RESOLVE(llm_create, "ctransformers_llm_create")
     CT_RESOLVE(llm_delete, "ctransformers_llm_delete")
+    CT_RESOLVE(llm_tokenize, "ctransformers_llm_tokenize")
     CT_RESOLVE(llm_detokenize, "ctransformers_llm_detokenize")
     CT_RESOLVE(llm_is_eos_token, "ctransformers_llm_is_eos_token")
     CT_RESOLVE(llm_vocab_size, "ctransformers_llm_vocab_size")

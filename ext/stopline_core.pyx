@@ -119,6 +119,19 @@ cdef class Context:
                 longest = size
         self.max_token_bytes = longest
 
+    def tokenize(self, str text):
+        """The model's own tokenizer, for models whose GGUF has no byte-level BPE vocab."""
+        self._check_open()
+        data = text.encode("utf-8")
+        cdef int *ids = <int *>malloc((len(data) + 1) * sizeof(int))
+        if ids is NULL:
+            raise MemoryError()
+        try:
+            n = API.llm_tokenize(self.llm, data, False, ids)
+            return [ids[i] for i in range(n)]
+        finally:
+            free(ids)
+
     def token_bytes(self, int token):
         self._check_open()
         return <bytes>API.llm_detokenize(self.llm, token)

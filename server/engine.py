@@ -27,7 +27,7 @@ import stopline_core
 from stopline_core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
 
 from . import model as embedded
-from .tokenizer import ChatTokenizer, TextStream, TokenizerError
+from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
 
 __all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError",
            "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK"]
@@ -96,7 +96,6 @@ class Engine:
                  context_length: int, threads: int, prefill_chunk: int):
         self.model_path = model_path
         self.model_type = model_type
-        self.tokenizer = tokenizer
         self.name = name
         self.threads = threads
         self.prefill_chunk = prefill_chunk
@@ -105,6 +104,11 @@ class Engine:
         self._probe = stopline_core.Context(str(model_path), model_type, context_length)
         self.context_length = self._probe.context_length
         self.vocab_size = self._probe.vocab_size
+        if tokenizer is None:
+            # A context of its own (with a tiny KV cache), so tokenizing never touches a busy slot.
+            self._tokenizer_context = stopline_core.Context(str(model_path), model_type, 8)
+            tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
+        self.tokenizer = tokenizer
 
     @classmethod
     def load(cls, model_path: str | os.PathLike | None = None, model_type: str | None = None, *,
@@ -136,8 +140,6 @@ class Engine:
                 if not converted.is_file():
                     embedded.convert_for_ctransformers(path, converted, progress=progress)
                 path = converted
-        if tokenizer is None:
-            raise ModelLoadError(f"{model_path}: no byte-level BPE tokenizer found; Stopline needs the GGUF's own vocab and merges")
         return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk)
 
     def open_slot(self) -> stopline_core.Context:

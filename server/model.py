@@ -150,23 +150,23 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
     fields = reader.fields
     if fields["general.architecture"].contents() != "llama":
         raise ModelFetchError("only llama-architecture GGUF files can be converted")
-    token_types = fields["tokenizer.ggml.token_type"].contents()
     tokens = fields["tokenizer.ggml.tokens"].contents()
-    decoder = _byte_decoder()
-    normal = int(gguf.TokenType.NORMAL)
-    raw_tokens = [byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8")
-                  for t, tt in zip(tokens, token_types)]
-    raw_merges = []
-    for merge in fields["tokenizer.ggml.merges"].contents():
-        left, right = merge.split(" ", 1)
-        raw_merges.append(byte_level_to_bytes(left, decoder) + b" " + byte_level_to_bytes(right, decoder))
+    replaced = {}
+    if fields["tokenizer.ggml.model"].contents() == "gpt2":
+        # Only byte-level BPE vocabs stand in printable characters for bytes.
+        token_types = fields["tokenizer.ggml.token_type"].contents()
+        decoder = _byte_decoder()
+        normal = int(gguf.TokenType.NORMAL)
+        replaced["tokenizer.ggml.tokens"] = [byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8")
+                                             for t, tt in zip(tokens, token_types)]
+        raw_merges = []
+        for merge in fields["tokenizer.ggml.merges"].contents():
+            left, right = merge.split(" ", 1)
+            raw_merges.append(byte_level_to_bytes(left, decoder) + b" " + byte_level_to_bytes(right, decoder))
+        replaced["tokenizer.ggml.merges"] = raw_merges
 
     with _atomic_path(target) as temp:
         writer = gguf.GGUFWriter(path=str(temp), arch="llama")
-        replaced = {
-            "tokenizer.ggml.tokens": raw_tokens,
-            "tokenizer.ggml.merges": raw_merges,
-        }
         for field in fields.values():
             if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
                 continue

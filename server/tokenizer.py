@@ -74,10 +74,27 @@ class ChatTokenizer:
 
     def render_chat(self, messages: list[dict]) -> str:
         """Render chat messages through the model's template, opening the assistant turn."""
-        template = self.chat_template or _CHATML
-        return _template_env().from_string(template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+        return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+
+
+class NativeTokenizer:
+    """ctransformers' own tokenizer, for models whose file has no byte-level BPE
+    vocab (SentencePiece GGUFs, GGML files). Chat messages go through ChatML."""
+
+    def __init__(self, tokenize):
+        self._tokenize = tokenize
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenize(text)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return render_chat(None, messages)
+
+
+def render_chat(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
+    """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn."""
+    return _template_env().from_string(template or _CHATML).render(
+        messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
 
 
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

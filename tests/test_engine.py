@@ -639,8 +639,8 @@ def test_non_gguf_file(tmp_path):
     path.write_bytes(random.Random(7).randbytes(1 << 20))
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         Engine.load(path, progress=False)
-    # With a model type it is taken for GGML, which carries no usable tokenizer.
-    with pytest.raises(ModelLoadError, match="no byte-level BPE tokenizer"):
+    # With a model type it is taken for a GGML file, which ctransformers refuses cleanly.
+    with pytest.raises(ModelLoadError, match="could not create"):
         Engine.load(path, model_type="llama", progress=False)
 
 
@@ -655,14 +655,21 @@ def test_truncated_gguf(tmp_path):
     assert str(path) in str(info.value)
 
 
-def test_loading_the_converted_file_by_path(engine):
-    # The converted cache file is a valid model: loading it by path must work or
-    # fail with a ModelLoadError that says why, not a bare UnicodeDecodeError.
+def test_a_model_without_a_readable_bpe_vocab_uses_ctransformers_tokenizer(engine):
+    # The converted cache file stores raw-byte tokens, which no byte-level BPE can be
+    # rebuilt from: the engine falls back to the model's own (ctransformers) tokenizer.
+    other = Engine.load(engine.model_path, threads=1, progress=False)
+    assert type(other.tokenizer).__name__ == "NativeTokenizer"
+    ids = other.encode(prompt="Once upon a time")
+    assert ids and all(0 <= i < other.vocab_size for i in ids)
+    assert "<|im_start|>" in other.tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    slot = other.open_slot()
     try:
-        other = Engine.load(engine.model_path, threads=1, progress=False)
-    except ModelLoadError:
-        return
-    other.open_slot().close()
+        stream = other.start(slot, ids, SamplingParams(max_tokens=8, temperature=0))
+        text = "".join(stream)
+        assert text.strip() and stream.result.outcome == "done" and stream.result.tokens_generated >= 1
+    finally:
+        slot.close()
 
 
 def test_native_context_refuses_a_non_model_file(engine, tmp_path):
