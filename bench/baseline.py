@@ -30,7 +30,6 @@ It has no backpressure window (the usual executor-plus-queue pattern has none).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import threading
@@ -39,7 +38,7 @@ from types import SimpleNamespace
 
 from ctransformers import AutoModelForCausalLM
 
-from server.engine import Engine, SamplingParams
+from server.engine import Engine, SamplingParams, Stream
 from server.tokenizer import TextStream
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
@@ -80,14 +79,15 @@ class BaselineEngine:
         return self._engine.encode(prompt=prompt, messages=messages)
 
     def start(self, slot: BaselineSlot, prompt_tokens: list[int], params: SamplingParams,
-              *, window: int = 64, started_ns: int | None = None) -> "BaselineStream":
+              *, window: int = 64, started_ns: int | None = None) -> Stream:
         now = started_ns if started_ns is not None else time.monotonic_ns()
         if not prompt_tokens:
             raise ValueError("the prompt has no tokens")
         if len(prompt_tokens) >= self.context_length:
             raise ValueError(f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.context_length}")
         generation = BaselineGeneration(slot, list(prompt_tokens), params, self.context_length, now)
-        return BaselineStream(generation, TextStream([s.encode() for s in params.stop if s]))
+        # The product's Stream works on any generation with its surface (run, take, cancel, ...).
+        return Stream(generation, TextStream([s.encode() for s in params.stop if s]))
 
 
 def _deadline(now_ns: int, seconds: float | None) -> int:
@@ -225,39 +225,3 @@ class BaselineGeneration:
             if found != -1:
                 return found
         return None
-
-
-class BaselineStream:
-    """The same surface as :class:`server.engine.Stream`."""
-
-    def __init__(self, generation: BaselineGeneration, text: TextStream):
-        self.generation = generation
-        self._text = text
-        self.ended = False
-
-    @property
-    def result(self):
-        return self.generation.result
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.generation.prompt_tokens
-
-    def cancel(self, reason: str = "user_cancelled") -> bool:
-        return self.generation.cancel(reason)
-
-    def read_available(self) -> list[str]:
-        """Text ready now; once the loop has ended, the first call also returns the final text
-        and sets :attr:`ended`."""
-        # Read "finished" before taking the pieces, so none published before the end is missed.
-        finished = self.generation.finished
-        out = [t for t in (self._text.feed(p) for p in self.generation.take()) if t]
-        if finished and not self.ended:
-            self.ended = True
-            tail = self._text.finish(self.generation.result.text_kept_bytes)
-            if tail:
-                out.append(tail)
-        return out
-
-    def run_in_executor(self, executor=None) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(executor, self.generation.run)
