@@ -135,7 +135,6 @@ class Scheduler:
             self._free.appendleft(slot)
             raise
         self._running[request] = stream
-        request.started_ns = time.monotonic_ns()
         sink.started(request)
         if request.cancel_reason is not None:
             stream.cancel(str(request.cancel_reason))
@@ -148,7 +147,6 @@ class Scheduler:
         fd = stream.generation.fileno()
         loop.add_reader(fd, wake.set)
         finished = stream.run_in_executor(self._executor)
-        ending = None
         try:
             while True:
                 await wake.wait()
@@ -161,7 +159,8 @@ class Scheduler:
             ending = ending_from_result(request, await finished)
         except Exception as exc:
             log.exception("generation_failed", request_id=request.id)
-            stream.cancel(str(Reason.SHUTDOWN))
+            # Never leave a loop running on a slot that is about to be reused.
+            stream.cancel(str(ErrorCode.INTERNAL_ERROR))
             await asyncio.wait([finished])
             ending = Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), prompt_tokens=len(request.prompt_tokens),
                             message=f"{type(exc).__name__}: {exc}")
