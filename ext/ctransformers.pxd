@@ -38,3 +38,4 @@ cdef extern from "loop_support.h" nogil:
     void sl_sleep_ns(long ns)
     int sl_eventfd()
     void sl_wake(int fd)
+    void sl_drain(int fd)

@@ -36,4 +36,11 @@ static inline void sl_wake(int fd) {
     (void)unused;
 }
 
+/* Reset the eventfd's counter; nothing to read is fine (it is non-blocking). */
+static inline void sl_drain(int fd) {
+    uint64_t counter;
+    ssize_t unused = read(fd, &counter, sizeof counter);
+    (void)unused;
+}
+
 #endif

@@ -177,7 +177,7 @@ cdef struct LoopState:
     int n_stops
     int wake_fd
     # Shared with Python through atomics.
-    int cancel_requested   # claimed once by request_cancel()
+    int cancel_requested   # claimed once, by the first Generation.cancel()
     int cancel_flag        # what the loop polls
     int published          # tokens whose id and bytes are readable
     int consumed           # tokens Python has read
@@ -196,7 +196,7 @@ cdef struct LoopState:
     int64_t end_ns
 
 
-cdef inline bint should_stop(LoopState *s, ct_api *api) noexcept nogil:
+cdef inline bint should_stop(LoopState *s) noexcept nogil:
     """The poll done before every chunk and token: cancel flag, then deadlines."""
     cdef int64_t now
     if sl_load_acquire(&s.cancel_flag):
@@ -247,7 +247,7 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
 
 
 cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
-    cdef int n_past = 0, chunk, token, n_last, first_last, step, size, old_size
+    cdef int n_past = 0, chunk, token, first_last, step, size, old_size
     cdef int top_k = s.top_k
     cdef float temperature = s.temperature
     cdef const char *piece
@@ -259,7 +259,7 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
     s.start_ns = sl_monotonic_ns()
     # Prefill in chunks so that a cancel or a deadline is seen between them.
     while n_past < s.n_prompt:
-        if should_stop(s, api):
+        if should_stop(s):
             return
         chunk = s.n_prompt - n_past
         if chunk > s.prefill_chunk:
@@ -271,12 +271,12 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         s.n_prompt_evaluated = n_past
 
     for step in range(s.max_tokens):
-        if should_stop(s, api):
+        if should_stop(s):
             return
         # Pause while the reader is a full window behind.
         while s.n_generated - sl_load_acquire(&s.consumed) >= s.window:
             sl_sleep_ns(PAUSE_POLL_NS)
-            if should_stop(s, api):
+            if should_stop(s):
                 return
 
         first_last = n_past - LAST_N_TOKENS
@@ -308,7 +308,7 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         if s.n_generated == s.max_tokens:
             break
         # Don't start a decode step for a request that is already cancelled.
-        if should_stop(s, api):
+        if should_stop(s):
             return
         if not api.llm_batch_eval(llm, s.tokens + n_past, 1, n_past, 1, s.threads):
             s.exit = EXIT_EVAL_FAILED
@@ -320,6 +320,7 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
 def measure_flag_poll(int iterations=1000000):
     """Mean cost in ns of one poll of the cancel flag and both deadlines, as the loop does it."""
     cdef LoopState s
+    # hits keeps the compiler from optimising the polls away.
     cdef int i, hits = 0
     cdef int64_t start, elapsed
     memset(&s, 0, sizeof(s))
@@ -328,7 +329,7 @@ def measure_flag_poll(int iterations=1000000):
     with nogil:
         start = sl_monotonic_ns()
         for i in range(iterations):
-            hits += should_stop(&s, &API)
+            hits += should_stop(&s)
         elapsed = sl_monotonic_ns() - start
     return elapsed / iterations
 
@@ -433,6 +434,8 @@ cdef class Generation:
         if self.owns_wake_fd:
             os.close(self.s.wake_fd)
             self.owns_wake_fd = False
+            # The number may be reused by another file from now on.
+            self.s.wake_fd = -1
 
     @property
     def finished(self):
@@ -502,10 +505,8 @@ cdef class Generation:
         cdef int i
         cdef uint32_t begin
         cdef list pieces = []
-        try:
-            os.read(self.s.wake_fd, 8)
-        except BlockingIOError:
-            pass
+        if self.owns_wake_fd:
+            sl_drain(self.s.wake_fd)
         for i in range(start, end):
             begin = self.s.text_end[i - 1] if i else 0
             pieces.append(PyBytes_FromStringAndSize(self.s.text + begin, self.s.text_end[i] - begin))

@@ -30,7 +30,7 @@ from .scheduler import Busy, Scheduler
 from .vocabulary import ErrorCode, Outcome, Reason
 
 WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 @dataclass
@@ -128,7 +128,7 @@ class StoplineServer:
         parts = urlsplit(origin)
         if parts.netloc == host:
             return True  # same origin
-        return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS | {"::1"}
+        return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS
 
     # WebSocket -------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ weights through mmap; each adds its own KV cache and scratch buffers (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import select
@@ -60,9 +61,9 @@ def _ctransformers_library_path() -> str:
     return find_library()
 
 
-def _validate_model_file(path: Path, model_type: str | None) -> bool:
+def _validate_model_file(path: Path, model_type: str | None) -> dict | None:
     """Check a model file before handing it to C, which does not survive every
-    malformed file. Returns whether it is a GGUF file."""
+    malformed file. Returns a GGUF file's metadata fields; None for a GGML file."""
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
     if not path.is_file():
@@ -72,7 +73,7 @@ def _validate_model_file(path: Path, model_type: str | None) -> bool:
     if magic != b"GGUF":
         if model_type is None:
             raise ModelLoadError(f"{path} is not a GGUF file; for a GGML file pass its --model-type")
-        return False
+        return None
     import gguf
     try:
         reader = gguf.GGUFReader(str(path))
@@ -81,7 +82,7 @@ def _validate_model_file(path: Path, model_type: str | None) -> bool:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
     if end > path.stat().st_size:
         raise ModelLoadError(f"{path} is truncated: tensor data ends at byte {end}, the file has {path.stat().st_size}")
-    return True
+    return reader.fields
 
 
 def _gguf_version(path: Path) -> int:
@@ -124,14 +125,14 @@ class Engine:
             tokenizer = ChatTokenizer.from_gguf(original)
             return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk)
         path = Path(model_path)
-        is_gguf = _validate_model_file(path, model_type)
+        fields = _validate_model_file(path, model_type)
         tokenizer = None
-        if is_gguf:
+        if fields is not None:
             try:
-                tokenizer = ChatTokenizer.from_gguf(path)
+                tokenizer = ChatTokenizer.from_fields(fields, str(path))
             except (TokenizerError, KeyError, ValueError):  # UnicodeDecodeError is a ValueError
                 tokenizer = None
-            limit = _gguf_context_limit(path)
+            limit = _gguf_context_limit(fields)
             if limit and context_length > limit:
                 raise ValueError(f"context_length {context_length} exceeds the model's limit of {limit}")
             if _gguf_version(path) >= 3:
@@ -171,9 +172,7 @@ class Engine:
         return Stream(generation, TextStream(list(stop)))
 
 
-def _gguf_context_limit(path: Path) -> int | None:
-    import gguf
-    fields = gguf.GGUFReader(str(path)).fields
+def _gguf_context_limit(fields: dict) -> int | None:
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     key = f"{arch}.context_length"
     return int(fields[key].contents()) if key in fields else None
@@ -226,31 +225,34 @@ class Stream:
 
     # asyncio -------------------------------------------------------------
 
-    def run_in_executor(self, executor=None) -> asyncio.Future:
-        """Start the loop on a worker thread; the future resolves to the result."""
-        return asyncio.get_running_loop().run_in_executor(executor, self.generation.run)
-
-    async def __aiter__(self):
+    async def batches(self, executor=None):
+        """Run the loop on ``executor`` and yield the text ready at each wake-up
+        (a non-empty list). Use it under ``contextlib.aclosing``: a consumer that
+        leaves early cancels the loop and waits for it to exit."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         fd = self.generation.fileno()
         loop.add_reader(fd, wake.set)
-        done = self.run_in_executor()
+        done = loop.run_in_executor(executor, self.generation.run)
         try:
-            while True:
+            while not self.ended:
                 await wake.wait()
                 wake.clear()
-                for text in self.read_available():
-                    yield text
-                if self.ended:
-                    await done
-                    return
+                texts = self.read_available()
+                if texts:
+                    yield texts
+            await done
         finally:
             loop.remove_reader(fd)
             if not done.done():
-                # The consumer went away: stop the loop rather than leave it running.
                 self.generation.cancel("client_disconnected")
                 await asyncio.shield(done)
+
+    async def __aiter__(self):
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for texts in batches:
+                for text in texts:
+                    yield text
 
     # synchronous ---------------------------------------------------------
 

@@ -79,7 +79,6 @@ class Request:
     cancel_reason: Reason | None = None
     cancel_requested_ns: int = 0
     next_index: int = 0
-    outcome: Outcome | None = None
 
     def advance(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -144,6 +143,11 @@ class ProtocolError(Exception):
 
 def error_frame(code: ErrorCode, message: str, request_id: str | None = None) -> dict:
     return {"type": "error", "id": request_id, "code": str(code), "message": message}
+
+
+def cancel_ack(request_id: str, status: str) -> dict:
+    """The answer to a cancel that found nothing to stop: ``status`` is the request's outcome, or unknown."""
+    return {"type": "cancel_ack", "id": request_id, "status": str(status)}
 
 
 def encode_frame(frame: dict) -> str:
@@ -229,10 +233,9 @@ class Connection:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the string id of a request")
         request = self.live.get(request_id)
         if request is None:
-            status = self._ended.get(request_id)
-            return [Send({"type": "cancel_ack", "id": request_id, "status": str(status) if status else "unknown"})]
+            return [Send(cancel_ack(request_id, self._ended.get(request_id, "unknown")))]
         if request.cancel_reason is not None:
-            return [Send({"type": "cancel_ack", "id": request_id, "status": str(Outcome.CANCELLED)})]
+            return [Send(cancel_ack(request_id, Outcome.CANCELLED))]
         return self.request_cancel(request, Reason.USER_CANCELLED, now_ns)
 
     # Events from the engine side ------------------------------------------
@@ -269,14 +272,13 @@ class Connection:
         if request.ended:
             return []
         request.advance(Phase.ENDED)
-        request.outcome = ending.outcome
         del self.live[request.id]
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
         frames = [terminal_frame(request.id, ending)]
         if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
-            frames.append({"type": "cancel_ack", "id": request.id, "status": str(ending.outcome)})
+            frames.append(cancel_ack(request.id, ending.outcome))
         return frames
 
     def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:

@@ -10,6 +10,7 @@ in the queue without ever touching a slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -142,30 +143,17 @@ class Scheduler:
         self._spawn(self._run(request, sink, slot, stream))
 
     async def _run(self, request: Request, sink: Sink, slot, stream: Stream) -> None:
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        fd = stream.generation.fileno()
-        loop.add_reader(fd, wake.set)
-        finished = stream.run_in_executor(self._executor)
         try:
-            while True:
-                await wake.wait()
-                wake.clear()
-                texts = stream.read_available()
-                if texts:
+            async with contextlib.aclosing(stream.batches(self._executor)) as batches:
+                async for texts in batches:
                     await sink.deliver(request, texts)
-                if stream.ended:
-                    break
-            ending = ending_from_result(request, await finished)
+            ending = ending_from_result(request, stream.result)
         except Exception as exc:
+            # Leaving the batches has already stopped the loop and waited for it.
             log.exception("generation_failed", request_id=request.id)
-            # Never leave a loop running on a slot that is about to be reused.
-            stream.cancel(str(ErrorCode.INTERNAL_ERROR))
-            await asyncio.wait([finished])
             ending = Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), prompt_tokens=len(request.prompt_tokens),
                             message=f"{type(exc).__name__}: {exc}")
         finally:
-            loop.remove_reader(fd)
             del self._running[request]
             stream.generation.close()
             # The slot is free the moment the loop has exited: start the next request first.

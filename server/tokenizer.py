@@ -31,10 +31,14 @@ class ChatTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ChatTokenizer":
-        fields = gguf.GGUFReader(str(path)).fields
+        return cls.from_fields(gguf.GGUFReader(str(path)).fields, str(path))
+
+    @classmethod
+    def from_fields(cls, fields: dict, source: str) -> "ChatTokenizer":
+        """Build from the metadata of a GGUF already read (``GGUFReader.fields``)."""
         kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
         if kind != "gpt2":
-            raise TokenizerError(f"{path}: tokenizer model {kind!r} is not byte-level BPE ('gpt2')")
+            raise TokenizerError(f"{source}: tokenizer model {kind!r} is not byte-level BPE ('gpt2')")
         tokens = fields["tokenizer.ggml.tokens"].contents()
         token_types = fields["tokenizer.ggml.token_type"].contents()
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
