@@ -3,10 +3,14 @@
 
 A :class:`Context` is one ctransformers model instance: its own KV cache and
 scratch buffers, with the weights memory-mapped and so shared between contexts
-of the same file. A :class:`Generation` runs once on a context. Its loop runs
-with the GIL released and checks the cancel flag (an atomic, acquire load)
-before every prompt chunk and every token, and the two deadlines against the
-monotonic clock at the same points.
+of the same file. A context remembers which tokens its KV cache holds, so a
+generation whose prompt starts with them evaluates only the rest.
+
+A :class:`Generation` runs once on a context. Its loop runs with the GIL
+released and checks the stop conditions (the cancel flag, an atomic acquire
+load, and two deadlines against the monotonic clock) before every prompt chunk
+and every token; with the step hook installed (step_abort.h), ggml checks the
+same conditions between the graph nodes of every evaluation as well.
 
 Tokens are handed to Python through an append-only log: the loop writes each
 token's id and bytes, publishes the count with a release store and wakes an
@@ -20,7 +24,12 @@ from libc.stdint cimport int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset, strlen
 
-from ctransformers cimport *
+from ctransformers_abi cimport CT_MAX_BATCH, ct_api, ct_api_open, ct_config, ct_llm
+from loop_support cimport (
+    SL_RUN, SL_STOP_CANCELLED, SL_STOP_TOTAL_TIMEOUT, sl_check, sl_claim, sl_drain, sl_eventfd,
+    sl_load_acquire, sl_monotonic_ns, sl_sleep_ns, sl_step_abort_install, sl_stop, sl_store_release,
+    sl_wake, sl_watch, sl_watch_enter, sl_watch_leave,
+)
 
 import os
 
@@ -53,8 +62,19 @@ cdef enum:
     # While paused for a slow reader, re-check the flag and deadlines this often.
     PAUSE_POLL_NS = 200000
 
+cdef enum GenerationState:
+    GENERATION_NEW
+    GENERATION_RUNNING
+    GENERATION_FINISHED
+
 cdef ct_api API
 cdef bint API_READY = False
+# Whether ggml's evaluations can be stopped between graph nodes (step_abort.h).
+cdef bint STEP_ABORT = False
+
+
+# The largest prefill chunk the library can evaluate at once.
+MAX_PREFILL_CHUNK = CT_MAX_BATCH
 
 
 class EngineError(RuntimeError):
@@ -75,14 +95,21 @@ cdef raise_engine_error(type kind, str message):
 
 
 def load_library(str path):
-    """Resolve the ctransformers C API from ``path`` (once per process)."""
-    global API_READY
+    """Resolve the ctransformers C API from ``path`` and install the step hook (once per process)."""
+    global API_READY, STEP_ABORT
     cdef char err[512]
     if API_READY:
         return
     if ct_api_open(&API, os.fsencode(path), err, sizeof(err)) != 0:
         raise_engine_error(EngineError, err.decode("utf-8", "replace"))
     API_READY = True
+    STEP_ABORT = sl_step_abort_install(API.handle) == 1
+
+
+def step_abort_installed():
+    """Whether the hook that stops an evaluation between graph nodes is in place.
+    :meth:`Context.probe_step_abort` proves that it works."""
+    return STEP_ABORT
 
 
 cdef class Context:
@@ -92,6 +119,9 @@ cdef class Context:
     cdef readonly int max_token_bytes
     cdef readonly str architecture
     cdef int busy
+    # The tokens whose keys and values the KV cache holds, from position 0.
+    cdef int *held
+    cdef readonly int n_held
 
     def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
         cdef ct_config config
@@ -99,6 +129,7 @@ cdef class Context:
             raise_engine_error(EngineError, "load_library() has not been called")
         config.context_length = context_length
         config.gpu_layers = 0
+        self.held = NULL
         config.mmap = True
         config.mlock = False
         path_bytes = os.fsencode(model_path)
@@ -118,6 +149,85 @@ cdef class Context:
             if size > longest:
                 longest = size
         self.max_token_bytes = longest
+        self.held = <int *>malloc(self.context_length * sizeof(int))
+        if self.held is NULL:
+            raise MemoryError()
+
+    def reusable_prefix(self, tokens, int chunk):
+        """How many leading ``tokens`` a generation with prefill chunks of
+        ``chunk`` would take from this context's KV cache instead of evaluating."""
+        cdef int i, n = len(tokens)
+        cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
+        if ids is NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                ids[i] = tokens[i]
+            return self.usable_prefix(ids, n, chunk)
+        finally:
+            free(ids)
+
+    cdef int usable_prefix(self, const int *tokens, int n, int chunk) noexcept:
+        # Short of the last token, whose logits are needed, and down to a chunk
+        # boundary, so that the rest is evaluated in the chunks a fresh context
+        # would use (see run_steps).
+        cdef int i, held = min(n - 1, self.n_held)
+        for i in range(max(held, 0)):
+            if tokens[i] != self.held[i]:
+                held = i
+                break
+        if held <= 0:
+            return 0
+        return held - held % chunk
+
+    def forget(self):
+        """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
+        self.n_held = 0
+
+    def probe_step_abort(self, tokens):
+        """Prove the step hook on a real evaluation of ``tokens`` (two or more).
+
+        Returns ``(aborts, trim_exact)``: whether an evaluation with the stop
+        flag set returned part-way, and whether the last token's logits
+        computed alone are bit-identical to those of a full evaluation."""
+        cdef sl_watch watch
+        cdef int n = len(tokens), i, size
+        cdef bint ok, aborts
+        cdef int *ids
+        self._check_open()
+        if self.busy:
+            raise_engine_error(EngineError, "the context is busy")
+        if not STEP_ABORT or n < 2:
+            return False, False
+        ids = <int *>malloc(n * sizeof(int))
+        if ids is NULL:
+            raise MemoryError()
+        for i in range(n):
+            ids[i] = tokens[i]
+        self.n_held = 0
+        memset(&watch, 0, sizeof(watch))
+        try:
+            with nogil:
+                sl_watch_enter(&watch)
+                watch.cancel_flag = 1
+                API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
+                aborts = watch.aborted == 1
+                watch.cancel_flag = 0
+                ok = API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
+                sl_watch_leave()
+            if not ok or watch.aborted:
+                return aborts, False
+            size = API.llm_logits_size(self.llm)
+            full = PyBytes_FromStringAndSize(<char *>API.llm_logits_data(self.llm), size * sizeof(float))
+            with nogil:
+                sl_watch_enter(&watch)
+                watch.trim_output = 1
+                ok = API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
+                sl_watch_leave()
+            trimmed = PyBytes_FromStringAndSize(<char *>API.llm_logits_data(self.llm), size * sizeof(float))
+            return aborts, ok and not watch.aborted and trimmed == full
+        finally:
+            free(ids)
 
     def tokenize(self, str text):
         """The model's own tokenizer, for models whose GGUF has no byte-level BPE vocab."""
@@ -146,11 +256,13 @@ cdef class Context:
         if self.llm is not NULL:
             API.llm_delete(self.llm)
             self.llm = NULL
+        self.n_held = 0
 
     def __dealloc__(self):
         if self.llm is not NULL:
             API.llm_delete(self.llm)
             self.llm = NULL
+        free(self.held)
 
     cdef _check_open(self):
         if self.llm is NULL:
@@ -161,6 +273,7 @@ cdef struct LoopState:
     # Written by Python before the loop starts, read-only inside it.
     int *tokens            # prompt, then generated tokens
     int n_prompt
+    int n_reused           # leading prompt tokens the KV cache already holds
     int max_tokens
     int top_k
     float top_p
@@ -170,21 +283,23 @@ cdef struct LoopState:
     int prefill_chunk
     int threads
     int window
-    int64_t deadline_ns            # 0: none
-    int64_t first_token_deadline_ns
+    bint step_abort        # let the hook stop evaluations between graph nodes
+    bint trim_output       # compute only the last token's logits of a chunk
     char *stops                    # stop sequences, back to back
     int *stop_sizes
     int n_stops
     int wake_fd
+    # The stop conditions: the cancel flag and the deadlines.
+    sl_watch watch
     # Shared with Python through atomics.
     int cancel_requested   # claimed once, by the first Generation.cancel()
-    int cancel_flag        # what the loop polls
     int published          # tokens whose id and bytes are readable
     int consumed           # tokens Python has read
     int published_at_cancel
     # Outputs, written by the loop.
     char *text
     uint32_t *text_end     # text_end[i]: bytes of text after token i
+    int n_past             # tokens fully evaluated into the KV cache
     int n_generated
     int n_prompt_evaluated
     int stop_at            # byte offset where the matched stop sequence starts
@@ -194,26 +309,50 @@ cdef struct LoopState:
     int64_t first_token_ns
     int64_t cancel_observed_ns
     int64_t end_ns
+    int64_t longest_prefill_node_ns
+    int64_t longest_decode_node_ns
 
 
 cdef inline bint should_stop(LoopState *s) noexcept nogil:
-    """The poll done before every chunk and token: cancel flag, then deadlines."""
-    cdef int64_t now
-    if sl_load_acquire(&s.cancel_flag):
+    """The poll done before every chunk and token; records why the loop ends."""
+    cdef sl_stop why = sl_check(&s.watch)
+    if why == SL_RUN:
+        return False
+    if why == SL_STOP_CANCELLED:
         s.cancel_observed_ns = sl_monotonic_ns()
         s.exit = EXIT_CANCELLED
         s.tokens_after_cancel = s.n_generated - s.published_at_cancel
-        return True
-    if s.deadline_ns == 0 and s.first_token_deadline_ns == 0:
-        return False
-    now = sl_monotonic_ns()
-    if s.deadline_ns and now >= s.deadline_ns:
+    elif why == SL_STOP_TOTAL_TIMEOUT:
         s.exit = EXIT_TOTAL_TIMEOUT
-        return True
-    if s.first_token_deadline_ns and s.n_generated == 0 and now >= s.first_token_deadline_ns:
+    else:
         s.exit = EXIT_FIRST_TOKEN_TIMEOUT
-        return True
-    return False
+    return True
+
+
+cdef bint evaluate(LoopState *s, ct_llm *llm, ct_api *api, int count) noexcept nogil:
+    """Evaluate the next ``count`` tokens into the KV cache. False when the loop
+    must end instead (s.exit says why)."""
+    cdef bint ok
+    s.watch.aborted = 0
+    s.watch.longest_gap_ns = 0
+    s.watch.trim_output = s.trim_output
+    ok = api.llm_batch_eval(llm, s.tokens + s.n_past, count, s.n_past, count, s.threads)
+    if s.n_generated == 0 and s.watch.longest_gap_ns > s.longest_prefill_node_ns:
+        s.longest_prefill_node_ns = s.watch.longest_gap_ns
+    elif s.n_generated and s.watch.longest_gap_ns > s.longest_decode_node_ns:
+        s.longest_decode_node_ns = s.watch.longest_gap_ns
+    if s.watch.aborted:
+        # Stopped between graph nodes: the stop condition that did it still
+        # holds (the flag is sticky, deadlines only pass), and these positions
+        # of the KV cache hold nothing usable.
+        if not should_stop(s):
+            s.exit = EXIT_EVAL_FAILED
+        return False
+    if not ok:
+        s.exit = EXIT_EVAL_FAILED
+        return False
+    s.n_past += count
+    return True
 
 
 cdef inline bint stop_sequence_matched(LoopState *s, int old_size, int new_size) noexcept nogil:
@@ -247,7 +386,16 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
 
 
 cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
-    cdef int n_past = 0, chunk, token, first_last, step, size, old_size
+    s.start_ns = sl_monotonic_ns()
+    s.n_past = s.n_reused
+    if s.step_abort:
+        sl_watch_enter(&s.watch)
+    run_steps(s, llm, api)
+    sl_watch_leave()
+
+
+cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
+    cdef int chunk, token, first_last, step, size, old_size
     cdef int top_k = s.top_k
     cdef float temperature = s.temperature
     cdef const char *piece
@@ -256,19 +404,20 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         top_k = 1
         temperature = 1.0
 
-    s.start_ns = sl_monotonic_ns()
-    # Prefill in chunks so that a cancel or a deadline is seen between them.
-    while n_past < s.n_prompt:
+    # Prefill in chunks so that a cancel or a deadline is seen between them
+    # even when the hook cannot stop an evaluation part-way. Chunks end at
+    # multiples of prefill_chunk: this library's batched evaluation is not
+    # bit-identical across batch boundaries, and aligned chunks make a prompt
+    # resumed from a reused prefix compute exactly what a fresh one does.
+    while s.n_past < s.n_prompt:
         if should_stop(s):
             return
-        chunk = s.n_prompt - n_past
-        if chunk > s.prefill_chunk:
-            chunk = s.prefill_chunk
-        if not api.llm_batch_eval(llm, s.tokens + n_past, chunk, n_past, chunk, s.threads):
-            s.exit = EXIT_EVAL_FAILED
+        chunk = s.prefill_chunk - s.n_past % s.prefill_chunk
+        if chunk > s.n_prompt - s.n_past:
+            chunk = s.n_prompt - s.n_past
+        if not evaluate(s, llm, api, chunk):
             return
-        n_past += chunk
-        s.n_prompt_evaluated = n_past
+        s.n_prompt_evaluated = s.n_past - s.n_reused
 
     for step in range(s.max_tokens):
         if should_stop(s):
@@ -279,10 +428,10 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
             if should_stop(s):
                 return
 
-        first_last = n_past - LAST_N_TOKENS
+        first_last = s.n_past - LAST_N_TOKENS
         if first_last < 0:
             first_last = 0
-        token = api.llm_sample(llm, s.tokens + first_last, n_past - first_last, top_k, s.top_p,
+        token = api.llm_sample(llm, s.tokens + first_last, s.n_past - first_last, top_k, s.top_p,
                                temperature, s.repetition_penalty,
                                <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
         if api.llm_is_eos_token(llm, token):
@@ -295,10 +444,12 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         old_size = s.text_end[s.n_generated - 1] if s.n_generated else 0
         memcpy(s.text + old_size, piece, size)
         s.text_end[s.n_generated] = old_size + size
-        s.tokens[n_past] = token
+        s.tokens[s.n_past] = token
         s.n_generated += 1
         if s.n_generated == 1:
             s.first_token_ns = sl_monotonic_ns()
+            # The first-token deadline has been met.
+            s.watch.first_token_deadline_ns = 0
         sl_store_release(&s.published, s.n_generated)
         sl_wake(s.wake_fd)
 
@@ -310,10 +461,8 @@ cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         # Don't start a decode step for a request that is already cancelled.
         if should_stop(s):
             return
-        if not api.llm_batch_eval(llm, s.tokens + n_past, 1, n_past, 1, s.threads):
-            s.exit = EXIT_EVAL_FAILED
+        if not evaluate(s, llm, api, 1):
             return
-        n_past += 1
     s.exit = EXIT_MAX_TOKENS
 
 
@@ -324,8 +473,8 @@ def measure_flag_poll(int iterations=1000000):
     cdef int i, hits = 0
     cdef int64_t start, elapsed
     memset(&s, 0, sizeof(s))
-    s.deadline_ns = sl_monotonic_ns() + 3600 * 1000000000
-    s.first_token_deadline_ns = s.deadline_ns
+    s.watch.deadline_ns = sl_monotonic_ns() + 3600 * 1000000000
+    s.watch.first_token_deadline_ns = s.watch.deadline_ns
     with nogil:
         start = sl_monotonic_ns()
         for i in range(iterations):
@@ -337,9 +486,9 @@ def measure_flag_poll(int iterations=1000000):
 class GenerationResult:
     """What a finished generation reports. Timestamps are CLOCK_MONOTONIC ns (0: never)."""
 
-    __slots__ = ("outcome", "reason", "prompt_tokens", "prompt_tokens_evaluated", "tokens_generated",
-                 "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns", "end_ns",
-                 "text_kept_bytes")
+    __slots__ = ("outcome", "reason", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated",
+                 "tokens_generated", "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns",
+                 "end_ns", "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns")
 
     def __init__(self, **fields):
         for name in self.__slots__:
@@ -355,17 +504,18 @@ cdef class Generation:
 
     cdef LoopState s
     cdef Context context
-    cdef int state   # 0 new, 1 running, 2 finished
+    cdef GenerationState state
     # Set only once eventfd() succeeded: __dealloc__ runs even when __cinit__ fails.
     cdef bint owns_wake_fd
     cdef object cancel_reason
     cdef object _result
     cdef readonly object stop_sequences
 
-    def __cinit__(self, Context context, prompt_tokens, *, int max_tokens=256, double temperature=0.8,
+    def __cinit__(self, Context context, prompt_tokens, *, int max_tokens=256, double temperature=0.7,
                   int top_k=40, double top_p=0.95, double repetition_penalty=1.1, int seed=0,
-                  stop=(), int prefill_chunk=8, int threads=1, int window=64,
-                  int64_t deadline_ns=0, int64_t first_token_deadline_ns=0):
+                  stop=(), int prefill_chunk=1, int threads=1, int window=64,
+                  int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
+                  bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
         context._check_open()
         if n_prompt == 0:
@@ -376,6 +526,8 @@ cdef class Generation:
                 "and needs room for at least one generated token")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
+        if prefill_chunk > CT_MAX_BATCH:
+            raise ValueError(f"prefill_chunk is at most {CT_MAX_BATCH}, the library's batch limit")
         # The context must hold the prompt and every generated token.
         max_tokens = min(max_tokens, context.context_length - n_prompt)
         self.context = context
@@ -390,8 +542,11 @@ cdef class Generation:
         self.s.prefill_chunk = prefill_chunk
         self.s.threads = threads
         self.s.window = window
-        self.s.deadline_ns = deadline_ns
-        self.s.first_token_deadline_ns = first_token_deadline_ns
+        self.s.watch.deadline_ns = deadline_ns
+        self.s.watch.first_token_deadline_ns = first_token_deadline_ns
+        self.s.step_abort = step_abort and STEP_ABORT
+        # Trimming needs the hook, which only runs when step_abort is on.
+        self.s.trim_output = trim_output and self.s.step_abort
         self.s.tokens = <int *>malloc((n_prompt + max_tokens) * sizeof(int))
         self.s.text = <char *>malloc(<size_t>max_tokens * context.max_token_bytes + 1)
         self.s.text_end = <uint32_t *>calloc(max_tokens, sizeof(uint32_t))
@@ -429,7 +584,7 @@ cdef class Generation:
 
     def close(self):
         """Release the eventfd early (the memory goes with the object)."""
-        if self.state == 1:
+        if self.state == GENERATION_RUNNING:
             raise_engine_error(EngineError, "cannot close a running generation")
         if self.owns_wake_fd:
             os.close(self.s.wake_fd)
@@ -439,7 +594,7 @@ cdef class Generation:
 
     @property
     def finished(self):
-        return self.state == 2
+        return self.state == GENERATION_FINISHED
 
     @property
     def prompt_tokens(self):
@@ -453,31 +608,35 @@ cdef class Generation:
         """Ask the loop to stop. Thread-safe and idempotent: only the first call counts,
         and a call after the loop ended changes nothing. Returns True if this call
         was the one that requested the stop of a running or not-yet-started loop."""
-        if self.state == 2:
+        if self.state == GENERATION_FINISHED:
             return False
         if not sl_claim(&self.s.cancel_requested, 1):
             return False
         self.cancel_reason = reason
         self.s.published_at_cancel = sl_load_acquire(&self.s.published)
-        sl_store_release(&self.s.cancel_flag, 1)
+        sl_store_release(&self.s.watch.cancel_flag, 1)
         return True
 
     def run(self):
         """Run the loop to its end and return the :class:`GenerationResult`."""
         cdef Context context = self.context
-        if self.state != 0:
+        cdef int i
+        if self.state != GENERATION_NEW:
             raise_engine_error(EngineError, "a generation runs only once")
         if context.busy:
             raise_engine_error(EngineError, "another generation is running on this context")
         context._check_open()
-        self.state = 1
+        self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
+        self.state = GENERATION_RUNNING
         context.busy = 1
+        # Positions from n_reused on are about to be overwritten.
+        context.n_held = self.s.n_reused
         with nogil:
             run_loop(&self.s, context.llm, &API)
             self.s.end_ns = sl_monotonic_ns()
+            memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
+        context.n_held = self.s.n_past
         context.busy = 0
-        self.state = 2
-        sl_wake(self.s.wake_fd)
         outcome, reason = _EXIT_NAMES[self.s.exit]
         if self.s.exit == EXIT_CANCELLED:
             reason = self.cancel_reason
@@ -485,11 +644,16 @@ cdef class Generation:
         if self.s.exit == EXIT_STOP_SEQUENCE:
             kept = self.s.stop_at
         self._result = GenerationResult(
-            outcome=outcome, reason=reason, prompt_tokens=self.s.n_prompt,
+            outcome=outcome, reason=reason, prompt_tokens=self.s.n_prompt, prompt_tokens_reused=self.s.n_reused,
             prompt_tokens_evaluated=self.s.n_prompt_evaluated, tokens_generated=self.s.n_generated,
             tokens_after_cancel=self.s.tokens_after_cancel if self.s.exit == EXIT_CANCELLED else 0,
             start_ns=self.s.start_ns, first_token_ns=self.s.first_token_ns,
-            cancel_observed_ns=self.s.cancel_observed_ns, end_ns=self.s.end_ns, text_kept_bytes=kept)
+            cancel_observed_ns=self.s.cancel_observed_ns, end_ns=self.s.end_ns, text_kept_bytes=kept,
+            longest_prefill_node_ns=self.s.longest_prefill_node_ns,
+            longest_decode_node_ns=self.s.longest_decode_node_ns)
+        # The result is in place before anyone can see the generation finished.
+        self.state = GENERATION_FINISHED
+        sl_wake(self.s.wake_fd)
         return self._result
 
     @property

@@ -9,7 +9,8 @@ import signal
 import sys
 
 from .app import ServerConfig, StoplineServer
-from .engine import DEFAULT_CONTEXT_LENGTH, DEFAULT_PREFILL_CHUNK, Engine, EngineError
+from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
+from .vocabulary import AbortMode
 from .observability import configure_logging, log
 
 
@@ -28,8 +29,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=int(_env("THREADS", 0)) or None,
                    help="compute threads per slot (default: cores / workers)")
     p.add_argument("--context-length", type=int, default=int(_env("CONTEXT_LENGTH", DEFAULT_CONTEXT_LENGTH)))
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)),
-                   help="prompt tokens per uninterruptible step")
+    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 0)) or None,
+                   help="prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)")
+    p.add_argument("--abort-mode", default=_env("ABORT_MODE", str(AbortMode.IN_STEP)),
+                   choices=[str(m) for m in AbortMode],
+                   help="in_step: stop inside an evaluation, between graph nodes (falls back to between_steps "
+                        "if this build cannot); between_steps: stop only between evaluations")
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 16)))
     p.add_argument("--allowed-origins", default=_env("ALLOWED_ORIGINS", ""),
                    help="comma-separated extra Origin values allowed on /ws (same-origin and localhost always are)")
@@ -45,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     engine = await asyncio.to_thread(Engine.load, args.model, args.model_type, context_length=args.context_length,
-                                     threads=threads, prefill_chunk=args.prefill_chunk)
+                                     threads=threads, prefill_chunk=args.prefill_chunk, abort_mode=args.abort_mode)
     config = ServerConfig(
         host=args.host, port=args.port, workers=args.workers, max_queue=args.max_queue,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

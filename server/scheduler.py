@@ -5,6 +5,11 @@ the queue until a slot is free, runs there until its loop exits for any
 reason, and the slot immediately takes the next queued request. A request's
 deadlines count from its arrival, so one that expires while queued times out
 in the queue without ever touching a slot.
+
+A slot's KV cache keeps the tokens of its last generation. A new request goes
+to the free slot that already holds the longest start of its prompt (a
+conversation's next turn finds its own history there) and otherwise to the
+free slot used least recently, whose history is the least likely to be wanted.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def ending_from_result(request: Request, result: GenerationResult) -> Ending:
     cancelled = outcome is Outcome.CANCELLED
     return Ending(
         outcome, str(result.reason),
-        prompt_tokens=result.prompt_tokens, prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+        prompt_tokens=result.prompt_tokens, prompt_tokens_reused=result.prompt_tokens_reused,
+        prompt_tokens_evaluated=result.prompt_tokens_evaluated,
         tokens_generated=result.tokens_generated, tokens_after_cancel=result.tokens_after_cancel,
         queue_ms=_ms(request.received_ns, request.started_ns),
         ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
@@ -65,6 +71,7 @@ class Scheduler:
         self.window = window
         self.max_queue = max_queue
         self.metrics = metrics
+        # Free slots, least recently used first.
         self._free = deque(engine.open_slot() for _ in range(workers))
         self._slots = list(self._free)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stopline-slot")
@@ -91,7 +98,7 @@ class Scheduler:
         if self._closed:
             raise Busy("the server is shutting down")
         if self._free:
-            self._start(request, sink, self._free.popleft())
+            self._start(request, sink, self._take_free_slot(request.prompt_tokens))
             return 0
         if len(self._queue) >= self.max_queue:
             raise Busy(f"all {self.workers} slots are busy and the queue is full ({self.max_queue})")
@@ -127,6 +134,13 @@ class Scheduler:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _take_free_slot(self, prompt_tokens: list[int]):
+        # max() keeps the first of equals: the least recently used.
+        chunk = self.engine.prefill_chunk
+        best = max(self._free, key=lambda slot: slot.reusable_prefix(prompt_tokens, chunk))
+        self._free.remove(best)
+        return best
 
     def _start(self, request: Request, sink: Sink, slot) -> None:
         try:

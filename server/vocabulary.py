@@ -38,6 +38,14 @@ REASONS_BY_OUTCOME = {
 }
 
 
+class AbortMode(StrEnum):
+    """How a running evaluation is stopped: ``/healthz``, the ``mode`` label, ``--abort-mode``."""
+    # Between ggml graph nodes, inside an evaluation (the step hook is live).
+    IN_STEP = "in_step"
+    # Only between evaluations: before each prompt chunk and each token.
+    BETWEEN_STEPS = "between_steps"
+
+
 class ErrorCode(StrEnum):
     """The ``code`` of an ``error`` frame; also its ``reason`` label in metrics."""
     INVALID_JSON = "invalid_json"

@@ -1,9 +1,8 @@
-# Every C declaration Stopline uses from ctransformers and the loop's support
-# header. Nothing else in the project talks to C.
+# ctransformers' C API, as declared in ctransformers_abi.h (0.2.27).
 
-from libc.stdint cimport int64_t
+cdef extern from "ctransformers_abi.h" nogil:
+    enum: CT_MAX_BATCH
 
-cdef extern from "ctransformers_api.h" nogil:
     ctypedef struct ct_config:
         int context_length
         int gpu_layers
@@ -27,15 +26,7 @@ cdef extern from "ctransformers_api.h" nogil:
         int (*llm_sample)(ct_llm *llm, const int *last_tokens, int n_last, int top_k,
                        float top_p, float temperature, float repetition_penalty, int seed) noexcept nogil
         void (*llm_reset)(ct_llm *llm) noexcept nogil
+        float *(*llm_logits_data)(ct_llm *llm) noexcept nogil
+        int (*llm_logits_size)(ct_llm *llm) noexcept nogil
 
     int ct_api_open(ct_api *api, const char *path, char *err, size_t err_size)
-
-cdef extern from "loop_support.h" nogil:
-    int sl_load_acquire(const int *p)
-    void sl_store_release(int *p, int v)
-    int sl_claim(int *p, int v)
-    int64_t sl_monotonic_ns()
-    void sl_sleep_ns(long ns)
-    int sl_eventfd()
-    void sl_wake(int fd)
-    void sl_drain(int fd)

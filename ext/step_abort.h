@@ -1,0 +1,202 @@
+/* Stopping inside a ggml evaluation, between graph nodes.
+ *
+ * ggml checks `ggml_cplan.abort_callback` between graph nodes, but
+ * ctransformers never sets it. libctransformers.so reaches
+ * ggml_graph_compute through its own PLT, so Stopline rewrites that one GOT
+ * entry (in that library only) to point at sl_graph_compute(), which installs
+ * the callback and forwards to the library's own function. The callback
+ * watches the stop conditions of the generation running on the calling
+ * thread; on any other thread (or before a generation enters its watch) the
+ * call passes through untouched.
+ *
+ * The same hook computes the output projection for the last token only:
+ * llama.cpp (in this version) projects every token of a prompt chunk onto the
+ * vocabulary and then keeps the last row of logits. */
+#ifndef STOPLINE_STEP_ABORT_H
+#define STOPLINE_STEP_ABORT_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  /* dlinfo() */
+#endif
+#include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "ctransformers_abi.h"
+#include "loop_support.h"
+
+/* Why a generation must stop now. */
+typedef enum {
+    SL_RUN = 0,
+    SL_STOP_CANCELLED,
+    SL_STOP_TOTAL_TIMEOUT,
+    SL_STOP_FIRST_TOKEN_TIMEOUT,
+} sl_stop;
+
+/* The stop conditions of one generation, polled before every chunk and token
+ * by the loop and between graph nodes by the hook. */
+typedef struct {
+    int cancel_flag;                  /* set once, with release semantics */
+    int64_t deadline_ns;              /* 0: none */
+    int64_t first_token_deadline_ns;  /* 0: none, or a token has been published */
+    /* Per evaluation, for the hook: */
+    int trim_output;                  /* compute only the last token's logits */
+    int aborted;                      /* the evaluation was stopped part-way */
+    struct ggml_cgraph *graph;        /* the graph being computed */
+    int n_nodes;                      /* its real node count, restored afterwards */
+    int64_t last_poll_ns;
+    int64_t longest_gap_ns;           /* longest time between two polls: the longest node */
+} sl_watch;
+
+static inline sl_stop sl_check(const sl_watch *w) {
+    int64_t now;
+    if (sl_load_acquire(&w->cancel_flag))
+        return SL_STOP_CANCELLED;
+    if (w->deadline_ns == 0 && w->first_token_deadline_ns == 0)
+        return SL_RUN;
+    now = sl_monotonic_ns();
+    if (w->deadline_ns && now >= w->deadline_ns)
+        return SL_STOP_TOTAL_TIMEOUT;
+    if (w->first_token_deadline_ns && now >= w->first_token_deadline_ns)
+        return SL_STOP_FIRST_TOKEN_TIMEOUT;
+    return SL_RUN;
+}
+
+static ggml_graph_compute_fn sl_real_graph_compute;
+static __thread sl_watch *sl_thread_watch;
+
+/* Called by every ggml worker thread between nodes. */
+static bool sl_abort_callback(void *data) {
+    sl_watch *w = (sl_watch *)data;
+    int64_t now = sl_monotonic_ns();
+    int64_t gap = now - __atomic_load_n(&w->last_poll_ns, __ATOMIC_RELAXED);
+    if (gap > w->longest_gap_ns)
+        w->longest_gap_ns = gap;
+    __atomic_store_n(&w->last_poll_ns, now, __ATOMIC_RELAXED);
+    if (sl_check(w) == SL_RUN)
+        return false;
+    __atomic_store_n(&w->aborted, 1, __ATOMIC_RELAXED);
+    /* End the graph as well: after an abort this ggml would otherwise compute
+     * the node it just finished a second time before returning. */
+    __atomic_store_n(&w->graph->n_nodes, 0, __ATOMIC_RELAXED);
+    return true;
+}
+
+/* A one-column view of `t`: its column `col`, same type and strides. */
+static void sl_column_view(struct ggml_tensor *view, const struct ggml_tensor *t, int64_t col) {
+    *view = *t;
+    view->ne[1] = 1;
+    view->nb[2] = view->nb[1];
+    view->nb[3] = view->nb[2] * view->ne[2];
+    view->data = (char *)t->data + col * t->nb[1];
+}
+
+static int sl_graph_compute(struct ggml_cgraph *graph, struct ggml_cplan *plan) {
+    sl_watch *w = sl_thread_watch;
+    struct ggml_tensor *out, *in, out_last, in_last;
+    int status, last;
+    if (w == NULL || plan->abort_callback != NULL || graph->n_nodes == 0)
+        return sl_real_graph_compute(graph, plan);
+
+    last = graph->n_nodes - 1;
+    out = graph->nodes[last];
+    in = out->src[1];
+    /* Only llama.cpp's logits node: MUL_MAT(output weights, normed hidden
+     * states) with one column per token. Its rows land where llama.cpp reads
+     * the last token's logits, at the same address as before. */
+    int trimmed = w->trim_output && out->op == GGML_OP_MUL_MAT && in != NULL
+        && strcmp(out->name, "result_output") == 0
+        && out->ne[1] > 1 && out->ne[2] == 1 && out->ne[3] == 1 && in->ne[1] == out->ne[1]
+        && in->ne[2] == 1 && in->ne[3] == 1;
+    if (trimmed) {
+        sl_column_view(&in_last, in, in->ne[1] - 1);
+        sl_column_view(&out_last, out, out->ne[1] - 1);
+        out_last.src[1] = &in_last;
+        graph->nodes[last] = &out_last;
+    }
+
+    w->aborted = 0;
+    w->graph = graph;
+    w->n_nodes = graph->n_nodes;
+    w->last_poll_ns = sl_monotonic_ns();
+    plan->abort_callback = sl_abort_callback;
+    plan->abort_callback_data = w;
+    status = sl_real_graph_compute(graph, plan);
+    plan->abort_callback = NULL;
+    plan->abort_callback_data = NULL;
+    graph->n_nodes = w->n_nodes;
+    w->graph = NULL;
+    if (trimmed)
+        graph->nodes[last] = out;
+    if (status == GGML_EXIT_ABORTED)
+        w->aborted = 1;
+    return status;
+}
+
+/* Route `symbol`'s PLT calls made by the library behind `handle` to
+ * `replacement`. Returns the function the entry pointed to, or NULL if the
+ * library does not call `symbol` through its PLT. */
+static void *sl_patch_plt(void *handle, const char *symbol, void *replacement) {
+    struct link_map *map = NULL;
+    const ElfW(Dyn) *dyn;
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const ElfW(Rela) *relocs = NULL;
+    size_t relocs_size = 0, i;
+    long reloc_kind = 0;
+    if (dlinfo(handle, RTLD_DI_LINKMAP, &map) != 0 || map == NULL)
+        return NULL;
+    for (dyn = map->l_ld; dyn->d_tag != DT_NULL; dyn++) {
+        /* glibc has already relocated these addresses; others may not have. */
+        uintptr_t addr = dyn->d_un.d_ptr;
+        if (addr < map->l_addr)
+            addr += map->l_addr;
+        switch (dyn->d_tag) {
+        case DT_SYMTAB: symtab = (const ElfW(Sym) *)addr; break;
+        case DT_STRTAB: strtab = (const char *)addr; break;
+        case DT_JMPREL: relocs = (const ElfW(Rela) *)addr; break;
+        case DT_PLTRELSZ: relocs_size = dyn->d_un.d_val; break;
+        case DT_PLTREL: reloc_kind = (long)dyn->d_un.d_val; break;
+        }
+    }
+    if (symtab == NULL || strtab == NULL || relocs == NULL || reloc_kind != DT_RELA)
+        return NULL;
+    for (i = 0; i < relocs_size / sizeof(ElfW(Rela)); i++) {
+        const ElfW(Sym) *sym = &symtab[ELF64_R_SYM(relocs[i].r_info)];
+        if (strcmp(strtab + sym->st_name, symbol) != 0)
+            continue;
+        void **entry = (void **)(map->l_addr + relocs[i].r_offset);
+        void *original = __atomic_load_n(entry, __ATOMIC_ACQUIRE);
+        /* Under full RELRO the entry's page is read-only; it stays writable
+         * afterwards, as it is in a library built without full RELRO. */
+        long page = sysconf(_SC_PAGESIZE);
+        void *start = (void *)((uintptr_t)entry & ~(uintptr_t)(page - 1));
+        if (mprotect(start, (size_t)page, PROT_READ | PROT_WRITE) != 0)
+            return NULL;
+        __atomic_store_n(entry, replacement, __ATOMIC_RELEASE);
+        return original;
+    }
+    return NULL;
+}
+
+/* Install the hook into the library behind `handle` (opened RTLD_NOW, so the
+ * entry already holds the real function). Returns 1 if installed. */
+static int sl_step_abort_install(void *handle) {
+    void *original;
+    if (sl_real_graph_compute != NULL)
+        return 1;
+    original = sl_patch_plt(handle, "ggml_graph_compute", (void *)sl_graph_compute);
+    if (original == NULL || original == (void *)sl_graph_compute)
+        return 0;
+    sl_real_graph_compute = (ggml_graph_compute_fn)original;
+    return 1;
+}
+
+static inline void sl_watch_enter(sl_watch *w) { sl_thread_watch = w; }
+static inline void sl_watch_leave(void) { sl_thread_watch = NULL; }
+
+#endif

@@ -1,0 +1,208 @@
+"""Stopping inside an evaluation, prompts at full speed, and KV-cache reuse,
+against the real model and the real library.
+
+Time bounds are in units measured in the same test (an evaluation, a node);
+everything else is counts and token identity.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import stopline_core
+from stopline_core import Generation
+
+from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, metric_value
+from server.engine import Engine
+from server.vocabulary import AbortMode
+
+# Aborts per thread setting in the robustness test (1,000 in all by default).
+ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "500"))
+STORY = "Once upon a time, in a village by the sea, there lived an old fisherman and his clever daughter. "
+
+
+@pytest.fixture(scope="module")
+def slot(engine):
+    context = engine.open_slot()
+    yield context
+    context.close()
+
+
+def run_in_thread(generation: Generation):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=generation.run()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def greedy(slot, prompt, max_tokens=8, chunk=16, threads=1):
+    generation = Generation(slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=chunk, threads=threads)
+    result = generation.run()
+    return result, b"".join(generation.take())
+
+
+def test_the_engine_proves_the_hook_at_startup(engine):
+    assert stopline_core.step_abort_installed()
+    assert engine.abort_mode is AbortMode.IN_STEP
+    # The last token's logits, computed alone, are bit-identical to a full evaluation's.
+    assert engine.trim_output
+
+
+def test_trimmed_output_projection_is_bit_identical_on_a_long_chunk(engine, slot):
+    # 100 tokens: past the 32-token width where ggml's f16 dot products change summation order.
+    tokens = engine.encode(prompt=STORY * 5)[:100]
+    assert slot.probe_step_abort(tokens) == (True, True)
+
+
+def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
+    """One chunk of 512 tokens takes seconds; a cancel ends it between two graph nodes."""
+    prompt = engine.encode(prompt=STORY * 30)[:600]
+    slot.forget()
+    generation = Generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=stopline_core.MAX_PREFILL_CHUNK)
+    thread, box = run_in_thread(generation)
+    # Let the evaluation get going (the hook measures nodes from its start).
+    time.sleep(0.3 * UNIT)
+    cancel_ns = time.monotonic_ns()
+    assert generation.cancel() is True
+    thread.join(120 * UNIT)
+    result = box["result"]
+    assert (result.outcome, result.reason) == ("cancelled", "user_cancelled")
+    # Nothing was counted as evaluated: the 512-token evaluation never completed.
+    assert result.prompt_tokens_evaluated == 0 and result.tokens_generated == 0
+    # The loop left long before the chunk could have ended: the longest node seen
+    # so far bounds the wait, and the chunk holds hundreds of nodes.
+    assert result.end_ns - cancel_ns < 50 * max(result.longest_prefill_node_ns, 1_000_000) * UNIT
+    # The aborted positions are not reused.
+    assert slot.n_held == 0
+
+
+def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
+    prompt = engine.encode(prompt=STORY * 30)[:600]
+    slot.forget()
+    deadline_ns = time.monotonic_ns() + int(0.3e9 * UNIT)
+    result = Generation(slot, prompt, max_tokens=4, prefill_chunk=stopline_core.MAX_PREFILL_CHUNK,
+                        first_token_deadline_ns=deadline_ns).run()
+    assert (result.outcome, result.reason) == ("timeout", "first_token_timeout")
+    assert result.prompt_tokens_evaluated == 0
+    assert result.end_ns >= deadline_ns
+
+
+def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
+    prompt = engine.encode(prompt=STORY * 20)[:300]
+    slot.forget()
+    generation = Generation(slot, prompt, max_tokens=4, prefill_chunk=128, step_abort=False)
+    thread, box = run_in_thread(generation)
+    time.sleep(0.2 * UNIT)
+    generation.cancel()
+    thread.join(120 * UNIT)
+    result = box["result"]
+    assert result.outcome == "cancelled"
+    # Whole chunks only: the evaluation under way when the cancel came was finished.
+    assert result.prompt_tokens_evaluated % 128 == 0 and result.prompt_tokens_evaluated > 0
+
+
+def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
+    slot.forget()
+    first = engine.encode(messages=CHAT_FRANCE)
+    r1, answer = greedy(slot, first, max_tokens=24, chunk=engine.prefill_chunk)
+    follow_up = engine.encode(messages=CHAT_FRANCE + [{"role": "assistant", "content": answer.decode()},
+                                                      {"role": "user", "content": "And of Italy?"}])
+    r2, _ = greedy(slot, follow_up, max_tokens=8, chunk=engine.prefill_chunk)
+    shared = next(i for i, (a, b) in enumerate(zip(first + [-1], follow_up)) if a != b)
+    chunk = engine.prefill_chunk
+    assert r2.prompt_tokens_reused == shared - shared % chunk
+    assert r2.prompt_tokens_reused + r2.prompt_tokens_evaluated == r2.prompt_tokens
+
+
+def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
+    prompt = engine.encode(prompt=STORY * 3)
+    slot.forget()
+    _, fresh = greedy(slot, prompt, chunk=16)
+    # Same prompt again: everything up to the last whole chunk is reused.
+    again, text = greedy(slot, prompt, chunk=16)
+    assert again.prompt_tokens_reused == (len(prompt) - 1) // 16 * 16 > 0
+    assert text == fresh
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
+    """Cancel the same generation at random moments, over and over, on one slot.
+    Every run that escapes its cancel, and a final one, must give exactly the
+    tokens of a fresh slot: no abort, in the prompt or in decode, may leave a
+    trace. Prompt chunks of 16 make the aborted prompts resume from reused
+    prefixes of every length."""
+    prompt = engine.encode(prompt=STORY * 2)[:60]
+    slot = engine.open_slot()
+    try:
+        reference, expected = greedy(slot, prompt, threads=threads)
+        assert reference.outcome == "done"
+        span_s = (reference.end_ns - reference.start_ns) / 1e9
+        rng = random.Random(threads)
+        outcomes = {"cancelled": 0, "done": 0}
+        mismatches = 0
+        for _ in range(ABORT_CYCLES):
+            generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
+            timer = threading.Timer(rng.uniform(0, span_s), generation.cancel)
+            timer.start()
+            result = generation.run()
+            timer.join()
+            outcomes[result.outcome] += 1
+            if result.outcome == "done":
+                mismatches += b"".join(generation.take()) != expected
+        _, final = greedy(slot, prompt, threads=threads)
+        print(f"\nthreads={threads}: {outcomes}, {mismatches} mismatches")
+        # Runs that resume from a reused prefix are shorter than the reference, so
+        # not every cancel lands before the end.
+        assert outcomes["cancelled"] >= ABORT_CYCLES // 4
+        assert mismatches == 0 and final == expected
+    finally:
+        slot.close()
+
+
+# --- the server ----------------------------------------------------------------
+
+
+async def test_health_and_metrics_report_the_abort_mode(server):
+    status, body = await http_get(server, "/healthz")
+    assert status == 200 and '"abort_mode": "in_step"' in body
+    text = await fetch_metrics(server)
+    assert metric_value(text, "stopline_abort_mode", mode="in_step") == 1
+    assert metric_value(text, "stopline_abort_mode", mode="between_steps") == 0
+
+
+async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engine, logs):
+    """Two conversations alternate on two slots; each turn finds its own history."""
+    chunk = engine.prefill_chunk
+    conversations = {"a": [{"role": "user", "content": "Name a fruit. " + STORY * 3}],
+                     "b": [{"role": "user", "content": "Name a colour. " + STORY * 3}]}
+    ends = {"a": [], "b": []}
+    async with client_for(server) as client:
+        for turn in range(3):
+            for name, messages in conversations.items():
+                request_id = f"{name}{turn}"
+                await client.generate(request_id, messages=messages, max_tokens=8, temperature=0)
+                end = await client.terminal(request_id)
+                assert end["type"] == "done"
+                ends[name].append(end)
+                answer = "".join(f["text"] for f in client.tokens(request_id))
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": "Another one, please."}]
+    for name, turns in ends.items():
+        assert turns[0]["prompt_tokens_reused"] == 0
+        for before, after in zip(turns, turns[1:]):
+            # All of the previous turn's prompt but at most one chunk came from the cache.
+            assert after["prompt_tokens_reused"] >= before["prompt_tokens"] - chunk
+    reused = [end["prompt_tokens_reused"] for turns in ends.values() for end in turns]
+    text = await fetch_metrics(server)
+    assert metric_value(text, "stopline_prompt_tokens_reused_total") == sum(reused)
+    assert sorted(r["prompt_tokens_reused"] for r in logs.records("generation_done")) == sorted(reused)
+
+
+def test_between_steps_fallback_is_explicit(engine):
+    other = Engine.load(threads=1, progress=False, abort_mode=AbortMode.BETWEEN_STEPS)
+    assert other.abort_mode is AbortMode.BETWEEN_STEPS and not other.trim_output
+    assert other.prefill_chunk == 1
