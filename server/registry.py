@@ -72,8 +72,12 @@ class Registry:
         if len(self._ended) > self._remembered:
             self._ended.popitem(last=False)
 
+    def get(self, request_id: str) -> Entry | None:
+        """The entry for ``request_id``, unchecked: for code in this process, never for a client."""
+        return self._live.get(request_id) or self._ended.get(request_id)
+
     def authorize(self, request_id: str, cancel_token: str | None) -> Entry:
-        entry = self._live.get(request_id) or self._ended.get(request_id)
+        entry = self.get(request_id)
         if entry is None:
             raise UnknownRequest(request_id)
         # Constant time: the comparison must not reveal how much of a guess was right.
