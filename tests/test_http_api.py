@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for)
+from server.app import ServerConfig, StoplineServer
 
 # Tokens a closed connection may still cost beyond the one step the loop was in: tokens the
 # server had already produced and written but the client had not read when it closed.
@@ -250,3 +251,21 @@ async def test_cross_origin_browser_calls_are_refused(server, http):
         assert response.status == 403
     metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total") == 0
+
+
+async def test_shutdown_ends_http_streams_with_cancelled_shutdown(engine, logs):
+    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0))
+    await server.start()
+    stopping = None
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{server.http.base_url}/generations",
+                                 json={"messages": LONG_ANSWER, "max_tokens": 500}) as sse:
+                events = sse_events(sse)
+                await _sse_until(events, lambda event, data: event == "token")
+                stopping = asyncio.create_task(server.shutdown())
+                rest = [pair async for pair in events]
+    finally:
+        await asyncio.wait_for(stopping or server.shutdown(), 30 * UNIT)
+    assert rest[-1][0] == "cancelled" and rest[-1][1]["reason"] == "shutdown"
+    assert server.scheduler.active == 0
