@@ -254,7 +254,6 @@ class ClientSession:
             for target in targets:
                 await self.perform(self.protocol.request_cancel(target, Reason.SLOW_CONSUMER, time.monotonic_ns()))
 
-
     async def _write(self, frame: dict) -> None:
         await self.websocket.send(encode_frame(frame))
 
