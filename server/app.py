@@ -213,11 +213,12 @@ class ClientSession:
             log.exception("submit_failed", request_id=request.request_id, id=request.id)
             await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), message=str(exc)))
             return
+        # Logged first: an HTTP client that leaves now cancels this task at the send.
+        log_accepted(request, self.peer, position)
         # A token needs the executor and another pass of the event loop to arrive,
         # so this frame is written before any token frame.
         await self._send({"type": "accepted", "id": request.id, "queue_position": position,
                           "request_id": request.request_id, "cancel_token": request.cancel_token})
-        log_accepted(request, self.peer, position)
 
     # Sink ------------------------------------------------------------------------
 

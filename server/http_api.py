@@ -94,7 +94,7 @@ class SseReply:
         self.http_request = http_request
         self.response: web.StreamResponse | None = None
 
-    def started(self, request) -> None:
+    def submitted(self, request) -> None:
         pass
 
     async def emit(self, frame: dict) -> None:
@@ -123,7 +123,7 @@ class OpenAIReply:
         self._headers: dict = {}
         self._texts: list[str] = []
 
-    def started(self, request) -> None:
+    def submitted(self, request) -> None:
         self.prompt_tokens = len(request.prompt_tokens)
 
     async def emit(self, frame: dict) -> None:
@@ -336,7 +336,7 @@ class HttpApi:
             actions = session.protocol.receive_text(encode_frame(frame), time.monotonic_ns())
             for action in actions:
                 if isinstance(action, Submit):
-                    reply.started(action.request)
+                    reply.submitted(action.request)
             await session.perform(actions)
             await session.answered.wait()
         finally:
