@@ -479,7 +479,8 @@ class Bench:
         return [{"scenario": "delete_prefill", "target": target.name, "id": accepted["request_id"],
                  "outcome": kind, "reason": terminal["reason"], "client_ms": (terminal_ns - cancel_ns) / 1e6,
                  "delete_answer_ms": (answered_ns - cancel_ns) / 1e6, "server_ms": terminal["cancel_latency_ms"],
-                 "tokens_after_cancel": terminal["tokens_after_cancel"], "tokens_generated": terminal["tokens_generated"],
+                 "tokens_after_cancel": terminal["tokens_after_cancel"],
+                 "tokens_generated": terminal["tokens_generated"],
                  "delay_ms": delay_ms, "prefill_estimate_ms": estimate, "prompt_tokens": self.plan.long_tokens}]
 
 

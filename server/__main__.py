@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt tokens per uninterruptible step")
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 16)))
     p.add_argument("--allowed-origins", default=_env("ALLOWED_ORIGINS", ""),
-                   help="comma-separated extra Origin values allowed on /ws and /v1 (same-origin and localhost always are)")
+                   help="comma-separated extra Origin values allowed on /ws and /v1 "
+                        "(same-origin and localhost always are)")
     p.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", 300)), help="default total timeout, s")
     p.add_argument("--ttft-timeout", type=float, default=float(_env("TTFT_TIMEOUT", 120)),
                    help="default first-token timeout, s")

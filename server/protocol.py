@@ -223,8 +223,8 @@ class Connection:
         params, prompt, messages = _validate_generate(frame, self.limits, request_id)
         user = frame.get("user")
         if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"user must be a string of at most {MAX_USER_CHARS} characters",
-                                request_id)
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
         try:
             tokens = self._tokenize(prompt, messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
