@@ -111,6 +111,23 @@ async def test_openai_errors_have_openai_shape(server):
 
 
 async def test_closing_an_openai_stream_stops_the_model(server, logs):
+    await _close_an_openai_stream(server, logs, active_after=0)
+
+
+async def test_closing_an_openai_stream_stops_the_model_under_other_traffic(server, logs):
+    async with client_for(server) as other:
+        # Another client streams on the other slot, and reads every token, the whole time.
+        # Greedy counting goes on until max_tokens: the traffic cannot end early.
+        await other.generate("other", prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", temperature=0, max_tokens=1500)
+        reading = asyncio.create_task(other.terminal("other", timeout=300))
+        await wait_for(lambda: other.tokens("other"))
+        await _close_an_openai_stream(server, logs, active_after=1)
+        assert not reading.done()
+        await other.send({"type": "cancel", "id": "other"})
+        assert (await reading)["type"] == "cancelled"
+
+
+async def _close_an_openai_stream(server, logs, active_after: int):
     client = openai_client(server)
     stream = await client.chat.completions.create(model="any", messages=LONG_ANSWER, max_tokens=500, stream=True)
     seen = 0
@@ -120,8 +137,9 @@ async def test_closing_an_openai_stream_stops_the_model(server, logs):
             break
     request_id = chunk.id
     await stream.close()
-    # The active generations drop to 0 without another request or client action.
-    await wait_for(lambda: server.scheduler.active == 0)
+    # The active generations drop without another request or client action.
+    await wait_for(lambda: logs.records("generation_cancelled", request_id=request_id))
+    assert server.scheduler.active == active_after
     [end] = logs.records("generation_cancelled", request_id=request_id)
     assert end["reason"] == "client_disconnected" and end["tokens_after_cancel"] <= 1
     assert end["tokens_generated"] <= seen + 1 + IN_FLIGHT_STEPS
