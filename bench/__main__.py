@@ -29,7 +29,7 @@ from server.tokenizer import ChatTokenizer
 
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import ALL_SCENARIOS, Bench, Plan
+from .scenarios import ALL_SCENARIOS, LONG_SCENARIOS, Bench, Plan
 from .servers import CpuMeter, ManagedServer, Target
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None,
                    help=f"samples per scenario per engine (default {DEFAULT_REQUESTS}; unlimited with --duration)")
     p.add_argument("--long-requests", type=int, default=None,
-                   help="samples for the two long-prompt scenarios, whose baseline samples each take a whole "
+                   help="samples for the long-prompt scenarios, whose baseline samples each take a whole "
                         f"long prefill (default: the smaller of --requests and {DEFAULT_LONG_REQUESTS})")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds per scenario per engine; a scenario ends at this or at --requests, whichever first")
@@ -106,7 +106,7 @@ def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], con
         for scenario in scenarios:
             if scenario == "throughput":
                 total += plan.throughput_reps * sum({1, concurrency or target.slots})
-            elif scenario in ("prefill_long", "timeout_ttft"):
+            elif scenario in LONG_SCENARIOS:
                 total += int(plan.long_requests)
             else:
                 total += int(plan.requests)
@@ -141,7 +141,7 @@ async def run(args) -> dict:
     try:
         for target in targets:
             progress.set_description(f"calibrating [{target.name}]")
-            calibration = await bench.calibrate(target, long=bool({"prefill_long", "timeout_ttft"} & set(scenarios)))
+            calibration = await bench.calibrate(target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
                 info.update(threads=target.managed.info["threads"],
@@ -172,8 +172,8 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
             continue
         sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
                       log_tokens_generated=end.get("tokens_generated"))
-        if sample["scenario"] == "disconnect":
-            sample["server_ms"] = end.get("latency_ms")
+        if sample["scenario"] in ("disconnect", "openai_stream_closed"):
+            sample.update(server_ms=end.get("latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
 
 
 def _lag(target: Target) -> dict:
@@ -213,7 +213,7 @@ protocol, scheduler and metrics code; only the token loop differs. Ratios are ba
 - Prompts: about {meta['plan']['short_tokens']} tokens (short) and {meta['plan']['long_tokens']} tokens (long),
   each different, each asking for a long story; sampling at temperature 0.7
 - Samples: {_count(meta['plan']['requests'])} per scenario per engine, {_count(meta['plan']['long_requests'])} for the
-  two long-prompt scenarios (each baseline sample there costs a whole long prefill); one request at a time
+  long-prompt scenarios (each baseline sample there costs a whole long prefill); one request at a time
   unless a scenario needs more ({meta['plan']['parallel']} in flight in the prefill, decode and timeout scenarios)
 
 How the cancels are placed:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .scenarios import STOP_SCENARIOS, TIMEOUT_SCENARIOS
+from .scenarios import HTTP_SCENARIOS, STOP_SCENARIOS, TIMEOUT_SCENARIOS
 
 OURS, BASELINE = "ours", "baseline"
 SCENARIO_TITLES = {
@@ -20,6 +20,14 @@ SCENARIO_TITLES = {
     "timeout_ttft": "first-token timeout (long prefill)",
     "timeout_total_prefill": "total timeout that fell in the prefill",
 }
+# The HTTP API's stops, each next to the WebSocket stop it mirrors.
+HTTP_COMPARISONS = (
+    ("openai_stream_closed", "HTTP: OpenAI stream closed"),
+    ("disconnect", "WebSocket: socket dropped"),
+    ("delete_prefill", "HTTP: DELETE during the long prompt"),
+    ("prefill_long", "WebSocket: cancel frame during the long prompt"),
+    ("decode", "WebSocket: cancel frame during decode"),
+)
 
 
 def summary(values) -> dict | None:
@@ -209,6 +217,23 @@ class Report:
         return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"],
                       self._rows_with_ratio("socket dropped", stats))
 
+    def http_api(self) -> str | None:
+        if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
+            return None
+        rows = []
+        for scenario, label in HTTP_COMPARISONS:
+            for target in self.targets:
+                samples = self.of(scenario, target)
+                if not samples:
+                    continue
+                client = summary(s["client_ms"] for s in samples)
+                server = summary(s.get("server_ms") for s in samples)
+                after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
+                rows.append([label, target, str(len(samples)), fmt(_get(client, "p50")), fmt(_get(client, "p99")),
+                             fmt(_get(server, "p50")), fmt(_get(server, "p99")), str(max(after)) if after else "–"])
+        return _table(["stop", "engine", "n", "client p50", "p99", "server p50", "p99", "tokens after cancel, max"],
+                      rows)
+
     def other_load(self) -> str | None:
         """How much CPU other processes took while the scenarios ran: context for every number here."""
         runs = [r for r in self.results["runs"] if r.get("cpu")]
@@ -260,6 +285,14 @@ class Report:
                   "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0`. "
                   "Server log: the `client_disconnected` cancel's `latency_ms`.",
                   self.disconnect()]
+        http = self.http_api()
+        if http:
+            parts += ["### The HTTP API next to the WebSocket (ms)",
+                      "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
+                      "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
+                      "`latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
+                      "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
+                      http]
         return "\n\n".join(parts) + "\n"
 
 

@@ -10,22 +10,37 @@ Stop latency is measured with cancels placed at random points of each phase:
   token is counted under ``decode`` instead.
 * ``decode``: cancelled after a random number of token frames plus a random
   fraction of a decode step.
+
+Over the HTTP API (``/v1``, the same server and token loop):
+
+* ``openai_stream_closed``: the ``openai`` package streams a chat completion
+  and closes the stream after a random number of chunks; the time until
+  ``/metrics`` shows no active generation, as in ``disconnect``.
+* ``delete_prefill``: a long prompt streams over SSE; a second client sends
+  ``DELETE /v1/generations/{request_id}`` at a random point of its prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from dataclasses import dataclass
 
-from .client import Call, Session, metrics
+import aiohttp
+import openai
+
+from .client import Call, Session, healthz, metrics
 from .prompts import PromptMaker
 from .servers import CpuMeter, Target
 
 STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode")
 TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
-ALL_SCENARIOS = STOP_SCENARIOS + ("throughput",) + TIMEOUT_SCENARIOS + ("disconnect",)
+HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
+ALL_SCENARIOS = STOP_SCENARIOS + ("throughput",) + TIMEOUT_SCENARIOS + ("disconnect",) + HTTP_SCENARIOS
+# The scenarios that send the long prompt (and take --long-requests samples).
+LONG_SCENARIOS = ("prefill_long", "timeout_ttft", "delete_prefill")
 
 # Longest token-frame count before a decode-phase cancel or disconnect.
 MAX_FRAMES_BEFORE_STOP = 32
@@ -106,7 +121,7 @@ class Bench:
 
     async def run(self, scenario: str, target: Target) -> None:
         plan = self.plan
-        long = scenario in ("prefill_long", "timeout_ttft")
+        long = scenario in LONG_SCENARIOS
         wanted = plan.long_requests if long else plan.requests
         if wanted <= 0:
             return
@@ -122,6 +137,10 @@ class Bench:
             await self._throughput(target, run)
         elif scenario == "disconnect":
             await self._lanes(target, run, wanted, 1, self._disconnect_sample, own_session=True)
+        elif scenario == "openai_stream_closed":
+            await self._lanes(target, run, wanted, 1, self._openai_closed_sample, own_session=True)
+        elif scenario == "delete_prefill":
+            await self._lanes(target, run, wanted, 1, self._delete_prefill_sample, own_session=True)
         else:
             sample = {"prefill_short": lambda t, s: self._prefill_sample(t, s, "prefill_short", plan.short_tokens),
                       "prefill_long": lambda t, s: self._prefill_sample(t, s, "prefill_long", plan.long_tokens),
@@ -363,6 +382,12 @@ class Bench:
             dropped_ns = session.drop()
         finally:
             await session.close()
+        return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
+                 "reason": "client_disconnected", **await self._until_idle(target, dropped_ns),
+                 "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
+
+    async def _until_idle(self, target: Target, since_ns: int) -> dict:
+        """Poll /metrics until no generation is active; the times are from ``since_ns``."""
         polls = 0
         while True:
             sent_ns = time.monotonic_ns()
@@ -374,10 +399,8 @@ class Bench:
             # A short pause keeps the polling itself from loading the server it measures.
             await asyncio.sleep(0.001)
         # The generation stopped between this poll's request and its answer: report the answer (upper bound).
-        return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
-                 "reason": "client_disconnected", "client_ms": (seen_ns - dropped_ns) / 1e6,
-                 "lower_bound_ms": (sent_ns - dropped_ns) / 1e6, "polls": polls,
-                 "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
+        return {"client_ms": (seen_ns - since_ns) / 1e6, "lower_bound_ms": (sent_ns - since_ns) / 1e6,
+                "polls": polls}
 
     async def _wait_idle(self, target: Target, timeout: float = 120.0) -> None:
         async with asyncio.timeout(timeout):
@@ -386,3 +409,89 @@ class Bench:
                 if m.get("stopline_active_generations", 0.0) == 0 and m.get("stopline_queue_depth", 0.0) == 0:
                     return
                 await asyncio.sleep(0.01)
+
+    # The HTTP API ------------------------------------------------------------------------
+
+    async def _api_url(self, target: Target) -> str:
+        if target.api_url is None:
+            target.api_url = (await healthz(target.http_url))["http_api"]
+        return target.api_url
+
+    async def _openai_closed_sample(self, target: Target, _session) -> list[dict]:
+        """Close an OpenAI chat stream mid-generation, as a client of the openai package does."""
+        await self._wait_idle(target)
+        client = openai.AsyncOpenAI(base_url=await self._api_url(target), api_key="unused", max_retries=0)
+        chunks = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
+        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        fields = self._generate_fields(self.plan.short_tokens, LONG_GENERATION)
+        try:
+            stream = await client.chat.completions.create(model=target.name, stream=True, **fields)
+            arrivals = []
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    arrivals.append(time.monotonic_ns())
+                if len(arrivals) == chunks or (chunk.choices and chunk.choices[0].finish_reason):
+                    break
+            if len(arrivals) < chunks:
+                return []  # it ended on its own first
+            await sleep_until(arrivals[-1] + int(jitter_ms * 1e6))
+            closed_ns = time.monotonic_ns()
+            await stream.close()
+        finally:
+            await client.close()
+        return [{"scenario": "openai_stream_closed", "target": target.name, "id": chunk.id, "outcome": "cancelled",
+                 "reason": "client_disconnected", **await self._until_idle(target, closed_ns),
+                 "cancel_after_frames": chunks, "jitter_ms": jitter_ms, "token_frames": len(arrivals)}]
+
+    async def _delete_prefill_sample(self, target: Target, _session) -> list[dict]:
+        """A second client DELETEs a generation at a random point of its long prompt's prefill."""
+        api = await self._api_url(target)
+        estimate = target.prefill_ms[self.plan.long_tokens]
+        delay_ms = self.rng.uniform(0.0, 0.9 * estimate)
+        events: list[tuple[int, str, dict]] = []
+        async with aiohttp.ClientSession() as owner, aiohttp.ClientSession() as other:
+            sent_ns = time.monotonic_ns()
+            response = await owner.post(f"{api}/generations", json=self._generate_fields(self.plan.long_tokens, 64))
+            reader = asyncio.create_task(_read_sse(response, events))
+            try:
+                async with asyncio.timeout(60):
+                    while not events:
+                        await asyncio.sleep(0.001)
+                _, kind, accepted = events[0]
+                if kind != "accepted":
+                    return []
+                await sleep_until(sent_ns + int(delay_ms * 1e6))
+                if len(events) > 1:
+                    return []  # a token or its end came first: not a prefill sample
+                cancel_ns = time.monotonic_ns()
+                async with other.delete(f"{api}/generations/{accepted['request_id']}",
+                                        headers={"Authorization": f"Bearer {accepted['cancel_token']}"}) as answer:
+                    status = (await answer.json())["status"]
+                answered_ns = time.monotonic_ns()
+                await asyncio.wait_for(reader, 60)
+            finally:
+                reader.cancel()
+                response.close()
+        terminal_ns, kind, terminal = events[-1]
+        tokens = [ns for ns, event, _ in events if event == "token"]
+        if kind != "cancelled" or tokens or status != "cancelled":
+            return []
+        return [{"scenario": "delete_prefill", "target": target.name, "id": accepted["request_id"],
+                 "outcome": kind, "reason": terminal["reason"], "client_ms": (terminal_ns - cancel_ns) / 1e6,
+                 "delete_answer_ms": (answered_ns - cancel_ns) / 1e6, "server_ms": terminal["cancel_latency_ms"],
+                 "tokens_after_cancel": terminal["tokens_after_cancel"],
+                 "tokens_generated": terminal["tokens_generated"],
+                 "delay_ms": delay_ms, "prefill_estimate_ms": estimate, "prompt_tokens": self.plan.long_tokens}]
+
+
+async def _read_sse(response: aiohttp.ClientResponse, events: list) -> None:
+    """Append (arrival ns, event, data) for each server-sent event until the stream ends."""
+    event = None
+    async for raw in response.content:
+        now = time.monotonic_ns()
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("event: "):
+            event = line[len("event: "):]
+        elif line.startswith("data: ") and event is not None:
+            events.append((now, event, json.loads(line[len("data: "):])))
+            event = None

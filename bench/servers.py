@@ -28,6 +28,8 @@ class Target:
     # Calibration: prefill time (ms) by prompt length in tokens, and the decode step (ms).
     prefill_ms: dict[int, float] = field(default_factory=dict)
     step_ms: float = 15.0
+    # The HTTP API's base URL (…/v1), read from /healthz when a scenario first needs it.
+    api_url: str | None = None
     # (scenario, start ns, end ns): when each scenario ran against this target.
     windows: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -100,7 +102,8 @@ class ManagedServer:
                     continue
                 if record.get("event", "").startswith("generation_") and "request_id" in record:
                     if record["event"] != "generation_accepted":
-                        ends[record["request_id"]] = record
+                        # The id the client chose (for HTTP requests, the server-global request id).
+                        ends[record.get("id", record["request_id"])] = record
         return ends
 
 

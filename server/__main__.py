@@ -23,6 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 8765)))
+    p.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
+                   help="port of the HTTP API under /v1 (default: --port + 1; 0 picks a free port)")
     p.add_argument("--model", default=_env("MODEL", None), help="model file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model-type", default=_env("MODEL_TYPE", None), help="ctransformers model type (default: llama)")
     p.add_argument("--workers", type=int, default=int(_env("WORKERS", 2)), help="generation slots")
@@ -37,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "if this build cannot); between_steps: stop only between evaluations")
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 16)))
     p.add_argument("--allowed-origins", default=_env("ALLOWED_ORIGINS", ""),
-                   help="comma-separated extra Origin values allowed on /ws (same-origin and localhost always are)")
+                   help="comma-separated extra Origin values allowed on /ws and /v1 "
+                        "(same-origin and localhost always are)")
     p.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", 300)), help="default total timeout, s")
     p.add_argument("--ttft-timeout", type=float, default=float(_env("TTFT_TIMEOUT", 120)),
                    help="default first-token timeout, s")
@@ -52,7 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(Engine.load, args.model, args.model_type, context_length=args.context_length,
                                      threads=threads, prefill_chunk=args.prefill_chunk, abort_mode=args.abort_mode)
     config = ServerConfig(
-        host=args.host, port=args.port, workers=args.workers, max_queue=args.max_queue,
+        host=args.host, port=args.port, http_port=args.http_port, workers=args.workers, max_queue=args.max_queue,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, 600.0),
         default_ttft_timeout_s=args.ttft_timeout, max_ttft_timeout_s=max(args.ttft_timeout, 600.0),

@@ -1,4 +1,5 @@
 """The asyncio service: WebSocket at /ws, the web client at /, /healthz and /metrics.
+The HTTP API (/v1) is served from the same event loop by :mod:`server.http_api`.
 
 This module only moves bytes. Frames go into :class:`protocol.Connection`,
 which decides what they mean; the actions it returns are carried out here
@@ -26,6 +27,7 @@ from websockets.http11 import Request as HTTPRequest, Response
 from .engine import Engine
 from .observability import Metrics, log, log_accepted, log_end
 from .protocol import Cancel, Connection, Ending, Limits, Request, Send, Submit, encode_frame
+from .registry import Registry
 from .scheduler import Busy, Scheduler
 from .vocabulary import ErrorCode, Outcome, Reason
 
@@ -37,6 +39,8 @@ LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
+    http_port: int | None = None
     workers: int = 2
     max_queue: int = 16
     # Extra allowed Origin values; same-origin and localhost pages are always allowed.
@@ -76,6 +80,9 @@ class StoplineServer:
             frames_per_second=config.frames_per_second, frame_burst=config.frame_burst)
         self._server: Server | None = None
         self._sessions: set[ClientSession] = set()
+        self.registry = Registry()
+        from .http_api import HttpApi  # imported here: its sessions build on ClientSession below
+        self.http = HttpApi(self)
 
     @property
     def port(self) -> int:
@@ -86,9 +93,14 @@ class StoplineServer:
             self._handle, self.config.host, self.config.port,
             process_request=self._process_request, max_size=self.config.max_frame_bytes,
             write_limit=self.config.write_limit, server_header="Stopline")
+        http_port = self.config.http_port
+        if http_port is None:
+            http_port = self.config.port + 1 if self.config.port else 0
+        await self.http.start(self.config.host, http_port)
         log.info("server_started", url=f"http://{self.config.host}:{self.port}/", model=self.engine.name,
                  workers=self.config.workers, threads=self.engine.threads, context_length=self.engine.context_length,
-                 prefill_chunk=self.engine.prefill_chunk, abort_mode=str(self.engine.abort_mode))
+                 prefill_chunk=self.engine.prefill_chunk, abort_mode=str(self.engine.abort_mode),
+                 http_api=self.http.base_url)
 
     async def shutdown(self) -> None:
         """Cancel every request with reason ``shutdown``, then close connections with 1001."""
@@ -103,6 +115,7 @@ class StoplineServer:
         await self.scheduler.shutdown()
         self._server.close(close_connections=True)
         await self._server.wait_closed()
+        await self.http.close()
         log.info("server_stopped")
 
     # HTTP ----------------------------------------------------------------------
@@ -118,7 +131,7 @@ class StoplineServer:
         if path == "/healthz":
             body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
                                "active": self.scheduler.active, "queued": self.scheduler.queue_depth,
-                               "abort_mode": str(self.engine.abort_mode)})
+                               "abort_mode": str(self.engine.abort_mode), "http_api": self.http.base_url})
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
@@ -152,10 +165,10 @@ class ClientSession:
     """One WebSocket connection: reads frames, performs the protocol's actions,
     and receives its requests' output from the scheduler (it is their Sink)."""
 
-    def __init__(self, server: StoplineServer, websocket: ServerConnection):
+    def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None):
         self.server = server
         self.websocket = websocket
-        self.peer = _peer(websocket)
+        self.peer = peer or _peer(websocket)
         self.protocol = Connection(server.limits, self._tokenize, time.monotonic_ns())
 
     def _tokenize(self, prompt, messages):
@@ -192,19 +205,22 @@ class ClientSession:
                 self.server.scheduler.cancel(action.request, action.reason)
 
     async def _submit(self, request: Request) -> None:
+        self.server.registry.add(request, self)
         try:
             position = self.server.scheduler.submit(request, self)
         except Busy as exc:
             await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.BUSY), message=str(exc)))
             return
         except Exception as exc:
-            log.exception("submit_failed", request_id=request.id)
+            log.exception("submit_failed", request_id=request.request_id, id=request.id)
             await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), message=str(exc)))
             return
+        # Logged first: an HTTP client that leaves now cancels this task at the send.
+        log_accepted(request, self.peer, position)
         # A token needs the executor and another pass of the event loop to arrive,
         # so this frame is written before any token frame.
-        await self._send({"type": "accepted", "id": request.id, "queue_position": position})
-        log_accepted(request, self.peer, position)
+        await self._send({"type": "accepted", "id": request.id, "queue_position": position,
+                          "request_id": request.request_id, "cancel_token": request.cancel_token})
 
     # Sink ------------------------------------------------------------------------
 
@@ -222,6 +238,7 @@ class ClientSession:
         frames = self.protocol.end(request, ending)
         if not frames:
             return
+        self.server.registry.end(request, ending)
         self.server.metrics.record_end(ending)
         log_end(request, ending, self.peer)
         for frame in frames:
@@ -231,15 +248,17 @@ class ClientSession:
         """Send one frame. A client that stops reading makes this wait; past the
         grace period its request is cancelled with reason slow_consumer."""
         try:
-            await asyncio.wait_for(self.websocket.send(encode_frame(frame)),
-                                   self.server.config.slow_consumer_grace_s)
-        except ConnectionClosed:
+            await asyncio.wait_for(self._write(frame), self.server.config.slow_consumer_grace_s)
+        except (ConnectionClosed, ConnectionError):
             pass
         except TimeoutError:
             # The frame stays in the transport buffer; only the wait was cut short.
             targets = [request] if request is not None else list(self.protocol.live.values())
             for target in targets:
                 await self.perform(self.protocol.request_cancel(target, Reason.SLOW_CONSUMER, time.monotonic_ns()))
+
+    async def _write(self, frame: dict) -> None:
+        await self.websocket.send(encode_frame(frame))
 
 
 def _peer(connection: ServerConnection) -> str:

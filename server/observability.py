@@ -87,8 +87,9 @@ class Metrics:
 
 
 def log_accepted(request: Request, peer: str, queue_position: int) -> None:
-    log.info("generation_accepted", request_id=request.id, peer=peer, prompt_tokens=len(request.prompt_tokens),
-             max_tokens=request.params.max_tokens, queue_position=queue_position)
+    log.info("generation_accepted", request_id=request.request_id, id=request.id, user_id=request.user, peer=peer,
+             prompt_tokens=len(request.prompt_tokens), max_tokens=request.params.max_tokens,
+             queue_position=queue_position)
 
 
 def log_end(request: Request, ending: Ending, peer: str) -> None:
@@ -96,7 +97,7 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
     level = "warning" if ending.outcome is Outcome.ERROR else "info"
     getattr(log, level)(
         f"generation_{ending.outcome}",
-        request_id=request.id, reason=ending.reason, peer=peer,
+        request_id=request.request_id, id=request.id, user_id=request.user, reason=ending.reason, peer=peer,
         tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
         latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
         prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,

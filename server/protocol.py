@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Union
 
@@ -29,6 +30,7 @@ from .vocabulary import ErrorCode, Outcome, Reason
 PROTOCOL_VERSION = 1
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
+MAX_USER_CHARS = 256
 
 
 class Phase(Enum):
@@ -79,6 +81,11 @@ class Request:
     cancel_reason: Reason | None = None
     cancel_requested_ns: int = 0
     next_index: int = 0
+    # The server-global id (any transport may cancel by it) and the secret that authorizes doing so.
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    cancel_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # The optional ``user`` field of the request (the OpenAI name), logged as user_id.
+    user: str | None = None
 
     def advance(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -202,7 +209,8 @@ class Connection:
 
     def _generate(self, frame: dict, now_ns: int) -> list[Action]:
         request_id = frame.get("id")
-        if request_id is None:
+        chosen_by_server = request_id is None
+        if chosen_by_server:
             request_id = str(uuid.uuid4())
         elif not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
@@ -214,6 +222,10 @@ class Connection:
                                 f"this connection already has {len(self.live)} live requests "
                                 f"(the limit is {self.limits.requests_per_connection})", request_id)
         params, prompt, messages = _validate_generate(frame, self.limits, request_id)
+        user = frame.get("user")
+        if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
         try:
             tokens = self._tokenize(prompt, messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
@@ -224,7 +236,9 @@ class Connection:
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"the prompt has {len(tokens)} tokens; the context holds {self.limits.context_length}, "
                                 "including at least one generated token", request_id)
-        request = Request(request_id, tokens, params, received_ns=now_ns)
+        request = Request(request_id, tokens, params, received_ns=now_ns, user=user)
+        if chosen_by_server:
+            request.request_id = request_id  # one id is enough when the client gave none
         self.live[request_id] = request
         return [Submit(request)]
 

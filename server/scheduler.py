@@ -164,7 +164,7 @@ class Scheduler:
             ending = ending_from_result(request, stream.result)
         except Exception as exc:
             # Leaving the batches has already stopped the loop and waited for it.
-            log.exception("generation_failed", request_id=request.id)
+            log.exception("generation_failed", request_id=request.request_id, id=request.id)
             ending = Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), prompt_tokens=len(request.prompt_tokens),
                             message=f"{type(exc).__name__}: {exc}")
         finally:

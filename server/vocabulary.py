@@ -59,3 +59,27 @@ class ErrorCode(StrEnum):
     BUSY = "busy"
     RATE_LIMITED = "rate_limited"
     INTERNAL_ERROR = "internal_error"
+    # HTTP API only (docs/http.md)
+    UNKNOWN_REQUEST = "unknown_request"
+    INVALID_CANCEL_TOKEN = "invalid_cancel_token"
+    NOT_FOUND = "not_found"
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+
+
+class Status(StrEnum):
+    """Where a request stands, as ``GET``/``DELETE /v1/generations/{request_id}`` report it."""
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+STATUS_BY_OUTCOME = {
+    Outcome.DONE: Status.FINISHED,
+    Outcome.CANCELLED: Status.CANCELLED,
+    Outcome.TIMEOUT: Status.TIMEOUT,
+    Outcome.ERROR: Status.ERROR,
+}

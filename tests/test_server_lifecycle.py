@@ -12,6 +12,7 @@ async def test_greedy_chat_streams_tokens_then_done(server, logs):
     async with client_for(server) as client:
         assert client.hello["type"] == "hello" and client.hello["context_length"] == 2048
         accepted = await client.generate("r1", messages=CHAT_FRANCE, temperature=0, max_tokens=32)
+        assert accepted.pop("request_id") != "r1" and len(accepted.pop("cancel_token")) >= 32
         assert accepted == {"type": "accepted", "id": "r1", "queue_position": 0}
         done = await client.terminal("r1")
         tokens = client.tokens("r1")
@@ -20,7 +21,7 @@ async def test_greedy_chat_streams_tokens_then_done(server, logs):
         assert done["type"] == "done" and done["tokens_generated"] == len(tokens)
         assert done["reason"] == ("max_tokens" if len(tokens) == 32 else "eos")
         assert done["prompt_tokens"] > 20 and done["ttft_ms"] > 0 and done["duration_ms"] >= done["ttft_ms"]
-    [end] = logs.records("generation_done", request_id="r1")
+    [end] = logs.records("generation_done", id="r1")
     assert end["tokens_wasted"] == 0 and end["prompt_tokens_evaluated"] == done["prompt_tokens"]
 
 
@@ -35,7 +36,7 @@ async def test_cancel_during_decode(server, logs):
         assert 5 <= cancelled["tokens_generated"] < 500
         assert len(client.tokens("r1")) == cancelled["tokens_generated"]
         assert cancelled["cancel_latency_ms"] >= 0
-    [end] = logs.records("generation_cancelled", request_id="r1")
+    [end] = logs.records("generation_cancelled", id="r1")
     assert end["reason"] == "user_cancelled" and end["latency_ms"] == cancelled["cancel_latency_ms"]
     assert end["tokens_wasted"] == end["prompt_tokens_evaluated"] + end["tokens_generated"]
 
@@ -65,7 +66,7 @@ async def test_cancel_while_queued_computes_nothing(server, logs):
         cancelled = await client.terminal("q")
         assert cancelled["type"] == "cancelled" and cancelled["tokens_generated"] == 0
         assert cancelled["tokens_after_cancel"] == 0
-        [end] = logs.records("generation_cancelled", request_id="q")
+        [end] = logs.records("generation_cancelled", id="q")
         assert end["prompt_tokens_evaluated"] == 0 and end["tokens_wasted"] == 0
         for request_id in ("busy1", "busy2"):
             await client.send({"type": "cancel", "id": request_id})
@@ -84,8 +85,8 @@ async def test_freed_slot_starts_the_next_queued_request_at_once(server, logs):
         for request_id in ("b",):
             await client.send({"type": "cancel", "id": request_id})
             await client.terminal(request_id)
-    [a_end] = logs.records("generation_cancelled", request_id="a")
-    [c_end] = logs.records("generation_done", request_id="c")
+    [a_end] = logs.records("generation_cancelled", id="a")
+    [c_end] = logs.records("generation_done", id="c")
     # c waited exactly as long as a ran: it started when a's loop exited, not later.
     assert c_end["queue_ms"] <= a_end["duration_ms"] + 50
 
@@ -98,7 +99,7 @@ async def test_client_disconnect_stops_every_request_of_the_connection(server, l
     # The socket is closed: both generations stop within one decode step.
     await wait_for(lambda: len(logs.records("generation_cancelled", reason="client_disconnected")) >= 2)
     for request_id in ("d1", "d2"):
-        [end] = logs.records("generation_cancelled", request_id=request_id)
+        [end] = logs.records("generation_cancelled", id=request_id)
         assert end["reason"] == "client_disconnected" and end["tokens_after_cancel"] <= 1
         assert end["tokens_generated"] < 500
     assert server.scheduler.active == 0
@@ -142,7 +143,7 @@ async def test_first_token_timeout_stops_prefill(engine, logs):
         assert frame["type"] == "timeout" and frame["reason"] == "first_token_timeout", frame
         assert frame["tokens_generated"] == 0
         assert deadline_ms <= frame["elapsed_ms"] <= deadline_ms + 250 * UNIT, frame
-    [end] = logs.records("generation_timeout", request_id="f2")
+    [end] = logs.records("generation_timeout", id="f2")
     assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
 
 
@@ -156,7 +157,7 @@ async def test_timeout_while_queued_never_takes_a_slot(engine, logs):
             assert waits["tokens_generated"] == 0
             await client.send({"type": "cancel", "id": "long"})
             await client.terminal("long")
-    [end] = logs.records("generation_timeout", request_id="waits")
+    [end] = logs.records("generation_timeout", id="waits")
     assert end["prompt_tokens_evaluated"] == 0
 
 
@@ -227,6 +228,7 @@ async def test_server_assigns_ids_when_the_client_does_not(server):
         await client.send({"type": "generate", "messages": CHAT_FRANCE, "max_tokens": 2})
         accepted = await client.recv()
         assert accepted["type"] == "accepted" and len(accepted["id"]) == 36
+        assert accepted["request_id"] == accepted["id"]  # one id is enough
         assert (await client.terminal(accepted["id"]))["type"] == "done"
 
 

@@ -249,7 +249,7 @@ async def test_stop_button_cancels_a_streaming_generation(page, server, logs):
     await asyncio.sleep(0.3 * UNIT)
     assert await message.locator(".text").text_content() == text
 
-    record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+    record = await wait_for_record(logs, "generation_cancelled", id=request_id)
     assert record["reason"] == "user_cancelled"
     assert record["tokens_after_cancel"] <= 1
     assert record["tokens_generated"] == int(count.group(1))
@@ -275,7 +275,7 @@ async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
         clock = await page.evaluate("() => window.__stopClock")
         assert clock["state"] == "cancelled", (attempt, clock)
         assert "Generation cancelled" in await meta(message), attempt
-        record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+        record = await wait_for_record(logs, "generation_cancelled", id=request_id)
         assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] <= 1, record
         samples.append({"request_id": request_id, "dom_ms": round(clock["dom_ms"], 2),
                         "frame_ms": round(clock["frame_ms"], 2), "playwright_ms": round(outside_ms, 2),
@@ -322,7 +322,7 @@ async def test_escape_stops_like_the_stop_button(page, server, logs):
     assert "Generation cancelled" in shown and re.search(r"\d+ tokens? · stopped in \d+\.\d ms", shown), shown
     await expect(page.locator("#send")).to_be_enabled()
 
-    record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+    record = await wait_for_record(logs, "generation_cancelled", id=request_id)
     assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] <= 1
     text_metrics = await metrics(server.port)
     assert metric_value(text_metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
@@ -330,7 +330,7 @@ async def test_escape_stops_like_the_stop_button(page, server, logs):
     # Esc with nothing running does nothing at all.
     await page.keyboard.press("Escape")
     await asyncio.sleep(0.2 * UNIT)
-    assert len(logs.records("generation_cancelled", request_id=request_id)) == 1
+    assert len(logs.records("generation_cancelled", id=request_id)) == 1
     await expect(page.locator(".msg.assistant")).to_have_count(1)
     assert len(logs.records("generation_accepted")) == 1
 
@@ -344,7 +344,7 @@ async def test_reload_mid_generation_cancels_it_on_the_server(page, server, logs
     await expect_connected(page)
     await expect(page.locator(".msg")).to_have_count(0)
 
-    record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+    record = await wait_for_record(logs, "generation_cancelled", id=request_id)
     assert record["reason"] == "client_disconnected"
     # It stopped within one decode step of the socket closing.
     assert record["tokens_after_cancel"] <= 1
@@ -370,7 +370,7 @@ async def test_one_second_timeout_shows_as_timeout(page, server, logs):
     await expect(page.locator("#stop")).to_be_disabled()
     await screenshot(page, "timeout")
 
-    record = await wait_for_record(logs, "generation_timeout", request_id=request_id)
+    record = await wait_for_record(logs, "generation_timeout", id=request_id)
     assert record["reason"] == "total_timeout"
     assert record["tokens_generated"] < 2000
     assert 1000 <= record["duration_ms"] < 10_000 * UNIT
@@ -409,7 +409,7 @@ async def test_page_reconnects_after_the_server_restarts(browser, engine, logs):
         await expect(page.locator("#stop")).to_be_disabled()
         await expect_state(message, "cancelled", timeout=5)
         assert "the server is shutting down" in await meta(message)
-        record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+        record = await wait_for_record(logs, "generation_cancelled", id=request_id)
         assert record["reason"] == "shutdown" and record["tokens_after_cancel"] <= 1
         assert metric_value(first.metrics.render().decode(), "stopline_requests_total",
                             outcome="cancelled", reason="shutdown") == 1
@@ -429,7 +429,7 @@ async def test_page_reconnects_after_the_server_restarts(browser, engine, logs):
         await expect_state(answer, "done", timeout=60)
         assert "Paris" in await answer.locator(".text").text_content()
         assert re.search(r"\d+ tokens? · end of text", await meta(answer))
-        done = await wait_for_record(logs, "generation_done", request_id=answer_id)
+        done = await wait_for_record(logs, "generation_done", id=answer_id)
         assert done["reason"] == "eos"
         assert metric_value(await metrics(port), "stopline_requests_total", outcome="done") == 1
     finally:
@@ -505,7 +505,7 @@ async def test_enter_sends_and_shift_enter_adds_a_line(page, server, logs):
     request_id = await message.get_attribute("data-id")
     await expect_state(message, "done", timeout=60)
     assert await message.locator(".text").text_content()
-    record = await wait_for_record(logs, "generation_done", request_id=request_id)
+    record = await wait_for_record(logs, "generation_done", id=request_id)
     assert record["tokens_generated"] >= 1
 
     # Enter on an empty prompt sends nothing.

@@ -1,0 +1,388 @@
+"""The HTTP API under /v1: generations by request id (SSE, GET, DELETE) and an OpenAI-compatible face.
+
+Every generation started here runs through the same protocol state machine,
+scheduler and native loop as one started on the WebSocket: an
+:class:`HttpSession` is a :class:`ClientSession` whose frames go to an HTTP
+response instead of a socket, so outcomes, logs and metrics are identical.
+
+A closed connection cancels the generation with reason client_disconnected.
+aiohttp cancels a request's handler the moment its connection is lost
+(``handler_cancellation``), streaming or not; the handler's cleanup then asks
+for the stop, which the native loop sees before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from http import HTTPStatus
+
+from aiohttp import web
+
+from .app import ClientSession, StoplineServer
+from .observability import log
+from .protocol import Submit, encode_frame, error_frame
+from .registry import Entry, InvalidCancelToken, UnknownRequest
+from .vocabulary import ErrorCode, Outcome, Reason
+
+TERMINAL_TYPES = {str(outcome) for outcome in Outcome}
+
+_HTTP_STATUS = {
+    ErrorCode.BUSY: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.TOO_MANY_REQUESTS: HTTPStatus.TOO_MANY_REQUESTS,
+    ErrorCode.RATE_LIMITED: HTTPStatus.TOO_MANY_REQUESTS,
+    ErrorCode.INTERNAL_ERROR: HTTPStatus.INTERNAL_SERVER_ERROR,
+    ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
+    ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
+    ErrorCode.ORIGIN_NOT_ALLOWED: HTTPStatus.FORBIDDEN,
+}
+# OpenAI's error ``type`` for each HTTP status it uses.
+_OPENAI_ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+                      429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+# How a done request's reason reads as an OpenAI finish_reason; a cancel or a
+# timeout is named by its own reason (user_cancelled, total_timeout, ...).
+_FINISH_REASON = {"eos": "stop", "stop_sequence": "stop", "max_tokens": "length"}
+_NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no", **_NO_STORE}
+
+
+def http_status(code: str) -> int:
+    return _HTTP_STATUS.get(code, HTTPStatus.BAD_REQUEST)
+
+
+def error_response(code: ErrorCode | str, message: str, *, openai: bool) -> web.Response:
+    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints."""
+    status = http_status(code)
+    if openai:
+        body = {"error": {"message": message, "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
+                          "param": None, "code": str(code)}}
+    else:
+        body = error_frame(code, message)
+    return web.json_response(body, status=status, headers=_NO_STORE)
+
+
+def _request_headers(frame: dict) -> dict:
+    return {"X-Request-Id": frame["request_id"], "X-Cancel-Token": frame["cancel_token"]}
+
+
+class HttpSession(ClientSession):
+    """One HTTP request's generation. ``reply`` turns its frames into the HTTP answer."""
+
+    def __init__(self, server: StoplineServer, peer: str, reply):
+        super().__init__(server, None, peer=peer)
+        self.reply = reply
+        self.answered = asyncio.Event()
+
+    async def _write(self, frame: dict) -> None:
+        if self.answered.is_set():
+            return  # a cancel_ack after the terminal frame: DELETE answers that on its own connection
+        terminal = frame["type"] in TERMINAL_TYPES
+        try:
+            await self.reply.emit(frame)
+        finally:
+            if terminal:
+                self.answered.set()
+
+
+class SseReply:
+    """POST /v1/generations: each frame as a server-sent event named by its type."""
+
+    def __init__(self, http_request: web.Request):
+        self.http_request = http_request
+        self.response: web.StreamResponse | None = None
+
+    def submitted(self, request) -> None:
+        pass
+
+    async def emit(self, frame: dict) -> None:
+        if self.response is None:
+            if frame["type"] == "error":  # refused before it started: a plain HTTP error
+                self.response = error_response(frame["code"], frame["message"], openai=False)
+                return
+            self.response = web.StreamResponse(headers={**_SSE_HEADERS, **_request_headers(frame)})
+            await self.response.prepare(self.http_request)
+        await self.response.write(f"event: {frame['type']}\ndata: {encode_frame(frame)}\n\n".encode())
+
+
+class OpenAIReply:
+    """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end."""
+
+    def __init__(self, http_request: web.Request, model: str, *, chat: bool, stream: bool, include_usage: bool):
+        self.http_request = http_request
+        self.model = model
+        self.chat = chat
+        self.stream = stream
+        self.include_usage = include_usage
+        self.response: web.StreamResponse | None = None
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self._id = ""
+        self._headers: dict = {}
+        self._texts: list[str] = []
+
+    def submitted(self, request) -> None:
+        self.prompt_tokens = len(request.prompt_tokens)
+
+    async def emit(self, frame: dict) -> None:
+        kind = frame["type"]
+        if kind == "accepted":
+            # The id of every chunk is the request id, so a DELETE can name it.
+            self._id, self._headers = frame["request_id"], _request_headers(frame)
+            if self.stream:
+                self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
+                await self.response.prepare(self.http_request)
+                if self.chat:
+                    await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
+        elif kind == "token":
+            if self.stream:
+                await self._chunk(self._choice({"content": frame["text"]} if self.chat else frame["text"], None))
+            else:
+                self._texts.append(frame["text"])
+        elif kind == "error" and not (self.stream and self.response is not None):
+            self.response = error_response(frame["code"], frame["message"], openai=True)
+            self.response.headers.update(self._headers)
+        elif kind == "error":  # the stream had started: OpenAI's in-stream error, then the end marker
+            await self._event({"error": {"message": frame["message"], "type": "server_error", "param": None,
+                                         "code": frame["code"]}})
+            await self.response.write(b"data: [DONE]\n\n")
+        else:
+            await self._end(frame)
+
+    async def _end(self, frame: dict) -> None:
+        finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": frame["tokens_generated"],
+                 "total_tokens": self.prompt_tokens + frame["tokens_generated"]}
+        if self.stream:
+            # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
+            await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
+            if self.include_usage:
+                await self._chunk([], usage=usage)
+            await self.response.write(b"data: [DONE]\n\n")
+            return
+        text = "".join(self._texts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+                  if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        body = {"id": self._id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
+                "stopline": frame}
+        self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+
+    def _choice(self, delta, finish_reason) -> list[dict]:
+        if self.chat:
+            return [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+        return [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+    async def _chunk(self, choices: list[dict], **extra) -> None:
+        await self._event({"id": self._id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                           "created": self.created, "model": self.model, "choices": choices, **extra})
+
+    async def _event(self, body: dict) -> None:
+        await self.response.write(f"data: {encode_frame(body)}\n\n".encode())
+
+
+class BadBody(ValueError):
+    pass
+
+
+def _json_object(text: str) -> dict:
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        raise BadBody(ErrorCode.INVALID_JSON, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadBody(ErrorCode.INVALID_FRAME, "the body must be a JSON object")
+    return body
+
+
+_OPENAI_ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
+# The OpenAI fields Stopline honours as they are; the others are accepted and ignored.
+_OPENAI_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "user")
+
+
+def openai_generate_frame(body: dict, *, chat: bool) -> dict:
+    """The generate frame an OpenAI request body asks for."""
+    frame: dict = {"type": "generate"}
+    if chat:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            messages = [_openai_message(m) for m in messages]
+        frame["messages"] = messages
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadBody(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)")
+        frame["prompt"] = prompt
+    for name in _OPENAI_SAMPLING:
+        if body.get(name) is not None:
+            frame[name] = body[name]
+    if body.get("max_completion_tokens") is not None:
+        frame["max_tokens"] = body["max_completion_tokens"]
+    if body.get("n", 1) != 1:
+        raise BadBody(ErrorCode.INVALID_FIELD, "n must be 1")
+    return frame
+
+
+def _openai_message(message):
+    """A chat message in the protocol's shape: text parts are joined, developer means system."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise BadBody(ErrorCode.INVALID_FIELD, "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    return {"role": _OPENAI_ROLES.get(message.get("role"), message.get("role")), "content": content}
+
+
+class HttpApi:
+    def __init__(self, server: StoplineServer):
+        self.server = server
+        self.app = web.Application(middlewares=[self._guard], client_max_size=server.config.max_frame_bytes)
+        self.app.add_routes([
+            web.post("/v1/generations", self._post_generation),
+            web.get("/v1/generations/{request_id}", self._get_generation),
+            web.delete("/v1/generations/{request_id}", self._delete_generation),
+            web.post("/v1/chat/completions", self._chat_completions),
+            web.post("/v1/completions", self._completions),
+            web.get("/v1/models", self._models),
+        ])
+        self.app.on_response_prepare.append(self._cors_headers)
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def start(self, host: str, port: int) -> None:
+        # handler_cancellation: a lost connection cancels its handler at once, which is how
+        # a client that goes away stops its generation.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound = self._runner.addresses[0][1]
+        self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # Cross-cutting ---------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        # The same rule as /ws: a browser page from elsewhere may not drive the model.
+        if origin is not None and not self.server._origin_allowed(origin, request.host):
+            log.warning("origin_rejected", origin=origin, peer=_peer(request))
+            return error_response(ErrorCode.ORIGIN_NOT_ALLOWED, "origin not allowed", openai=True)
+        if request.method == "OPTIONS" and origin is not None:
+            return web.Response(status=HTTPStatus.NO_CONTENT, headers={
+                "Access-Control-Allow-Methods": "GET, POST, DELETE",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Max-Age": "600"})
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return error_response(ErrorCode.NOT_FOUND, f"no such endpoint: {request.path}", openai=True)
+        except web.HTTPMethodNotAllowed as exc:
+            return error_response(ErrorCode.NOT_FOUND, f"{request.method} is not allowed on {request.path}; "
+                                  f"allowed: {', '.join(sorted(exc.allowed_methods))}", openai=True)
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None:  # the guard has let it through, so it is allowed
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, X-Cancel-Token"
+            response.headers["Vary"] = "Origin"
+
+    # Generations -------------------------------------------------------------
+
+    async def _post_generation(self, request: web.Request) -> web.StreamResponse:
+        try:
+            frame = {**_json_object(await request.text()), "type": "generate"}
+        except BadBody as exc:
+            return error_response(*exc.args, openai=False)
+        return await self._generate(request, frame, SseReply(request))
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = _json_object(await request.text())
+            frame = openai_generate_frame(body, chat=chat)
+        except BadBody as exc:
+            return error_response(*exc.args, openai=True)
+        stream = body.get("stream") is True
+        options = body.get("stream_options")
+        include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+        reply = OpenAIReply(request, self.server.engine.name, chat=chat, stream=stream, include_usage=include_usage)
+        return await self._generate(request, frame, reply)
+
+    async def _generate(self, request: web.Request, frame: dict, reply) -> web.StreamResponse:
+        """Run one generation for this HTTP request; a lost connection cancels it."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None and self.server.config.socket_send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.config.socket_send_buffer)
+        session = HttpSession(self.server, _peer(request), reply)
+        self.server._sessions.add(session)
+        try:
+            actions = session.protocol.receive_text(encode_frame(frame), time.monotonic_ns())
+            for action in actions:
+                if isinstance(action, Submit):
+                    reply.submitted(action.request)
+            await session.perform(actions)
+            await session.answered.wait()
+        finally:
+            # Reached with the request still live only when the client went away.
+            if session.protocol.live:
+                log.info("client_disconnected", peer=session.peer, live_requests=len(session.protocol.live))
+                await session.perform(session.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
+            self.server._sessions.discard(session)
+        return reply.response
+
+    async def _get_generation(self, request: web.Request) -> web.Response:
+        entry = self._authorized(request)
+        if isinstance(entry, web.Response):
+            return entry
+        return web.json_response(entry.describe(), headers=_NO_STORE)
+
+    async def _delete_generation(self, request: web.Request) -> web.Response:
+        # The cancel's arrival time, as for a cancel frame.
+        now = time.monotonic_ns()
+        entry = self._authorized(request)
+        if isinstance(entry, web.Response):
+            return entry
+        if entry.ending is None:
+            session = entry.session
+            await session.perform(session.protocol.request_cancel(entry.request, Reason.USER_CANCELLED, now))
+            # Answer with the outcome that won, which the loop reports within one step.
+            await entry.ended.wait()
+        return web.json_response({"request_id": entry.request_id, "status": str(entry.status)}, headers=_NO_STORE)
+
+    def _authorized(self, request: web.Request) -> Entry | web.Response:
+        """The registry entry this request may see, or the error response saying why not."""
+        request_id = request.match_info["request_id"]
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        try:
+            return self.server.registry.authorize(request_id, token.strip() if scheme.lower() == "bearer" else None)
+        except UnknownRequest:
+            return error_response(ErrorCode.UNKNOWN_REQUEST, f"no generation has id {request_id!r}", openai=False)
+        except InvalidCancelToken:
+            return error_response(ErrorCode.INVALID_CANCEL_TOKEN,
+                                  "send the generation's cancel token as 'Authorization: Bearer <token>'", openai=False)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
+        return web.json_response({"object": "list", "data": [model]}, headers=_NO_STORE)
+
+
+def _peer(request: web.Request) -> str:
+    address = request.transport.get_extra_info("peername") if request.transport else None
+    return f"{address[0]}:{address[1]}" if address else "unknown"

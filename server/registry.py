@@ -1,0 +1,86 @@
+"""Every generation by its server-global ``request_id``, whatever transport started it.
+
+A live entry knows its session (the Sink that owns the request), so a DELETE
+from anyone holding the cancel token stops it exactly as the owner's own
+cancel would. An ended entry keeps only the outcome and the counts, so a
+repeated DELETE or GET gets the same answer after the request is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections import OrderedDict
+
+from .protocol import Ending, Phase, Request
+from .vocabulary import STATUS_BY_OUTCOME, Status
+
+
+class UnknownRequest(LookupError):
+    """No live or remembered request has this id."""
+
+
+class InvalidCancelToken(PermissionError):
+    """The token is missing or is not the request's."""
+
+
+class Entry:
+    def __init__(self, request: Request, session):
+        self.request_id = request.request_id
+        self.cancel_token = request.cancel_token
+        self.request: Request | None = request
+        self.session = session
+        self.ending: Ending | None = None
+        self.ended = asyncio.Event()
+
+    @property
+    def status(self) -> Status:
+        if self.ending is not None:
+            return STATUS_BY_OUTCOME[self.ending.outcome]
+        return {Phase.QUEUED: Status.QUEUED, Phase.PREFILL: Status.PREFILL}.get(self.request.phase, Status.DECODING)
+
+    def describe(self) -> dict:
+        """The status and counts that GET reports."""
+        answer: dict = {"request_id": self.request_id, "status": str(self.status)}
+        if self.ending is None:
+            answer.update(prompt_tokens=len(self.request.prompt_tokens), tokens_generated=self.request.next_index)
+        else:
+            ending = self.ending
+            answer.update(reason=ending.reason, prompt_tokens=ending.prompt_tokens,
+                          tokens_generated=ending.tokens_generated, tokens_after_cancel=ending.tokens_after_cancel,
+                          tokens_wasted=ending.tokens_wasted, duration_ms=ending.duration_ms)
+        return answer
+
+
+class Registry:
+    def __init__(self, remembered: int = 4096):
+        self._live: dict[str, Entry] = {}
+        self._ended: OrderedDict[str, Entry] = OrderedDict()
+        self._remembered = remembered
+
+    def add(self, request: Request, session) -> None:
+        self._live[request.request_id] = Entry(request, session)
+
+    def end(self, request: Request, ending: Ending) -> None:
+        entry = self._live.pop(request.request_id, None)
+        if entry is None:
+            return
+        # Forget the prompt and the connection; keep what GET and DELETE answer with.
+        entry.ending, entry.request, entry.session = ending, None, None
+        entry.ended.set()
+        self._ended[entry.request_id] = entry
+        if len(self._ended) > self._remembered:
+            self._ended.popitem(last=False)
+
+    def get(self, request_id: str) -> Entry | None:
+        """The entry for ``request_id``, unchecked: for code in this process, never for a client."""
+        return self._live.get(request_id) or self._ended.get(request_id)
+
+    def authorize(self, request_id: str, cancel_token: str | None) -> Entry:
+        entry = self.get(request_id)
+        if entry is None:
+            raise UnknownRequest(request_id)
+        # Constant time: the comparison must not reveal how much of a guess was right.
+        if cancel_token is None or not hmac.compare_digest(cancel_token.encode(), entry.cancel_token.encode()):
+            raise InvalidCancelToken(request_id)
+        return entry

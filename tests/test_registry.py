@@ -1,0 +1,67 @@
+"""Request ids, cancel tokens and the registry, driven by plain calls: no sockets, no model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.protocol import Connection, Ending, Limits, Send, Submit
+from server.registry import InvalidCancelToken, Registry, UnknownRequest
+from server.vocabulary import ErrorCode, Outcome, Reason
+
+
+def fake_tokenize(prompt, messages):
+    return list(range(len(prompt.split())))
+
+
+def submitted(conn: Connection, **fields):
+    [action] = conn.receive_text(json.dumps({"type": "generate", "prompt": "a b c", **fields}), 0)
+    assert isinstance(action, Submit), action
+    return action.request
+
+
+@pytest.fixture
+def conn() -> Connection:
+    return Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, now_ns=0)
+
+
+def test_every_request_gets_a_global_id_and_its_own_secret(conn):
+    a, b = submitted(conn, id="r1"), submitted(conn, id="r2")
+    assert a.request_id != "r1" and len(a.request_id) == 36 and a.request_id != b.request_id
+    assert a.cancel_token != b.cancel_token and len(a.cancel_token) >= 32
+    # Without a client id, the server's id serves both purposes.
+    c = submitted(conn)
+    assert c.request_id == c.id
+
+
+def test_user_is_kept_and_checked(conn):
+    assert submitted(conn, id="r1", user="alice").user == "alice"
+    for bad in (7, "x" * 257):
+        [action] = conn.receive_text(json.dumps({"type": "generate", "id": "r2", "prompt": "a", "user": bad}), 0)
+        frame = action.frame
+        assert isinstance(action, Send) and frame["code"] == ErrorCode.INVALID_FIELD and "user" in frame["message"]
+
+
+def test_registry_authorizes_by_token_and_remembers_outcomes(conn):
+    registry = Registry(remembered=2)
+    requests = [submitted(conn, id=f"r{i}") for i in range(3)]
+    for request in requests:
+        registry.add(request, session=None)
+    first = requests[0]
+    with pytest.raises(UnknownRequest):
+        registry.authorize("nope", first.cancel_token)
+    for wrong in (None, "", requests[1].cancel_token, first.cancel_token[:-1]):
+        with pytest.raises(InvalidCancelToken):
+            registry.authorize(first.request_id, wrong)
+    entry = registry.authorize(first.request_id, first.cancel_token)
+    assert entry.status == "queued" and not entry.ended.is_set()
+    registry.end(first, Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=3))
+    assert entry.ended.is_set() and entry.status == "finished" and entry.request is None
+    assert entry.describe()["tokens_generated"] == 3
+    registry.end(requests[1], Ending(Outcome.CANCELLED, str(Reason.USER_CANCELLED)))
+    registry.end(requests[2], Ending(Outcome.TIMEOUT, str(Reason.TOTAL_TIMEOUT)))
+    # Only the most recent ended ids are remembered.
+    with pytest.raises(UnknownRequest):
+        registry.authorize(first.request_id, first.cancel_token)
+    assert registry.authorize(requests[2].request_id, requests[2].cancel_token).status == "timeout"
