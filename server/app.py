@@ -253,9 +253,10 @@ def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
 
 def _static(path: str) -> Response:
     name = "index.html" if path == "/" else path.lstrip("/")
-    # Serve only files that sit directly in web/: no traversal, no directories.
+    # Serve only files that sit directly in web/ or web/vendor/: no traversal, no other directories.
     target = WEB_ROOT / name
-    if "/" in name or not name or not target.is_file():
+    folder, _, leaf = name.rpartition("/")
+    if folder not in ("", "vendor") or not leaf or leaf.startswith(".") or not target.is_file():
         return _response(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
     content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
     if content_type.startswith("text/") or content_type.endswith("javascript"):
