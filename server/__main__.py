@@ -10,6 +10,7 @@ import sys
 
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, DEFAULT_PREFILL_CHUNK, Engine, EngineError
+from .model_check import ModelFileError
 from .observability import configure_logging, log
 
 
@@ -67,6 +68,11 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     try:
         asyncio.run(serve(args))
+    except ModelFileError as exc:
+        # A file that cannot work is a usage error: one line that says why and what would work.
+        log.error("startup_failed", error=str(exc))
+        print(f"stopline: {exc}", file=sys.stderr)
+        return 2
     except (EngineError, ValueError, OSError) as exc:
         log.error("startup_failed", error=str(exc))
         return 1
