@@ -6,6 +6,7 @@ const RETRY_START_MS = 250;
 const RETRY_CAP_MS = 5000;
 const CHATS_KEY = 'stopline.chats.v1';
 const SETTINGS_KEY = 'stopline.settings.v1';
+const OPEN_KEY = 'stopline.open-chat.v1';
 const MAX_CHATS = 100;
 
 const $ = (id) => document.getElementById(id);
@@ -75,6 +76,7 @@ const views = new Map();          // message -> its elements, for the chat on sc
 const requests = new Map();       // request id -> req, for routing server frames
 let current = null;               // the req still running, or null
 let editing = null;               // the user message being edited, or null
+let unsaved = false;              // tokens arrived since the chats were last saved
 
 // ---------- markdown ----------
 
@@ -86,7 +88,7 @@ const renderMarkdown = (() => {
   const { marked, DOMPurify } = window;
   if (!marked || !DOMPurify) return null; // the libraries failed to load: plain text it is
   const parser = new marked.Marked({ gfm: true, breaks: true });
-  parser.use({ renderer: { html: (token) => escapeHtml(token.text) } });
+  parser.use({ renderer: { html: (token) => escapeHtml(token.text).replace(/\n(?!$)/g, '<br>\n') } });
   DOMPurify.addHook('afterSanitizeAttributes', (node) => {
     if (node.tagName === 'A') {
       node.setAttribute('target', '_blank');
@@ -147,6 +149,7 @@ function loadChats() {
 }
 
 function saveChats() {
+  unsaved = false;
   const list = chats.slice(0, MAX_CHATS);
   for (;;) {
     try {
@@ -157,6 +160,13 @@ function saveChats() {
       list.pop(); // drop the oldest and try again
     }
   }
+}
+
+function openedBefore() {
+  let id = null;
+  try { id = localStorage.getItem(OPEN_KEY); } catch { /* storage off */ }
+  if (id === null) return chats[0] ?? null;
+  return chats.find((c) => c.id === id) ?? null;
 }
 
 function loadSettings() {
@@ -336,6 +346,7 @@ function appendToken(req, index, text) {
   if (req.text === '' && req.msg.state === 'streaming') setMeta(req.msg, '');
   req.text += chunk;
   req.msg.content = req.base + req.text;
+  unsaved = true;
   scheduleRender(req);
 }
 
@@ -416,6 +427,7 @@ function answer(partial = null) {
     timeout_s: readNumber(els.timeout, 60),
   });
   touch(chat);
+  try { localStorage.setItem(OPEN_KEY, chat.id); } catch { /* storage off */ }
   refreshActions();
   updateControls();
 }
@@ -589,6 +601,7 @@ async function copy(text, button) {
 
 function showChat(c) {
   chat = c;
+  try { localStorage.setItem(OPEN_KEY, c?.id ?? ''); } catch { /* storage off */ }
   views.clear();
   els.messages.replaceChildren(...(c ? c.messages.map((m) => messageView(m).el) : []));
   hideNotice();
@@ -792,8 +805,14 @@ document.addEventListener('keydown', (e) => {
 window.addEventListener('pagehide', () => {
   pageHidden = true;
   clearTimers();
-  saveChats();
+  if (unsaved) saveChats(); // an answer in progress: keep what arrived
   if (ws) ws.close();
+});
+// Another tab changed the chats: show its list (this tab's open chat stays as it is here).
+window.addEventListener('storage', (e) => {
+  if (e.key !== CHATS_KEY) return;
+  chats = loadChats().map((c) => (c.id === chat?.id ? chat : c));
+  renderChatList();
 });
 window.addEventListener('pageshow', (e) => {
   if (e.persisted) {
@@ -804,7 +823,7 @@ window.addEventListener('pageshow', (e) => {
 
 loadSettings();
 showTheme(window.stoplineTheme.saved());
-// Open the most recent chat, so a reload keeps the conversation on screen.
-showChat(chats[0] ?? null);
+// Open the chat that was on screen, so a reload keeps the conversation.
+showChat(openedBefore());
 connect();
 els.prompt.focus();
