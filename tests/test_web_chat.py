@@ -332,6 +332,36 @@ async def test_deleting_a_chat_while_it_answers_stops_the_answer(chat, server, l
     assert await stored_chats(chat) == []
 
 
+async def test_on_a_narrow_screen_the_chat_list_is_a_panel(browser, server, logs):  # noqa: F811
+    page = await new_page(browser, server.http_url + "/", viewport={"width": 375, "height": 740})
+    try:
+        await settings(page, max_tokens=8, temperature=0)
+        await page.click("details.settings summary")
+        await ask(page, FRANCE)
+        await page.click("#new-chat")
+        toggle = page.locator("#chats-toggle")
+        await expect(page.locator("#sidebar")).to_be_hidden()
+        await expect(toggle).to_have_attribute("aria-expanded", "false")
+        await toggle.click()
+        await expect(toggle).to_have_attribute("aria-expanded", "true")
+        first = page.locator("#chat-list .chat-open").first
+        await expect(first).to_be_visible()
+        await expect(first).to_be_focused()
+        width = await page.evaluate("() => document.documentElement.scrollWidth")
+        assert width <= 375, width
+        await screenshot(page, "narrow-chats")
+        # Esc closes it and gives focus back to the toggle; choosing a chat closes it too.
+        await page.keyboard.press("Escape")
+        await expect(page.locator("#sidebar")).to_be_hidden()
+        await expect(toggle).to_be_focused()
+        await toggle.click()
+        await first.click()
+        await expect(page.locator("#sidebar")).to_be_hidden()
+        await expect(page.locator(".msg")).to_have_count(2)
+    finally:
+        await close_page(page)
+
+
 # ---------- copy, theme ----------
 
 async def test_copy_buttons_copy_the_message_text(chat, server, logs):
