@@ -9,6 +9,7 @@ says why and what would work.
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from conftest import UNIT
 from server import model
-from server.engine import Engine, ModelLoadError
+from server.engine import Engine, ModelLoadError, SamplingParams
 from server.model_check import GGML_MODEL_TYPES, GGUF_ARCHITECTURES, ModelFileError, check_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,3 +124,56 @@ def test_the_engine_refuses_before_loading_anything(tmp_path):
     assert isinstance(info.value, ModelFileError)
     # Nothing was converted into the cache for it.
     assert "\n" not in str(info.value)
+
+
+def write_ggml_gpt2(path: Path, n_vocab=96, n_ctx=64, n_embd=32, n_head=2, n_layer=1) -> Path:
+    """A tiny GPT-2 in the GGML format ctransformers' gpt2 loader reads (random f32 weights)."""
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<I", 0x67676D6C))
+        f.write(struct.pack("<6i", n_vocab, n_ctx, n_embd, n_head, n_layer, 0))  # ftype 0: f32
+        f.write(struct.pack("<i", n_vocab))
+        for word in [bytes([c]) for c in range(32, 32 + n_vocab - 1)] + [b"<|endoftext|>"]:
+            f.write(struct.pack("<I", len(word)) + word)
+
+        def tensor(name: str, shape: tuple):
+            name_bytes = name.encode()
+            f.write(struct.pack("<3i", len(shape), len(name_bytes), 0))
+            f.write(struct.pack(f"<{len(shape)}i", *reversed(shape)) + name_bytes)  # GGML lists the fastest dim first
+            f.write((rng.standard_normal(shape) * 0.02).astype(np.float32).tobytes())
+
+        for name in ("ln_f/g", "ln_f/b"):
+            tensor(f"model/{name}", (n_embd,))
+        tensor("model/wte", (n_vocab, n_embd))
+        tensor("model/wpe", (n_ctx, n_embd))
+        tensor("model/lm_head", (n_vocab, n_embd))
+        for i in range(n_layer):
+            for name in ("ln_1/g", "ln_1/b", "ln_2/g", "ln_2/b", "attn/c_proj/b", "mlp/c_proj/b"):
+                tensor(f"model/h{i}/{name}", (n_embd,))
+            tensor(f"model/h{i}/attn/c_attn/w", (3 * n_embd, n_embd))
+            tensor(f"model/h{i}/attn/c_attn/b", (3 * n_embd,))
+            tensor(f"model/h{i}/attn/c_proj/w", (n_embd, n_embd))
+            tensor(f"model/h{i}/mlp/c_fc/w", (4 * n_embd, n_embd))
+            tensor(f"model/h{i}/mlp/c_fc/b", (4 * n_embd,))
+            tensor(f"model/h{i}/mlp/c_proj/w", (n_embd, 4 * n_embd))
+    return path
+
+
+def test_a_ggml_gpt2_file_loads_streams_and_stops(tmp_path):
+    # The GGML path end to end: the check lets it through, ctransformers loads it,
+    # its own tokenizer encodes, and the native loop streams and stops.
+    path = write_ggml_gpt2(tmp_path / "gpt2.bin")
+    assert check_model_file(path, "gpt2") is None
+    loaded = Engine.load(path, "gpt2", context_length=64, threads=1, progress=False)
+    assert (loaded.context_length, loaded.vocab_size) == (64, 96)
+    assert type(loaded.tokenizer).__name__ == "NativeTokenizer"
+    ids = loaded.encode(prompt="HELLO")
+    assert ids == [ord(c) - 32 for c in "HELLO"]
+    slot = loaded.open_slot()
+    try:
+        stream = loaded.start(slot, ids, SamplingParams(max_tokens=10, temperature=0))
+        text = "".join(stream)
+        assert stream.result.outcome == "done" and stream.result.reason == "max_tokens"
+        assert stream.result.tokens_generated == 10 and text
+    finally:
+        slot.close()
