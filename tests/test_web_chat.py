@@ -8,6 +8,7 @@ the page shows. Screenshots go to artifacts/screenshots/.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -432,3 +433,26 @@ def test_vendored_libraries_match_their_integrity_attributes():
     for package in lock["packages"]:
         assert any(n.endswith("LICENSE") for n in package["files"].values()), package["name"]
         assert re.fullmatch(r"\d+\.\d+\.\d+", package["version"]) and package["integrity"].startswith("sha512-")
+
+
+async def raw_get(port: int, path: str) -> tuple[int, str, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode().lower(), body
+
+
+async def test_the_page_has_a_content_security_policy_and_vendor_files_are_served(server):
+    status, head, _ = await raw_get(server.port, "/")
+    assert status == 200
+    assert "content-security-policy: default-src 'self'; img-src 'self' data:;" in head
+    status, head, body = await raw_get(server.port, "/vendor/purify.min.js")
+    assert status == 200 and "content-type: text/javascript; charset=utf-8" in head
+    assert body == (ROOT / "web" / "vendor" / "purify.min.js").read_bytes()
+    for path in ("/vendor/", "/vendor/../README.md", "/vendor/x/../../README.md", "/vendor/.hidden",
+                 "/docs/protocol.md", "/vendor/%2e%2e/app.js"):
+        status, _, _ = await raw_get(server.port, path)
+        assert status == 404, path
