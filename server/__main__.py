@@ -10,6 +10,7 @@ import sys
 
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, DEFAULT_PREFILL_CHUNK, Engine, EngineError
+from .model import ModelFetchError
 from .model_check import ModelFileError
 from .observability import configure_logging, log
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         log.error("startup_failed", error=str(exc))
         print(f"stopline: {exc}", file=sys.stderr)
         return 2
-    except (EngineError, ValueError, OSError) as exc:
+    except (EngineError, ModelFetchError, ValueError, OSError) as exc:
         log.error("startup_failed", error=str(exc))
         return 1
     return 0
