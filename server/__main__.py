@@ -10,6 +10,8 @@ import sys
 
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
+from .model import ModelFetchError
+from .model_check import ModelFileError
 from .vocabulary import AbortMode
 from .observability import configure_logging, log
 
@@ -75,7 +77,12 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (EngineError, ValueError, OSError) as exc:
+    except ModelFileError as exc:
+        # A file that cannot work is a usage error: one line that says why and what would work.
+        log.error("startup_failed", error=str(exc))
+        print(f"stopline: {exc}", file=sys.stderr)
+        return 2
+    except (EngineError, ModelFetchError, ValueError, OSError) as exc:
         log.error("startup_failed", error=str(exc))
         return 1
     return 0

@@ -266,19 +266,26 @@ def _peer(connection: ServerConnection) -> str:
     return f"{address[0]}:{address[1]}" if address else "unknown"
 
 
-def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+def _response(status: HTTPStatus, body: bytes, content_type: str, extra_headers=()) -> Response:
     headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff")])
+                       ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"), *extra_headers])
     return Response(status.value, status.phrase, headers, body)
+
+
+# The page renders model output: nothing inline, nothing from elsewhere may run or load.
+PAGE_SECURITY_POLICY = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+                        "form-action 'none'; frame-ancestors 'none'")
 
 
 def _static(path: str) -> Response:
     name = "index.html" if path == "/" else path.lstrip("/")
-    # Serve only files that sit directly in web/: no traversal, no directories.
+    # Serve only files that sit directly in web/ or web/vendor/: no traversal, no other directories.
     target = WEB_ROOT / name
-    if "/" in name or not name or not target.is_file():
+    folder, _, leaf = name.rpartition("/")
+    if folder not in ("", "vendor") or not leaf or leaf.startswith(".") or not target.is_file():
         return _response(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
     content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
     if content_type.startswith("text/") or content_type.endswith("javascript"):
         content_type += "; charset=utf-8"
-    return _response(HTTPStatus.OK, target.read_bytes(), content_type)
+    extra = [("Content-Security-Policy", PAGE_SECURITY_POLICY)] if name.endswith(".html") else []
+    return _response(HTTPStatus.OK, target.read_bytes(), content_type, extra)

@@ -29,6 +29,7 @@ import structlog
 from stopline_core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
 
 from . import model as embedded
+from .model_check import check_model_file
 from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
 from .vocabulary import AbortMode
 
@@ -70,25 +71,7 @@ def _ctransformers_library_path() -> str:
 def _validate_model_file(path: Path, model_type: str | None) -> dict | None:
     """Check a model file before handing it to C, which does not survive every
     malformed file. Returns a GGUF file's metadata fields; None for a GGML file."""
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelLoadError(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        if model_type is None:
-            raise ModelLoadError(f"{path} is not a GGUF file; for a GGML file pass its --model-type")
-        return None
-    import gguf
-    try:
-        reader = gguf.GGUFReader(str(path))
-        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    except Exception as exc:  # the reader raises many kinds on damaged files
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
-    if end > path.stat().st_size:
-        raise ModelLoadError(f"{path} is truncated: tensor data ends at byte {end}, the file has {path.stat().st_size}")
-    return reader.fields
+    return check_model_file(path, model_type)
 
 
 def _gguf_version(path: Path) -> int:

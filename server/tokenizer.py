@@ -96,9 +96,15 @@ class NativeTokenizer:
 
 
 def render_chat(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
-    """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn."""
+    """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn.
+
+    A final assistant message is continued: its text goes into the opened turn, so
+    a stopped answer can be picked up where it ended."""
+    prefix = ""
+    if messages and messages[-1]["role"] == "assistant":
+        messages, prefix = messages[:-1], messages[-1]["content"]
     return _template_env().from_string(template or _CHATML).render(
-        messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
+        messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token) + prefix
 
 
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

@@ -652,8 +652,8 @@ def test_non_gguf_file(tmp_path):
     path.write_bytes(random.Random(7).randbytes(1 << 20))
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         Engine.load(path, progress=False)
-    # With a model type it is taken for a GGML file, which ctransformers refuses cleanly.
-    with pytest.raises(ModelLoadError, match="could not create"):
+    # With a model type it must be a GGML file, and it does not start like one.
+    with pytest.raises(ModelLoadError, match="not a GGML file, nor a GGUF one"):
         Engine.load(path, model_type="llama", progress=False)
 
 

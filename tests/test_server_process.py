@@ -80,8 +80,9 @@ async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server", "--port", "0", *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, _ = await asyncio.wait_for(process.communicate(), 60 * UNIT)
-    assert process.returncode == 1
+    out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
+    assert process.returncode == 2
+    assert len(err.decode().splitlines()) == 1 and problem in err.decode()
     [failure] = [json.loads(line) for line in out.decode().splitlines() if '"startup_failed"' in line]
     assert problem in failure["error"]
 

@@ -364,6 +364,17 @@ def test_chat_template_renders_chatml_with_the_assistant_turn_open(tokenizer):
                         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_final_assistant_message_is_continued(tokenizer):
+    # The reply turn is opened with the partial answer in it, not closed and followed by a new one.
+    partial = [*CHAT_FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    assert tokenizer.render_chat(partial) == tokenizer.render_chat(CHAT_FRANCE) + "The capital of France is"
+    plain = dataclasses.replace(tokenizer, chat_template=None)
+    assert plain.render_chat(partial).endswith("<|im_start|>assistant\nThe capital of France is")
+    # Earlier assistant turns stay closed.
+    earlier = [*partial, {"role": "user", "content": "And Spain?"}]
+    assert "The capital of France is<|im_end|>" in tokenizer.render_chat(earlier)
+
+
 def test_fallback_template_is_chatml(tokenizer):
     plain = dataclasses.replace(tokenizer, chat_template=None)
     assert plain.render_chat(CHAT_FRANCE) == (

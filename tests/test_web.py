@@ -342,7 +342,12 @@ async def test_reload_mid_generation_cancels_it_on_the_server(page, server, logs
 
     await page.reload()
     await expect_connected(page)
-    await expect(page.locator(".msg")).to_have_count(0)
+    # The chat is kept; the answer that was running shows as interrupted, with its text so far.
+    await expect(page.locator(".msg.user")).to_have_count(1)
+    kept = page.locator(".msg.assistant")
+    await expect(kept).to_have_count(1)
+    await expect_state(kept, "interrupted")
+    assert len(await kept.locator(".text").text_content()) >= 10
 
     record = await wait_for_record(logs, "generation_cancelled", id=request_id)
     assert record["reason"] == "client_disconnected"

@@ -1,17 +1,23 @@
-// Stopline browser client: one WebSocket, one generation at a time.
+// Stopline browser client: one WebSocket, one generation at a time, chats kept in localStorage.
 // The wire protocol is described in docs/protocol.md.
 
 const WS_URL = `${location.protocol === 'https:' ? 'wss' : 'ws'}://${location.host}/ws`;
 const RETRY_START_MS = 250;
 const RETRY_CAP_MS = 5000;
+const CHATS_KEY = 'stopline.chats.v1';
+const SETTINGS_KEY = 'stopline.settings.v1';
+const OPEN_KEY = 'stopline.open-chat.v1';
+const MAX_CHATS = 100;
 
 const $ = (id) => document.getElementById(id);
 const els = {
   prompt: $('prompt'), send: $('send'), stop: $('stop'), newChat: $('new-chat'),
   form: $('composer-form'), messages: $('messages'), scroller: $('scroller'),
   status: $('status'), statusText: $('status-text'), statusRetry: $('status-retry'),
-  model: $('model'), notice: $('notice'),
-  maxTokens: $('max-tokens'), temperature: $('temperature'), timeout: $('timeout'),
+  model: $('model'), notice: $('notice'), announcer: $('announcer'),
+  maxTokens: $('max-tokens'), temperature: $('temperature'), timeout: $('timeout'), system: $('system-prompt'),
+  theme: $('theme'), chatList: $('chat-list'), noChats: $('no-chats'), chatsToggle: $('chats-toggle'),
+  sidebar: $('sidebar'),
 };
 
 const DONE_REASONS = {
@@ -51,6 +57,11 @@ const ACK_OUTCOME = {
   unknown: ['cancelled', 'Stopped'],
 };
 
+// Answers that ended early keep their text and can be continued from where they ended.
+const STOPPED = new Set(['cancelled', 'timeout', 'interrupted']);
+const THEMES = { auto: 'Theme: Auto', light: 'Theme: Light', dark: 'Theme: Dark' };
+const NEXT_THEME = { auto: 'light', light: 'dark', dark: 'auto' };
+
 let ws = null;
 let retryDelay = RETRY_START_MS;
 let retryTimer = 0;
@@ -58,9 +69,132 @@ let tickTimer = 0;
 let pageHidden = false;
 let counter = 0;
 
-let turns = [];               // [{ user: string, req }] in conversation order
-let requests = new Map();     // request id -> req, for routing server frames
-let current = null;           // the req still running, or null
+// A chat is { id, title, updated, messages: [{ role, content, state?, meta? }] }; only this is stored.
+let chats = loadChats();
+let chat = null;                  // the chat on screen, or null for a new, empty one
+const views = new Map();          // message -> its elements, for the chat on screen
+const requests = new Map();       // request id -> req, for routing server frames
+let current = null;               // the req still running, or null
+let editing = null;               // the user message being edited, or null
+let unsaved = false;              // tokens arrived since the chats were last saved
+
+// ---------- markdown ----------
+
+// Model output is untrusted. Raw HTML in it is shown as text (marked), and whatever
+// markup marked produces is sanitized (DOMPurify): no scripts, no event handlers, and
+// links only to http(s) and mailto. The page's Content-Security-Policy forbids inline
+// scripts as a last line.
+const renderMarkdown = (() => {
+  const { marked, DOMPurify } = window;
+  if (!marked || !DOMPurify) return null; // the libraries failed to load: plain text it is
+  const parser = new marked.Marked({ gfm: true, breaks: true });
+  parser.use({ renderer: { html: (token) => escapeHtml(token.text).replace(/\n(?!$)/g, '<br>\n') } });
+  DOMPurify.addHook('afterSanitizeAttributes', (node) => {
+    if (node.tagName === 'A') {
+      node.setAttribute('target', '_blank');
+      node.setAttribute('rel', 'noopener noreferrer nofollow');
+    }
+  });
+  const options = {
+    FORBID_TAGS: ['style', 'form', 'input', 'button', 'textarea', 'select', 'iframe', 'object', 'embed'],
+    FORBID_ATTR: ['style'],
+    ALLOWED_URI_REGEXP: /^(?:https?:|mailto:)/i,
+  };
+  return (text) => DOMPurify.sanitize(parser.parse(text), options);
+})();
+
+if (window.hljs) window.hljs.configure({ ignoreUnescapedHTML: true });
+
+function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+}
+
+function renderText(view, text) {
+  if (renderMarkdown) view.textEl.innerHTML = renderMarkdown(text);
+  else view.textEl.textContent = text;
+}
+
+// Highlighting and code copy buttons once an answer is final (not on every token).
+function decorate(view) {
+  for (const pre of view.textEl.querySelectorAll('pre')) {
+    const code = pre.querySelector('code');
+    if (!code || pre.querySelector('.copy-code')) continue;
+    if (window.hljs) window.hljs.highlightElement(code);
+    const button = h('button', 'copy-code', 'Copy');
+    button.type = 'button';
+    button.setAttribute('aria-label', 'Copy code');
+    button.addEventListener('click', () => copy(code.textContent, button));
+    pre.prepend(button);
+  }
+}
+
+// ---------- storage ----------
+
+function loadChats() {
+  let stored = [];
+  try {
+    stored = JSON.parse(localStorage.getItem(CHATS_KEY) ?? '[]');
+  } catch { /* unreadable or storage off: start empty */ }
+  if (!Array.isArray(stored)) return [];
+  for (const c of stored) {
+    for (const m of c.messages ?? []) {
+      // The page went away while it was answering; the server cancelled that answer.
+      if (m.state === 'streaming' || m.state === 'stopping') {
+        m.state = 'interrupted';
+        m.meta = 'Interrupted: the page was closed while answering';
+      }
+    }
+  }
+  return stored.filter((c) => c && typeof c.id === 'string' && Array.isArray(c.messages));
+}
+
+function saveChats() {
+  unsaved = false;
+  const list = chats.slice(0, MAX_CHATS);
+  for (;;) {
+    try {
+      localStorage.setItem(CHATS_KEY, JSON.stringify(list));
+      return;
+    } catch {
+      if (list.length <= 1) return; // storage off or full: the chat lives in this page only
+      list.pop(); // drop the oldest and try again
+    }
+  }
+}
+
+function openedBefore() {
+  let id = null;
+  try { id = localStorage.getItem(OPEN_KEY); } catch { /* storage off */ }
+  if (id === null) return chats[0] ?? null;
+  return chats.find((c) => c.id === id) ?? null;
+}
+
+function loadSettings() {
+  let s = {};
+  try { s = JSON.parse(localStorage.getItem(SETTINGS_KEY) ?? '{}') ?? {}; } catch { /* defaults */ }
+  if (typeof s.system === 'string') els.system.value = s.system;
+  for (const [key, input] of [['maxTokens', els.maxTokens], ['temperature', els.temperature], ['timeout', els.timeout]]) {
+    if (typeof s[key] === 'number') input.value = String(s[key]);
+  }
+}
+
+function saveSettings() {
+  const s = {
+    system: els.system.value,
+    maxTokens: readNumber(els.maxTokens, 256),
+    temperature: readNumber(els.temperature, 0.7),
+    timeout: readNumber(els.timeout, 60),
+  };
+  try { localStorage.setItem(SETTINGS_KEY, JSON.stringify(s)); } catch { /* storage off */ }
+}
+
+function touch(c) {
+  if (c !== chat && !chats.includes(c)) return; // deleted while its answer was ending
+  c.updated = Date.now();
+  chats = [c, ...chats.filter((x) => x !== c)];
+  saveChats();
+  renderChatList();
+}
 
 // ---------- connection ----------
 
@@ -142,8 +276,8 @@ function onFrame(msg) {
       break;
 
     case 'accepted':
-      if (req && req.state === 'streaming' && req.text === '') {
-        setMeta(req, msg.queue_position > 0 ? `Queued (position ${msg.queue_position})…` : 'Generating…');
+      if (req && req.msg.state === 'streaming' && req.text === '') {
+        setMeta(req.msg, msg.queue_position > 0 ? `Queued (position ${msg.queue_position})…` : 'Generating…');
       }
       break;
 
@@ -155,7 +289,7 @@ function onFrame(msg) {
       if (!req) break;
       const parts = [countTokens(msg.tokens_generated), DONE_REASONS[msg.reason] ?? msg.reason];
       // A Stop that lost the race: say so, or the user wonders why it did not cancel.
-      if (req.state === 'stopping') parts.push('finished before the stop arrived');
+      if (req.msg.state === 'stopping') parts.push('finished before the stop arrived');
       finish(req, 'done', join(parts));
       break;
     }
@@ -188,7 +322,7 @@ function onFrame(msg) {
     case 'cancel_ack':
       // The cancel found nothing to stop. Normally the terminal frame came first and
       // already ended "Stopping…"; if not, the ack is the last word on this request.
-      if (req && req.state === 'stopping') {
+      if (req && req.msg.state === 'stopping') {
         const [state, text] = ACK_OUTCOME[msg.status] ?? ACK_OUTCOME.unknown;
         finish(req, state, text);
       }
@@ -209,16 +343,42 @@ function appendToken(req, index, text) {
     req.next += 1;
   }
   if (!chunk) return;
-  if (req.text === '' && req.state === 'streaming') setMeta(req, '');
+  if (req.text === '' && req.msg.state === 'streaming') setMeta(req.msg, '');
   req.text += chunk;
-  keepScrolled(() => req.textEl.append(chunk));
+  req.msg.content = req.base + req.text;
+  unsaved = true;
+  scheduleRender(req);
+}
+
+// Re-render the answer at most once a frame; a burst of tokens costs one parse.
+function scheduleRender(req) {
+  if (req.frame) return;
+  req.frame = requestAnimationFrame(() => {
+    req.frame = 0;
+    const view = views.get(req.msg);
+    if (view) keepScrolled(() => renderText(view, req.msg.content));
+  });
 }
 
 function finish(req, state, text) {
   req.over = true;
-  setState(req, state);
-  setMeta(req, text);
+  cancelAnimationFrame(req.frame);
+  req.frame = 0;
+  const { msg } = req;
+  msg.state = state;
+  msg.meta = text;
+  const view = views.get(msg);
+  if (view) {
+    keepScrolled(() => renderText(view, msg.content));
+    view.el.dataset.state = state;
+    view.el.removeAttribute('aria-busy');
+    view.metaEl.textContent = text;
+    setTimeout(() => decorate(view), 0); // off the path from the terminal frame to the screen
+  }
+  requests.delete(req.id);
   if (current === req) current = null;
+  if (req.chat) touch(req.chat);
+  refreshActions();
   updateControls();
 }
 
@@ -227,59 +387,189 @@ function finish(req, state, text) {
 function send() {
   const content = els.prompt.value.trim();
   if (!content || current || !isOpen()) return;
+  if (!chat) {
+    chat = { id: `chat-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`,
+      title: content.replace(/\s+/g, ' ').slice(0, 80), updated: Date.now(), messages: [] };
+  }
+  const user = { role: 'user', content };
+  chat.messages.push(user);
+  keepScrolled(() => els.messages.append(messageView(user).el));
+  answer();
+  els.prompt.value = '';
+  autosize();
+}
 
+// Ask for a reply to the conversation as it stands; with `partial`, continue that answer instead.
+function answer(partial = null) {
+  hideNotice();
+  const history = conversation();
+  let msg = partial;
+  if (!msg) {
+    msg = { role: 'assistant', content: '', state: '', meta: '' };
+    chat.messages.push(msg);
+    keepScrolled(() => els.messages.append(messageView(msg).el));
+  }
   const id = `c${++counter}-${Math.random().toString(36).slice(2, 8)}`;
-  const frame = {
+  const req = { id, msg, chat, sock: ws, base: msg.content, text: '', next: 0, pending: new Map(), over: false, frame: 0 };
+  requests.set(id, req);
+  current = req;
+  const view = views.get(msg);
+  view.el.dataset.id = id;
+  view.el.setAttribute('aria-busy', 'true'); // announce the answer once it is complete, not token by token
+  setState(msg, 'streaming');
+  setMeta(msg, partial ? 'Continuing…' : 'Waiting…');
+  sendFrame({
     type: 'generate',
     id,
-    messages: [...history(), { role: 'user', content }],
+    messages: history,
     max_tokens: Math.round(readNumber(els.maxTokens, 256)),
     temperature: readNumber(els.temperature, 0.7),
     timeout_s: readNumber(els.timeout, 60),
-  };
-
-  addUserMessage(content);
-  const req = addAssistantMessage(id);
-  req.sock = ws;
-  turns.push({ user: content, req });
-  requests.set(id, req);
-  current = req;
-  sendFrame(frame);
-
-  els.prompt.value = '';
-  autosize();
-  hideNotice();
+  });
+  touch(chat);
+  try { localStorage.setItem(OPEN_KEY, chat.id); } catch { /* storage off */ }
+  refreshActions();
   updateControls();
 }
 
 function stop() {
-  if (!current || current.state !== 'streaming') return;
-  setState(current, 'stopping');
-  setMeta(current, 'Stopping…');
+  if (!current || current.msg.state !== 'streaming') return;
+  setState(current.msg, 'stopping');
+  setMeta(current.msg, 'Stopping…');
   sendFrame({ type: 'cancel', id: current.id });
   updateControls();
 }
 
+// Starting over or switching chats must not leave an answer burning server time.
+function leaveCurrent() {
+  if (current) {
+    stop();
+    current = null;
+  }
+  editing = null;
+}
+
 function newChat() {
-  // Starting over must not leave the old answer burning server time.
-  if (current) sendFrame({ type: 'cancel', id: current.id });
-  current = null;
-  turns = [];
-  requests = new Map();
-  els.messages.replaceChildren();
-  hideNotice();
-  updateControls();
+  leaveCurrent();
+  showChat(null);
   els.prompt.focus();
 }
 
-// Past turns as chat messages. Turns that errored never reached the model (or broke it),
-// so they are left out; otherwise a too-long prompt would poison every later request.
-function history() {
-  return turns
-    .filter((t) => t.req.state !== 'error')
-    .flatMap((t) => (t.req.text
-      ? [{ role: 'user', content: t.user }, { role: 'assistant', content: t.req.text }]
-      : [{ role: 'user', content: t.user }]));
+function regenerate() {
+  const last = chat?.messages.at(-1);
+  if (current || !isOpen() || last?.role !== 'assistant') return;
+  chat.messages.pop();
+  views.get(last)?.el.remove();
+  views.delete(last);
+  answer();
+}
+
+function continueAnswer() {
+  const last = chat?.messages.at(-1);
+  if (current || !isOpen() || last?.role !== 'assistant' || !STOPPED.has(last.state) || !last.content) return;
+  answer(last);
+}
+
+function startEdit(msg) {
+  if (current || editing) return;
+  editing = msg;
+  const view = views.get(msg);
+  const form = h('form', 'edit');
+  const box = h('textarea', 'edit-text');
+  box.value = msg.content;
+  box.rows = Math.min(8, msg.content.split('\n').length + 1);
+  box.setAttribute('aria-label', 'Edit message');
+  const save = h('button', 'edit-send', 'Send');
+  save.type = 'submit';
+  const cancel = h('button', 'secondary edit-cancel', 'Cancel');
+  cancel.type = 'button';
+  const buttons = h('div', 'edit-actions');
+  buttons.append(save, cancel);
+  form.append(box, buttons);
+  view.textEl.hidden = true;
+  view.actionsEl.hidden = true;
+  view.el.insertBefore(form, view.actionsEl);
+  const close = () => {
+    form.remove();
+    view.textEl.hidden = false;
+    view.actionsEl.hidden = false;
+    editing = null;
+    refreshActions();
+  };
+  form.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const content = box.value.trim();
+    if (!content || !isOpen() || current) return;
+    close();
+    resendFrom(msg, content);
+  });
+  box.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      form.requestSubmit();
+    } else if (e.key === 'Escape') {
+      e.preventDefault();
+      e.stopPropagation();
+      close();
+      view.actionsEl.querySelector('.edit')?.focus();
+    }
+  });
+  cancel.addEventListener('click', () => {
+    close();
+    view.actionsEl.querySelector('.edit')?.focus();
+  });
+  refreshActions();
+  box.focus();
+}
+
+// Edit-and-resend: the conversation after the edited message is dropped and answered anew.
+function resendFrom(msg, content) {
+  const at = chat.messages.indexOf(msg);
+  for (const later of chat.messages.splice(at + 1)) {
+    views.get(later)?.el.remove();
+    views.delete(later);
+  }
+  msg.content = content;
+  views.get(msg).textEl.textContent = content;
+  answer();
+}
+
+function deleteChat(c) {
+  if (current?.chat === c) leaveCurrent();
+  chats = chats.filter((x) => x !== c);
+  saveChats();
+  if (chat === c) showChat(null);
+  else renderChatList();
+  announce(`Deleted “${c.title}”`);
+  els.prompt.focus();
+}
+
+function openChat(c) {
+  if (c === chat) return;
+  leaveCurrent();
+  showChat(c);
+  closeSidebarIfOverlay();
+  els.prompt.focus();
+}
+
+// Past turns as chat messages, with the system prompt first. Turns that errored never
+// reached the model (or broke it), so they are left out; otherwise a too-long prompt would
+// poison every later request. An empty answer (stopped before its first token) is left out too.
+function conversation() {
+  const out = [];
+  const system = els.system.value.trim();
+  if (system) out.push({ role: 'system', content: system });
+  const list = chat.messages;
+  for (let i = 0; i < list.length; i += 1) {
+    const m = list[i];
+    if (m.role === 'user' && list[i + 1]?.state === 'error') {
+      i += 1;
+      continue;
+    }
+    if (m.role === 'assistant' && (!m.content || m.state === 'error')) continue;
+    out.push({ role: m.role, content: m.content });
+  }
+  return out;
 }
 
 function readNumber(input, fallback) {
@@ -287,42 +577,131 @@ function readNumber(input, fallback) {
   return Number.isFinite(n) ? n : fallback;
 }
 
+async function copy(text, button) {
+  let ok = false;
+  try {
+    await navigator.clipboard.writeText(text);
+    ok = true;
+  } catch {
+    // No clipboard API (an insecure origin, say): the older way.
+    const area = h('textarea', 'visually-hidden');
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    try { ok = document.execCommand('copy'); } catch { ok = false; }
+    area.remove();
+  }
+  const label = button.textContent;
+  button.textContent = ok ? 'Copied' : 'Copy failed';
+  announce(ok ? 'Copied to the clipboard' : 'Could not copy');
+  setTimeout(() => { button.textContent = label; }, 1500);
+}
+
 // ---------- rendering ----------
 
-function addUserMessage(content) {
-  const el = h('article', 'msg user');
-  el.append(h('div', 'who', 'You'), h('div', 'text', content));
-  keepScrolled(() => els.messages.append(el));
+function showChat(c) {
+  chat = c;
+  try { localStorage.setItem(OPEN_KEY, c?.id ?? ''); } catch { /* storage off */ }
+  views.clear();
+  els.messages.replaceChildren(...(c ? c.messages.map((m) => messageView(m).el) : []));
+  hideNotice();
+  renderChatList();
+  refreshActions();
+  updateControls();
+  els.scroller.scrollTop = els.scroller.scrollHeight;
 }
 
-function addAssistantMessage(id) {
-  const el = h('article', 'msg assistant');
-  el.dataset.id = id;
-  const textEl = h('div', 'text');
-  const metaEl = h('div', 'meta', 'Waiting…');
-  el.append(h('div', 'who', 'Assistant'), textEl, metaEl);
-  const req = { id, el, textEl, metaEl, sock: null, text: '', next: 0, pending: new Map(), state: '', over: false };
-  setState(req, 'streaming');
-  keepScrolled(() => els.messages.append(el));
-  return req;
+function messageView(msg) {
+  const assistant = msg.role === 'assistant';
+  const el = h('article', `msg ${msg.role}`);
+  const textEl = h('div', assistant ? 'text markdown' : 'text');
+  const actionsEl = h('div', 'msg-actions');
+  const view = { el, textEl, actionsEl, metaEl: null, buttons: {} };
+  views.set(msg, view);
+  const button = (name, label, aria, onClick) => {
+    const b = h('button', `link ${name}`, label);
+    b.type = 'button';
+    b.setAttribute('aria-label', aria);
+    b.addEventListener('click', onClick);
+    actionsEl.append(b);
+    view.buttons[name] = b;
+  };
+  button('copy', 'Copy', assistant ? 'Copy answer' : 'Copy message', (e) => copy(msg.content, e.currentTarget));
+  if (assistant) {
+    view.metaEl = h('div', 'meta', msg.meta ?? '');
+    el.dataset.state = msg.state || 'done';
+    renderText(view, msg.content);
+    button('regenerate', 'Regenerate', 'Regenerate this answer', regenerate);
+    button('continue', 'Continue', 'Continue this answer', continueAnswer);
+    el.append(h('div', 'who', 'Assistant'), textEl, view.metaEl, actionsEl);
+    if (msg.content) setTimeout(() => decorate(view), 0);
+  } else {
+    textEl.textContent = msg.content;
+    button('edit', 'Edit', 'Edit and resend this message', () => startEdit(msg));
+    el.append(h('div', 'who', 'You'), textEl, actionsEl);
+  }
+  return view;
 }
 
-function setState(req, state) {
-  req.state = state;
-  req.el.dataset.state = state;
+// Which actions a message offers depends on the whole conversation: only the last answer can be
+// regenerated or continued, and nothing is offered while an answer is being written.
+function refreshActions() {
+  if (!chat) return;
+  const idle = current === null && editing === null;
+  const last = chat.messages.at(-1);
+  for (const msg of chat.messages) {
+    const view = views.get(msg);
+    if (!view) continue;
+    const { buttons } = view;
+    const busy = msg === current?.msg;
+    buttons.copy.hidden = busy || !msg.content;
+    if (msg.role === 'assistant') {
+      buttons.regenerate.hidden = !(idle && msg === last);
+      buttons.continue.hidden = !(idle && msg === last && STOPPED.has(msg.state) && msg.content);
+    } else {
+      buttons.edit.hidden = !idle;
+    }
+  }
 }
 
-function setMeta(req, text) {
-  req.metaEl.textContent = text;
+function renderChatList() {
+  els.chatList.replaceChildren(...chats.map((c) => {
+    const li = h('li', 'chat-item');
+    const open = h('button', 'chat-open', c.title || 'Untitled');
+    open.type = 'button';
+    open.title = c.title;
+    if (c === chat) open.setAttribute('aria-current', 'true');
+    open.addEventListener('click', () => openChat(c));
+    const del = h('button', 'chat-delete', '×');
+    del.type = 'button';
+    del.setAttribute('aria-label', `Delete chat “${c.title}”`);
+    del.addEventListener('click', () => deleteChat(c));
+    li.append(open, del);
+    return li;
+  }));
+  els.noChats.hidden = chats.length > 0;
+}
+
+function setState(msg, state) {
+  msg.state = state;
+  const view = views.get(msg);
+  if (view) view.el.dataset.state = state;
+}
+
+function setMeta(msg, text) {
+  msg.meta = text;
+  const view = views.get(msg);
+  if (view) view.metaEl.textContent = text;
 }
 
 function updateControls() {
   const running = current !== null;
   els.send.disabled = running || !isOpen();
-  els.stop.disabled = !running || current.state !== 'streaming';
+  els.stop.disabled = !running || current.msg.state !== 'streaming';
+  for (const b of els.messages.querySelectorAll('.regenerate, .continue, .edit-send')) b.disabled = !isOpen();
   // A disabled button drops keyboard focus on the floor; hand it back to the prompt.
   const active = document.activeElement;
-  if (active && active.disabled) els.prompt.focus();
+  if (active && (active.disabled || active.hidden)) els.prompt.focus();
 }
 
 function showNotice(text) {
@@ -333,6 +712,12 @@ function showNotice(text) {
 function hideNotice() {
   els.notice.hidden = true;
   els.notice.textContent = '';
+}
+
+function announce(text) {
+  els.announcer.textContent = '';
+  // A new text node in a live region is announced even when the words repeat.
+  requestAnimationFrame(() => { els.announcer.textContent = text; });
 }
 
 // Follow the stream only if the reader is already at the bottom; never yank them back up.
@@ -347,6 +732,23 @@ function autosize() {
   const p = els.prompt;
   p.style.height = 'auto';
   p.style.height = `${Math.min(p.scrollHeight, 200)}px`;
+}
+
+function showTheme(choice) {
+  els.theme.textContent = THEMES[choice];
+  const next = NEXT_THEME[choice];
+  const now = choice === 'auto' ? 'follows the system' : choice;
+  els.theme.setAttribute('aria-label', `Theme: ${now}. Switch to ${next === 'auto' ? 'the system theme' : next}`);
+}
+
+function closeSidebarIfOverlay() {
+  if (document.body.classList.contains('sidebar-open')) toggleSidebar(false);
+}
+
+function toggleSidebar(open) {
+  document.body.classList.toggle('sidebar-open', open);
+  els.chatsToggle.setAttribute('aria-expanded', String(open));
+  if (open) els.chatList.querySelector('button')?.focus();
 }
 
 function h(tag, className, text) {
@@ -377,11 +779,25 @@ els.prompt.addEventListener('input', autosize);
 
 els.stop.addEventListener('click', stop);
 els.newChat.addEventListener('click', newChat);
+els.theme.addEventListener('click', () => {
+  const next = NEXT_THEME[window.stoplineTheme.saved()];
+  window.stoplineTheme.set(next);
+  showTheme(next);
+});
+els.chatsToggle.addEventListener('click', () => toggleSidebar(!document.body.classList.contains('sidebar-open')));
+for (const input of [els.system, els.maxTokens, els.temperature, els.timeout]) {
+  input.addEventListener('change', saveSettings);
+}
+els.system.addEventListener('input', saveSettings);
 
 document.addEventListener('keydown', (e) => {
-  if (e.key === 'Escape' && current) {
+  if (e.key !== 'Escape') return;
+  if (current) {
     e.preventDefault();
     stop();
+  } else if (document.body.classList.contains('sidebar-open')) {
+    toggleSidebar(false);
+    els.chatsToggle.focus();
   }
 });
 
@@ -389,7 +805,14 @@ document.addEventListener('keydown', (e) => {
 window.addEventListener('pagehide', () => {
   pageHidden = true;
   clearTimers();
+  if (unsaved) saveChats(); // an answer in progress: keep what arrived
   if (ws) ws.close();
+});
+// Another tab changed the chats: show its list (this tab's open chat stays as it is here).
+window.addEventListener('storage', (e) => {
+  if (e.key !== CHATS_KEY) return;
+  chats = loadChats().map((c) => (c.id === chat?.id ? chat : c));
+  renderChatList();
 });
 window.addEventListener('pageshow', (e) => {
   if (e.persisted) {
@@ -398,5 +821,9 @@ window.addEventListener('pageshow', (e) => {
   }
 });
 
+loadSettings();
+showTheme(window.stoplineTheme.saved());
+// Open the chat that was on screen, so a reload keeps the conversation.
+showChat(openedBefore());
 connect();
 els.prompt.focus();

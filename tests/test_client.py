@@ -1,0 +1,211 @@
+"""The terminal client against a real server: one-shot answers, the interactive chat in a
+pseudo-terminal (pexpect), Ctrl-C, Ctrl-D, commands, URLs and one-line failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from conftest import UNIT, fetch_metrics, metric_value
+from server.client import UsageError, default_url, websocket_url
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG_STORY = "Write a very long story about a dragon."
+PROMPT = "\r\n> "
+
+
+def env(**extra) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STOPLINE_")}
+    return {**base, "PYTHONUNBUFFERED": "1", "TERM": "dumb", **extra}
+
+
+async def in_thread(function, *args, **kwargs):
+    # pexpect blocks; the server under test runs on this event loop and must keep running.
+    return await asyncio.to_thread(function, *args, **kwargs)
+
+
+def spawn(*args, **environ) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "server.client", *args], cwd=str(ROOT), env=env(**environ),
+                          encoding="utf-8", timeout=60 * UNIT, dimensions=(40, 200))
+    return child
+
+
+async def expect(child, pattern, timeout=60):
+    return await in_thread(child.expect, pattern, timeout=timeout * UNIT)
+
+
+async def close(child) -> int:
+    await in_thread(child.expect, pexpect.EOF, timeout=30 * UNIT)
+    child.close()
+    return child.exitstatus
+
+
+# ---------- URLs ----------
+
+@pytest.mark.parametrize("given, expected", [
+    ("ws://127.0.0.1:8765/ws", "ws://127.0.0.1:8765/ws"),
+    ("ws://127.0.0.1:8765", "ws://127.0.0.1:8765/ws"),
+    ("http://127.0.0.1:9000", "ws://127.0.0.1:9000/ws"),
+    ("http://127.0.0.1:9000/", "ws://127.0.0.1:9000/ws"),
+    ("https://chat.example.org/ws", "wss://chat.example.org/ws"),
+    ("wss://chat.example.org/", "wss://chat.example.org/ws"),
+    ("http://[::1]:9000", "ws://[::1]:9000/ws"),
+])
+def test_url_forms(given, expected):
+    assert websocket_url(given) == expected
+
+
+@pytest.mark.parametrize("given", ["ftp://host/", "127.0.0.1:8765", "http://", "http://host:99999", "http://host/api"])
+def test_bad_urls_are_refused(given):
+    with pytest.raises(UsageError):
+        websocket_url(given)
+
+
+def test_host_and_port_come_from_the_environment():
+    assert default_url({}) == "ws://127.0.0.1:8765/ws"
+    assert default_url({"STOPLINE_HOST": "localhost", "STOPLINE_PORT": "9100"}) == "ws://localhost:9100/ws"
+    assert default_url({"STOPLINE_HOST": "::1"}) == "ws://[::1]:8765/ws"
+
+
+# ---------- one-line failures ----------
+
+def run_client(*args, **environ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.client", *args], cwd=ROOT, env=env(**environ),
+                          capture_output=True, text=True, timeout=60 * UNIT)
+
+
+@pytest.mark.parametrize("args, code, says", [
+    ([""], 2, "the prompt is empty"),
+    (["   "], 2, "the prompt is empty"),
+    (["--url", "ftp://127.0.0.1/", "hi"], 2, "bad --url 'ftp://127.0.0.1/'"),
+    (["--url", "http://127.0.0.1:1", "hi"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
+    (["--url", "http://127.0.0.1:1"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
+])
+def test_failures_are_one_line(args, code, says):
+    result = run_client(*args)
+    assert result.returncode == code, result
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
+    result = await in_thread(run_client, "What is the capital of France?", "--temperature", "0",
+                             "--max-tokens", "32", STOPLINE_HOST="127.0.0.1", STOPLINE_PORT=str(server.port))
+    assert result.returncode == 0, result
+    assert "Paris" in result.stdout
+    assert result.stderr.startswith("[done: eos, ") and result.stderr.count("\n") == 1, result.stderr
+    [record] = logs.records("generation_done")
+    assert record["reason"] == "eos"
+
+
+# ---------- the interactive chat ----------
+
+async def test_interactive_chat_keeps_history_and_ctrl_c_stops_the_answer(server, logs):
+    child = spawn("--url", server.http_url, "--temperature", "0", "--max-tokens", "400")
+    try:
+        await expect(child, r"Chatting with SmolLM2-135M-Instruct at ws://127\.0\.0\.1:\d+/ws")
+        await expect(child, PROMPT)
+
+        # A first question, answered in full.
+        child.sendline("What is the capital of France? Answer in one word.")
+        await expect(child, r"\[done: (eos|max_tokens), \d+ tokens")
+        await expect(child, PROMPT)
+        [first] = logs.records("generation_accepted")
+
+        # Ctrl-C mid-answer: the cancel summary, then the prompt again.
+        child.sendline(LONG_STORY)
+        await expect(child, re.escape(LONG_STORY) + "\r\n")  # the terminal's echo
+        await expect(child, r"\w+ \w+ \w+ \w+ \w+")  # a few words of the story
+        child.sendintr()
+        await expect(child, r"\[cancelled: user_cancelled, \d+ tokens, [01] after the cancel, stopped in \d+\.\d ms\]")
+        await expect(child, PROMPT)
+        [cancelled] = logs.records("generation_cancelled")
+        assert cancelled["reason"] == "user_cancelled" and cancelled["tokens_after_cancel"] <= 1
+        assert 0 < cancelled["tokens_generated"] < 400
+
+        # The conversation so far travels with the next question: both earlier turns are in its prompt.
+        child.sendline("Thanks.")
+        await expect(child, r"\[done: ")
+        await expect(child, PROMPT)
+        accepted = logs.records("generation_accepted")
+        assert len(accepted) == 3
+        second, third = accepted[1], accepted[2]
+        assert third["prompt_tokens"] > second["prompt_tokens"] + cancelled["tokens_generated"] > first["prompt_tokens"]
+
+        # /reset forgets it; /system adds a system prompt.
+        child.sendline("/reset")
+        await expect(child, r"\(conversation cleared\)")
+        child.sendline("Thanks.")
+        await expect(child, r"\[done: ")
+        await expect(child, PROMPT)
+        after_reset = logs.records("generation_accepted")[3]
+        assert after_reset["prompt_tokens"] < third["prompt_tokens"]
+        # (Longer than the template's default system prompt, which it replaces.)
+        child.sendline("/system " + "You are a pirate and always answer like a pirate would. " * 6)
+        await expect(child, r"\(system prompt set; conversation cleared\)")
+        child.sendline("Thanks.")
+        await expect(child, r"\[done: ")
+        await expect(child, PROMPT)
+        with_system = logs.records("generation_accepted")[4]
+        assert with_system["prompt_tokens"] > after_reset["prompt_tokens"] + 40
+
+        child.sendline("/help")
+        await expect(child, r"/system TEXT.*\r\n.*/reset.*\r\n.*/help")
+        child.sendline("/nonsense")
+        await expect(child, "unknown command /nonsense; /help lists the commands")
+
+        # An empty line sends nothing.
+        child.sendline("")
+        await expect(child, PROMPT)
+        assert len(logs.records("generation_accepted")) == 5
+
+        # Ctrl-D at the prompt leaves with 0.
+        child.sendeof()
+        assert await close(child) == 0
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+    text = await fetch_metrics(server)
+    assert metric_value(text, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
+    assert metric_value(text, "stopline_requests_total", outcome="done") == 4
+
+
+async def test_ctrl_c_twice_at_the_prompt_leaves(server, logs):
+    child = spawn("--url", f"ws://127.0.0.1:{server.port}")
+    try:
+        await expect(child, PROMPT)
+        child.sendintr()
+        await expect(child, r"\(Ctrl-C again or Ctrl-D to leave\)")
+        await expect(child, PROMPT)
+        child.sendintr()
+        assert await close(child) == 0
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+    assert not logs.records("generation_accepted")
+
+
+async def test_the_chat_survives_a_server_that_went_away(engine, logs):
+    from conftest import running_server
+
+    async with running_server(engine) as server:
+        child = spawn(STOPLINE_PORT=str(server.port))
+        await expect(child, PROMPT)
+    try:
+        # The server is gone: the question gets one line, and the chat goes on.
+        child.sendline("Hello?")
+        await expect(child, r"stopline: cannot connect to ws://127\.0\.0\.1:\d+/ws: connection refused")
+        await expect(child, PROMPT)
+        child.sendeof()
+        assert await close(child) == 0
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
