@@ -27,9 +27,11 @@ from tqdm import tqdm
 from server import model as embedded
 from server.tokenizer import ChatTokenizer
 
+from . import native
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import ALL_SCENARIOS, LONG_SCENARIOS, Bench, Plan
+from .scenarios import ALL_SCENARIOS, LONG_SCENARIOS, TURNS, Bench, Plan
+from .serve import ENGINES
 from .servers import CpuMeter, ManagedServer, Target
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -59,10 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="output directory (default bench/out)")
     p.add_argument("--url", default=None,
                    help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline")
-    p.add_argument("--engines", default="ours,baseline", help="servers to start: ours, baseline or both")
+    p.add_argument("--engines", default="ours,ours_between_steps,baseline",
+                   help=f"servers to start, any of {','.join(ENGINES)}")
     p.add_argument("--workers", type=int, default=2, help="slots of each started server")
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
     p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
+    p.add_argument("--native", action="store_true",
+                   help="first measure the native loop in-process: prompt speed by chunk size, and aborts at "
+                        "random moments (bench/native.py)")
+    p.add_argument("--abort-cycles", type=int, default=500, help="aborts per thread setting with --native")
     p.add_argument("--results-md", action="store_true",
                    help="also write bench/RESULTS.md and bench/stop_latency_cdf.png")
     args = p.parse_args(argv)
@@ -70,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     engines = [e for e in args.engines.split(",") if e]
-    if not args.url and (not engines or set(engines) - {"ours", "baseline"}):
-        p.error("--engines takes ours, baseline or ours,baseline")
+    if not args.url and (not engines or set(engines) - set(ENGINES)):
+        p.error(f"--engines takes a comma-separated list of {', '.join(ENGINES)}")
     return args
 
 
@@ -107,7 +114,7 @@ def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], con
             if scenario == "throughput":
                 total += plan.throughput_reps * sum({1, concurrency or target.slots})
             elif scenario in LONG_SCENARIOS:
-                total += int(plan.long_requests)
+                total += int(plan.long_requests) * (TURNS if scenario == "multi_turn" else 1)
             else:
                 total += int(plan.requests)
     return total
@@ -119,6 +126,11 @@ async def run(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     prompts = PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), rng)
+
+    native_results = None
+    if args.native:
+        print("measuring the native loop in-process ...", file=sys.stderr)
+        native_results = await asyncio.to_thread(native.run, args.abort_cycles)
 
     managed: list[ManagedServer] = []
     if args.url:
@@ -155,7 +167,7 @@ async def run(args) -> dict:
         progress.close()
         await asyncio.gather(*(m.stop() for m in managed))
 
-    results = {"meta": meta, "samples": bench.samples, "runs": bench.runs, "lag": {}}
+    results = {"meta": meta, "samples": bench.samples, "runs": bench.runs, "lag": {}, "native": native_results}
     for target in targets:
         if target.managed:
             _attach_server_log(bench.samples, target)

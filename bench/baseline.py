@@ -40,6 +40,7 @@ from ctransformers import AutoModelForCausalLM
 
 from server.engine import Engine, SamplingParams, Stream
 from server.tokenizer import TextStream
+from server.vocabulary import AbortMode
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8
@@ -51,6 +52,10 @@ class BaselineSlot:
     def __init__(self, model_path: str, context_length: int, threads: int):
         self.llm = AutoModelForCausalLM.from_pretrained(
             model_path, model_type="llama", context_length=context_length, threads=threads)
+
+    def reusable_prefix(self, tokens: list[int], chunk: int) -> int:
+        # generate() evaluates the whole prompt every time.
+        return 0
 
     def close(self) -> None:
         # The library frees the model when the object is collected.
@@ -68,6 +73,7 @@ class BaselineEngine:
         self.vocab_size = engine.vocab_size
         self.threads = engine.threads
         self.prefill_chunk = BATCH_SIZE
+        self.abort_mode = AbortMode.BETWEEN_STEPS
         # The real engine keeps one native context open for its first slot; it is not used here.
         engine.open_slot().close()
 
@@ -210,7 +216,7 @@ class BaselineGeneration:
         with self._lock:
             yielded = self._yielded
             self.result = SimpleNamespace(
-                outcome=outcome, reason=reason, prompt_tokens=len(self._prompt),
+                outcome=outcome, reason=reason, prompt_tokens=len(self._prompt), prompt_tokens_reused=0,
                 prompt_tokens_evaluated=prompt_evaluated, tokens_generated=yielded,
                 tokens_after_cancel=yielded - self._yielded_at_cancel if outcome == "cancelled" else 0,
                 start_ns=start_ns, first_token_ns=first_token_ns, cancel_observed_ns=cancel_observed_ns,

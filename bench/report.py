@@ -15,7 +15,8 @@ SCENARIO_TITLES = {
     "queued": "queued",
     "prefill_short": "prefill, short prompt",
     "prefill_long": "prefill, long prompt",
-    "decode": "decode",
+    "decode": "decode, random phase",
+    "decode_after_token": "decode, right after a token frame",
     "timeout_total": "total timeout (decode)",
     "timeout_ttft": "first-token timeout (long prefill)",
     "timeout_total_prefill": "total timeout that fell in the prefill",
@@ -69,7 +70,7 @@ class Report:
         self.results = results
         self.samples = results["samples"]
         self.targets = list(results["meta"]["targets"])
-        self.compare = OURS in self.targets and BASELINE in self.targets
+        self.compare = OURS in self.targets and len(self.targets) > 1
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
         return [s for s in self.samples if s["scenario"] == scenario and s["target"] == target
@@ -83,8 +84,10 @@ class Report:
             count, values = stats[target]
             rows.append([label if not rows else "", target, str(count)] + [fmt(v) for v in values])
         if self.compare:
-            ours, base = stats[OURS][1], stats[BASELINE][1]
-            rows.append(["", "baseline/ours", ""] + [fmt_ratio(b, o) for b, o in zip(base, ours)])
+            ours = stats[OURS][1]
+            for other in self.targets:
+                if other != OURS:
+                    rows.append(["", f"{other}/ours", ""] + [fmt_ratio(b, o) for b, o in zip(stats[other][1], ours)])
         return rows
 
     # Sections -----------------------------------------------------------------------
@@ -245,6 +248,33 @@ class Report:
         return (f"Other processes on the machine used {mean:.2f} cores on average while the scenarios ran "
                 f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']}).")
 
+    def prompt_speed(self) -> str:
+        stats = {}
+        for target in self.targets:
+            samples = self.of("prefill_speed", target)
+            ttft = summary(s["ttft_server_ms"] for s in samples)
+            rate = summary(s["prompt_tokens_per_s"] for s in samples)
+            stats[target] = (len(samples), [_get(ttft, "p50"), _get(ttft, "p99"), _get(rate, "p50")])
+        return _table(["", "engine", "n", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tok/s p50"],
+                      self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats))
+
+    def multi_turn(self) -> str:
+        from .scenarios import TURNS
+        rows = []
+        for target in self.targets:
+            samples = self.of("multi_turn", target)
+            if not samples:
+                continue
+            by_turn = {t: [s for s in samples if s["turn"] == t] for t in range(1, TURNS + 1)}
+            ttft = [_get(summary(s["ttft_server_ms"] for s in by_turn[t]), "p50") for t in by_turn]
+            prompt = sum(s["prompt_tokens"] for s in samples)
+            reused = sum(s["prompt_tokens_reused"] for s in samples)
+            ratio = ttft[-1] / ttft[0] if ttft[0] and ttft[-1] else None
+            rows.append([target, str(len(by_turn[TURNS]))] + [fmt(v) for v in ttft]
+                        + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"])
+        return _table(["engine", "chats"] + [f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1)]
+                      + [f"turn {TURNS} / turn 1", "prompt tokens reused"], rows)
+
     def markdown(self) -> str:
         parts = ["### Calibration", self.calibration()]
         load = self.other_load()
@@ -266,6 +296,13 @@ class Report:
             "grouped by the scenario they were sent in (a prefill cancel that landed in decode stays with its prompt). "
             "The baseline's tokens generated include the one it computes and discards after a stop.",
             self.tokens_wasted(),
+            "### Prompt speed",
+            "A long prompt with `max_tokens` 1: the server's `ttft_ms`, and prompt tokens evaluated per second.",
+            self.prompt_speed(),
+            "### Multi-turn chat",
+            "Six turns on one connection, about 80 tokens of new text each. TTFT p50 per turn (server), "
+            "and the share of all prompt tokens taken from a slot's KV cache.",
+            self.multi_turn(),
             "### Decode throughput and time to first token",
             "Client rate: tokens after the first / time between the first and last token frames. "
             "Server rate: from `duration_ms` − `ttft_ms` of the `done` frame. TTFT includes any queueing.",
@@ -285,6 +322,16 @@ class Report:
                   "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0`. "
                   "Server log: the `client_disconnected` cancel's `latency_ms`.",
                   self.disconnect()]
+        if self.results.get("native"):
+            from .native import markdown as native_markdown
+            parts += ["### The native loop, in-process",
+                      "Prompt speed on a 1,024-token prompt by chunk size: the stock evaluation (no hook, logits "
+                      "for every token), the step hook with full logits, and the hook with the output projection "
+                      "for the last token only (the default); the longest graph node is the most a stop waits. "
+                      "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "
+                      "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
+                      "slot's tokens.",
+                      native_markdown(self.results["native"])]
         http = self.http_api()
         if http:
             parts += ["### The HTTP API next to the WebSocket (ms)",
@@ -311,11 +358,12 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     report = Report(results)
-    colors = {OURS: "tab:blue", BASELINE: "tab:orange", "server": "tab:blue"}
+    colors = {OURS: "tab:blue", BASELINE: "tab:orange", "ours_between_steps": "tab:purple",
+              "llama-server": "tab:red", "server": "tab:blue"}
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     # One shared time axis, so the panels can be compared at a glance.
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True, sharey=True)
     for ax, scenario in zip(axes.flat, STOP_SCENARIOS):
         for target in report.targets:
             samples = report.of(scenario, target)
@@ -337,11 +385,13 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_title(SCENARIO_TITLES[scenario])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
+    for ax in axes.flat[len(STOP_SCENARIOS):]:
+        ax.set_visible(False)
     for ax in axes[-1, :]:
         ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
-    fig.suptitle("Stop latency: Stopline's native loop vs. ctransformers generate() + threading.Event")
+    fig.suptitle("Stop latency: Stopline (in-step abort, and between steps only) vs. the other engines")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,6 +10,17 @@ Stop latency is measured with cancels placed at random points of each phase:
   token is counted under ``decode`` instead.
 * ``decode``: cancelled after a random number of token frames plus a random
   fraction of a decode step.
+* ``decode_after_token``: cancelled the moment a token frame arrives, when the
+  next decode step has just begun: the case that waits out a whole step
+  unless the step itself can be stopped.
+
+Prompt speed and reuse:
+
+* ``prefill_speed``: a long prompt with ``max_tokens`` 1; time to first token
+  and prompt tokens per second, as the server measured them.
+* ``multi_turn``: a six-turn chat on one connection, about 80 tokens of new
+  text per turn; each turn's time to first token and the prompt tokens the
+  server took from its KV cache.
 
 Over the HTTP API (``/v1``, the same server and token loop):
 
@@ -35,12 +46,16 @@ from .client import Call, Session, healthz, metrics
 from .prompts import PromptMaker
 from .servers import CpuMeter, Target
 
-STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode")
+STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode", "decode_after_token")
+SPEED_SCENARIOS = ("prefill_speed", "multi_turn")
 TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
 HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
-ALL_SCENARIOS = STOP_SCENARIOS + ("throughput",) + TIMEOUT_SCENARIOS + ("disconnect",) + HTTP_SCENARIOS
-# The scenarios that send the long prompt (and take --long-requests samples).
-LONG_SCENARIOS = ("prefill_long", "timeout_ttft", "delete_prefill")
+ALL_SCENARIOS = (STOP_SCENARIOS + ("throughput",) + SPEED_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",)
+                 + HTTP_SCENARIOS)
+# The scenarios that send the long prompt or a whole chat (and take --long-requests samples).
+LONG_SCENARIOS = ("prefill_long", "timeout_ttft", "delete_prefill", "prefill_speed", "multi_turn")
+TURNS = 6
+TURN_TOKENS = 80
 
 # Longest token-frame count before a decode-phase cancel or disconnect.
 MAX_FRAMES_BEFORE_STOP = 32
@@ -123,7 +138,8 @@ class Bench:
         plan = self.plan
         long = scenario in LONG_SCENARIOS
         wanted = plan.long_requests if long else plan.requests
-        if wanted <= 0:
+        if scenario == "multi_turn":
+            wanted *= TURNS  # a sample per turn, long_requests chats        if wanted <= 0:
             return
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")
@@ -145,6 +161,9 @@ class Bench:
             sample = {"prefill_short": lambda t, s: self._prefill_sample(t, s, "prefill_short", plan.short_tokens),
                       "prefill_long": lambda t, s: self._prefill_sample(t, s, "prefill_long", plan.long_tokens),
                       "decode": self._decode_sample,
+                      "decode_after_token": lambda t, s: self._decode_sample(t, s, "decode_after_token"),
+                      "prefill_speed": self._prefill_speed_sample,
+                      "multi_turn": self._multi_turn_sample,
                       "timeout_total": self._timeout_total_sample,
                       "timeout_ttft": self._timeout_ttft_sample}[scenario]
             await self._lanes(target, run, wanted, plan.parallel, sample)
@@ -218,10 +237,10 @@ class Bench:
         return [stop_record(actual, target, call, cancel_ns, delay_ms=delay_ms, prefill_estimate_ms=estimate,
                             prompt_tokens=tokens, measured_as=scenario)]
 
-    async def _decode_sample(self, target: Target, session: Session) -> list[dict]:
+    async def _decode_sample(self, target: Target, session: Session, scenario: str = "decode") -> list[dict]:
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
-        jitter_ms = self.rng.uniform(0.0, target.step_ms)
-        call = await session.generate("decode", **self._generate_fields(self.plan.short_tokens, LONG_GENERATION))
+        jitter_ms = self.rng.uniform(0.0, target.step_ms) if scenario == "decode" else 0.0
+        call = await session.generate(scenario, **self._generate_fields(self.plan.short_tokens, LONG_GENERATION))
         await call.wait_tokens(frames)
         if call.ended:
             return self._discard(session, call)
@@ -231,8 +250,45 @@ class Bench:
         session.forget(call)
         if call.terminal["type"] != "cancelled":
             return []  # it finished on its own first
-        return [stop_record("decode", target, call, cancel_ns, cancel_after_frames=frames, jitter_ms=jitter_ms,
-                            prompt_tokens=self.plan.short_tokens, measured_as="decode")]
+        return [stop_record(scenario, target, call, cancel_ns, cancel_after_frames=frames, jitter_ms=jitter_ms,
+                            prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
+
+    # Prompt speed and reuse ---------------------------------------------------------
+
+    async def _prefill_speed_sample(self, target: Target, session: Session) -> list[dict]:
+        tokens = self.plan.long_tokens
+        call = await session.generate("prefill_speed", **self._generate_fields(tokens, 1))
+        term = await call.wait_end()
+        session.forget(call)
+        if term["type"] != "done" or not term.get("ttft_ms"):
+            return []
+        return [{"scenario": "prefill_speed", "target": target.name, "id": call.id, "outcome": "done",
+                 "prompt_tokens": term["prompt_tokens"], "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
+                 "ttft_server_ms": term["ttft_ms"],
+                 "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+                 "prompt_tokens_per_s": (term["prompt_tokens"] - term.get("prompt_tokens_reused", 0))
+                 / (term["ttft_ms"] / 1e3)}]
+
+    async def _multi_turn_sample(self, target: Target, session: Session) -> list[dict]:
+        """One chat of TURNS turns; each user turn brings about TURN_TOKENS tokens of new text."""
+        messages: list[dict] = []
+        records = []
+        for turn in range(1, TURNS + 1):
+            # story() pads a one-message chat; its content alone is the new turn's text.
+            messages.append(self.prompts.story(TURN_TOKENS + 25)[0])
+            call = await session.generate("multi_turn", messages=messages, max_tokens=48, temperature=0.7,
+                                          seed=self._seed())
+            term = await call.wait_end()
+            session.forget(call)
+            if term["type"] != "done":
+                return []
+            messages.append({"role": "assistant", "content": "".join(frame["text"] for _, frame in call.tokens)})
+            records.append({"scenario": "multi_turn", "target": target.name, "id": call.id, "turn": turn,
+                            "outcome": "done", "prompt_tokens": term["prompt_tokens"],
+                            "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
+                            "ttft_server_ms": term["ttft_ms"],
+                            "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None})
+        return records
 
     def _discard(self, session: Session, call: Call) -> list[dict]:
         session.forget(call)

@@ -1,7 +1,9 @@
 """python -m bench.serve: one benchmarked server in its own process.
 
-Runs a StoplineServer on the native engine (``--engine ours``) or on the
-ctransformers baseline (``--engine baseline``), on 127.0.0.1 and a free port,
+Runs a StoplineServer on the native engine (``--engine ours``), on the native
+engine stopping only between evaluations (``--engine ours_between_steps``, the
+in-step abort switched off), or on the ctransformers baseline (``--engine
+baseline``), on 127.0.0.1 and a free port,
 and next to it, on the same event loop, a probe that sleeps 10 ms over and over
 and records how late it wakes up: the event-loop lag the server's own work
 causes. A separate process keeps the benchmark client's work off the server's
@@ -24,11 +26,17 @@ import time
 from server.app import ServerConfig, StoplineServer
 from server.engine import Engine
 from server.observability import configure_logging
+from server.vocabulary import AbortMode
+
+
+# Engine name -> the abort mode its native engine is loaded with.
+ENGINES = {"ours": AbortMode.IN_STEP, "ours_between_steps": AbortMode.BETWEEN_STEPS,
+           "baseline": AbortMode.IN_STEP}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
-    p.add_argument("--engine", choices=["ours", "baseline"], required=True)
+    p.add_argument("--engine", choices=list(ENGINES), required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot")
     p.add_argument("--lag-interval-ms", type=float, default=10.0)
@@ -54,11 +62,15 @@ def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False)
+    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False,
+                                     abort_mode=ENGINES[args.engine])
     if args.engine == "baseline":
         from .baseline import BaselineEngine
         engine = BaselineEngine(engine)
-    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, workers=args.workers))
+    # The benchmark sets its own deadlines; a slow engine's long prompt must not hit the defaults.
+    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, workers=args.workers,
+                                                 default_timeout_s=3600, max_timeout_s=3600,
+                                                 default_ttft_timeout_s=3600, max_ttft_timeout_s=3600))
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -68,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
     samples: list[tuple[int, int]] = []
     probe = asyncio.create_task(lag_probe(args.lag_interval_ms / 1000, samples))
     print(json.dumps({"port": server.port, "engine": args.engine, "threads": engine.threads,
-                      "workers": args.workers, "prefill_chunk": engine.prefill_chunk}), flush=True)
+                      "workers": args.workers, "prefill_chunk": engine.prefill_chunk,
+                      "abort_mode": str(engine.abort_mode)}), flush=True)
     await stop.wait()
     probe.cancel()
     await server.shutdown()

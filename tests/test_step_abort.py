@@ -8,7 +8,6 @@ everything else is counts and token identity.
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 
@@ -16,6 +15,7 @@ import pytest
 import stopline_core
 from stopline_core import Generation
 
+from bench.native import abort_storm, storm_prompt
 from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, metric_value
 from server.engine import Engine
 from server.vocabulary import AbortMode
@@ -130,37 +130,16 @@ def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
-    """Cancel the same generation at random moments, over and over, on one slot.
-    Every run that escapes its cancel, and a final one, must give exactly the
-    tokens of a fresh slot: no abort, in the prompt or in decode, may leave a
-    trace. Prompt chunks of 16 make the aborted prompts resume from reused
-    prefixes of every length."""
-    prompt = engine.encode(prompt=STORY * 2)[:60]
-    slot = engine.open_slot()
-    try:
-        reference, expected = greedy(slot, prompt, threads=threads)
-        assert reference.outcome == "done"
-        span_s = (reference.end_ns - reference.start_ns) / 1e9
-        rng = random.Random(threads)
-        outcomes = {"cancelled": 0, "done": 0}
-        mismatches = 0
-        for _ in range(ABORT_CYCLES):
-            generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
-            timer = threading.Timer(rng.uniform(0, span_s), generation.cancel)
-            timer.start()
-            result = generation.run()
-            timer.join()
-            outcomes[result.outcome] += 1
-            if result.outcome == "done":
-                mismatches += b"".join(generation.take()) != expected
-        _, final = greedy(slot, prompt, threads=threads)
-        print(f"\nthreads={threads}: {outcomes}, {mismatches} mismatches")
-        # Runs that resume from a reused prefix are shorter than the reference, so
-        # not every cancel lands before the end.
-        assert outcomes["cancelled"] >= ABORT_CYCLES // 4
-        assert mismatches == 0 and final == expected
-    finally:
-        slot.close()
+    """The same generation cancelled at random moments, over and over, on one
+    slot: no abort, in the prompt or in decode, may leave a trace. Every run
+    that escapes its cancel, and a final one, gives a fresh slot's tokens."""
+    counts = abort_storm(engine, storm_prompt(engine), ABORT_CYCLES, threads, seed=threads)
+    print(f"\nthreads={threads}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "cancel_to_exit_ms"))
+    assert counts["hangs"] == 0 and counts["other"] == 0 and counts["mismatches"] == 0
+    # Runs that resume from a reused prefix are shorter than the reference, so
+    # not every cancel lands before the end.
+    assert counts["cancelled"] >= ABORT_CYCLES // 4
+    assert counts["cancelled"] + counts["done"] == ABORT_CYCLES
 
 
 # --- the server ----------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""In-process measurements of the native loop: prompt speed by chunk size with
+and without the step hook, and aborts at random moments.
+
+``python -m bench`` runs these first (scenario ``native``), before it starts
+any server; ``python -m bench.native`` runs them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+
+from stopline_core import Generation
+
+from server.engine import Engine
+
+CHUNKS = (8, 16, 32, 64, 128, 256, 512)
+SWEEP_PROMPT_TOKENS = 1024
+SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
+
+
+def prefill_sweep(engine: Engine, reps: int = 2) -> list[dict]:
+    """Prompt tokens per second and the longest graph node, by chunk size: the
+    stock evaluation (no hook, logits for every token) against the hook with
+    the output projection trimmed to the last token."""
+    prompt = engine.encode(prompt=SWEEP_TEXT * 80)[:SWEEP_PROMPT_TOKENS]
+    slot = engine.open_slot()
+    rows = []
+    try:
+        for chunk in CHUNKS:
+            for mode, step_abort, trim in (("stock", False, False), ("in_step", True, False),
+                                           ("in_step_trimmed", True, True)):
+                rates, nodes = [], []
+                for _ in range(reps):
+                    slot.forget()
+                    result = Generation(slot, prompt, max_tokens=1, temperature=0, prefill_chunk=chunk,
+                                        step_abort=step_abort, trim_output=trim).run()
+                    rates.append(len(prompt) / ((result.first_token_ns - result.start_ns) / 1e9))
+                    nodes.append(result.longest_prefill_node_ns / 1e6)
+                rows.append({"chunk": chunk, "mode": mode, "prompt_tokens_per_s": statistics.median(rates),
+                             "longest_node_ms": max(nodes) if step_abort else None})
+    finally:
+        slot.close()
+    return rows
+
+
+def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, seed: int = 0) -> dict:
+    """Cancel the same greedy generation at random moments, ``cycles`` times, on
+    one slot. Every run that escapes its cancel, and a final one, must give the
+    tokens of a fresh slot. Chunks of 16 make aborted prompts resume from reused
+    prefixes of many lengths."""
+    slot = engine.open_slot()
+
+    def greedy():
+        generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
+        return generation, generation.run()
+
+    try:
+        generation, reference = greedy()
+        expected = b"".join(generation.take())
+        span_s = (reference.end_ns - reference.start_ns) / 1e9
+        rng = random.Random(seed)
+        counts = {"cycles": cycles, "cancelled": 0, "done": 0, "other": 0, "mismatches": 0, "hangs": 0}
+        exit_ms = []
+        for _ in range(cycles):
+            generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
+            cancelled_at = []
+            timer = threading.Timer(rng.uniform(0, span_s),
+                                    lambda g=generation: cancelled_at.append(time.monotonic_ns()) or g.cancel())
+            timer.start()
+            result = generation.run()
+            timer.join(60)
+            counts["hangs"] += timer.is_alive()
+            if result.outcome == "cancelled":
+                counts["cancelled"] += 1
+                exit_ms.append((result.end_ns - cancelled_at[0]) / 1e6)
+            elif result.outcome == "done":
+                counts["done"] += 1
+                counts["mismatches"] += b"".join(generation.take()) != expected
+            else:
+                counts["other"] += 1
+        generation, _ = greedy()
+        counts["mismatches"] += b"".join(generation.take()) != expected
+        counts["cancel_to_exit_ms"] = exit_ms
+        return counts
+    finally:
+        slot.close()
+
+
+def storm_prompt(engine: Engine) -> list[int]:
+    return engine.encode(prompt="Once upon a time, in a village by the sea, there lived an old fisherman. " * 2)[:60]
+
+
+def run(cycles: int = 500) -> dict:
+    engine = Engine.load(threads=1, progress=False)
+    results = {"sweep": prefill_sweep(engine), "storms": []}
+    for threads in (1, 2):
+        storm = abort_storm(engine, storm_prompt(engine), cycles, threads)
+        results["storms"].append({"threads": threads, **storm})
+    return results
+
+
+def markdown(results: dict) -> str:
+    def fmt(v):
+        return "–" if v is None else f"{v:.1f}"
+
+    stock_best = max(r["prompt_tokens_per_s"] for r in results["sweep"] if r["mode"] == "stock")
+    lines = ["| chunk | stock tok/s | hook, full logits tok/s | hook, last-token logits tok/s | "
+             "longest node (ms) | trimmed / best stock |", "|---|---|---|---|---|---|"]
+    by = {(r["chunk"], r["mode"]): r for r in results["sweep"]}
+    for chunk in CHUNKS:
+        stock, hook, trim = (by[(chunk, m)] for m in ("stock", "in_step", "in_step_trimmed"))
+        lines.append(f"| {chunk} | {fmt(stock['prompt_tokens_per_s'])} | {fmt(hook['prompt_tokens_per_s'])} | "
+                     f"{fmt(trim['prompt_tokens_per_s'])} | {fmt(trim['longest_node_ms'])} | "
+                     f"{trim['prompt_tokens_per_s'] / stock_best:.2f}× |")
+    lines += ["", "| threads per slot | aborts | cancelled | escaped (done) | different tokens after | "
+                  "hangs | other outcomes | cancel→exit p50 / p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for storm in results["storms"]:
+        ms = sorted(storm["cancel_to_exit_ms"])
+        p50 = statistics.median(ms) if ms else None
+        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
+        lines.append(f"| {storm['threads']} | {storm['cycles']} | {storm['cancelled']} | {storm['done']} | "
+                     f"{storm['mismatches']} | {storm['hangs']} | {storm['other']} | {fmt(p50)} / {fmt(p99)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.native", description=__doc__)
+    p.add_argument("--abort-cycles", type=int, default=500, help="aborts per thread setting (1 and 2)")
+    args = p.parse_args(argv)
+    print(markdown(run(args.abort_cycles)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
