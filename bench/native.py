@@ -17,12 +17,12 @@ from stopline_core import Generation
 
 from server.engine import Engine
 
-CHUNKS = (8, 16, 32, 64, 128, 256, 512)
+CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 1024
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
 
 
-def prefill_sweep(engine: Engine, reps: int = 2) -> list[dict]:
+def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
     """Prompt tokens per second and the longest graph node, by chunk size: the
     stock evaluation (no hook, logits for every token) against the hook with
     the output projection trimmed to the last token."""
