@@ -53,8 +53,10 @@ class BaselineSlot:
         self.llm = AutoModelForCausalLM.from_pretrained(
             model_path, model_type="llama", context_length=context_length, threads=threads)
 
-    def reusable_prefix(self, tokens: list[int], chunk: int) -> int:
-        # generate() evaluates the whole prompt every time.
+    # generate() evaluates the whole prompt every time: nothing is held for reuse.
+    n_held = 0
+
+    def reusable_prefix(self, tokens: list[int]) -> int:
         return 0
 
     def close(self) -> None:

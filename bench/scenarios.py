@@ -139,7 +139,8 @@ class Bench:
         long = scenario in LONG_SCENARIOS
         wanted = plan.long_requests if long else plan.requests
         if scenario == "multi_turn":
-            wanted *= TURNS  # a sample per turn, long_requests chats        if wanted <= 0:
+            wanted *= TURNS  # a sample per turn, long_requests chats
+        if wanted <= 0:
             return
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")

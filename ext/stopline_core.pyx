@@ -153,9 +153,9 @@ cdef class Context:
         if self.held is NULL:
             raise MemoryError()
 
-    def reusable_prefix(self, tokens, int chunk):
-        """How many leading ``tokens`` a generation with prefill chunks of
-        ``chunk`` would take from this context's KV cache instead of evaluating."""
+    def reusable_prefix(self, tokens):
+        """How many leading ``tokens`` a generation would take from this
+        context's KV cache instead of evaluating them."""
         cdef int i, n = len(tokens)
         cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
         if ids is NULL:
@@ -163,22 +163,17 @@ cdef class Context:
         try:
             for i in range(n):
                 ids[i] = tokens[i]
-            return self.usable_prefix(ids, n, chunk)
+            return self.usable_prefix(ids, n)
         finally:
             free(ids)
 
-    cdef int usable_prefix(self, const int *tokens, int n, int chunk) noexcept:
-        # Short of the last token, whose logits are needed, and down to a chunk
-        # boundary, so that the rest is evaluated in the chunks a fresh context
-        # would use (see run_steps).
+    cdef int usable_prefix(self, const int *tokens, int n) noexcept:
+        # Short of the last token, whose logits are needed.
         cdef int i, held = min(n - 1, self.n_held)
         for i in range(max(held, 0)):
             if tokens[i] != self.held[i]:
-                held = i
-                break
-        if held <= 0:
-            return 0
-        return held - held % chunk
+                return i
+        return max(held, 0)
 
     def forget(self):
         """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
@@ -406,9 +401,9 @@ cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
 
     # Prefill in chunks so that a cancel or a deadline is seen between them
     # even when the hook cannot stop an evaluation part-way. Chunks end at
-    # multiples of prefill_chunk: this library's batched evaluation is not
-    # bit-identical across batch boundaries, and aligned chunks make a prompt
-    # resumed from a reused prefix compute exactly what a fresh one does.
+    # multiples of prefill_chunk, wherever the prompt resumes: a token's
+    # attention sums in an order that depends on where its batch ends, so
+    # aligned ends make a resumed prompt compute exactly what a fresh one does.
     while s.n_past < s.n_prompt:
         if should_stop(s):
             return
@@ -626,7 +621,7 @@ cdef class Generation:
         if context.busy:
             raise_engine_error(EngineError, "another generation is running on this context")
         context._check_open()
-        self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
+        self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt)
         self.state = GENERATION_RUNNING
         context.busy = 1
         # Positions from n_reused on are about to be overwritten.

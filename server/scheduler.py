@@ -7,8 +7,8 @@ deadlines count from its arrival, so one that expires while queued times out
 in the queue without ever touching a slot.
 
 A slot's KV cache keeps the tokens of its last generation. A new request goes
-to the free slot that already holds the longest start of its prompt (a
-conversation's next turn finds its own history there) and otherwise to the
+to the free slot whose cache is mostly the start of its prompt (a
+conversation's next turn finds its own history there), and otherwise to the
 free slot used least recently, whose history is the least likely to be wanted.
 """
 
@@ -136,9 +136,15 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
 
     def _take_free_slot(self, prompt_tokens: list[int]):
-        # max() keeps the first of equals: the least recently used.
-        chunk = self.engine.prefill_chunk
-        best = max(self._free, key=lambda slot: slot.reusable_prefix(prompt_tokens, chunk))
+        # A slot whose cache is mostly the start of this prompt holds this
+        # conversation: take the one that saves the most. Otherwise take the
+        # least recently used, rather than evict another conversation's history
+        # for the sake of a shared system prompt.
+        best, best_reuse = self._free[0], 0
+        for slot in self._free:
+            reuse = slot.reusable_prefix(prompt_tokens)
+            if reuse > best_reuse and 2 * reuse >= slot.n_held:
+                best, best_reuse = slot, reuse
         self._free.remove(best)
         return best
 
