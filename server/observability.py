@@ -58,6 +58,9 @@ class Metrics:
         self.connections = Gauge("stopline_connections", "Open WebSocket connections.", registry=r)
         self.rejected = Counter("stopline_rejected_frames", "Frames answered with an error, by code.",
                                 ["code"], registry=r)
+        self.refused = Counter("stopline_refused_connections",
+                               "HTTP and WebSocket connections refused before the handshake completed, by code.",
+                               ["code"], registry=r)
 
     def record_end(self, ending: Ending) -> None:
         self.requests.labels(str(ending.outcome), ending.reason).inc()
