@@ -313,6 +313,7 @@ class GuardedConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self.stopline = stopline
         self.admitted = False
+        self._refused = False
         self._handshake_bytes = 0
         self._handshake_timer: asyncio.TimerHandle | None = None
 
@@ -322,6 +323,8 @@ class GuardedConnection(ServerConnection):
                                                      self._handshake_expired)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped, so that closing does not reset the connection before the answer is read
         if self.request is None:
             self._handshake_bytes += len(data)
             if self._handshake_bytes > self.stopline.config.max_header_bytes:
@@ -350,9 +353,13 @@ class GuardedConnection(ServerConnection):
     def _refuse(self, status: HTTPStatus, code: Refusal, message: str) -> None:
         self.stopline.refuse(self, code)
         body = f"{code}: {message}\n".encode()
+        self._refused = True
         self.transport.write(f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: text/plain\r\n"
                              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-        self.transport.close()
+        # Half-close, and keep reading for a moment: closing a socket with unread
+        # data resets it, and the client would never see the answer.
+        self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
 
 
 def _max_prompt_bytes(engine: Engine, max_frame_bytes: int) -> int:
