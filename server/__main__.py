@@ -81,6 +81,8 @@ SETTINGS = [
     ("--max-connections", _POSITIVE, 256, "open WebSocket connections"),
     ("--max-header-bytes", _integer(1024), 16 * 1024, "bytes a handshake request may carry"),
     ("--handshake-timeout", _seconds, 10.0, "seconds a client has to complete its handshake request"),
+    ("--bytes-per-second", _integer(1024), 256 * 1024,
+     "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)"),
     ("--allowed-origins", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_origins=items)), "",
      "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any"),
     ("--allowed-hosts", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_hosts=items)), "",
@@ -176,7 +178,7 @@ async def serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
         requests_per_connection=args.requests_per_connection, requests_per_address=args.requests_per_address,
         max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
-        handshake_timeout_s=args.handshake_timeout,
+        handshake_timeout_s=args.handshake_timeout, bytes_per_second=args.bytes_per_second,
         default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, 600.0),
         default_ttft_timeout_s=args.ttft_timeout, max_ttft_timeout_s=max(args.ttft_timeout, 600.0),
         slow_consumer_grace_s=args.slow_consumer_grace)

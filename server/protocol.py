@@ -62,14 +62,15 @@ class Limits:
     # context length times the longest token's bytes, so a prompt past it can
     # only be too long.
     max_prompt_bytes: int = 400_000
-    # Each connection's tokenizing budget: prompt bytes a second, with a burst of one longest prompt.
-    prompt_bytes_per_second: float = 256 * 1024
     max_messages: int = 512
     max_stop_sequences: int = 4
     max_stop_bytes: int = 64
-    # Token bucket for incoming frames.
+    # Token buckets for incoming frames: their number, and their bytes. Parsing
+    # and tokenizing cost CPU in proportion to the bytes; a burst holds one largest frame.
     frames_per_second: float = 50.0
     frame_burst: int = 100
+    bytes_per_second: float = 256 * 1024
+    byte_burst: int = 1 << 20
     # How many ended request ids each connection remembers for cancel_ack.
     remembered_ids: int = 1024
 
@@ -122,14 +123,18 @@ class Ending:
         return self.prompt_tokens_evaluated + self.tokens_generated
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Draft:
-    """A validated generate frame whose prompt is still text."""
+    """A validated generate frame whose prompt is still being tokenized."""
     id: str
     params: SamplingParams
     prompt: str | None
     messages: list[dict] | None
     received_ns: int
+    size: int  # the prompt's UTF-8 bytes
+    # Cancel frames that arrived meanwhile, and when the first did.
+    cancels: int = 0
+    cancel_ns: int = 0
 
 
 # Actions returned to the I/O layer.
@@ -223,12 +228,13 @@ class Connection:
         self.address = address
         self.quota = quota if quota is not None else AddressQuota(limits.requests_per_address)
         self.live: dict[str, Request] = {}
+        # Generate frames whose prompts are being tokenized; they count as live for every limit.
+        self.pending: dict[str, Draft] = {}
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._tokens = float(limits.frame_burst)
         self._tokens_at = now_ns
         self._rate_limited_reported_ns = -10**18
-        self._prompt_budget = float(limits.max_prompt_bytes)
-        self._prompt_budget_at = now_ns
+        self._bytes = float(limits.byte_burst)
 
     def hello(self, model: str) -> dict:
         lim = self.limits
@@ -240,13 +246,14 @@ class Connection:
 
     # Incoming frames ------------------------------------------------------
 
-    def receive_binary(self, now_ns: int) -> list[Action]:
-        if not self._admit(now_ns):
+    def receive_binary(self, now_ns: int, size: int = 0) -> list[Action]:
+        if not self._admit(now_ns, size):
             return self._rate_limited(now_ns)
         return [Send(error_frame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
 
     def receive_text(self, data: str, now_ns: int) -> list[Action]:
-        if not self._admit(now_ns):
+        # Characters, not bytes: counting bytes would cost as much as the parse it guards.
+        if not self._admit(now_ns, len(data)):
             return self._rate_limited(now_ns)
         try:
             frame = _parse(data)
@@ -268,11 +275,10 @@ class Connection:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
         self._check_room(request_id)
         params, prompt, messages, size = _validate_generate(frame, self.limits, request_id)
-        if not self._spend_prompt_budget(size, now_ns):
-            raise ProtocolError(ErrorCode.RATE_LIMITED,
-                                f"too many prompt bytes; this connection may send "
-                                f"{self.limits.prompt_bytes_per_second:g} a second", request_id)
-        return [Tokenize(Draft(request_id, params, prompt, messages, received_ns=now_ns))]
+        draft = Draft(request_id, params, prompt, messages, received_ns=now_ns, size=size)
+        self.pending[request_id] = draft
+        self.quota.take(self.address)
+        return [Tokenize(draft)]
 
     def tokenize(self, draft: Draft) -> list[int] | ProtocolError:
         """The prompt's tokens, or the error that refuses it. Safe to call from any thread."""
@@ -289,25 +295,34 @@ class Connection:
         return tokens
 
     def tokenized(self, draft: Draft, tokens: list[int] | ProtocolError) -> list[Action]:
-        """Turn a tokenized draft into a live request (or its error)."""
-        try:
-            if isinstance(tokens, ProtocolError):
-                raise tokens
-            self._check_room(draft.id)
-        except ProtocolError as exc:
-            return [Send(error_frame(exc.code, exc.message, exc.request_id))]
+        """Turn a tokenized draft into a live request (or its error). A cancel
+        that arrived while it was tokenized stops the request at once."""
+        if self.pending.pop(draft.id, None) is not draft:
+            return []  # the client left meanwhile
+        if isinstance(tokens, ProtocolError):
+            self.quota.give_back(self.address)
+            return [Send(error_frame(tokens.code, tokens.message, tokens.request_id))] + [
+                Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
         request = Request(draft.id, tokens, draft.params, received_ns=draft.received_ns)
         self.live[draft.id] = request
-        self.quota.take(self.address)
-        return [Submit(request)]
+        actions: list[Action] = [Submit(request)]
+        if draft.cancels:
+            request.unanswered_cancels = draft.cancels - 1
+            actions += self.request_cancel(request, Reason.USER_CANCELLED, draft.cancel_ns)
+        return actions
+
+    def failed(self, draft: Draft, message: str) -> list[Action]:
+        """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
+        return self.tokenized(draft, ProtocolError(ErrorCode.INTERNAL_ERROR, message, draft.id))
 
     def _check_room(self, request_id: str) -> None:
-        if request_id in self.live:
+        if request_id in self.live or request_id in self.pending:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection",
                                 request_id)
-        if len(self.live) >= self.limits.requests_per_connection:
+        count = len(self.live) + len(self.pending)
+        if count >= self.limits.requests_per_connection:
             raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS,
-                                f"this connection already has {len(self.live)} live requests "
+                                f"this connection already has {count} live requests "
                                 f"(the limit is {self.limits.requests_per_connection})", request_id)
         if self.quota.used(self.address) >= self.quota.limit:
             raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS,
@@ -318,6 +333,11 @@ class Connection:
         request_id = frame.get("id")
         if not _is_id(request_id):
             raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the id of a request: a string of 1 to 128 characters")
+        draft = self.pending.get(request_id)
+        if draft is not None:
+            draft.cancels += 1
+            draft.cancel_ns = draft.cancel_ns or now_ns
+            return []
         request = self.live.get(request_id)
         if request is None:
             return [Send(cancel_ack(request_id, self._ended.get(request_id)))]
@@ -376,6 +396,11 @@ class Connection:
 
     def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:
         """Stop every live request of this connection: the client left, or the server is shutting down."""
+        if reason is Reason.CLIENT_DISCONNECTED:
+            # Prompts still being tokenized are dropped: nobody is left to answer.
+            for _ in self.pending:
+                self.quota.give_back(self.address)
+            self.pending.clear()
         actions: list[Action] = []
         for request in list(self.live.values()):
             actions += self.request_cancel(request, reason, now_ns)
@@ -383,23 +408,16 @@ class Connection:
 
     # Flood control ----------------------------------------------------------
 
-    def _admit(self, now_ns: int) -> bool:
+    def _admit(self, now_ns: int, size: int) -> bool:
+        lim = self.limits
         elapsed = (now_ns - self._tokens_at) / 1e9
         self._tokens_at = now_ns
-        self._tokens = min(float(self.limits.frame_burst), self._tokens + elapsed * self.limits.frames_per_second)
-        if self._tokens < 1.0:
+        self._tokens = min(float(lim.frame_burst), self._tokens + elapsed * lim.frames_per_second)
+        self._bytes = min(float(lim.byte_burst), self._bytes + elapsed * lim.bytes_per_second)
+        if self._tokens < 1.0 or self._bytes < size:
             return False
         self._tokens -= 1.0
-        return True
-
-    def _spend_prompt_budget(self, size: int, now_ns: int) -> bool:
-        elapsed = (now_ns - self._prompt_budget_at) / 1e9
-        self._prompt_budget_at = now_ns
-        self._prompt_budget = min(float(self.limits.max_prompt_bytes),
-                                  self._prompt_budget + elapsed * self.limits.prompt_bytes_per_second)
-        if size > self._prompt_budget:
-            return False
-        self._prompt_budget -= size
+        self._bytes -= size
         return True
 
     def _rate_limited(self, now_ns: int) -> list[Action]:
@@ -408,8 +426,8 @@ class Connection:
             return []
         self._rate_limited_reported_ns = now_ns
         return [Send(error_frame(ErrorCode.RATE_LIMITED,
-                                 f"too many frames; the limit is {self.limits.frames_per_second:g} a second, "
-                                 "excess frames are dropped"))]
+                                 f"too many frames; the limits are {self.limits.frames_per_second:g} frames and "
+                                 f"{self.limits.bytes_per_second:g} bytes a second, excess frames are dropped"))]
 
 
 def terminal_frame(request_id: str, ending: Ending) -> dict:

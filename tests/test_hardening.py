@@ -4,9 +4,14 @@ the others, no other website can drive the service."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
+import signal
+import socket
+import sys
 import time
 
 import psutil
@@ -141,7 +146,8 @@ def random_frame(rng: random.Random) -> str | bytes:
 async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
     """>= 10,000 random and malformed frames on 4 connections: no traceback, no connection closed."""
     frames_per_connection = 2500
-    async with running_server(engine, frames_per_second=1e6, frame_burst=10**6, requests_per_connection=4,
+    async with running_server(engine, frames_per_second=1e6, frame_burst=10**6, bytes_per_second=1e9,
+                              requests_per_connection=4,
                               max_queue=4) as server:
         async def one_connection(seed: int) -> tuple[int, int]:
             rng = random.Random(seed)
@@ -343,3 +349,172 @@ async def test_cancels_racing_a_finish_are_acknowledged_with_the_winner(server):
         await client.recv_until(lambda f: f.get("id") == "probe")
         answers = [f for f in client.frames if f.get("id") == "race" and f["type"] not in ("accepted", "token")]
         assert answers == [terminal] + [{"type": "cancel_ack", "id": "race", "status": "finished"}] * 2
+
+
+# Flags and settings --------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", *args, cwd=ROOT, env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("args, env, problem", [
+    (["--workers", "0"], {}, "argument --workers"),
+    (["--workers", "-3"], {}, "argument --workers"),
+    (["--prefill-chunk", "0"], {}, "argument --prefill-chunk"),
+    (["--timeout", "-5"], {}, "argument --timeout"),
+    (["--ttft-timeout", "nan"], {}, "argument --ttft-timeout"),
+    (["--context-length", "999999"], {}, "exceeds the embedded model's limit"),
+    (["--port", "70000"], {}, "argument --port"),
+    (["--allowed-origins", "example.com"], {}, "is not an origin"),
+    (["--allowed-hosts", "http://x"], {}, "is not a host name"),
+    (["--host", ""], {}, "give --host 0.0.0.0 explicitly"),
+    ([], {"STOPLINE_HOST": ""}, "STOPLINE_HOST=''"),
+    ([], {"STOPLINE_PORT": "abc"}, "STOPLINE_PORT='abc'"),
+    ([], {"STOPLINE_MAX_CONNECTIONS": "0"}, "STOPLINE_MAX_CONNECTIONS='0'"),
+    ([], {"STOPLINE_LOG_LEVEL": "loud"}, "STOPLINE_LOG_LEVEL='loud'"),
+])
+async def test_bad_settings_fail_before_loading_with_one_line_and_status_2(args, env, problem):
+    code, out, err = await run_server_process("--port", "0", *args, env=env)
+    assert code == 2, (out, err)
+    [error] = [line for line in err.splitlines() if "error:" in line]
+    assert problem in error and "Traceback" not in err
+    assert out == ""  # nothing was loaded, nothing was logged
+
+
+async def test_a_port_in_use_fails_at_once():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, out, err = await run_server_process("--port", str(taken.getsockname()[1]))
+    assert code == 2 and "cannot listen" in err and "Traceback" not in err and out == ""
+
+
+async def test_ctrl_c_while_loading_exits_cleanly():
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", "--port", "0", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        # The port is taken before the model loads: wait until it listens, then interrupt.
+        def listening():
+            return any(c.status == psutil.CONN_LISTEN for c in psutil.Process(process.pid).net_connections())
+        await wait_for(listening, timeout=30)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 30 * UNIT)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 128 + signal.SIGINT
+    assert err.decode() == ""
+    [line] = out.decode().splitlines()
+    assert json.loads(line)["event"] == "startup_interrupted"
+
+
+# Fairness under a big-prompt flood -------------------------------------------------
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
+    """One client streams; thirty connections flood big prompts. Measured in one
+    run against ``python -m server``: the streaming client's gap between tokens
+    without the flood, with 399,000-character prompts (refused from their size),
+    and with 160,000-byte prompts (just under the bound, so each is tokenized)."""
+    from test_server_process import start_process
+    process, url, _ = await start_process()
+    gaps: list[tuple[float, float]] = []  # (arrival, gap) of consecutive tokens of one request
+    stop_streaming = asyncio.Event()
+
+    async def stream():
+        async with connect(url) as ws:
+            await ws.recv()
+            n = 0
+            while not stop_streaming.is_set():
+                n += 1
+                await ws.send(json.dumps({"type": "generate", "id": f"s{n}", "messages": LONG_ANSWER,
+                                          "max_tokens": 1000, "seed": n}))
+                last = None
+                while True:
+                    frame = json.loads(await ws.recv())
+                    if frame["type"] == "token":
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append((now, now - last))
+                        last = now
+                    elif frame["type"] in ("done", "cancelled", "timeout", "error"):
+                        break
+                    if stop_streaming.is_set():
+                        await ws.send(json.dumps({"type": "cancel", "id": f"s{n}"}))
+                        stop_streaming.clear()
+                        stop_streaming.set()
+
+    async def flood_connection(frame: str, stop: asyncio.Event, answers: list[str]):
+        """One big prompt a second, as the issue's thirty-frame flood, kept up."""
+        async with connect(url, max_size=None) as ws:
+            await ws.recv()
+
+            async def read():
+                async for message in ws:
+                    answers.append(json.loads(message).get("code"))
+            reader = asyncio.create_task(read())
+            while not stop.is_set():
+                await ws.send(frame)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+            reader.cancel()
+
+    async def handshake_ms() -> float:
+        started = time.monotonic()
+        async with connect(url) as ws:
+            await ws.recv()
+        return 1000 * (time.monotonic() - started)
+
+    async def gaps_while(count: int, prompt: str | None):
+        """``count`` more gaps, with thirty connections flooding ``prompt`` meanwhile (if any)."""
+        stop, answers, tasks = asyncio.Event(), [], []
+        if prompt is not None:
+            frame = json.dumps({"type": "generate", "prompt": prompt})
+            tasks = [asyncio.create_task(flood_connection(frame, stop, answers)) for _ in range(30)]
+            await wait_for(lambda: len(answers) >= 30, timeout=60)
+        start, first = time.monotonic(), len(gaps)
+        await wait_for(lambda: len(gaps) >= first + count, timeout=120)
+        handshake = await handshake_ms()
+        stop.set()
+        await asyncio.gather(*tasks)
+        return [g for t, g in gaps[first:] if t >= start], answers, handshake
+
+    streamer = asyncio.create_task(stream())
+    try:
+        await wait_for(lambda: len(gaps) >= 20, timeout=120)
+        quiet, _, quiet_handshake = await gaps_while(150, None)
+        refused, refused_answers, refused_handshake = await gaps_while(150, "x" * 399_000)
+        tokenized, tokenized_answers, tokenized_handshake = await gaps_while(150, "bread " * 26_666)
+        stop_streaming.set()
+        await asyncio.wait_for(streamer, 60 * UNIT)
+    finally:
+        if not streamer.done():
+            streamer.cancel()
+        process.send_signal(signal.SIGTERM)
+        await process.wait()
+    rows = [("no flood", quiet, [], quiet_handshake), ("399,000-char prompts", refused, refused_answers,
+                                                          refused_handshake),
+            ("160,000-byte prompts", tokenized, tokenized_answers, tokenized_handshake)]
+    for name, sample, answers, handshake in rows:
+        print(f"inter-token gap, {name:22}: p50 {1000 * percentile(sample, 50):6.1f} ms, "
+              f"p99 {1000 * percentile(sample, 99):6.1f} ms, max {1000 * max(sample):6.1f} ms "
+              f"({len(sample)} gaps, {len(answers)} flood answers, new handshake {handshake:.1f} ms)")
+    # Every big prompt was refused: from its size, after tokenizing, or by the connection's byte budget.
+    assert "prompt_too_long" in refused_answers and "prompt_too_long" in tokenized_answers
+    assert set(refused_answers + tokenized_answers) <= {"prompt_too_long", "rate_limited"}
+    # Bounded in decode steps: no gap under either flood grows past a few of them.
+    step = percentile(quiet, 50)
+    assert max(refused) < 10 * step and max(tokenized) < 10 * step, (step, max(refused), max(tokenized))

@@ -203,15 +203,16 @@ def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():
     assert isinstance(work, Tokenize) and calls == []
 
 
-def test_prompt_bytes_have_a_per_connection_budget():
-    conn = connection(max_prompt_bytes=100, prompt_bytes_per_second=100)
-    assert isinstance(prepare(conn, conn.receive_text(json.dumps(
-        {"type": "generate", "id": "a", "prompt": "x" * 100}), 0))[0], Submit)
-    [limited] = conn.receive_text(json.dumps({"type": "generate", "id": "b", "prompt": "x" * 50}), 0)
-    assert limited.frame["code"] == ErrorCode.RATE_LIMITED and limited.frame["id"] == "b"
-    # Half a second refills 50 bytes.
-    assert isinstance(prepare(conn, conn.receive_text(json.dumps(
-        {"type": "generate", "id": "b", "prompt": "x" * 50}), 500 * MS))[0], Submit)
+def test_frame_bytes_have_a_per_connection_budget():
+    conn = connection(byte_burst=200, bytes_per_second=100)
+    big = json.dumps({"type": "generate", "id": "a", "prompt": "x" * 150})
+    assert isinstance(prepare(conn, conn.receive_text(big, 0))[0], Submit)
+    # The bucket holds less than the next frame: it is dropped, with one rate_limited error.
+    [limited] = conn.receive_text(big.replace('"a"', '"b"'), 0)
+    assert limited.frame["code"] == ErrorCode.RATE_LIMITED
+    assert conn.receive_text(big.replace('"a"', '"c"'), 0) == []
+    # Two seconds refill the bucket.
+    assert isinstance(prepare(conn, conn.receive_text(big.replace('"a"', '"b"'), 2000 * MS))[0], Submit)
 
 
 def test_live_requests_are_capped_per_client_address_across_connections():
@@ -230,3 +231,29 @@ def test_live_requests_are_capped_per_client_address_across_connections():
     first.end(a.request, Ending(Outcome.DONE, Reason.EOS))
     assert isinstance(generate(second, "d")[0], Submit)
     assert quota.used("10.0.0.1") == 3
+
+
+def test_a_cancel_while_the_prompt_is_tokenized_stops_the_request_once_it_exists():
+    conn = connection()
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a b"}', 0)
+    assert isinstance(work, Tokenize) and conn.pending == {"r1": work.draft}
+    # Still counted: the id is taken and the request counts towards the caps.
+    [dup] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a"}', 1)
+    assert dup.frame["code"] == ErrorCode.DUPLICATE_ID
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == []
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == []
+    submit, cancel = conn.tokenized(work.draft, conn.tokenize(work.draft))
+    assert isinstance(submit, Submit) and cancel == Cancel(submit.request, Reason.USER_CANCELLED)
+    assert submit.request.cancel_requested_ns == 5 * MS
+    frames = conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
+    assert [f["type"] for f in frames] == ["cancelled", "cancel_ack"]
+
+
+def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back():
+    quota = AddressQuota(1)
+    conn = Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, 0, address="a", quota=quota)
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a b"}', 0)
+    assert quota.used("a") == 1
+    conn.stop_all(Reason.CLIENT_DISCONNECTED, 1)
+    assert quota.used("a") == 0 and conn.tokenized(work.draft, conn.tokenize(work.draft)) == []
+    assert conn.live == {}
