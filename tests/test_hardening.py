@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 
 from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server,
                       wait_for)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Send, Submit, Tokenize, encode_frame
+from server.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Submit, Tokenize, encode_frame
 from server.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
