@@ -360,7 +360,12 @@ async def run_server_process(*args: str, env: dict | None = None, timeout: float
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server", *args, cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
+    finally:
+        if process.returncode is None:  # it started instead of refusing the settings
+            process.kill()
+            await process.wait()
     return process.returncode, out.decode(), err.decode()
 
 
@@ -432,6 +437,7 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
     and with 160,000-byte prompts (just under the bound, so each is tokenized)."""
     from test_server_process import start_process
     process, url, _ = await start_process()
+    streamer = None
     gaps: list[tuple[float, float]] = []  # (arrival, gap) of consecutive tokens of one request
     stop_streaming = asyncio.Event()
 
@@ -493,8 +499,8 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
         await asyncio.gather(*tasks)
         return [g for t, g in gaps[first:] if t >= start], answers, handshake
 
-    streamer = asyncio.create_task(stream())
     try:
+        streamer = asyncio.create_task(stream())
         await wait_for(lambda: len(gaps) >= 20, timeout=120)
         quiet, _, quiet_handshake = await gaps_while(150, None)
         refused, refused_answers, refused_handshake = await gaps_while(150, "x" * 399_000)
@@ -502,9 +508,9 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
         stop_streaming.set()
         await asyncio.wait_for(streamer, 60 * UNIT)
     finally:
-        if not streamer.done():
+        if streamer is not None and not streamer.done():
             streamer.cancel()
-        process.send_signal(signal.SIGTERM)
+        process.kill()
         await process.wait()
     rows = [("no flood", quiet, [], quiet_handshake), ("399,000-char prompts", refused, refused_answers,
                                                           refused_handshake),
