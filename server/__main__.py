@@ -6,77 +6,231 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
+import threading
 
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
-from .model import ModelFetchError
+from .model import EMBEDDED_CONTEXT_LIMIT, ModelFetchError
 from .model_check import ModelFileError
-from .vocabulary import AbortMode
 from .observability import configure_logging, log
+from .origin import WILDCARD_HOSTS, OriginPolicy
+from .protocol import MAX_SECONDS
+from .vocabulary import AbortMode
 
 
-def _env(name: str, default):
-    return os.environ.get(f"STOPLINE_{name}", default)
+# Flag value types: each raises ArgumentTypeError with the reason, which argparse
+# prints as one line before exiting with status 2.
+
+def _integer(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {low} to {high}" if high is not None
+                                             else f"{value} is too small: give at least {low}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_SECONDS:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give more than 0 and at most {MAX_SECONDS:g}")
+    return value
+
+
+def _host(text: str) -> str:
+    if not text.strip() or text.strip() == "*":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host; to listen on every interface, "
+                                         "give --host 0.0.0.0 explicitly")
+    return text.strip()
+
+
+def _one_of(values: list[str]):
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
+        return text
+    return parse
+
+
+def _list(validate):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        try:
+            validate(items)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return items
+    return parse
+
+
+_PORT = _integer(0, 65535)
+_POSITIVE = _integer(1)
+
+# flag, type, default, help. Every flag also reads STOPLINE_<FLAG>.
+SETTINGS = [
+    ("--host", _host, "127.0.0.1", "address to listen on; 0.0.0.0 listens on every interface"),
+    ("--port", _PORT, 8765, "port to listen on (0: any free port)"),
+    ("--http-port", _PORT, None, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
+    ("--model", str, None, "model file (default: embedded SmolLM2-135M-Instruct)"),
+    ("--model-type", str, None, "ctransformers model type (default: llama)"),
+    ("--workers", _POSITIVE, 2, "generation slots"),
+    ("--threads", _POSITIVE, None, "compute threads per slot (default: cores / workers)"),
+    ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
+    ("--abort-mode", _one_of([str(m) for m in AbortMode]), str(AbortMode.IN_STEP),
+     "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
+     "cannot); between_steps: stop only between evaluations"),
+    ("--prefill-chunk", _integer(1, 512), None,
+     "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)"),
+    ("--max-queue", _integer(0), 16, "requests that may wait for a slot"),
+    ("--requests-per-connection", _POSITIVE, 8, "live requests (running or queued) per connection"),
+    ("--requests-per-address", _POSITIVE, 16, "live requests of all connections from one client address"),
+    ("--max-connections", _POSITIVE, 256, "open WebSocket connections"),
+    ("--max-header-bytes", _integer(1024), 16 * 1024, "bytes a handshake request may carry"),
+    ("--handshake-timeout", _seconds, 10.0, "seconds a client has to complete its handshake request"),
+    ("--bytes-per-second", _integer(1024), 256 * 1024,
+     "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)"),
+    ("--allowed-origins", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_origins=items)), "",
+     "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any"),
+    ("--allowed-hosts", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_hosts=items)), "",
+     "comma-separated extra host names the server answers to (its address and localhost always are)"),
+    ("--timeout", _seconds, 300.0, "default total timeout, s"),
+    ("--ttft-timeout", _seconds, 120.0, "default first-token timeout, s"),
+    ("--slow-consumer-grace", _seconds, 10.0, "seconds a client may stop reading before its request is cancelled"),
+    ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "JSON log level"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "STOPLINE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                 epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", 8765)))
-    p.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
-                   help="port of the HTTP API under /v1 (default: --port + 1; 0 picks a free port)")
-    p.add_argument("--model", default=_env("MODEL", None), help="model file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model-type", default=_env("MODEL_TYPE", None), help="ctransformers model type (default: llama)")
-    p.add_argument("--workers", type=int, default=int(_env("WORKERS", 2)), help="generation slots")
-    p.add_argument("--threads", type=int, default=int(_env("THREADS", 0)) or None,
-                   help="compute threads per slot (default: cores / workers)")
-    p.add_argument("--context-length", type=int, default=int(_env("CONTEXT_LENGTH", DEFAULT_CONTEXT_LENGTH)))
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 0)) or None,
-                   help="prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)")
-    p.add_argument("--abort-mode", default=_env("ABORT_MODE", str(AbortMode.IN_STEP)),
-                   choices=[str(m) for m in AbortMode],
-                   help="in_step: stop inside an evaluation, between graph nodes (falls back to between_steps "
-                        "if this build cannot); between_steps: stop only between evaluations")
-    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 16)))
-    p.add_argument("--allowed-origins", default=_env("ALLOWED_ORIGINS", ""),
-                   help="comma-separated extra Origin values allowed on /ws and /v1 "
-                        "(same-origin and localhost always are)")
-    p.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", 300)), help="default total timeout, s")
-    p.add_argument("--ttft-timeout", type=float, default=float(_env("TTFT_TIMEOUT", 120)),
-                   help="default first-token timeout, s")
-    p.add_argument("--slow-consumer-grace", type=float, default=float(_env("SLOW_CONSUMER_GRACE", 10)))
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    for flag, kind, default, help_text in SETTINGS:
+        raw = os.environ.get(env_name(flag))
+        if raw is not None:
+            # An environment variable is checked like the flag, and named in the error.
+            try:
+                default = kind(raw)
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"{env_name(flag)}={raw!r}: {exc}")
+        elif kind is not str and isinstance(default, str):
+            default = kind(default)
+        p.add_argument(flag, type=kind, default=default, help=help_text)
+    args = p.parse_args(argv)
+    if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
+        p.error(f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
+                f"of {EMBEDDED_CONTEXT_LIMIT}")
+    if args.prefill_chunk and args.prefill_chunk > args.context_length:
+        p.error(f"argument --prefill-chunk: {args.prefill_chunk} exceeds --context-length {args.context_length}")
+    args.sock = _bind(p, args.host, args.port)
+    return args
 
 
-async def serve(args: argparse.Namespace) -> None:
+def _bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """Take the port before the model loads, so that a port in use fails at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        parser.error(f"argument --host: cannot resolve {host!r}: {exc.strerror}")
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        parser.error(f"argument --port: cannot listen on {host}:{port}: {exc.strerror}")
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signalled: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signalled.append(sig)
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    if args.host in WILDCARD_HOSTS:
+        log.warning("listening_on_every_interface", host=args.host)
+    if "*" in args.allowed_origins:
+        log.warning("any_origin_allowed", detail="any web page may drive this server")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    engine = await asyncio.to_thread(Engine.load, args.model, args.model_type, context_length=args.context_length,
-                                     threads=threads, prefill_chunk=args.prefill_chunk, abort_mode=args.abort_mode)
+    loaded = _in_daemon_thread(loop, lambda: Engine.load(
+        args.model, args.model_type, context_length=args.context_length, threads=threads,
+        prefill_chunk=args.prefill_chunk, abort_mode=args.abort_mode))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not loaded.done():
+        # Loading runs in C and cannot be interrupted; the process ends without it.
+        stopped.cancel()
+        log.info("startup_interrupted", signal=signal.Signals(signalled[0]).name)
+        return 128 + signalled[0]
+    stopped.cancel()
+    engine = loaded.result()
     config = ServerConfig(
-        host=args.host, port=args.port, http_port=args.http_port, workers=args.workers, max_queue=args.max_queue,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        host=args.host, port=args.sock.getsockname()[1], http_port=args.http_port, workers=args.workers,
+        max_queue=args.max_queue,
+        allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
+        requests_per_connection=args.requests_per_connection, requests_per_address=args.requests_per_address,
+        max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
+        handshake_timeout_s=args.handshake_timeout, bytes_per_second=args.bytes_per_second,
         default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, 600.0),
         default_ttft_timeout_s=args.ttft_timeout, max_ttft_timeout_s=max(args.ttft_timeout, 600.0),
         slow_consumer_grace_s=args.slow_consumer_grace)
     server = StoplineServer(engine, config)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    await server.start(sock=args.sock)
     await stop.wait()
     await server.shutdown()
+    return 0
+
+
+def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
+    """Run ``work`` in a daemon thread, which does not keep the process alive if asked to stop."""
+    future = loop.create_future()
+
+    def settle(outcome, exc) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome, exc = work(), None
+        except BaseException as error:  # handed to the event loop
+            outcome, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, outcome, exc)
+        except RuntimeError:
+            pass  # the loop has closed: startup was interrupted
+    threading.Thread(target=run, name="stopline-load", daemon=True).start()
+    return future
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
     try:
-        asyncio.run(serve(args))
+        args = parse_args(argv)
+        configure_logging(args.log_level)
+        return asyncio.run(serve(args))
     except ModelFileError as exc:
         # A file that cannot work is a usage error: one line that says why and what would work.
         log.error("startup_failed", error=str(exc))
@@ -85,8 +239,12 @@ def main(argv=None) -> int:
     except (EngineError, ModelFetchError, ValueError, OSError) as exc:
         log.error("startup_failed", error=str(exc))
         return 1
-    return 0
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # A model still loading in a daemon thread would hold up a normal exit; nothing else is left to clean up.
+    os._exit(code) if code >= 128 else sys.exit(code)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import mimetypes
+import os
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -26,13 +29,16 @@ from websockets.http11 import Request as HTTPRequest, Response
 
 from .engine import Engine
 from .observability import Metrics, log, log_accepted, log_end
-from .protocol import Cancel, Connection, Ending, Limits, Request, Send, Submit, encode_frame
+from .origin import OriginPolicy, check_request
+from .protocol import (AddressQuota, Cancel, Connection, Draft, Ending, Limits, Request, Send, Submit, Tokenize,
+                       encode_frame, error_frame)
 from .registry import Registry
 from .scheduler import Busy, Scheduler
-from .vocabulary import ErrorCode, Outcome, Reason
+from .vocabulary import ErrorCode, Outcome, Reason, Refusal
 
 WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+# Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
+SHORT_PROMPT_BYTES = 16 * 1024
 
 
 @dataclass
@@ -43,9 +49,18 @@ class ServerConfig:
     http_port: int | None = None
     workers: int = 2
     max_queue: int = 16
-    # Extra allowed Origin values; same-origin and localhost pages are always allowed.
+    # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
     allowed_origins: tuple[str, ...] = ()
+    # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
+    allowed_hosts: tuple[str, ...] = ()
     requests_per_connection: int = 8
+    # Live requests of all connections from one client address.
+    requests_per_address: int = 16
+    # Open WebSocket connections, all clients together.
+    max_connections: int = 256
+    # Bytes a client may send before its handshake request is complete, and how long it may take.
+    max_header_bytes: int = 16 * 1024
+    handshake_timeout_s: float = 10.0
     default_timeout_s: float = 300.0
     max_timeout_s: float = 600.0
     default_ttft_timeout_s: float = 120.0
@@ -57,6 +72,9 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     frames_per_second: float = 50.0
     frame_burst: int = 100
+    # Bytes of frames each connection may send a second, in bursts of one largest frame:
+    # this bounds the parsing and tokenizing one client can ask for.
+    bytes_per_second: float = 256 * 1024
     # Small transport and kernel send buffers: a stalled client's backlog stays
     # bounded, and backpressure reaches the token loop instead of piling up here.
     write_limit: int = 16 * 1024
@@ -72,14 +90,29 @@ class StoplineServer:
                                    metrics=self.metrics)
         self.metrics.slots.set(config.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
+        self.origin_policy = OriginPolicy.build(config.host, config.allowed_origins, config.allowed_hosts)
         self.limits = Limits(
             context_length=engine.context_length, vocab_size=engine.vocab_size,
             requests_per_connection=config.requests_per_connection,
+            requests_per_address=config.requests_per_address,
+            max_prompt_bytes=_max_prompt_bytes(engine, config.max_frame_bytes),
+            bytes_per_second=config.bytes_per_second, byte_burst=config.max_frame_bytes,
             default_timeout_s=config.default_timeout_s, max_timeout_s=config.max_timeout_s,
             default_ttft_timeout_s=config.default_ttft_timeout_s, max_ttft_timeout_s=config.max_ttft_timeout_s,
             frames_per_second=config.frames_per_second, frame_burst=config.frame_burst)
         self._server: Server | None = None
         self._sessions: set[ClientSession] = set()
+        self.address_quota = AddressQuota(config.requests_per_address)
+        # WebSocket connections admitted by the handshake and not yet closed.
+        self.websocket_connections = 0
+        # Prompts are tokenized in worker threads, which release the GIL while they
+        # work. Short prompts (milliseconds each) have a lane of their own, so they
+        # never wait behind long ones; the long lane runs at a lower priority than
+        # the token loops.
+        self.tokenizer_lanes = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-short"),
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-long",
+                               initializer=_background_priority))
         self.registry = Registry()
         from .http_api import HttpApi  # imported here: its sessions build on ClientSession below
         self.http = HttpApi(self)
@@ -88,11 +121,16 @@ class StoplineServer:
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on ``config.host``/``config.port``, or on ``sock`` if the caller has bound one already."""
+        where = {"sock": sock} if sock is not None else {"host": self.config.host, "port": self.config.port}
         self._server = await serve(
-            self._handle, self.config.host, self.config.port,
+            self._handle, **where,
             process_request=self._process_request, max_size=self.config.max_frame_bytes,
-            write_limit=self.config.write_limit, server_header="Stopline")
+            write_limit=self.config.write_limit, server_header="Stopline",
+            create_connection=self._create_connection,
+            # The handshake deadline is enforced (and counted) by GuardedConnection; this is the backstop.
+            open_timeout=self.config.handshake_timeout_s + 5)
         http_port = self.config.http_port
         if http_port is None:
             http_port = self.config.port + 1 if self.config.port else 0
@@ -116,17 +154,37 @@ class StoplineServer:
         self._server.close(close_connections=True)
         await self._server.wait_closed()
         await self.http.close()
+        for lane in self.tokenizer_lanes:
+            await asyncio.get_running_loop().run_in_executor(None, lane.shutdown)
         log.info("server_stopped")
 
     # HTTP ----------------------------------------------------------------------
 
+    def _create_connection(self, *args, **kwargs) -> "GuardedConnection":
+        return GuardedConnection(self, *args, **kwargs)
+
+    def refuse(self, connection: ServerConnection, code: Refusal, **details) -> None:
+        """Count and log a connection refused before it became a WebSocket."""
+        self.metrics.refused.labels(str(code)).inc()
+        log.warning("connection_refused", code=str(code), peer=_peer(connection), **details)
+
     def _process_request(self, connection: ServerConnection, request: HTTPRequest) -> Response | None:
         path = urlsplit(request.path).path
+        refused = check_request(request.headers.get_all("Host"),
+                                request.headers.get_all("Origin") if path == "/ws" else None, self.origin_policy)
+        if refused is not None:
+            # Header values are the client's; log them shortened.
+            self.refuse(connection, refused.code, host=request.headers.get_all("Host")[:2],
+                        origin=request.headers.get_all("Origin")[:2] if path == "/ws" else None)
+            return _response(refused.status, f"{refused.code}: {refused.message}\n".encode(), "text/plain")
         if path == "/ws":
-            origin = request.headers.get("Origin")
-            if origin is not None and not self._origin_allowed(origin, request.headers.get("Host", "")):
-                log.warning("origin_rejected", origin=origin, peer=_peer(connection))
-                return _response(HTTPStatus.FORBIDDEN, b"origin not allowed\n", "text/plain")
+            if self.websocket_connections >= self.config.max_connections:
+                self.refuse(connection, Refusal.TOO_MANY_CONNECTIONS)
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE,
+                                 f"{Refusal.TOO_MANY_CONNECTIONS}: the server has its maximum of "
+                                 f"{self.config.max_connections} connections\n".encode(), "text/plain")
+            self.websocket_connections += 1
+            connection.admitted = True
             return None
         if path == "/healthz":
             body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
@@ -136,14 +194,6 @@ class StoplineServer:
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
         return _static(path)
-
-    def _origin_allowed(self, origin: str, host: str) -> bool:
-        if origin in self.config.allowed_origins or "*" in self.config.allowed_origins:
-            return True
-        parts = urlsplit(origin)
-        if parts.netloc == host:
-            return True  # same origin
-        return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS
 
     # WebSocket -------------------------------------------------------------------
 
@@ -165,13 +215,21 @@ class ClientSession:
     """One WebSocket connection: reads frames, performs the protocol's actions,
     and receives its requests' output from the scheduler (it is their Sink)."""
 
-    def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None):
+    def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None,
+                 address: str | None = None):
         self.server = server
         self.websocket = websocket
         self.peer = peer or _peer(websocket)
-        self.protocol = Connection(server.limits, self._tokenize, time.monotonic_ns())
+        if address is None:
+            address = websocket.remote_address[0] if websocket.remote_address else "unknown"
+        self.protocol = Connection(server.limits, self._encode, time.monotonic_ns(), address=address,
+                                   quota=server.address_quota)
+        # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
+        # (cancels, pings), and one connection never has more than one prompt in the works.
+        self._drafts: asyncio.Queue[Draft] = asyncio.Queue()
+        self._preparer: asyncio.Task | None = None
 
-    def _tokenize(self, prompt, messages):
+    def _encode(self, prompt, messages):
         return self.server.engine.encode(prompt=prompt, messages=messages)
 
     async def run(self) -> None:
@@ -180,17 +238,28 @@ class ClientSession:
             async for message in self.websocket:
                 # The cancel's arrival time is taken here, as the frame is read.
                 now = time.monotonic_ns()
-                if isinstance(message, str):
-                    actions = self.protocol.receive_text(message, now)
-                else:
-                    actions = self.protocol.receive_binary(now)
+                try:
+                    if isinstance(message, str):
+                        actions = self.protocol.receive_text(message, now)
+                    else:
+                        actions = self.protocol.receive_binary(now, len(message))
+                except Exception:
+                    # A bug handling one frame answers that frame, not the connection.
+                    log.exception("frame_failed", peer=self.peer)
+                    actions = [Send(error_frame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
                 await self.perform(actions)
         except ConnectionClosed:
             pass
         finally:
-            if self.protocol.live:
-                log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
-            await self.perform(self.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
+            await self.client_gone()
+
+    async def client_gone(self) -> None:
+        """The client went away: stop everything it started."""
+        if self.protocol.live or self.protocol.pending:
+            log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
+        await self.perform(self.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
+        if self._preparer is not None:
+            self._preparer.cancel()
 
     async def perform(self, actions) -> None:
         """Carry out what the protocol decided."""
@@ -199,10 +268,31 @@ class ClientSession:
                 if action.frame["type"] == "error":
                     self.server.metrics.rejected.labels(action.frame["code"]).inc()
                 await self._send(action.frame)
+            elif isinstance(action, Tokenize):
+                self._drafts.put_nowait(action.draft)
+                if self._preparer is None:
+                    self._preparer = asyncio.get_running_loop().create_task(self._prepare())
             elif isinstance(action, Submit):
                 await self._submit(action.request)
             elif isinstance(action, Cancel):
                 self.server.scheduler.cancel(action.request, action.reason)
+
+    async def _prepare(self) -> None:
+        """Tokenize this connection's prompts in arrival order, off the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            draft = await self._drafts.get()
+            try:
+                lane = self.server.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
+                actions = self.protocol.tokenized(
+                    draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # A bug preparing one request ends that request, not the connection.
+                log.exception("request_failed", request_id=draft.id, peer=self.peer)
+                actions = self.protocol.failed(draft, f"the server failed to read this prompt: {type(exc).__name__}")
+            await self.perform(actions)
 
     async def _submit(self, request: Request) -> None:
         self.server.registry.add(request, self)
@@ -259,6 +349,83 @@ class ClientSession:
 
     async def _write(self, frame: dict) -> None:
         await self.websocket.send(encode_frame(frame))
+
+
+class GuardedConnection(ServerConnection):
+    """A connection whose handshake has a byte budget and a deadline.
+
+    websockets reads up to 128 header lines of 8 KiB each, and keeps what it
+    has read for as long as the handshake lasts; both are cut short here.
+    """
+
+    def __init__(self, stopline: StoplineServer, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stopline = stopline
+        self.admitted = False
+        self._refused = False
+        self._handshake_bytes = 0
+        self._handshake_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._handshake_timer = self.loop.call_later(self.stopline.config.handshake_timeout_s,
+                                                     self._handshake_expired)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped, so that closing does not reset the connection before the answer is read
+        if self.request is None:
+            self._handshake_bytes += len(data)
+            if self._handshake_bytes > self.stopline.config.max_header_bytes:
+                self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, Refusal.HEADERS_TOO_LARGE,
+                             f"the handshake may carry at most {self.stopline.config.max_header_bytes} bytes")
+                return
+        super().data_received(data)
+        if self.request is not None and self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def connection_lost(self, exc) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+        if self.admitted:
+            self.admitted = False
+            self.stopline.websocket_connections -= 1
+        super().connection_lost(exc)
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.request is None and not self.transport.is_closing():
+            self._refuse(HTTPStatus.REQUEST_TIMEOUT, Refusal.HANDSHAKE_TIMEOUT,
+                         f"the handshake did not complete within {self.stopline.config.handshake_timeout_s:g} s")
+
+    def _refuse(self, status: HTTPStatus, code: Refusal, message: str) -> None:
+        self.stopline.refuse(self, code)
+        body = f"{code}: {message}\n".encode()
+        self._refused = True
+        self.transport.write(f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: text/plain\r\n"
+                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        # Half-close, and keep reading for a moment: closing a socket with unread
+        # data resets it, and the client would never see the answer.
+        self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
+
+
+def _max_prompt_bytes(engine: Engine, max_frame_bytes: int) -> int:
+    """No prompt longer than this can fit the context: every token stands for at most the longest token's bytes."""
+    longest = getattr(engine.tokenizer, "max_token_bytes", None)
+    bound = engine.context_length * longest if longest else max_frame_bytes
+    return min(bound, max_frame_bytes)
+
+
+def _background_priority() -> None:
+    # Linux applies a nice value to the calling thread alone: ten steps below the
+    # token loops gives it about a tenth of their share of a contended core.
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + 10))
+    except (AttributeError, OSError):
+        pass
 
 
 def _peer(connection: ServerConnection) -> str:

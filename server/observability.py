@@ -65,6 +65,9 @@ class Metrics:
                                             registry=r)
         self.prompt_tokens_evaluated = Counter("stopline_prompt_tokens_evaluated",
                                                "Prompt tokens evaluated, all outcomes.", registry=r)
+        self.refused = Counter("stopline_refused_connections",
+                               "HTTP and WebSocket connections refused before the handshake completed, by code.",
+                               ["code"], registry=r)
 
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:

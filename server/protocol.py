@@ -58,13 +58,21 @@ class Limits:
     default_ttft_timeout_s: float = 120.0
     max_ttft_timeout_s: float = 600.0
     requests_per_connection: int = 8
-    max_prompt_chars: int = 400_000
+    # Live requests (queued or running) of all connections from one client address.
+    requests_per_address: int = 16
+    # A cheap bound checked before any tokenizing: the server sets it to the
+    # context length times the longest token's bytes, so a prompt past it can
+    # only be too long.
+    max_prompt_bytes: int = 400_000
     max_messages: int = 512
     max_stop_sequences: int = 4
     max_stop_bytes: int = 64
-    # Token bucket for incoming frames.
+    # Token buckets for incoming frames: their number, and their bytes. Parsing
+    # and tokenizing cost CPU in proportion to the bytes; a burst holds one largest frame.
     frames_per_second: float = 50.0
     frame_burst: int = 100
+    bytes_per_second: float = 256 * 1024
+    byte_burst: int = 1 << 20
     # How many ended request ids each connection remembers for cancel_ack.
     remembered_ids: int = 1024
 
@@ -86,6 +94,8 @@ class Request:
     cancel_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     # The optional ``user`` field of the request (the OpenAI name), logged as user_id.
     user: str | None = None
+    # Cancel frames still owed an answer; it names the outcome once the request has ended.
+    unanswered_cancels: int = 0
 
     def advance(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -121,10 +131,33 @@ class Ending:
         return self.prompt_tokens_evaluated + self.tokens_generated
 
 
+@dataclass(eq=False)
+class Draft:
+    """A validated generate frame whose prompt is still being tokenized."""
+    id: str
+    params: SamplingParams
+    prompt: str | None
+    messages: list[dict] | None
+    received_ns: int
+    size: int  # the prompt's UTF-8 bytes
+    user: str | None = None
+    id_chosen_by_server: bool = False
+    # Cancel frames that arrived meanwhile, and when the first did.
+    cancels: int = 0
+    cancel_ns: int = 0
+
+
 # Actions returned to the I/O layer.
 @dataclass(frozen=True)
 class Send:
     frame: dict
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """Run ``Connection.tokenize(draft)`` off the event loop (it costs CPU in
+    proportion to the prompt), then hand its result to ``Connection.tokenized``."""
+    draft: Draft
 
 
 @dataclass(frozen=True)
@@ -138,7 +171,7 @@ class Cancel:
     reason: Reason
 
 
-Action = Union[Send, Submit, Cancel]
+Action = Union[Send, Tokenize, Submit, Cancel]
 
 
 class ProtocolError(Exception):
@@ -153,29 +186,65 @@ def error_frame(code: ErrorCode, message: str, request_id: str | None = None) ->
     return {"type": "error", "id": request_id, "code": str(code), "message": message}
 
 
-def cancel_ack(request_id: str, status: str) -> dict:
-    """The answer to a cancel that found nothing to stop: ``status`` is the request's outcome, or unknown."""
-    return {"type": "cancel_ack", "id": request_id, "status": str(status)}
+# cancel_ack names an outcome by these words: "finished" rather than "done",
+# so that an ack is never mistaken for a terminal message.
+_ACK_STATUS = {Outcome.DONE: "finished", Outcome.CANCELLED: "cancelled", Outcome.TIMEOUT: "timeout",
+               Outcome.ERROR: "error"}
+
+
+def cancel_ack(request_id: str, outcome: Outcome | None) -> dict:
+    """The answer to a cancel that found nothing to stop: the request's outcome, or unknown."""
+    return {"type": "cancel_ack", "id": request_id, "status": _ACK_STATUS.get(outcome, "unknown")}
 
 
 def encode_frame(frame: dict) -> str:
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    except UnicodeEncodeError:  # pragma: no cover - validation keeps lone surrogates out of frames
+        return json.dumps(frame, separators=(",", ":"))
 
 
-Tokenize = Callable[[Union[str, None], Union[list, None]], list]
+class AddressQuota:
+    """Live requests per client address, shared by all of that address's connections."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._used: dict[str, int] = {}
+
+    def used(self, address: str) -> int:
+        return self._used.get(address, 0)
+
+    def take(self, address: str) -> None:
+        self._used[address] = self._used.get(address, 0) + 1
+
+    def give_back(self, address: str) -> None:
+        left = self._used[address] - 1
+        if left:
+            self._used[address] = left
+        else:
+            del self._used[address]
+
+
+TokenizeFn = Callable[[Union[str, None], Union[list, None]], list]
 
 
 class Connection:
     """One client's protocol state. ``now_ns`` is always CLOCK_MONOTONIC ns."""
 
-    def __init__(self, limits: Limits, tokenize: Tokenize, now_ns: int):
+    def __init__(self, limits: Limits, tokenize: TokenizeFn, now_ns: int, *,
+                 address: str = "", quota: AddressQuota | None = None):
         self.limits = limits
         self._tokenize = tokenize
+        self.address = address
+        self.quota = quota if quota is not None else AddressQuota(limits.requests_per_address)
         self.live: dict[str, Request] = {}
+        # Generate frames whose prompts are being tokenized; they count as live for every limit.
+        self.pending: dict[str, Draft] = {}
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._tokens = float(limits.frame_burst)
         self._tokens_at = now_ns
         self._rate_limited_reported_ns = -10**18
+        self._bytes = float(limits.byte_burst)
 
     def hello(self, model: str) -> dict:
         lim = self.limits
@@ -187,13 +256,14 @@ class Connection:
 
     # Incoming frames ------------------------------------------------------
 
-    def receive_binary(self, now_ns: int) -> list[Action]:
-        if not self._admit(now_ns):
+    def receive_binary(self, now_ns: int, size: int = 0) -> list[Action]:
+        if not self._admit(now_ns, size):
             return self._rate_limited(now_ns)
         return [Send(error_frame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
 
     def receive_text(self, data: str, now_ns: int) -> list[Action]:
-        if not self._admit(now_ns):
+        # Characters, not bytes: counting bytes would cost as much as the parse it guards.
+        if not self._admit(now_ns, len(data)):
             return self._rate_limited(now_ns)
         try:
             frame = _parse(data)
@@ -202,7 +272,7 @@ class Connection:
                 return self._generate(frame, now_ns)
             if kind == "cancel":
                 return self._cancel(frame, now_ns)
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {kind!r}; expected 'generate' or 'cancel'",
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'",
                                 _id_of(frame))
         except ProtocolError as exc:
             return [Send(error_frame(exc.code, exc.message, exc.request_id))]
@@ -212,45 +282,89 @@ class Connection:
         chosen_by_server = request_id is None
         if chosen_by_server:
             request_id = str(uuid.uuid4())
-        elif not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
+        elif not _is_id(request_id):
             raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
-        if request_id in self.live:
-            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection",
-                                request_id)
-        if len(self.live) >= self.limits.requests_per_connection:
-            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS,
-                                f"this connection already has {len(self.live)} live requests "
-                                f"(the limit is {self.limits.requests_per_connection})", request_id)
-        params, prompt, messages = _validate_generate(frame, self.limits, request_id)
+        self._check_room(request_id)
+        params, prompt, messages, size = _validate_generate(frame, self.limits, request_id)
         user = frame.get("user")
         if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
             raise ProtocolError(ErrorCode.INVALID_FIELD,
                                 f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
+        if user is not None:
+            _text_bytes(user, "user", request_id)
+        draft = Draft(request_id, params, prompt, messages, received_ns=now_ns, size=size, user=user,
+                      id_chosen_by_server=chosen_by_server)
+        self.pending[request_id] = draft
+        self.quota.take(self.address)
+        return [Tokenize(draft)]
+
+    def tokenize(self, draft: Draft) -> list[int] | ProtocolError:
+        """The prompt's tokens, or the error that refuses it. Safe to call from any thread."""
         try:
-            tokens = self._tokenize(prompt, messages)
+            tokens = self._tokenize(draft.prompt, draft.messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
-            raise ProtocolError(ErrorCode.INVALID_FIELD, str(exc), request_id) from None
+            return ProtocolError(ErrorCode.INVALID_FIELD, str(exc), draft.id)
         if not tokens:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", request_id)
+            return ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", draft.id)
         if len(tokens) >= self.limits.context_length:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
-                                f"the prompt has {len(tokens)} tokens; the context holds {self.limits.context_length}, "
-                                "including at least one generated token", request_id)
-        request = Request(request_id, tokens, params, received_ns=now_ns, user=user)
-        if chosen_by_server:
-            request.request_id = request_id  # one id is enough when the client gave none
-        self.live[request_id] = request
-        return [Submit(request)]
+            return ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                                 f"the prompt has {len(tokens)} tokens; the context holds "
+                                 f"{self.limits.context_length}, including at least one generated token", draft.id)
+        return tokens
+
+    def tokenized(self, draft: Draft, tokens: list[int] | ProtocolError) -> list[Action]:
+        """Turn a tokenized draft into a live request (or its error). A cancel
+        that arrived while it was tokenized stops the request at once."""
+        if self.pending.pop(draft.id, None) is not draft:
+            return []  # the client left meanwhile
+        if isinstance(tokens, ProtocolError):
+            self.quota.give_back(self.address)
+            return [Send(error_frame(tokens.code, tokens.message, tokens.request_id))] + [
+                Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
+        request = Request(draft.id, tokens, draft.params, received_ns=draft.received_ns, user=draft.user)
+        if draft.id_chosen_by_server:
+            request.request_id = draft.id  # one id is enough when the client gave none
+        self.live[draft.id] = request
+        actions: list[Action] = [Submit(request)]
+        if draft.cancels:
+            request.unanswered_cancels = draft.cancels - 1
+            actions += self.request_cancel(request, Reason.USER_CANCELLED, draft.cancel_ns)
+        return actions
+
+    def failed(self, draft: Draft, message: str) -> list[Action]:
+        """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
+        return self.tokenized(draft, ProtocolError(ErrorCode.INTERNAL_ERROR, message, draft.id))
+
+    def _check_room(self, request_id: str) -> None:
+        if request_id in self.live or request_id in self.pending:
+            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection",
+                                request_id)
+        count = len(self.live) + len(self.pending)
+        if count >= self.limits.requests_per_connection:
+            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS,
+                                f"this connection already has {count} live requests "
+                                f"(the limit is {self.limits.requests_per_connection})", request_id)
+        if self.quota.used(self.address) >= self.quota.limit:
+            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS,
+                                f"this client address already has {self.quota.used(self.address)} live requests "
+                                f"(the limit is {self.quota.limit})", request_id)
 
     def _cancel(self, frame: dict, now_ns: int) -> list[Action]:
         request_id = frame.get("id")
-        if not isinstance(request_id, str):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the string id of a request")
+        if not _is_id(request_id):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the id of a request: a string of 1 to 128 characters")
+        draft = self.pending.get(request_id)
+        if draft is not None:
+            draft.cancels += 1
+            draft.cancel_ns = draft.cancel_ns or now_ns
+            return []
         request = self.live.get(request_id)
         if request is None:
-            return [Send(cancel_ack(request_id, self._ended.get(request_id, "unknown")))]
+            return [Send(cancel_ack(request_id, self._ended.get(request_id)))]
         if request.cancel_reason is not None:
-            return [Send(cancel_ack(request_id, Outcome.CANCELLED))]
+            # Already stopping, but a finish may still win: answer once the outcome is known.
+            request.unanswered_cancels += 1
+            return []
         return self.request_cancel(request, Reason.USER_CANCELLED, now_ns)
 
     # Events from the engine side ------------------------------------------
@@ -281,23 +395,32 @@ class Connection:
     def end(self, request: Request, ending: Ending) -> list[dict]:
         """The one terminal frame of ``request`` (nothing if it already had one).
 
-        A cancel frame that lost the race to another ending is answered here,
-        after the terminal frame, with a cancel_ack naming the outcome that won.
+        Cancel frames not answered by the terminal frame itself (every one
+        after the first, or all of them when another ending won the race) are
+        answered here, after it, with a cancel_ack naming the outcome that won.
         """
         if request.ended:
             return []
         request.advance(Phase.ENDED)
         del self.live[request.id]
+        self.quota.give_back(self.address)
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
         frames = [terminal_frame(request.id, ending)]
+        acks = request.unanswered_cancels
         if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
-            frames.append(cancel_ack(request.id, ending.outcome))
+            acks += 1
+        frames += [cancel_ack(request.id, ending.outcome)] * acks
         return frames
 
     def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:
         """Stop every live request of this connection: the client left, or the server is shutting down."""
+        if reason is Reason.CLIENT_DISCONNECTED:
+            # Prompts still being tokenized are dropped: nobody is left to answer.
+            for _ in self.pending:
+                self.quota.give_back(self.address)
+            self.pending.clear()
         actions: list[Action] = []
         for request in list(self.live.values()):
             actions += self.request_cancel(request, reason, now_ns)
@@ -305,13 +428,16 @@ class Connection:
 
     # Flood control ----------------------------------------------------------
 
-    def _admit(self, now_ns: int) -> bool:
+    def _admit(self, now_ns: int, size: int) -> bool:
+        lim = self.limits
         elapsed = (now_ns - self._tokens_at) / 1e9
         self._tokens_at = now_ns
-        self._tokens = min(float(self.limits.frame_burst), self._tokens + elapsed * self.limits.frames_per_second)
-        if self._tokens < 1.0:
+        self._tokens = min(float(lim.frame_burst), self._tokens + elapsed * lim.frames_per_second)
+        self._bytes = min(float(lim.byte_burst), self._bytes + elapsed * lim.bytes_per_second)
+        if self._tokens < 1.0 or self._bytes < size:
             return False
         self._tokens -= 1.0
+        self._bytes -= size
         return True
 
     def _rate_limited(self, now_ns: int) -> list[Action]:
@@ -320,8 +446,8 @@ class Connection:
             return []
         self._rate_limited_reported_ns = now_ns
         return [Send(error_frame(ErrorCode.RATE_LIMITED,
-                                 f"too many frames; the limit is {self.limits.frames_per_second:g} a second, "
-                                 "excess frames are dropped"))]
+                                 f"too many frames; the limits are {self.limits.frames_per_second:g} frames and "
+                                 f"{self.limits.bytes_per_second:g} bytes a second, excess frames are dropped"))]
 
 
 def terminal_frame(request_id: str, ending: Ending) -> dict:
@@ -356,9 +482,29 @@ def _parse(data: str) -> dict:
     return frame
 
 
+def _encodable(text: str) -> bool:
+    """False for text holding a lone surrogate (a JSON escape such as \\ud800), which no UTF-8 frame can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, str) and 1 <= len(value) <= 128 and _encodable(value)
+
+
 def _id_of(frame: dict) -> str | None:
+    """The frame's id if it can be echoed back in an error frame."""
     value = frame.get("id")
-    return value if isinstance(value, str) else None
+    return value if _is_id(value) else None
+
+
+def _shown(value, limit: int = 40) -> str:
+    """A short repr of a client's value for an error message."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**limit else f"an integer of {len(str(abs(value)))} digits"
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _number(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str,
@@ -370,10 +516,22 @@ def _number(frame: dict, name: str, default, low, high, *, integer: bool, reques
     # bool is an int in Python, but true is not a number in JSON.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be {kind}", request_id)
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+    # Integers are compared as integers: a 400-digit one does not fit a float.
+    if ((isinstance(value, float) and not math.isfinite(value)) or value < low or value > high
+            or (low_open and value == low)):
         bound = f"({low:g}" if low_open else f"[{low:g}"
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {value!r}", request_id)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {_shown(value)}",
+                            request_id)
     return value
+
+
+def _text_bytes(value: str, name: str, request_id: str) -> int:
+    """The UTF-8 size of a client's text; text that has none (a lone surrogate) is refused."""
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                            "escape), which is not text", request_id) from None
 
 
 def _validate_generate(frame: dict, limits: Limits, request_id: str):
@@ -383,7 +541,7 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ProtocolError(ErrorCode.INVALID_FIELD, "prompt must be a string", request_id)
-        size = len(prompt)
+        size = _text_bytes(prompt, "prompt", request_id)
     else:
         if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
             raise ProtocolError(ErrorCode.INVALID_FIELD,
@@ -395,17 +553,19 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
                 raise ProtocolError(ErrorCode.INVALID_FIELD,
                                     "each message must be {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": string}",
                                     request_id)
-            size += len(message["content"])
+            size += _text_bytes(message["content"], "a message's content", request_id)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if size > limits.max_prompt_chars:
+    if size > limits.max_prompt_bytes:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
-                            f"the prompt has {size} characters; the limit is {limits.max_prompt_chars}", request_id)
+                            f"the prompt has {size} bytes; no prompt over {limits.max_prompt_bytes} bytes fits "
+                            f"the context of {limits.context_length} tokens", request_id)
 
     stop = frame.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
     if (not isinstance(stop, list) or len(stop) > limits.max_stop_sequences
-            or not all(isinstance(s, str) and 1 <= len(s.encode()) <= limits.max_stop_bytes for s in stop)):
+            or not all(isinstance(s, str) and 1 <= _text_bytes(s, "stop", request_id) <= limits.max_stop_bytes
+                       for s in stop)):
         raise ProtocolError(ErrorCode.INVALID_FIELD,
                             f"stop must be a list of at most {limits.max_stop_sequences} strings of "
                             f"1 to {limits.max_stop_bytes} bytes", request_id)
@@ -425,4 +585,4 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
         ttft_timeout_s=min(limits.max_ttft_timeout_s, float(_number(
             frame, "ttft_timeout_s", limits.default_ttft_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n))),
     )
-    return params, prompt, messages
+    return params, prompt, messages, size

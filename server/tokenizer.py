@@ -10,6 +10,7 @@ whole UTF-8 text.
 from __future__ import annotations
 
 import codecs
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +67,19 @@ class ChatTokenizer:
         return cls(tokenizer, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id"))
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # The batch calls release the GIL while they work; the single ones do not.
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         # The vocabulary lacks a few bytes (some control characters, some 4-byte
         # UTF-8 leads); BPE would drop them silently, so refuse instead.
-        if self.tokenizer.decode(ids, skip_special_tokens=False) != text:
+        if self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0] != text:
             raise TokenizerError("the text has characters this model's vocabulary cannot represent")
         return ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of n bytes has at least n / this many tokens."""
+        return max(len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+                   for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

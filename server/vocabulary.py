@@ -56,6 +56,7 @@ class ErrorCode(StrEnum):
     DUPLICATE_ID = "duplicate_id"
     PROMPT_TOO_LONG = "prompt_too_long"
     TOO_MANY_REQUESTS = "too_many_requests"
+    TOO_MANY_REQUESTS_FROM_ADDRESS = "too_many_requests_from_address"
     BUSY = "busy"
     RATE_LIMITED = "rate_limited"
     INTERNAL_ERROR = "internal_error"
@@ -63,7 +64,6 @@ class ErrorCode(StrEnum):
     UNKNOWN_REQUEST = "unknown_request"
     INVALID_CANCEL_TOKEN = "invalid_cancel_token"
     NOT_FOUND = "not_found"
-    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
 
 
 class Status(StrEnum):
@@ -83,3 +83,14 @@ STATUS_BY_OUTCOME = {
     Outcome.TIMEOUT: Status.TIMEOUT,
     Outcome.ERROR: Status.ERROR,
 }
+
+
+class Refusal(StrEnum):
+    """Why a connection was refused before it became a WebSocket: the body of the
+    HTTP answer and the ``code`` label of ``stopline_refused_connections_total``."""
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+    INVALID_HEADER = "invalid_header"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"

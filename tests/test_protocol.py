@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.protocol import Cancel, Connection, Ending, Limits, Phase, Send, Submit
+from server.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Submit, Tokenize, encode_frame
 from server.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
@@ -21,9 +21,16 @@ def connection(**limits) -> Connection:
     return Connection(Limits(context_length=16, vocab_size=100, **limits), fake_tokenize, now_ns=0)
 
 
+def prepare(conn: Connection, actions):
+    """Do what the I/O layer does with a Tokenize action (there, off the event loop)."""
+    if len(actions) == 1 and isinstance(actions[0], Tokenize):
+        return conn.tokenized(actions[0].draft, conn.tokenize(actions[0].draft))
+    return actions
+
+
 def generate(conn: Connection, request_id="r1", now_ns=0, **fields):
     frame = {"type": "generate", "id": request_id, "prompt": "a b c", **fields}
-    return conn.receive_text(json.dumps(frame), now_ns)
+    return prepare(conn, conn.receive_text(json.dumps(frame), now_ns))
 
 
 def test_generate_submits_a_queued_request():
@@ -59,9 +66,9 @@ def test_cancel_is_idempotent_and_acknowledged_with_the_final_state():
     [cancel] = conn.receive_text('{"type": "cancel", "id": "r1"}', 10 * MS)
     assert isinstance(cancel, Cancel) and cancel.reason is Reason.USER_CANCELLED
     assert submit.request.cancel_requested_ns == 10 * MS
-    [again] = conn.receive_text('{"type": "cancel", "id": "r1"}', 11 * MS)
-    assert again == Send({"type": "cancel_ack", "id": "r1", "status": "cancelled"})
-    conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 11 * MS) == []
+    frames = conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
+    assert frames[1:] == [{"type": "cancel_ack", "id": "r1", "status": "cancelled"}]
     [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 12 * MS)
     assert late.frame["status"] == "cancelled"
     [unknown] = conn.receive_text('{"type": "cancel", "id": "nope"}', 13 * MS)
@@ -74,7 +81,26 @@ def test_a_cancel_that_loses_to_a_finish_is_acknowledged_after_the_terminal():
     conn.receive_text('{"type": "cancel", "id": "r1"}', 1)
     frames = conn.end(submit.request, Ending(Outcome.DONE, Reason.MAX_TOKENS))
     assert [f["type"] for f in frames] == ["done", "cancel_ack"]
-    assert frames[1]["status"] == "done"
+    # The documented word for a request that ended with done.
+    assert frames[1]["status"] == "finished"
+    [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 2)
+    assert late.frame == {"type": "cancel_ack", "id": "r1", "status": "finished"}
+
+
+@pytest.mark.parametrize("outcome, reason, status", [
+    (Outcome.DONE, Reason.EOS, "finished"), (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, "timeout"),
+    (Outcome.CANCELLED, Reason.USER_CANCELLED, "cancelled")])
+def test_every_cancel_racing_an_ending_is_acknowledged_with_the_outcome_that_won(outcome, reason, status):
+    conn = connection()
+    [submit] = generate(conn)
+    assert len(conn.receive_text('{"type": "cancel", "id": "r1"}', 1)) == 1
+    # The second cancel finds the request stopping, not stopped: no answer may claim an outcome yet.
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 2) == []
+    frames = conn.end(submit.request, Ending(outcome, reason))
+    assert frames[0]["type"] == str(outcome)
+    acks = frames[1:]
+    # The terminal message answers the first cancel only when the cancel won.
+    assert acks == [{"type": "cancel_ack", "id": "r1", "status": status}] * (1 if outcome is Outcome.CANCELLED else 2)
 
 
 def test_only_the_first_stop_reason_counts():
@@ -129,3 +155,105 @@ def test_the_native_loop_speaks_the_same_vocabulary():
     for outcome, reason in stopline_core._EXIT_NAMES.values():
         assert outcome in set(Outcome)
         assert reason is None or reason in names, reason
+
+
+SURROGATE_FRAMES = [
+    '{"type": "generate", "id": "p1", "prompt": "hi \\ud800", "max_tokens": 4}',
+    '{"type": "generate", "id": "p1", "messages": [{"role": "user", "content": "\\udfff"}]}',
+    '{"type": "generate", "id": "p1", "prompt": "hi", "stop": ["\\ud83d"]}',
+    '{"type": "generate", "id": "\\ud800", "prompt": "hi"}',
+    '{"type": "cancel", "id": "\\ud800"}',
+    '{"type": "bogus", "id": "\\ud800"}',
+    '{"type": "\\ud800"}',
+]
+
+
+@pytest.mark.parametrize("raw", SURROGATE_FRAMES)
+def test_lone_surrogates_are_refused_and_never_echoed(raw):
+    conn = connection()
+    [answer] = conn.receive_text(raw, 0)
+    assert answer.frame["type"] == "error" and answer.frame["code"] in (ErrorCode.INVALID_FIELD,
+                                                                          ErrorCode.UNKNOWN_TYPE)
+    # Whatever is sent back is UTF-8 text.
+    encode_frame(answer.frame).encode("utf-8")
+    assert conn.live == {}
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+                                   "timeout_s", "ttft_timeout_s"])
+@pytest.mark.parametrize("number", ["1" + "0" * 400, "-1" + "0" * 400, "1e400", "-1e400"])
+def test_numbers_of_any_magnitude_are_range_checked(field, number):
+    conn = connection()
+    raw = '{"type": "generate", "id": "n", "prompt": "a", "%s": %s}' % (field, number)
+    [answer] = conn.receive_text(raw, 0)
+    assert answer.frame["code"] == ErrorCode.INVALID_FIELD and answer.frame["id"] == "n"
+    assert len(answer.frame["message"]) < 200
+
+
+def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():
+    calls = []
+
+    def counting_tokenize(prompt, messages):
+        calls.append(prompt)
+        return fake_tokenize(prompt, messages)
+    conn = Connection(Limits(context_length=16, vocab_size=100, max_prompt_bytes=64), counting_tokenize, now_ns=0)
+    [error] = conn.receive_text(json.dumps({"type": "generate", "id": "big", "prompt": "é" * 33}), 0)
+    assert error.frame["code"] == ErrorCode.PROMPT_TOO_LONG and calls == []
+    [work] = conn.receive_text(json.dumps({"type": "generate", "id": "ok", "prompt": "é" * 32}), 0)
+    assert isinstance(work, Tokenize) and calls == []
+
+
+def test_frame_bytes_have_a_per_connection_budget():
+    conn = connection(byte_burst=200, bytes_per_second=100)
+    big = json.dumps({"type": "generate", "id": "a", "prompt": "x" * 150})
+    assert isinstance(prepare(conn, conn.receive_text(big, 0))[0], Submit)
+    # The bucket holds less than the next frame: it is dropped, with one rate_limited error.
+    [limited] = conn.receive_text(big.replace('"a"', '"b"'), 0)
+    assert limited.frame["code"] == ErrorCode.RATE_LIMITED
+    assert conn.receive_text(big.replace('"a"', '"c"'), 0) == []
+    # Two seconds refill the bucket.
+    assert isinstance(prepare(conn, conn.receive_text(big.replace('"a"', '"b"'), 2000 * MS))[0], Submit)
+
+
+def test_live_requests_are_capped_per_client_address_across_connections():
+    quota = AddressQuota(3)
+    limits = Limits(context_length=16, vocab_size=100)
+    first = Connection(limits, fake_tokenize, 0, address="10.0.0.1", quota=quota)
+    second = Connection(limits, fake_tokenize, 0, address="10.0.0.1", quota=quota)
+    other = Connection(limits, fake_tokenize, 0, address="10.0.0.2", quota=quota)
+    [a] = generate(first, "a")
+    generate(first, "b")
+    generate(second, "c")
+    [refused] = generate(second, "d")
+    assert refused.frame["code"] == ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS and refused.frame["id"] == "d"
+    assert isinstance(generate(other, "e")[0], Submit)
+    # An ended request gives its place back.
+    first.end(a.request, Ending(Outcome.DONE, Reason.EOS))
+    assert isinstance(generate(second, "d")[0], Submit)
+    assert quota.used("10.0.0.1") == 3
+
+
+def test_a_cancel_while_the_prompt_is_tokenized_stops_the_request_once_it_exists():
+    conn = connection()
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a b"}', 0)
+    assert isinstance(work, Tokenize) and conn.pending == {"r1": work.draft}
+    # Still counted: the id is taken and the request counts towards the caps.
+    [dup] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a"}', 1)
+    assert dup.frame["code"] == ErrorCode.DUPLICATE_ID
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == []
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == []
+    submit, cancel = conn.tokenized(work.draft, conn.tokenize(work.draft))
+    assert isinstance(submit, Submit) and cancel == Cancel(submit.request, Reason.USER_CANCELLED)
+    assert submit.request.cancel_requested_ns == 5 * MS
+    frames = conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
+    assert [f["type"] for f in frames] == ["cancelled", "cancel_ack"]
+
+
+def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back():
+    quota = AddressQuota(1)
+    conn = Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, 0, address="a", quota=quota)
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a b"}', 0)
+    assert quota.used("a") == 1
+    conn.stop_all(Reason.CLIENT_DISCONNECTED, 1)
+    assert quota.used("a") == 0 and conn.tokenized(work.draft, conn.tokenize(work.draft)) == []
+    assert conn.live == {}

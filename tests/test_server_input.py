@@ -139,11 +139,20 @@ async def test_oversized_frame_closes_with_1009(server):
     assert server.scheduler.active == 0
 
 
-async def test_origin_allow_list(server):
-    async with connect(server.ws_url, origin="http://localhost:3000") as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
-    async with connect(server.ws_url, origin=f"http://127.0.0.1:{server.port}") as ws:
-        assert json.loads(await ws.recv())["type"] == "hello"
+async def test_origin_allow_list(engine):
+    async with running_server(engine, allowed_origins=("http://localhost:3000",)) as server:
+        async with connect(server.ws_url, origin="http://localhost:3000") as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+        async with connect(server.ws_url, origin=f"http://127.0.0.1:{server.port}") as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+        # Same origin means the same host and port: another local port is another site.
+        with pytest.raises(InvalidStatus) as rejected:
+            async with connect(server.ws_url, origin="http://localhost:3001"):
+                pass
+        assert rejected.value.response.status_code == 403
+
+
+async def test_cross_site_origin_is_refused(server):
     # A page on another site may not drive a user's local server (cross-site WebSocket hijacking).
     with pytest.raises(InvalidStatus) as rejected:
         async with connect(server.ws_url, origin="https://evil.example"):

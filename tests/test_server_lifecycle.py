@@ -173,7 +173,7 @@ async def test_cancel_racing_finish_gives_exactly_one_terminal_message(server):
             terminal = first if first["type"] == "done" else await client.terminal(request_id)
             if terminal["type"] != "cancelled":
                 ack = await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == request_id)
-                assert ack["status"] == terminal["type"]
+                assert ack["status"] == {"done": "finished"}.get(terminal["type"], terminal["type"])
         # Drain: nothing else may arrive for any of them.
         await client.send({"type": "cancel", "id": "sentinel"})
         await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == "sentinel")
@@ -191,13 +191,15 @@ async def test_late_and_repeated_cancels_are_acknowledged_not_errors(server):
         await client.generate("fin", messages=CHAT_FRANCE, temperature=0, max_tokens=4)
         await client.terminal("fin")
         await client.send({"type": "cancel", "id": "fin"})
-        assert await client.recv() == {"type": "cancel_ack", "id": "fin", "status": "done"}
+        assert await client.recv() == {"type": "cancel_ack", "id": "fin", "status": "finished"}
         await client.generate("twice", messages=LONG_ANSWER, max_tokens=300)
         await client.send({"type": "cancel", "id": "twice"})
         await client.send({"type": "cancel", "id": "twice"})
         terminal = await client.terminal("twice")
         assert terminal["type"] == "cancelled"
-        # The second cancel found the request already stopping; its ack may precede the terminal.
+        # The second cancel found the request already stopping; it is answered once the outcome is known.
+        await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == "twice")
+        assert client.frames.index(terminal) < len(client.frames) - 1
         acks = [f for f in client.frames if f["type"] == "cancel_ack" and f["id"] == "twice"]
         assert acks == [{"type": "cancel_ack", "id": "twice", "status": "cancelled"}]
 
