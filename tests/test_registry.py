@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.protocol import Connection, Ending, Limits, Send, Submit
+from server.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
 from server.registry import InvalidCancelToken, Registry, UnknownRequest
 from server.vocabulary import ErrorCode, Outcome, Reason
 
@@ -16,7 +16,9 @@ def fake_tokenize(prompt, messages):
 
 
 def submitted(conn: Connection, **fields):
-    [action] = conn.receive_text(json.dumps({"type": "generate", "prompt": "a b c", **fields}), 0)
+    [work] = conn.receive_text(json.dumps({"type": "generate", "prompt": "a b c", **fields}), 0)
+    assert isinstance(work, Tokenize), work
+    [action] = conn.tokenized(work.draft, conn.tokenize(work.draft))
     assert isinstance(action, Submit), action
     return action.request
 
