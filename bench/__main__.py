@@ -25,12 +25,18 @@ from pathlib import Path
 from tqdm import tqdm
 
 from server import model as embedded
+from server.engine import DEFAULT_CONTEXT_LENGTH
 from server.tokenizer import ChatTokenizer
 
+from .llama_server import DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench, peer_from_args
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import ALL_SCENARIOS, Bench, Plan
+from .scenarios import ALL_SCENARIOS as STOPLINE_SCENARIOS, Plan
 from .servers import CpuMeter, ManagedServer, Target
+from .traffic import TrafficBench
+
+ALL_SCENARIOS = STOPLINE_SCENARIOS + (NONSTREAM, DISCONNECT_BUSY)
+ENGINES = ("ours", "baseline", LLAMA_SERVER)
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_REQUESTS = 30
@@ -59,7 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="output directory (default bench/out)")
     p.add_argument("--url", default=None,
                    help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline")
-    p.add_argument("--engines", default="ours,baseline", help="servers to start: ours, baseline or both")
+    p.add_argument("--engines", default="ours,baseline",
+                   help=f"servers to start, comma-separated: any of {','.join(ENGINES)}")
+    p.add_argument("--llama-server", metavar="PATH", default=None,
+                   help="the llama-server binary for the llama-server engine")
+    p.add_argument("--build-llama-server", action="store_true",
+                   help="build llama-server from a pinned llama.cpp source into the cache (once), for the "
+                        "llama-server engine")
     p.add_argument("--workers", type=int, default=2, help="slots of each started server")
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
     p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
@@ -70,8 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     engines = [e for e in args.engines.split(",") if e]
-    if not args.url and (not engines or set(engines) - {"ours", "baseline"}):
-        p.error("--engines takes ours, baseline or ours,baseline")
+    if not args.url and (not engines or set(engines) - set(ENGINES) or len(set(engines)) != len(engines)):
+        p.error(f"--engines takes one or more of {','.join(ENGINES)}")
+    if LLAMA_SERVER in engines and not args.url and not (args.llama_server or args.build_llama_server):
+        p.error("the llama-server engine needs --llama-server PATH or --build-llama-server")
     return args
 
 
@@ -98,12 +112,15 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None) -> int | None:
+def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None,
+                    supports) -> int | None:
     if plan.duration_s is not None and not math.isfinite(plan.requests):
         return None
     total = 0
     for target in targets:
         for scenario in scenarios:
+            if not supports(target, scenario):
+                continue
             if scenario == "throughput":
                 total += plan.throughput_reps * sum({1, concurrency or target.slots})
             elif scenario in ("prefill_long", "timeout_ttft"):
@@ -120,11 +137,13 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     prompts = PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), rng)
 
-    managed: list[ManagedServer] = []
+    managed: list = []
     if args.url:
         targets = [await Target.from_url(args.url)]
     else:
-        managed = [ManagedServer(e, args.out, args.workers, args.threads) for e in args.engines.split(",") if e]
+        managed = [ManagedServer(e, args.out, args.workers, args.threads) if e != LLAMA_SERVER
+                   else peer_from_args(args, args.out, DEFAULT_CONTEXT_LENGTH, embedded.original_gguf_path())
+                   for e in args.engines.split(",") if e]
         print(f"starting {', '.join(m.engine for m in managed)} ...", file=sys.stderr)
         targets = list(await asyncio.gather(*(m.start() for m in managed)))
 
@@ -133,15 +152,24 @@ async def run(args) -> dict:
             "machine": machine(), "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
             "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
             "scenarios": scenarios, "targets": {}, "results_json": _shown(args.out / "results.json")}
-    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency), file=sys.stderr,
-                    unit="sample", dynamic_ncols=True)
     # Other work's CPU use can be told apart only when every server is ours to watch.
     cpu = CpuMeter([os.getpid()] + [m.pid for m in managed]) if managed else None
-    bench = Bench(plan, prompts, rng, progress, cpu)
+    bench = TrafficBench(plan, prompts, rng, None, cpu)
+    peer = LlamaBench(plan, prompts, rng, None, cpu)
+    peer.samples, peer.runs = bench.samples, bench.runs  # one list of samples for the report
+
+    def runner(target: Target):
+        return peer if target.name == LLAMA_SERVER else bench
+
+    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency,
+                                          lambda t, s: runner(t).supports(s)),
+                    file=sys.stderr, unit="sample", dynamic_ncols=True)
+    bench.progress = peer.progress = progress
     try:
         for target in targets:
             progress.set_description(f"calibrating [{target.name}]")
-            calibration = await bench.calibrate(target, long=bool({"prefill_long", "timeout_ttft"} & set(scenarios)))
+            calibration = await runner(target).calibrate(
+                target, long=bool({"prefill_long", "timeout_ttft"} & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
                 info.update(threads=target.managed.info["threads"],
@@ -150,7 +178,7 @@ async def run(args) -> dict:
         # Scenario by scenario, each engine in turn, so both see the machine in the same state.
         for scenario in scenarios:
             for target in targets:
-                await bench.run(scenario, target)
+                await runner(target).run(scenario, target)
     finally:
         progress.close()
         await asyncio.gather(*(m.stop() for m in managed))
@@ -172,7 +200,7 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
             continue
         sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
                       log_tokens_generated=end.get("tokens_generated"))
-        if sample["scenario"] == "disconnect":
+        if sample["scenario"] in ("disconnect", DISCONNECT_BUSY):
             sample["server_ms"] = end.get("latency_ms")
 
 

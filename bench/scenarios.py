@@ -347,15 +347,17 @@ class Bench:
 
     # Disconnect ----------------------------------------------------------------------------
 
-    async def _disconnect_sample(self, target: Target, _session) -> list[dict]:
-        """Drop the socket mid-generation; time until /metrics shows no active generation."""
-        await self._wait_idle(target)
+    async def _disconnect_sample(self, target: Target, _session, scenario: str = "disconnect",
+                                 others: int = 0) -> list[dict]:
+        """Drop the socket mid-generation; time until /metrics shows only ``others`` active generations."""
+        if not others:
+            await self._wait_idle(target)
         session = await Session.open(target.ws_url)
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
         jitter_ms = self.rng.uniform(0.0, target.step_ms)
         try:
-            call = await session.generate("disconnect", **self._generate_fields(self.plan.short_tokens,
-                                                                                LONG_GENERATION))
+            call = await session.generate(scenario, **self._generate_fields(self.plan.short_tokens,
+                                                                            LONG_GENERATION))
             await call.wait_tokens(frames)
             if call.ended:
                 return []
@@ -369,12 +371,12 @@ class Bench:
             active = (await metrics(target.http_url)).get("stopline_active_generations", 0.0)
             seen_ns = time.monotonic_ns()
             polls += 1
-            if active == 0:
+            if active <= others:
                 break
             # A short pause keeps the polling itself from loading the server it measures.
             await asyncio.sleep(0.001)
         # The generation stopped between this poll's request and its answer: report the answer (upper bound).
-        return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
+        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": "cancelled",
                  "reason": "client_disconnected", "client_ms": (seen_ns - dropped_ns) / 1e6,
                  "lower_bound_ms": (sent_ns - dropped_ns) / 1e6, "polls": polls,
                  "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
