@@ -28,7 +28,8 @@ from server import model as embedded
 from server.engine import DEFAULT_CONTEXT_LENGTH
 from server.tokenizer import ChatTokenizer
 
-from .llama_server import DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench, peer_from_args
+from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench,
+                           peer_from_args)
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
 from .scenarios import ALL_SCENARIOS as STOPLINE_SCENARIOS, Plan
@@ -172,8 +173,8 @@ async def run(args) -> dict:
                 target, long=bool({"prefill_long", "timeout_ttft"} & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
-                info.update(threads=target.managed.info["threads"],
-                            prefill_chunk=target.managed.info["prefill_chunk"])
+                info.update({k: v for k, v in target.managed.info.items()
+                             if k in ("threads", "prefill_chunk", "command", "source")})
             meta["targets"][target.name] = info
         # Scenario by scenario, each engine in turn, so both see the machine in the same state.
         for scenario in scenarios:
@@ -255,11 +256,30 @@ How the cancels are placed:
   the long prompt's prefill.
 - **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
   `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
-
+{_peer_method(results)}
 {tables}
 ![Stop latency CDF per scenario, ours against the baseline](stop_latency_cdf.png)
 
 Every sample is in the JSON file the run wrote (`{meta['results_json']}`).
+"""
+
+
+def _peer_method(results: dict) -> str:
+    """The method bullets for the scenarios added for llama-server, when it took part."""
+    meta = results["meta"]
+    if LLAMA_SERVER not in meta["targets"]:
+        return ""
+    peer = meta["targets"][LLAMA_SERVER]
+    return f"""- **disconnect while another client streams**: one client streams without pause on one slot; on the
+  other, the measured client goes away during decode (ours: the WebSocket dropped after 1–32 token frames,
+  `/metrics` polled until only the other generation is active; llama-server: a non-streaming request reset
+  after its calibrated prefill plus 1–32 decode steps). A llama-server request that generated all its
+  {BUSY_MAX_TOKENS} tokens never noticed; its time is the time that took.
+- **non-streaming request, client gone** (llama-server only; ours streams every request): the same, with
+  no other traffic.
+- **llama-server** ({peer.get('source', 'llama.cpp')}; `{shlex.join(peer.get('command', []))}`): every stop is
+  the client closing the connection (it has no cancel request); it counts as stopped when its log prints
+  the release of the request's slot, stamped as the line arrives; see "Against llama-server" below.
 """
 
 

@@ -108,8 +108,24 @@ class LlamaServer:
             await self.stop()
             raise
         self.info = {"port": port.result(), "engine": ENGINE, "threads": self.threads, "workers": self.slots,
-                     "prefill_chunk": "512 (ubatch)", "command": [Path(self.command()[0]).name] + self.command()[1:]}
+                     "prefill_chunk": "512 (ubatch)", "source": await self._source(),
+                     "command": ["llama-server"] + self.command()[1:]}
         return Target(ENGINE, "", url, slots=self.slots, managed=self)
+
+    async def _source(self) -> str:
+        """Which llama.cpp this is: its --version line, and where the benchmark built it from."""
+        from .llama_build import SOURCE_LABEL, cached_binary
+        process = await asyncio.create_subprocess_exec(str(self.binary), "--version", stdout=asyncio.subprocess.PIPE,
+                                                       stderr=asyncio.subprocess.STDOUT)
+        try:
+            output = (await asyncio.wait_for(process.communicate(), 60))[0].decode(errors="replace")
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            output = ""
+        version = next((line.strip() for line in output.splitlines() if line.startswith("version")), "version unknown")
+        built_here = self.binary.resolve() == cached_binary().resolve()
+        return f"{SOURCE_LABEL}, {version}" if built_here else version
 
     async def _read_log(self, port: asyncio.Future) -> None:
         with open(self.log_path, "w") as log:

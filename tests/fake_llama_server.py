@@ -140,6 +140,9 @@ class FakeLlamaServer:
 
 
 async def main() -> None:
+    if "--version" in sys.argv:
+        print("version: 0 (fake)")
+        return
     args = parse_args()
     fake = FakeLlamaServer(args)
     server = await asyncio.start_server(fake.handle, args.host, args.port)
