@@ -10,7 +10,9 @@ this repository.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -44,8 +46,14 @@ CMAKE_OPTIONS = [
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_LLGUIDANCE=OFF",
-    "-DGGML_NATIVE=ON",
 ]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # AVX2, as the ctransformers build ours runs on. Not -march=native: that also turns on AMX, whose
+    # tile instructions fault where the kernel does not grant them (virtual machines, for one).
+    CMAKE_OPTIONS += ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON"]
+# A change of options builds a new binary (in the same build tree, so only what changed is rebuilt).
+BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
 
 
 class LlamaBuildError(RuntimeError):
@@ -57,7 +65,7 @@ def build_dir() -> Path:
 
 
 def cached_binary() -> Path:
-    return build_dir() / "bin" / "llama-server"
+    return build_dir() / "bin" / f"llama-server-{BUILD_KEY}"
 
 
 def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
@@ -69,7 +77,7 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     source = _extract(_download_sdist(root), root)
     built = _cmake_build(source, root / "build", progress, jobs or os.cpu_count() or 1)
     binary.parent.mkdir(parents=True, exist_ok=True)
-    temp = binary.with_name(".llama-server.part")
+    temp = binary.with_name(f".{binary.name}.part")
     shutil.copy2(built, temp)
     os.replace(temp, binary)  # a binary in place means a finished build
     return binary
