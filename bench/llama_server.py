@@ -109,7 +109,9 @@ class LlamaServer:
             raise
         self.info = {"port": port.result(), "engine": ENGINE, "threads": self.threads, "workers": self.slots,
                      "prefill_chunk": "512 (ubatch)", "source": await self._source(),
-                     "command": ["llama-server"] + self.command()[1:]}
+                     # As a reader would type it: the model by its file name.
+                     "command": ["llama-server"] + [self.model.name if a == str(self.model) else a
+                                                    for a in self.command()[1:]]}
         return Target(ENGINE, "", url, slots=self.slots, managed=self)
 
     async def _source(self) -> str:
@@ -337,6 +339,7 @@ class _Stopped:
     confirm_ms: float          # close -> a /slots answer showing the slot idle
     tokens_after_close: int    # tokens generated after the client closed
     generated: int             # tokens generated in all
+    prompt_evaluated: int      # prompt tokens evaluated
     ran_to_end: bool = False   # it generated everything it was asked for: the close was never noticed
     extra: dict = field(default_factory=dict)
 
@@ -439,6 +442,7 @@ class LlamaBench(Bench):
         before = call.tokens[-1][1].get("tokens_predicted", len(call.tokens)) if call.tokens else 0
         return _Stopped(client_ms=(release.seen_ns - closed_ns) / 1e6, confirm_ms=(confirmed_ns - closed_ns) / 1e6,
                         tokens_after_close=max(0, generated - before), generated=generated,
+                        prompt_evaluated=min(release.n_tokens, prompt),
                         ran_to_end=generated >= max_tokens)
 
     def _record(self, scenario: str, target: Target, call: Completion, closed_ns: int, stopped: _Stopped,
@@ -449,7 +453,11 @@ class LlamaBench(Bench):
                 "tokens_after_cancel": stopped.tokens_after_close,
                 "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > closed_ns),
                 "tokens_generated": stopped.generated, "token_frames": len(call.tokens),
-                "ran_to_end": stopped.ran_to_end, **extra}
+                "ran_to_end": stopped.ran_to_end,
+                # The client is gone in every one of these, so all the work done for it was wasted.
+                "tokens_wasted": stopped.prompt_evaluated + stopped.generated,
+                "prompt_tokens_evaluated": stopped.prompt_evaluated, "log_tokens_generated": stopped.generated,
+                **extra}
 
     async def _prefill_sample(self, target: Target, slot: int, scenario: str, tokens: int) -> list[dict]:
         estimate = target.prefill_ms[tokens]

@@ -80,6 +80,7 @@ async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_li
     for sample, end in zip(decode + disconnect, real):
         assert sample["outcome"] == "cancelled" and not sample["ran_to_end"]
         assert sample["tokens_generated"] == end["generated"]
+        assert sample["tokens_wasted"] == sample["prompt_tokens_evaluated"] + end["generated"]
         assert sample["tokens_after_cancel"] == end["generated"] - sample["token_frames"] >= 0
         assert sample["token_frames"] >= sample["cancel_after_frames"]
         assert sample["client_ms"] > 0 and sample["slots_confirm_ms"] >= sample["client_ms"]
