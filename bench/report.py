@@ -400,7 +400,8 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
-    fig.suptitle("Stop latency: Stopline's native loop vs. ctransformers generate() + threading.Event")
+    fig.suptitle("Stop latency: Stopline's native loop vs. ctransformers generate() + threading.Event"
+                 + (" vs. llama-server" if LLAMA in report.targets else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
