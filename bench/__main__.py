@@ -6,6 +6,9 @@ code on ctransformers' generate() stopped by a threading.Event between tokens
 ("baseline", bench/baseline.py). Both serve the same model file with the same
 number of slots and threads per slot. Every scenario runs against each in turn,
 over real WebSockets and the production protocol.
+
+``--engines ours,baseline,llama-server`` adds llama.cpp's llama-server on the
+same model file, driven over its own HTTP API (bench/llama_server.py).
 """
 
 from __future__ import annotations
