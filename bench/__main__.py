@@ -6,6 +6,9 @@ code on ctransformers' generate() stopped by a threading.Event between tokens
 ("baseline", bench/baseline.py). Both serve the same model file with the same
 number of slots and threads per slot. Every scenario runs against each in turn,
 over real WebSockets and the production protocol.
+
+``--engines ours,baseline,llama-server`` adds llama.cpp's llama-server on the
+same model file, driven over its own HTTP API (bench/llama_server.py).
 """
 
 from __future__ import annotations
@@ -25,14 +28,21 @@ from pathlib import Path
 from tqdm import tqdm
 
 from server import model as embedded
+from server.engine import DEFAULT_CONTEXT_LENGTH
 from server.tokenizer import ChatTokenizer
 
 from . import native
+from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench,
+                           peer_from_args)
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import ALL_SCENARIOS, LONG_SCENARIOS, TURNS, Bench, Plan
-from .serve import ENGINES
+from .scenarios import ALL_SCENARIOS as STOPLINE_SCENARIOS, LONG_SCENARIOS, TURNS, Plan
+from .serve import ENGINES as SERVED_ENGINES
 from .servers import CpuMeter, ManagedServer, Target
+from .traffic import TrafficBench
+
+ALL_SCENARIOS = STOPLINE_SCENARIOS + (NONSTREAM, DISCONNECT_BUSY)
+ENGINES = tuple(SERVED_ENGINES) + (LLAMA_SERVER,)
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_REQUESTS = 30
@@ -62,7 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--url", default=None,
                    help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline")
     p.add_argument("--engines", default="ours,ours_between_steps,baseline",
-                   help=f"servers to start, any of {','.join(ENGINES)}")
+                   help=f"servers to start, comma-separated: any of {','.join(ENGINES)}")
+    p.add_argument("--llama-server", metavar="PATH", default=None,
+                   help="the llama-server binary for the llama-server engine")
+    p.add_argument("--build-llama-server", action="store_true",
+                   help="build llama-server from a pinned llama.cpp source into the cache (once), for the "
+                        "llama-server engine")
     p.add_argument("--workers", type=int, default=2, help="slots of each started server")
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
     p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
@@ -77,8 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
     engines = [e for e in args.engines.split(",") if e]
-    if not args.url and (not engines or set(engines) - set(ENGINES)):
-        p.error(f"--engines takes a comma-separated list of {', '.join(ENGINES)}")
+    if not args.url and (not engines or set(engines) - set(ENGINES) or len(set(engines)) != len(engines)):
+        p.error(f"--engines takes one or more of {','.join(ENGINES)}")
+    if LLAMA_SERVER in engines and not args.url and not (args.llama_server or args.build_llama_server):
+        p.error("the llama-server engine needs --llama-server PATH or --build-llama-server")
     return args
 
 
@@ -105,12 +122,15 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None) -> int | None:
+def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None,
+                    supports) -> int | None:
     if plan.duration_s is not None and not math.isfinite(plan.requests):
         return None
     total = 0
     for target in targets:
         for scenario in scenarios:
+            if not supports(target, scenario):
+                continue
             if scenario == "throughput":
                 total += plan.throughput_reps * sum({1, concurrency or target.slots})
             elif scenario in LONG_SCENARIOS:
@@ -132,11 +152,13 @@ async def run(args) -> dict:
         print("measuring the native loop in-process ...", file=sys.stderr)
         native_results = await asyncio.to_thread(native.run, args.abort_cycles)
 
-    managed: list[ManagedServer] = []
+    managed: list = []
     if args.url:
         targets = [await Target.from_url(args.url)]
     else:
-        managed = [ManagedServer(e, args.out, args.workers, args.threads) for e in args.engines.split(",") if e]
+        managed = [ManagedServer(e, args.out, args.workers, args.threads) if e != LLAMA_SERVER
+                   else peer_from_args(args, args.out, DEFAULT_CONTEXT_LENGTH, embedded.original_gguf_path())
+                   for e in args.engines.split(",") if e]
         print(f"starting {', '.join(m.engine for m in managed)} ...", file=sys.stderr)
         targets = list(await asyncio.gather(*(m.start() for m in managed)))
 
@@ -145,24 +167,33 @@ async def run(args) -> dict:
             "machine": machine(), "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
             "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
             "scenarios": scenarios, "targets": {}, "results_json": _shown(args.out / "results.json")}
-    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency), file=sys.stderr,
-                    unit="sample", dynamic_ncols=True)
     # Other work's CPU use can be told apart only when every server is ours to watch.
     cpu = CpuMeter([os.getpid()] + [m.pid for m in managed]) if managed else None
-    bench = Bench(plan, prompts, rng, progress, cpu)
+    bench = TrafficBench(plan, prompts, rng, None, cpu)
+    peer = LlamaBench(plan, prompts, rng, None, cpu)
+    peer.samples, peer.runs = bench.samples, bench.runs  # one list of samples for the report
+
+    def runner(target: Target):
+        return peer if target.name == LLAMA_SERVER else bench
+
+    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency,
+                                          lambda t, s: runner(t).supports(s)),
+                    file=sys.stderr, unit="sample", dynamic_ncols=True)
+    bench.progress = peer.progress = progress
     try:
         for target in targets:
             progress.set_description(f"calibrating [{target.name}]")
-            calibration = await bench.calibrate(target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
+            calibration = await runner(target).calibrate(
+                target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
-                info.update(threads=target.managed.info["threads"],
-                            prefill_chunk=target.managed.info["prefill_chunk"])
+                info.update({k: v for k, v in target.managed.info.items()
+                             if k in ("threads", "prefill_chunk", "command", "source")})
             meta["targets"][target.name] = info
         # Scenario by scenario, each engine in turn, so both see the machine in the same state.
         for scenario in scenarios:
             for target in targets:
-                await bench.run(scenario, target)
+                await runner(target).run(scenario, target)
     finally:
         progress.close()
         await asyncio.gather(*(m.stop() for m in managed))
@@ -184,7 +215,7 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
             continue
         sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
                       log_tokens_generated=end.get("tokens_generated"))
-        if sample["scenario"] in ("disconnect", "openai_stream_closed"):
+        if sample["scenario"] in ("disconnect", DISCONNECT_BUSY, "openai_stream_closed"):
             sample.update(server_ms=end.get("latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
 
 
@@ -239,11 +270,30 @@ How the cancels are placed:
   the long prompt's prefill.
 - **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
   `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
-
+{_peer_method(results)}
 {tables}
 ![Stop latency CDF per scenario, ours against the baseline](stop_latency_cdf.png)
 
 Every sample is in the JSON file the run wrote (`{meta['results_json']}`).
+"""
+
+
+def _peer_method(results: dict) -> str:
+    """The method bullets for the scenarios added for llama-server, when it took part."""
+    meta = results["meta"]
+    if LLAMA_SERVER not in meta["targets"]:
+        return ""
+    peer = meta["targets"][LLAMA_SERVER]
+    return f"""- **disconnect while another client streams**: one client streams without pause on one slot; on the
+  other, the measured client goes away during decode (ours: the WebSocket dropped after 1–32 token frames,
+  `/metrics` polled until only the other generation is active; llama-server: a non-streaming request reset
+  after its calibrated prefill plus 1–32 decode steps). A llama-server request that generated all its
+  {BUSY_MAX_TOKENS} tokens never noticed; its time is the time that took.
+- **non-streaming request, client gone** (llama-server only; ours streams every request): the same, with
+  no other traffic.
+- **llama-server** ({peer.get('source', 'llama.cpp')}; `{shlex.join(peer.get('command', []))}`): every stop is
+  the client closing the connection (it has no cancel request); it counts as stopped when its log prints
+  the release of the request's slot, stamped as the line arrives; see "Against llama-server" below.
 """
 
 

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .llama_server import DISCONNECT_BUSY, NONSTREAM
 from .scenarios import HTTP_SCENARIOS, STOP_SCENARIOS, TIMEOUT_SCENARIOS
 
-OURS, BASELINE = "ours", "baseline"
+OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
+# Engines compared with ours, each in a "<peer>/ours" ratio row.
+# Every engine is compared with ours: the same loop stopping between steps only, the usual Python
+# pattern, and llama.cpp's server.
+PEERS = (BETWEEN_STEPS, BASELINE, LLAMA)
 SCENARIO_TITLES = {
     "queued": "queued",
     "prefill_short": "prefill, short prompt",
@@ -20,6 +25,9 @@ SCENARIO_TITLES = {
     "timeout_total": "total timeout (decode)",
     "timeout_ttft": "first-token timeout (long prefill)",
     "timeout_total_prefill": "total timeout that fell in the prefill",
+    "disconnect": "socket dropped",
+    DISCONNECT_BUSY: "socket dropped while another client streams",
+    NONSTREAM: "non-streaming request, client gone",
 }
 # The HTTP API's stops, each next to the WebSocket stop it mirrors.
 HTTP_COMPARISONS = (
@@ -70,24 +78,21 @@ class Report:
         self.results = results
         self.samples = results["samples"]
         self.targets = list(results["meta"]["targets"])
-        self.compare = OURS in self.targets and len(self.targets) > 1
+        self.peers = [p for p in PEERS if p in self.targets] if OURS in self.targets else []
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
         return [s for s in self.samples if s["scenario"] == scenario and s["target"] == target
                 and all(s.get(k) == v for k, v in match.items())]
 
     def _rows_with_ratio(self, label: str, stats: dict[str, list], extra=None) -> list[list[str]]:
-        """One row per target, then baseline/ours for every column. ``stats[target]`` is a list of
+        """One row per target, then <peer>/ours for every column and peer. ``stats[target]`` is a list of
         (count, [values]) cells; the count column gets no ratio."""
         rows = []
         for target in self.targets:
             count, values = stats[target]
             rows.append([label if not rows else "", target, str(count)] + [fmt(v) for v in values])
-        if self.compare:
-            ours = stats[OURS][1]
-            for other in self.targets:
-                if other != OURS:
-                    rows.append(["", f"{other}/ours", ""] + [fmt_ratio(b, o) for b, o in zip(stats[other][1], ours)])
+        for peer in self.peers:
+            rows.append(["", f"{peer}/ours", ""] + [fmt_ratio(p, o) for p, o in zip(stats[peer][1], stats[OURS][1])])
         return rows
 
     # Sections -----------------------------------------------------------------------
@@ -100,11 +105,19 @@ class Report:
             prefill = cal.get("prefill_ms", {})
             rows.append([target, str(info.get("prefill_chunk", "–")), str(info.get("threads", "–")),
                          str(info.get("slots", "–"))] + [fmt(prefill.get(str(k), prefill.get(k)))
-                                                          for k in self._lengths()] + [fmt(cal.get("step_ms"))])
+                                                          for k in self._lengths()]
+                        + [fmt(cal.get("step_ms")), fmt(self.prompt_rate(target))])
         short, long = self._lengths()
         return _table(["engine", "prompt tokens per uninterruptible step", "threads per slot", "slots",
                        f"prefill, {short}-token prompt (ms)", f"prefill, {long}-token prompt (ms)",
-                       "decode step (ms)"], rows)
+                       "decode step (ms)", f"prompt tok/s ({long}-token prompt)"], rows)
+
+    def prompt_rate(self, target: str) -> float | None:
+        """Prompt tokens per second over the calibrated long prefill."""
+        prefill = self.results["meta"]["targets"][target].get("calibration", {}).get("prefill_ms", {})
+        long = self._lengths()[1]
+        ms = prefill.get(str(long), prefill.get(long))
+        return long / (ms / 1000) if ms else None
 
     def _lengths(self) -> tuple[int, int]:
         plan = self.results["meta"]["plan"]
@@ -157,7 +170,8 @@ class Report:
                 else:
                     # No server log (an already running server): the /metrics delta over the requests sent.
                     run = runs.get((scenario, target))
-                    mean = run["tokens_wasted_delta"] / run["requests"] if run and run["requests"] else None
+                    delta = run.get("tokens_wasted_delta") if run else None
+                    mean = delta / run["requests"] if delta is not None and run["requests"] else None
                     stats[target] = (run["requests"] if run else 0, [mean, None, None, None])
             rows += self._rows_with_ratio(SCENARIO_TITLES.get(scenario, scenario), stats)
         return _table(["scenario", "engine", "n", "tokens wasted per request: mean", "max",
@@ -210,15 +224,68 @@ class Report:
                        "client p50", "p90", "p99", "max"], rows)
 
     def disconnect(self) -> str:
-        stats = {}
-        for target in self.targets:
-            samples = self.of("disconnect", target)
-            client = summary(s["client_ms"] for s in samples)
-            server = summary(s.get("server_ms") for s in samples)
-            stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
-                             + [_get(server, "p50"), _get(server, "max")])
-        return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"],
-                      self._rows_with_ratio("socket dropped", stats))
+        rows = []
+        for scenario in ("disconnect", DISCONNECT_BUSY, NONSTREAM):
+            if not any(s["scenario"] == scenario for s in self.samples):
+                continue
+            stats = {}
+            for target in self.targets:
+                samples = self.of(scenario, target)
+                client = summary(s["client_ms"] for s in samples)
+                server = summary(s.get("server_ms") for s in samples)
+                stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
+                                 + [_get(server, "p50"), _get(server, "max")])
+            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
+        return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"], rows)
+
+    # Against llama-server ---------------------------------------------------------------
+
+    def _headlines(self) -> list[tuple[str, float | None, float | None, bool]]:
+        """(what, ours, llama-server, lower is better) for the figures a reader compares first."""
+        def stop(scenario, key="p50"):
+            return [_get(summary(s["client_ms"] for s in self.of(scenario, t)), key) for t in (OURS, LLAMA)]
+
+        def rate(key, streams, stat="p50"):
+            return [_get(summary(s.get(key) for s in self.of("throughput", t, streams=streams)), stat)
+                    for t in (OURS, LLAMA)]
+
+        streams = max((s["streams"] for s in self.samples if s["scenario"] == "throughput"), default=1)
+        long = self._lengths()[1]
+        rows = [(f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
+                (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
+                ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
+                ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
+                ("stop during decode, p50 ms", *stop("decode"), True),
+                ("disconnect during decode, p50 ms", *stop("disconnect"), True),
+                ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
+                ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False)]
+        if streams > 1:
+            rows.append((f"decode tok/s, {streams} streams, aggregate",
+                         *rate("aggregate_tokens_per_s", streams, "mean"), False))
+        rows.append((f"prompt tok/s, {long:,}-token prompt", self.prompt_rate(OURS), self.prompt_rate(LLAMA), False))
+        return rows
+
+    def against_llama_server(self) -> str | None:
+        """The headline figures side by side, and in plain words where llama-server is better."""
+        if LLAMA not in self.targets or OURS not in self.targets:
+            return None
+        rows, better = [], {LLAMA: [], OURS: []}
+        for what, ours, peer, lower_better in self._headlines():
+            winner = "–"
+            if ours is not None and peer is not None and ours > 0 and peer > 0:
+                winner = LLAMA if (peer < ours if lower_better else peer > ours) else OURS
+                by = max(peer, ours) / min(peer, ours)
+                better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
+            rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
+        words = [f"llama-server is better at: {'; '.join(better[LLAMA])}." if better[LLAMA]
+                 else "llama-server is better at none of these."]
+        if better[OURS]:
+            words.append(f"Ours is better at: {'; '.join(better[OURS])}.")
+        ran_to_end = sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end"))
+        if ran_to_end:
+            words.append(f"{ran_to_end} llama-server requests never noticed that their client had gone and "
+                         "generated every token they were asked for; their time is the time that took.")
+        return _table(["", OURS, LLAMA, "llama-server/ours", "better"], rows) + "\n\n" + " ".join(words)
 
     def http_api(self) -> str | None:
         if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
@@ -276,7 +343,11 @@ class Report:
                       + [f"turn {TURNS} / turn 1", "prompt tokens reused"], rows)
 
     def markdown(self) -> str:
-        parts = ["### Calibration", self.calibration()]
+        parts = []
+        peer = self.against_llama_server()
+        if peer:
+            parts += ["### Against llama-server", LLAMA_METHOD, peer]
+        parts += ["### Calibration", self.calibration()]
         load = self.other_load()
         if load:
             parts.append(load)
@@ -319,7 +390,8 @@ class Report:
                   "longer than calibrated) is shown on its own row.",
                   self.timeouts(),
                   "### Disconnect to stop (ms)",
-                  "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0`. "
+                  "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0` "
+                  "(1 while another client streams); llama-server: → its slot's release line. "
                   "Server log: the `client_disconnected` cancel's `latency_ms`.",
                   self.disconnect()]
         if self.results.get("native"):
@@ -343,6 +415,26 @@ class Report:
         return "\n\n".join(parts) + "\n"
 
 
+LLAMA_METHOD = (
+    "llama-server (llama.cpp's HTTP server; `bench/llama_server.py`) is started by the benchmark on the same "
+    "GGUF file, with the same context per slot, slots, compute threads and sampling (temperature, top-k, top-p, "
+    "repetition penalty; its extra min-p sampler off), every prompt sent as the same token ids and evaluated "
+    "whole (`cache_prompt` off). It has no cancel request, so each stop is the client closing the connection: "
+    "a closed stream for the stop scenarios (where ours gets a cancel frame), a reset connection for the "
+    "disconnects. Ours counts as stopped when its terminal frame arrives (cancels) or when `/metrics` shows "
+    "the generation gone (disconnects); llama-server counts as stopped when its log prints the release of "
+    "the request's slot (each request is pinned to a slot with `id_slot`), stamped as the line arrives on "
+    "the pipe from its stderr, and a `/slots` answer showing the slot idle follows. `/slots` is not polled "
+    "in a loop to find the moment: each of its answers restarts the one-second wait after which llama-server's "
+    "request handler checks whether its client is still connected, so a 1 ms poll would keep it from ever "
+    "noticing a client that left while nothing was being written to it. That is the case the "
+    "\"disconnect while another client streams\" rows measure: another client streams, and the measured "
+    "client, non-streaming on llama-server (whose handler writes nothing until the end) and streaming on "
+    "ours (the only mode of its protocol), goes away during decode. Tokens after the stop are derived from "
+    "the slot's context size in the release line. Ratios are llama-server/ours: above 1, llama-server took "
+    "longer to stop or reach its first token, or produced more tokens per second.")
+
+
 def _get(stats: dict | None, key: str) -> float | None:
     return None if stats is None else stats[key]
 
@@ -358,8 +450,8 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     report = Report(results)
-    colors = {OURS: "tab:blue", BASELINE: "tab:orange", "ours_between_steps": "tab:purple",
-              "llama-server": "tab:red", "server": "tab:blue"}
+    colors = {OURS: "tab:blue", BASELINE: "tab:orange", LLAMA: "tab:green", BETWEEN_STEPS: "tab:purple",
+              "server": "tab:blue"}
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     # One shared time axis, so the panels can be compared at a glance.
@@ -391,7 +483,8 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
-    fig.suptitle("Stop latency: Stopline (in-step abort, and between steps only) vs. the other engines")
+    fig.suptitle("Stop latency: Stopline (in-step abort; between steps only) vs. ctransformers generate() + "
+                 "threading.Event" + (" vs. llama-server" if LLAMA in report.targets else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -423,15 +423,17 @@ class Bench:
 
     # Disconnect ----------------------------------------------------------------------------
 
-    async def _disconnect_sample(self, target: Target, _session) -> list[dict]:
-        """Drop the socket mid-generation; time until /metrics shows no active generation."""
-        await self._wait_idle(target)
+    async def _disconnect_sample(self, target: Target, _session, scenario: str = "disconnect",
+                                 others: int = 0) -> list[dict]:
+        """Drop the socket mid-generation; time until /metrics shows only ``others`` active generations."""
+        if not others:
+            await self._wait_idle(target)
         session = await Session.open(target.ws_url)
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
         jitter_ms = self.rng.uniform(0.0, target.step_ms)
         try:
-            call = await session.generate("disconnect", **self._generate_fields(self.plan.short_tokens,
-                                                                                LONG_GENERATION))
+            call = await session.generate(scenario, **self._generate_fields(self.plan.short_tokens,
+                                                                            LONG_GENERATION))
             await call.wait_tokens(frames)
             if call.ended:
                 return []
@@ -439,19 +441,19 @@ class Bench:
             dropped_ns = session.drop()
         finally:
             await session.close()
-        return [{"scenario": "disconnect", "target": target.name, "id": call.id, "outcome": "cancelled",
-                 "reason": "client_disconnected", **await self._until_idle(target, dropped_ns),
+        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": "cancelled",
+                 "reason": "client_disconnected", **await self._until_idle(target, dropped_ns, others),
                  "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
 
-    async def _until_idle(self, target: Target, since_ns: int) -> dict:
-        """Poll /metrics until no generation is active; the times are from ``since_ns``."""
+    async def _until_idle(self, target: Target, since_ns: int, others: int = 0) -> dict:
+        """Poll /metrics until only ``others`` generations are active; the times are from ``since_ns``."""
         polls = 0
         while True:
             sent_ns = time.monotonic_ns()
             active = (await metrics(target.http_url)).get("stopline_active_generations", 0.0)
             seen_ns = time.monotonic_ns()
             polls += 1
-            if active == 0:
+            if active <= others:
                 break
             # A short pause keeps the polling itself from loading the server it measures.
             await asyncio.sleep(0.001)

@@ -1,0 +1,167 @@
+"""The benchmark's llama-server adapter, against a stand-in that speaks its HTTP API
+(``tests/fake_llama_server.py``): a real process, real sockets on port 0, llama-server's
+streaming format and log lines. The real llama-server is never built here."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import parse_args
+from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, LlamaBench, LlamaServer
+from bench.prompts import PromptMaker
+from bench.report import LLAMA, OURS, Report
+from bench.scenarios import Plan
+from server import model as embedded
+from server.tokenizer import ChatTokenizer
+
+FAKE = Path(__file__).with_name("fake_llama_server.py")
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptMaker:
+    return PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), random.Random(1))
+
+
+@pytest.fixture
+async def peer(tmp_path):
+    accounts = tmp_path / "accounts.jsonl"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" --accounts "{accounts}" "$@"\n')
+    binary.chmod(0o755)
+    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=SLOTS, threads=1, context_length=2048)
+    target = await server.start()
+    yield server, target, accounts
+    await server.stop()
+
+
+def bench_for(prompts: PromptMaker, requests: int) -> LlamaBench:
+    plan = Plan(requests=requests, long_requests=requests, duration_s=None, short_tokens=50, long_tokens=300,
+                concurrency=None, throughput_reps=2, decode_tokens=16, parallel=1)
+    return LlamaBench(plan, prompts, random.Random(2), None)
+
+
+def ends(accounts: Path) -> list[dict]:
+    return [json.loads(line) for line in accounts.read_text().splitlines()]
+
+
+def test_serves_the_same_model_context_slots_and_threads(tmp_path):
+    server = LlamaServer(Path("/bin/llama-server"), Path("/m.gguf"), tmp_path, slots=3, threads=2, context_length=2048)
+    command = server.command()
+
+    def value(flag):
+        return command[command.index(flag) + 1]
+
+    assert value("--model") == "/m.gguf" and value("--port") == "0"
+    assert value("--parallel") == "3" and value("--threads") == "2" and value("--threads-batch") == "2"
+    # The context is per slot, as in ours: the KV pool holds one context per slot, not shared.
+    assert value("--ctx-size") == str(3 * 2048) and "--no-kv-unified" in command
+    assert "--slots" in command
+
+
+async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_line(peer, prompts):
+    server, target, accounts = peer
+    bench = bench_for(prompts, requests=3)
+    calibration = await bench.calibrate(target)
+    assert set(calibration["prefill_ms"]) == {50, 300} and calibration["step_ms"] > 0
+    await bench.run("decode", target)
+    await bench.run("disconnect", target)
+    decode = [s for s in bench.samples if s["scenario"] == "decode"]
+    disconnect = [s for s in bench.samples if s["scenario"] == "disconnect"]
+    assert len(decode) == 3 and len(disconnect) == 3
+    # The three calibration requests ran to their end; every later one was stopped by its client.
+    real = [e for e in ends(accounts)][3:]
+    assert len(real) == 6 and all(e["client_gone"] and e["stream"] for e in real)
+    for sample, end in zip(decode + disconnect, real):
+        assert sample["outcome"] == "cancelled" and not sample["ran_to_end"]
+        assert sample["tokens_generated"] == end["generated"]
+        assert sample["tokens_wasted"] == sample["prompt_tokens_evaluated"] + end["generated"]
+        assert sample["tokens_after_cancel"] == end["generated"] - sample["token_frames"] >= 0
+        assert sample["token_frames"] >= sample["cancel_after_frames"]
+        assert sample["client_ms"] > 0 and sample["slots_confirm_ms"] >= sample["client_ms"]
+    assert {s["reason"] for s in decode} == {"stream_closed"}
+    assert {s["reason"] for s in disconnect} == {"client_disconnected"}
+    assert [r["valid"] for r in bench.runs] == [3, 3]
+
+
+async def test_a_non_streaming_request_that_never_notices_runs_to_its_end(peer, prompts):
+    server, target, accounts = peer
+    bench = bench_for(prompts, requests=2)
+    await bench.calibrate(target, long=False)
+    await bench.run(NONSTREAM, target)
+    await bench.run(DISCONNECT_BUSY, target)
+    await bench._wait_idle(target)  # the background stream's end is logged once its slot is free
+    samples = [s for s in bench.samples if s["scenario"] in (NONSTREAM, DISCONNECT_BUSY)]
+    assert [s["scenario"] for s in samples] == [NONSTREAM] * 2 + [DISCONNECT_BUSY] * 2
+    for sample in samples:
+        assert sample["ran_to_end"] and sample["outcome"] == "done"
+        assert sample["tokens_generated"] == BUSY_MAX_TOKENS and sample["token_frames"] == 0
+    measured = [e for e in ends(accounts) if not e["stream"]]
+    assert len(measured) == 4 and all(e["client_gone"] and e["generated"] == BUSY_MAX_TOKENS for e in measured)
+    # In the busy scenario another client streamed on the other slot the whole time.
+    assert {e["slot"] for e in measured[2:]} == {1}
+    assert any(e["stream"] and e["slot"] == 0 and e["client_gone"] for e in ends(accounts))
+
+
+async def test_throughput_reads_the_stream_and_its_timings(peer, prompts):
+    server, target, accounts = peer
+    bench = bench_for(prompts, requests=1)
+    await bench.calibrate(target, long=False)
+    await bench.run("throughput", target)
+    samples = [s for s in bench.samples if s["scenario"] == "throughput"]
+    assert sorted(s["streams"] for s in samples) == [1, 1, 2, 2, 2, 2]
+    for sample in samples:
+        assert sample["outcome"] == "done" and sample["tokens"] == 16
+        assert sample["ttft_client_ms"] > 0 and sample["tokens_per_s_client"] > 0
+        assert sample["tokens_per_s_server"] > 0 and sample["aggregate_tokens_per_s"] > 0
+    # Unsupported scenarios take no samples and send nothing.
+    before = len(ends(accounts))
+    await bench.run("queued", target)
+    assert len(ends(accounts)) == before and len(bench.runs) == 1
+
+
+def test_engines_and_binary_flags():
+    args = parse_args(["--engines", "ours,baseline,llama-server", "--llama-server", "/x/llama-server"])
+    assert args.engines.split(",") == ["ours", "baseline", "llama-server"]
+    assert parse_args(["--engines", "llama-server", "--build-llama-server"]).build_llama_server
+    for bad in (["--engines", "llama-server"], ["--engines", "ours,vllm"], ["--engines", "ours,ours"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
+    def stop(scenario, target, ms, **extra):
+        return {"scenario": scenario, "target": target, "client_ms": ms, "server_ms": None,
+                "tokens_after_cancel": 0, "frames_after_cancel": 0, **extra}
+
+    def rate(target, tok_s, ttft):
+        return {"scenario": "throughput", "target": target, "streams": 1, "rep": 0, "tokens": 64,
+                "tokens_per_s_client": tok_s, "tokens_per_s_server": tok_s, "aggregate_tokens_per_s": tok_s,
+                "ttft_client_ms": ttft, "ttft_server_ms": ttft}
+
+    samples = [stop("prefill_long", OURS, 8.0), stop("prefill_long", LLAMA, 4000.0),
+               stop("decode", OURS, 10.0), stop("decode", LLAMA, 5.0),
+               stop(DISCONNECT_BUSY, OURS, 9.0), stop(DISCONNECT_BUSY, LLAMA, 3000.0, ran_to_end=True),
+               rate(OURS, 80.0, 400.0), rate(LLAMA, 160.0, 200.0)]
+    calibration = {"prefill_ms": {"50": 400.0, "1500": 15000.0}, "step_ms": 11.0}
+    results = {"meta": {"plan": {"short_tokens": 50, "long_tokens": 1500},
+                        "targets": {OURS: {"calibration": calibration},
+                                    LLAMA: {"calibration": {"prefill_ms": {"50": 200.0, "1500": 3000.0}}}}},
+               "samples": samples, "runs": [], "lag": {}}
+    text = Report(results).markdown()
+    assert "### Against llama-server" in text and "| llama-server/ours |" in text
+    headline = text.split("### Calibration")[0]
+    assert "| stop during a ~1,500-token prompt, p50 ms | 8.00 | 4000 | **500×** | ours |" in headline
+    assert "| stop during decode, p50 ms | 10.0 | 5.00 | **0.50×** | llama-server |" in headline
+    assert "| decode tok/s, one stream, p50 | 80.0 | 160 | **2.00×** | llama-server |" in headline
+    assert "| prompt tok/s, 1,500-token prompt | 100 | 500 | **5.00×** | llama-server |" in headline
+    better = headline.split("llama-server is better at: ")[1].split(". ")[0]
+    assert better == ("stop during decode, p50 ms (2.00×); time to first token, one stream, p50 ms (2.00×); "
+                      "decode tok/s, one stream, p50 (2.00×); prompt tok/s, 1,500-token prompt (5.00×)")
+    assert "Ours is better at: stop during a ~1,500-token prompt, p50 ms (500×)" in headline
+    assert "1 llama-server requests never noticed" in headline
