@@ -76,6 +76,8 @@ class BaselineEngine:
         self.threads = engine.threads
         self.prefill_chunk = BATCH_SIZE
         self.abort_mode = AbortMode.BETWEEN_STEPS
+        # Both engines get the same prompt ids, from the real engine's tokenizer.
+        self.tokenizer = engine.tokenizer
         # The real engine keeps one native context open for its first slot; it is not used here.
         engine.open_slot().close()
 

@@ -18,7 +18,8 @@ from stopline_core import Generation
 from server.engine import Engine
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
-SWEEP_PROMPT_TOKENS = 1024
+SWEEP_PROMPT_TOKENS = 512
+STORM_TOKENS = 4
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
 
 
@@ -55,7 +56,8 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
     slot = engine.open_slot()
 
     def greedy():
-        generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
+        generation = Generation(slot, prompt, max_tokens=STORM_TOKENS, temperature=0, prefill_chunk=16,
+                                threads=threads)
         return generation, generation.run()
 
     try:
@@ -66,7 +68,8 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
         counts = {"cycles": cycles, "cancelled": 0, "done": 0, "other": 0, "mismatches": 0, "hangs": 0}
         exit_ms = []
         for _ in range(cycles):
-            generation = Generation(slot, prompt, max_tokens=8, temperature=0, prefill_chunk=16, threads=threads)
+            generation = Generation(slot, prompt, max_tokens=STORM_TOKENS, temperature=0, prefill_chunk=16,
+                                    threads=threads)
             cancelled_at = []
             timer = threading.Timer(rng.uniform(0, span_s),
                                     lambda g=generation: cancelled_at.append(time.monotonic_ns()) or g.cancel())
@@ -91,7 +94,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
 
 
 def storm_prompt(engine: Engine) -> list[int]:
-    return engine.encode(prompt="Once upon a time, in a village by the sea, there lived an old fisherman. " * 2)[:60]
+    return engine.encode(prompt="Once upon a time, in a village by the sea, there lived an old fisherman. " * 2)[:40]
 
 
 def run(cycles: int = 500) -> dict:

@@ -397,7 +397,7 @@ class Report:
         if self.results.get("native"):
             from .native import markdown as native_markdown
             parts += ["### The native loop, in-process",
-                      "Prompt speed on a 1,024-token prompt by chunk size: the stock evaluation (no hook, logits "
+                      "Prompt speed on a 512-token prompt by chunk size: the stock evaluation (no hook, logits "
                       "for every token), the step hook with full logits, and the hook with the output projection "
                       "for the last token only (the default); the longest graph node is the most a stop waits. "
                       "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "

@@ -20,8 +20,8 @@ from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, met
 from server.engine import Engine
 from server.vocabulary import AbortMode
 
-# Aborts per thread setting in the robustness test (1,000 in all by default).
-ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "500"))
+# Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
+ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "250"))
 STORY = "Once upon a time, in a village by the sea, there lived an old fisherman and his clever daughter. "
 
 
