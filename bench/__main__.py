@@ -240,12 +240,19 @@ def results_markdown(results: dict, tables: str) -> str:
     threads = next(iter(targets.values())).get("threads", "?") if targets else "?"
     return f"""# Stopline benchmark results
 
-Stop latency, tokens after cancel, throughput, event-loop lag, timeout precision and
-disconnect handling of Stopline's native token loop ("ours"), against the usual Python
-pattern ("baseline"): ctransformers' own `generate()` in an executor thread, checking a
-`threading.Event` between tokens, with its default prompt batch of 8 tokens evaluated in one
-uninterruptible call (`bench/baseline.py`). Both are served by the same WebSocket server,
-protocol, scheduler and metrics code; only the token loop differs. Ratios are baseline/ours.
+Stop latency, tokens after cancel, prompt speed, conversation reuse, throughput, event-loop lag,
+timeout precision and disconnect handling of Stopline's native token loop, against:
+
+- **ours_between_steps**: the same loop and server with the in-step abort switched off
+  (`--abort-mode between_steps`): it stops only between evaluations, so it evaluates prompts one
+  token at a time to keep a stop within about one decode step;
+- **baseline**: the usual Python pattern, ctransformers' own `generate()` in an executor thread,
+  checking a `threading.Event` between tokens, with its default prompt batch of 8 tokens evaluated
+  in one uninterruptible call (`bench/baseline.py`);
+- **llama-server**: llama.cpp's server on the same model file, when it takes part.
+
+"ours", "ours_between_steps" and "baseline" are served by the same WebSocket server, protocol,
+scheduler and metrics code; only the token loop differs. Ratios are other/ours.
 
 - Command: `{meta['command']}` ({meta['started_at']})
 - Machine: {m['cpu']}{' (virtual machine)' if m.get('virtual') else ''}, {m['cores']} cores
@@ -265,14 +272,18 @@ How the cancels are placed:
   its `accepted` frame (discarded if a slot freed up first).
 - **prefill**: cancelled after a random delay shorter than the prompt's prefill time, measured beforehand
   (the calibration table). A request that had already received a token counts as a decode sample.
-- **decode**: cancelled after 1–32 token frames plus a random fraction of a decode step.
+- **decode, random phase**: cancelled after 1–32 token frames plus a random fraction of a decode step.
+- **decode, right after a token frame**: cancelled the moment the 1st–32nd token frame arrives, when the
+  next decode step has just begun.
+- **prompt speed**: a long prompt with `max_tokens` 1; the server's time to first token.
+- **multi-turn**: a six-turn chat on one connection, about 80 tokens of new text per turn, 48-token answers.
 - **timeouts**: `timeout_s` = 1.25 × the short prompt's prefill + 100–600 ms; `ttft_timeout_s` = 5–25 % of
   the long prompt's prefill.
 - **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
   `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
 {_peer_method(results)}
 {tables}
-![Stop latency CDF per scenario, ours against the baseline](stop_latency_cdf.png)
+![Stop latency CDF per scenario, ours against the other engines](stop_latency_cdf.png)
 
 Every sample is in the JSON file the run wrote (`{meta['results_json']}`).
 """

@@ -551,17 +551,8 @@ class LlamaBench(Bench):
                     for c in calls:
                         await c.dispose()
                 records = [self._throughput_record_of(target, call, streams, rep) for call in calls]
-                timed = [c for c in calls if len(c.tokens) >= 2]
-                if timed:
-                    produced = sum(r["tokens"] - 1 for r in records if r["tokens_per_s_client"] is not None)
-                    span = max(c.tokens[-1][0] for c in timed) - min(c.tokens[0][0] for c in timed)
-                    for r in records:
-                        r["aggregate_tokens_per_s"] = produced / (span / 1e9)
-                self.samples.extend(records)
-                run["requests"] += streams
-                run["valid"] += streams
-                if self.progress is not None:
-                    self.progress.update(streams)
+                self._keep_throughput(run, records, streams,
+                                      [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2])
 
     def _throughput_record_of(self, target: Target, call: Completion, streams: int, rep: int) -> dict:
         final = call.final or {}

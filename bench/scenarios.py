@@ -142,12 +142,7 @@ class Bench:
             wanted *= TURNS  # a sample per turn, long_requests chats
         if wanted <= 0:
             return
-        if self.progress is not None:
-            self.progress.set_description(f"{scenario} [{target.name}]")
-        start = time.monotonic_ns()
-        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
-               "metrics_before": await metrics(target.http_url),
-               "cpu_before": self.cpu.read() if self.cpu else None}
+        start, run = await self._open_run(scenario, target)
         if scenario == "queued":
             await self._queued(target, run, wanted)
         elif scenario == "throughput":
@@ -171,6 +166,28 @@ class Bench:
         await self._end_sampling(target, run)
         target.windows.append((scenario, start, time.monotonic_ns()))
         self.runs.append(run)
+
+    async def _open_run(self, scenario: str, target: Target) -> tuple[int, dict]:
+        """The start time and the account of one scenario on one target."""
+        if self.progress is not None:
+            self.progress.set_description(f"{scenario} [{target.name}]")
+        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
+               "metrics_before": await metrics(target.http_url),
+               "cpu_before": self.cpu.read() if self.cpu else None}
+        return time.monotonic_ns(), run
+
+    def _keep_throughput(self, run: dict, records: list[dict], streams: int, spans: list[tuple[int, int]]) -> None:
+        """Keep one throughput repetition: ``spans`` are (first, last) token times of the timed streams."""
+        if spans:
+            produced = sum(r["tokens"] - 1 for r in records if r["tokens_per_s_client"] is not None)
+            aggregate = produced / ((max(last for _, last in spans) - min(first for first, _ in spans)) / 1e9)
+            for r in records:
+                r["aggregate_tokens_per_s"] = aggregate
+        self.samples.extend(records)
+        run["requests"] += streams
+        run["valid"] += streams
+        if self.progress is not None:
+            self.progress.update(streams)
 
     async def _end_sampling(self, target: Target, run: dict) -> None:
         """Close the scenario's accounts: /metrics deltas and CPU use. Called before any cleanup
@@ -361,18 +378,8 @@ class Bench:
                     for s in sessions:
                         await s.close()
                 records = [self._throughput_record(target, call, streams, rep) for call in calls]
-                firsts = [c.tokens[0][0] for c in calls if len(c.tokens) >= 2]
-                lasts = [c.tokens[-1][0] for c in calls if len(c.tokens) >= 2]
-                if firsts:
-                    produced = sum(r["tokens"] - 1 for r in records if r["tokens_per_s_client"] is not None)
-                    aggregate = produced / ((max(lasts) - min(firsts)) / 1e9)
-                    for r in records:
-                        r["aggregate_tokens_per_s"] = aggregate
-                self.samples.extend(records)
-                run["requests"] += streams
-                run["valid"] += streams
-                if self.progress is not None:
-                    self.progress.update(streams)
+                self._keep_throughput(run, records, streams,
+                                      [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2])
 
     def _throughput_record(self, target: Target, call: Call, streams: int, rep: int) -> dict:
         term = call.terminal

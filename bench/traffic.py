@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .client import Call, Session, metrics
+from .client import Call, Session
 from .llama_server import DISCONNECT_BUSY, NONSTREAM
 from .scenarios import LONG_GENERATION, Bench
 from .servers import Target
@@ -30,12 +30,7 @@ class TrafficBench(Bench):
             return
         if target.slots < 2 or self.plan.requests <= 0:
             return
-        if self.progress is not None:
-            self.progress.set_description(f"{scenario} [{target.name}]")
-        start = time.monotonic_ns()
-        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
-               "metrics_before": await metrics(target.http_url),
-               "cpu_before": self.cpu.read() if self.cpu else None}
+        start, run = await self._open_run(scenario, target)
         await self._wait_idle(target)
         streamer = await Session.open(target.ws_url)
         background: Call | None = None

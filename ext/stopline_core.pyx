@@ -129,7 +129,6 @@ cdef class Context:
             raise_engine_error(EngineError, "load_library() has not been called")
         config.context_length = context_length
         config.gpu_layers = 0
-        self.held = NULL
         config.mmap = True
         config.mlock = False
         path_bytes = os.fsencode(model_path)
@@ -170,7 +169,7 @@ cdef class Context:
     cdef int usable_prefix(self, const int *tokens, int n) noexcept:
         # Short of the last token, whose logits are needed.
         cdef int i, held = min(n - 1, self.n_held)
-        for i in range(max(held, 0)):
+        for i in range(held):
             if tokens[i] != self.held[i]:
                 return i
         return max(held, 0)
@@ -192,7 +191,9 @@ cdef class Context:
         self._check_open()
         if self.busy:
             raise_engine_error(EngineError, "the context is busy")
-        if not STEP_ABORT or n < 2:
+        if not 2 <= n <= CT_MAX_BATCH:
+            raise ValueError(f"the probe evaluates 2 to {CT_MAX_BATCH} tokens at once")
+        if not STEP_ABORT:
             return False, False
         ids = <int *>malloc(n * sizeof(int))
         if ids is NULL:

@@ -257,7 +257,7 @@ def command(session: Session, line: str) -> None:
     elif name == "/system":
         session.system = argument or None
         session.history = []
-        err.write(f"(system prompt set; conversation cleared)\n" if argument else
+        err.write("(system prompt set; conversation cleared)\n" if argument else
                   "(system prompt removed; conversation cleared)\n")
     else:
         err.write(f"unknown command {name}; /help lists the commands\n")
