@@ -82,7 +82,7 @@ async def test_no_frame_kills_the_connection_or_its_other_requests(server, logs,
         # The other request on the connection lives on and ends normally, logged.
         assert (await client.terminal("bystander"))["type"] == "done"
         assert len(client.tokens("bystander")) == 60
-    assert len(logs.records("generation_done", request_id="bystander")) == 1
+    assert len(logs.records("generation_done", id="bystander")) == 1
     assert not [r for r in logs.records() if "exception" in r] and not tracebacks
 
 

@@ -205,7 +205,7 @@ async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, l
 
 
 def wait_prompt_tokens(logs, request_id: str) -> int:
-    [record] = logs.records("generation_accepted", request_id=request_id)
+    [record] = logs.records("generation_accepted", id=request_id)
     return record["prompt_tokens"]
 
 
