@@ -56,7 +56,7 @@ class BaselineSlot:
     # generate() evaluates the whole prompt every time: nothing is held for reuse.
     n_held = 0
 
-    def reusable_prefix(self, tokens: list[int]) -> int:
+    def reusable_prefix(self, tokens: list[int], chunk: int) -> int:
         return 0
 
     def close(self) -> None:

@@ -119,9 +119,11 @@ cdef class Context:
     cdef readonly int max_token_bytes
     cdef readonly str architecture
     cdef int busy
-    # The tokens whose keys and values the KV cache holds, from position 0.
+    # The tokens whose keys and values the KV cache holds, from position 0,
+    # and the prefill chunk they were evaluated with.
     cdef int *held
     cdef readonly int n_held
+    cdef int held_chunk
 
     def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
         cdef ct_config config
@@ -152,9 +154,9 @@ cdef class Context:
         if self.held is NULL:
             raise MemoryError()
 
-    def reusable_prefix(self, tokens):
-        """How many leading ``tokens`` a generation would take from this
-        context's KV cache instead of evaluating them."""
+    def reusable_prefix(self, tokens, int chunk):
+        """How many leading ``tokens`` a generation with prefill chunks of
+        ``chunk`` would take from this context's KV cache instead of evaluating them."""
         cdef int i, n = len(tokens)
         cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
         if ids is NULL:
@@ -162,13 +164,17 @@ cdef class Context:
         try:
             for i in range(n):
                 ids[i] = tokens[i]
-            return self.usable_prefix(ids, n)
+            return self.usable_prefix(ids, n, chunk)
         finally:
             free(ids)
 
-    cdef int usable_prefix(self, const int *tokens, int n) noexcept:
-        # Short of the last token, whose logits are needed.
+    cdef int usable_prefix(self, const int *tokens, int n, int chunk) noexcept:
+        # Short of the last token, whose logits are needed. Only what was
+        # evaluated with the same chunk size: another size sums differently
+        # (see run_steps), and the guarantee is a fresh context's logits.
         cdef int i, held = min(n - 1, self.n_held)
+        if chunk != self.held_chunk:
+            return 0
         for i in range(held):
             if tokens[i] != self.held[i]:
                 return i
@@ -622,7 +628,7 @@ cdef class Generation:
         if context.busy:
             raise_engine_error(EngineError, "another generation is running on this context")
         context._check_open()
-        self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt)
+        self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
         self.state = GENERATION_RUNNING
         context.busy = 1
         # Positions from n_reused on are about to be overwritten.
@@ -632,6 +638,7 @@ cdef class Generation:
             self.s.end_ns = sl_monotonic_ns()
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
         context.n_held = self.s.n_past
+        context.held_chunk = self.s.prefill_chunk
         context.busy = 0
         outcome, reason = _EXIT_NAMES[self.s.exit]
         if self.s.exit == EXIT_CANCELLED:

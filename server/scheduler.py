@@ -142,7 +142,7 @@ class Scheduler:
         # for the sake of a shared system prompt.
         best, best_reuse = self._free[0], 0
         for slot in self._free:
-            reuse = slot.reusable_prefix(prompt_tokens)
+            reuse = slot.reusable_prefix(prompt_tokens, self.engine.prefill_chunk)
             if reuse > best_reuse and 2 * reuse >= slot.n_held:
                 best, best_reuse = slot, reuse
         self._free.remove(best)

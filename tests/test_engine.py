@@ -202,8 +202,9 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
     result = runner.finish()
 
     assert result.outcome == "cancelled" and result.reason == "user_cancelled"
-    assert 0 < result.prompt_tokens_evaluated < len(long_prompt)
-    assert result.prompt_tokens_evaluated % chunk == 0  # only whole chunks were evaluated
+    # Only whole chunks count; stopped part-way, the first one may not have completed.
+    assert (0 if step_abort else 1) <= result.prompt_tokens_evaluated < len(long_prompt)
+    assert result.prompt_tokens_evaluated % chunk == 0
     assert result.tokens_generated == 0 and result.tokens_after_cancel == 0 and result.first_token_ns == 0
     assert generation.take() == []
     assert cancel_ns <= result.cancel_observed_ns <= result.end_ns

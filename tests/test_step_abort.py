@@ -115,7 +115,7 @@ def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
     # but the last, unless the answer ended with EOS (never evaluated, never counted).
     last_evaluated = 0 if r1.reason == "eos" else 1
     assert slot.n_held == len(first) + r1.tokens_generated - last_evaluated
-    expected = slot.reusable_prefix(follow_up)
+    expected = slot.reusable_prefix(follow_up, engine.prefill_chunk)
     # The first turn's prompt, and as much of its answer as the new prompt repeats.
     assert expected >= len(first)
     r2, _ = greedy(slot, follow_up, max_tokens=8, chunk=engine.prefill_chunk)

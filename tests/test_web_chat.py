@@ -83,7 +83,7 @@ async def test_markdown_with_a_code_block_renders_highlighted(chat, server, logs
     assert "```" not in await text_of(message)
     assert await message.locator(".text p").count() >= 1
     await expect(message.locator(".copy-code")).to_have_count(1)
-    record = await wait_for_record(logs, "generation_done", request_id=request_id)
+    record = await wait_for_record(logs, "generation_done", id=request_id)
     assert record["tokens_generated"] > 10
     await chat.click("details.settings summary")  # fold the settings away for the picture
     await screenshot(chat, "markdown-light")
@@ -121,7 +121,7 @@ async def test_script_and_javascript_links_in_model_output_are_inert(chat, serve
     await message.locator("button.continue").click()
     await expect_state(message, "done", timeout=60)
     request_id = await message.get_attribute("data-id")
-    record = await wait_for_record(logs, "generation_done", request_id=request_id)
+    record = await wait_for_record(logs, "generation_done", id=request_id)
     assert record["tokens_generated"] > 0
     [frame] = generates(chat.sent)
     assert frame["messages"][-1] == {"role": "assistant", "content": hostile}
@@ -153,7 +153,7 @@ async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, l
     await expect(message).not_to_have_attribute("aria-busy", "true")
     partial = await text_of(message)
     assert "Generation cancelled" in await meta(message)
-    stopped = await wait_for_record(logs, "generation_cancelled", request_id=first_id)
+    stopped = await wait_for_record(logs, "generation_cancelled", id=first_id)
 
     # Continue: the same message grows from where it stopped.
     await expect(message.locator("button.continue")).to_be_visible()
@@ -165,7 +165,7 @@ async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, l
     continued = await text_of(message)
     assert continued.startswith(partial.rstrip()) and len(continued) > len(partial)
     assert re.search(r"24 tokens · max tokens reached", await meta(message))
-    record = await wait_for_record(logs, "generation_done", request_id=continued_id)
+    record = await wait_for_record(logs, "generation_done", id=continued_id)
     assert record["tokens_generated"] == 24
     first, cont = generates(chat.sent)
     assert cont["messages"][:-1] == first["messages"]
@@ -325,7 +325,7 @@ async def test_deleting_a_chat_while_it_answers_stops_the_answer(chat, server, l
     message, request_id = await send(chat, LONG_STORY)
     await wait_for_text(chat, message, 10)
     await chat.get_by_role("button", name=f"Delete chat “{LONG_STORY}”").click()
-    record = await wait_for_record(logs, "generation_cancelled", request_id=request_id)
+    record = await wait_for_record(logs, "generation_cancelled", id=request_id)
     assert record["reason"] == "user_cancelled"
     await expect(chat.locator("#send")).to_be_enabled()
     await expect(chat.locator("#chat-list .chat-open")).to_have_count(0)
