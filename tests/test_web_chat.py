@@ -170,7 +170,7 @@ async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, l
     first, cont = generates(chat.sent)
     assert cont["messages"][:-1] == first["messages"]
     assert cont["messages"][-1]["role"] == "assistant" and cont["messages"][-1]["content"].startswith(partial.strip()[:20])
-    accepted = {r["request_id"]: r for r in logs.records("generation_accepted")}
+    accepted = {r["id"]: r for r in logs.records("generation_accepted")}
     assert accepted[continued_id]["prompt_tokens"] >= accepted[first_id]["prompt_tokens"] + stopped["tokens_generated"] - 1
 
     # A done answer offers Regenerate but not Continue.
