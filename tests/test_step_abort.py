@@ -142,8 +142,8 @@ def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
     counts = abort_storm(engine, storm_prompt(engine), ABORT_CYCLES, threads, seed=threads)
     print(f"\nthreads={threads}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "cancel_to_exit_ms"))
     assert counts["hangs"] == 0 and counts["other"] == 0 and counts["mismatches"] == 0
-    # Runs that resume from a reused prefix are shorter than the reference, so
-    # not every cancel lands before the end.
+    # Some runs escape their cancel (it is placed at random within a run's
+    # length); a good share must not.
     assert counts["cancelled"] >= ABORT_CYCLES // 4
     assert counts["cancelled"] + counts["done"] == ABORT_CYCLES
 
