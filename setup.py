@@ -4,7 +4,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=cythonize(
-        [Extension("stopline_core", ["ext/stopline_core.pyx"], include_dirs=["ext"],
+        [Extension("stopline._core", ["ext/_core.pyx"], include_dirs=["ext"],
                    depends=["ext/ctransformers_abi.h", "ext/step_abort.h", "ext/loop_support.h"],
                    libraries=["dl"], extra_compile_args=["-O2"])],
         include_path=["ext"],

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from server import model as embedded
-from server.engine import DEFAULT_CONTEXT_LENGTH
-from server.tokenizer import ChatTokenizer
+from stopline import model as embedded
+from stopline.engine import DEFAULT_CONTEXT_LENGTH
+from stopline.tokenizer import ChatTokenizer
 
 from . import native
 from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench,

@@ -9,8 +9,8 @@ articles describe::
             break
         queue.put(token)
 
-:class:`BaselineEngine` duck-types what :class:`server.scheduler.Scheduler` and
-:class:`server.app.StoplineServer` use from :class:`server.engine.Engine`, so
+:class:`BaselineEngine` duck-types what :class:`stopline.scheduler.Scheduler` and
+:class:`stopline.app.StoplineServer` use from :class:`stopline.engine.Engine`, so
 the baseline is served by the very same WebSocket protocol, scheduler and
 metrics code; only the token loop differs. The loop here has two blind spots
 that the native loop does not:
@@ -38,9 +38,9 @@ from types import SimpleNamespace
 
 from ctransformers import AutoModelForCausalLM
 
-from server.engine import Engine, SamplingParams, Stream
-from server.tokenizer import TextStream
-from server.vocabulary import AbortMode
+from stopline.engine import Engine, SamplingParams, Stream
+from stopline.tokenizer import TextStream
+from stopline.vocabulary import AbortMode
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8
@@ -105,7 +105,7 @@ def _deadline(now_ns: int, seconds: float | None) -> int:
 
 
 class BaselineGeneration:
-    """One generation on a worker thread; the same surface as ``stopline_core.Generation``."""
+    """One generation on a worker thread; the same surface as ``stopline._core.Generation``."""
 
     def __init__(self, slot: BaselineSlot, prompt_tokens: list[int], params: SamplingParams,
                  context_length: int, now_ns: int):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from server.model import ModelFetchError, _verify, cache_dir
+from stopline.model import ModelFetchError, _verify, cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_REQUIREMENT = f"llama-cpp-python=={SDIST_VERSION}"

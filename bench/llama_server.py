@@ -353,7 +353,7 @@ class LlamaBench(Bench):
     def _body(self, tokens: int, max_tokens: int, slot: int, stream: bool = True) -> dict:
         fields = self._generate_fields(tokens, max_tokens)
         prompt = self.prompts.tokenizer.encode(self.prompts.tokenizer.render_chat(fields["messages"]))
-        # Ours' sampling (server/engine.py SamplingParams), and no llama.cpp-only sampler (min_p).
+        # Ours' sampling (stopline/engine.py SamplingParams), and no llama.cpp-only sampler (min_p).
         return {"prompt": prompt, "n_predict": max_tokens, "stream": stream, "seed": fields["seed"],
                 "temperature": fields["temperature"], "top_k": 40, "top_p": 0.95, "min_p": 0.0,
                 "repeat_penalty": 1.1, "repeat_last_n": 64, "id_slot": slot,

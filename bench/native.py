@@ -13,9 +13,9 @@ import statistics
 import threading
 import time
 
-from stopline_core import Generation
+from stopline._core import Generation
 
-from server.engine import Engine
+from stopline.engine import Engine
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 512

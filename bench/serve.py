@@ -23,10 +23,10 @@ import sys
 import threading
 import time
 
-from server.app import ServerConfig, StoplineServer
-from server.engine import Engine
-from server.observability import configure_logging
-from server.vocabulary import AbortMode
+from stopline.app import ServerConfig, StoplineServer
+from stopline.engine import Engine
+from stopline.observability import configure_logging
+from stopline.vocabulary import AbortMode
 
 
 # Engine name -> the abort mode its native engine is loaded with.

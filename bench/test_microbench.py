@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine import Engine, SamplingParams
-from server.protocol import encode_frame
-from server.tokenizer import TextStream
+from stopline.engine import Engine, SamplingParams
+from stopline.protocol import encode_frame
+from stopline.tokenizer import TextStream
 
 TOKENS_PER_ROUND = 32
 

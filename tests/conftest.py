@@ -18,9 +18,9 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from server.app import ServerConfig, StoplineServer
-from server.engine import Engine
-from server.observability import configure_logging
+from stopline.app import ServerConfig, StoplineServer
+from stopline.engine import Engine
+from stopline.observability import configure_logging
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
 TERMINAL_TYPES = {"done", "cancelled", "timeout", "error"}

@@ -19,8 +19,8 @@ import threading
 import time
 
 import pytest
-import stopline_core
-from stopline_core import Generation
+from stopline import _core
+from stopline._core import Generation
 
 from conftest import LONG_ANSWER
 
@@ -65,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
 def test_flag_poll(benchmark):
     iterations = 100_000
     per_poll = []
-    benchmark.pedantic(lambda: per_poll.append(stopline_core.measure_flag_poll(iterations)), rounds=20, iterations=1)
+    benchmark.pedantic(lambda: per_poll.append(_core.measure_flag_poll(iterations)), rounds=20, iterations=1)
     report(benchmark, iterations=iterations, ns_per_poll=round(statistics.median(per_poll), 2),
            ns_per_poll_min=round(min(per_poll), 2))
     # A poll is a load and a clock read: negligible next to a decode step of milliseconds.

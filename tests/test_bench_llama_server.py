@@ -16,8 +16,8 @@ from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, Llam
 from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
 from bench.scenarios import Plan
-from server import model as embedded
-from server.tokenizer import ChatTokenizer
+from stopline import model as embedded
+from stopline.tokenizer import ChatTokenizer
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 SLOTS = 2

@@ -15,7 +15,7 @@ import pexpect
 import pytest
 
 from conftest import UNIT, fetch_metrics, metric_value
-from server.client import UsageError, default_url, websocket_url
+from stopline.client import UsageError, default_url, websocket_url
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_STORY = "Write a very long story about a dragon."
@@ -33,7 +33,7 @@ async def in_thread(function, *args, **kwargs):
 
 
 def spawn(*args, **environ) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "server.client", *args], cwd=str(ROOT), env=env(**environ),
+    child = pexpect.spawn(sys.executable, ["-m", "stopline.client", *args], cwd=str(ROOT), env=env(**environ),
                           encoding="utf-8", timeout=60 * UNIT, dimensions=(40, 200))
     return child
 
@@ -78,7 +78,7 @@ def test_host_and_port_come_from_the_environment():
 # ---------- one-line failures ----------
 
 def run_client(*args, **environ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.client", *args], cwd=ROOT, env=env(**environ),
+    return subprocess.run([sys.executable, "-m", "stopline.client", *args], cwd=ROOT, env=env(**environ),
                           capture_output=True, text=True, timeout=60 * UNIT)
 
 

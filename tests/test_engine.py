@@ -1,4 +1,4 @@
-"""The native token loop (ext/stopline_core.pyx) and its Python face (server/engine.py),
+"""The native token loop (ext/_core.pyx) and its Python face (stopline/engine.py),
 against the real model.
 
 Bounds on time are expressed in decode steps or prefill chunks measured in the
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-import stopline_core
-from stopline_core import Generation
+from stopline import _core
+from stopline._core import Generation
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT
-from server.engine import ContextOverflowError, Engine, EngineError, ModelLoadError, SamplingParams
+from stopline.engine import ContextOverflowError, Engine, EngineError, ModelLoadError, SamplingParams
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)
@@ -483,7 +483,7 @@ def test_max_tokens(engine, slot):
 
 
 def test_max_tokens_is_clamped_to_the_context(engine):
-    context = stopline_core.Context(str(engine.model_path), engine.model_type, 64)
+    context = _core.Context(str(engine.model_path), engine.model_type, 64)
     try:
         prompt = engine.encode(prompt=COUNTING_TEXT)
         assert len(prompt) < 64
@@ -659,7 +659,7 @@ def test_non_gguf_file(tmp_path):
 
 
 def test_truncated_gguf(tmp_path):
-    from server.model import original_gguf_path
+    from stopline.model import original_gguf_path
 
     path = tmp_path / "truncated.gguf"
     with open(original_gguf_path(progress=False), "rb") as f:
@@ -690,9 +690,9 @@ def test_native_context_refuses_a_non_model_file(engine, tmp_path):
     path = tmp_path / "random.bin"
     path.write_bytes(random.Random(8).randbytes(1 << 16))
     with pytest.raises(ModelLoadError, match="could not create"):
-        stopline_core.Context(str(path), "llama", 64)
+        _core.Context(str(path), "llama", 64)
     with pytest.raises(ModelLoadError):
-        stopline_core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
+        _core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
 
 
 def test_prompt_longer_than_the_context(engine, slot):
@@ -731,7 +731,7 @@ def test_a_generation_runs_once(engine, slot):
 
 
 def test_closed_context(engine):
-    context = stopline_core.Context(str(engine.model_path), engine.model_type, 64)
+    context = _core.Context(str(engine.model_path), engine.model_type, 64)
     context.close()
     assert context.closed
     context.close()  # idempotent
@@ -742,14 +742,15 @@ def test_closed_context(engine):
 def test_failed_construction_leaves_other_fds_alone(engine):
     # In a child process: the bug closes whatever file descriptor 0 is.
     code = f"""
-import os, sys, stopline_core
-from server.engine import _ctransformers_library_path
-stopline_core.load_library(_ctransformers_library_path())
-context = stopline_core.Context({str(engine.model_path)!r}, "llama", 64)
+import os, sys
+from stopline import _core
+from stopline.engine import _ctransformers_library_path
+_core.load_library(_ctransformers_library_path())
+context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 context.close()
 r, w = os.pipe()
 os.dup2(r, 0)
-for bad in (lambda: stopline_core.Generation(context, [1, 2]), lambda: stopline_core.Generation(context, 5)):
+for bad in (lambda: _core.Generation(context, [1, 2]), lambda: _core.Generation(context, 5)):
     try:
         bad()
     except Exception:

@@ -358,7 +358,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 async def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", *args, cwd=ROOT, env={**os.environ, **(env or {})},
+        sys.executable, "-m", "stopline", *args, cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
@@ -403,7 +403,7 @@ async def test_a_port_in_use_fails_at_once():
 
 async def test_ctrl_c_while_loading_exits_cleanly():
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--port", "0", cwd=ROOT,
+        sys.executable, "-m", "stopline", "--port", "0", cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         # The port is taken before the model loads: wait until it listens, then interrupt.
@@ -432,7 +432,7 @@ def percentile(values: list[float], p: float) -> float:
 @pytest.mark.slow
 async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
     """One client streams; thirty connections flood big prompts. Measured in one
-    run against ``python -m server``: the streaming client's gap between tokens
+    run against ``python -m stopline``: the streaming client's gap between tokens
     without the flood, with 399,000-character prompts (refused from their size),
     and with 160,000-byte prompts (just under the bound, so each is tokenized)."""
     from test_server_process import start_process

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for)
-from server.app import ServerConfig, StoplineServer
+from stopline.app import ServerConfig, StoplineServer
 
 # Tokens a closed connection may still cost beyond the one step the loop was in: tokens the
 # server had already produced and written but the client had not read when it closed.

@@ -1,7 +1,7 @@
 """Model files the bundled loader cannot run are refused before any of them reaches C.
 
 Every file in the matrix is real: GGUF files written with the ``gguf`` package's
-writer, a truncated copy of the embedded model, a text file. ``python -m server
+writer, a truncated copy of the embedded model, a text file. ``python -m stopline
 --model FILE`` must answer each with exit code 2 and one line on stderr that
 says why and what would work.
 """
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from conftest import UNIT
-from server import model
-from server.engine import Engine, ModelLoadError, SamplingParams
-from server.model_check import GGML_MODEL_TYPES, GGUF_ARCHITECTURES, ModelFileError, check_model_file
+from stopline import model
+from stopline.engine import Engine, ModelLoadError, SamplingParams
+from stopline.model_check import GGML_MODEL_TYPES, GGUF_ARCHITECTURES, ModelFileError, check_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def bad_files(tmp_path_factory):
 @pytest.mark.parametrize("case", ["non-llama GGUF v3", "truncated GGUF", "text file", "GGUF without a tokenizer"])
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
     path, why = bad_files[case]
-    result = subprocess.run([sys.executable, "-m", "server", "--port", "0", "--model", str(path)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "stopline", "--port", "0", "--model", str(path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60 * UNIT)
     assert result.returncode == 2, result
     lines = result.stderr.splitlines()

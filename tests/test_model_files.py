@@ -1,6 +1,6 @@
 """The embedded model: fetched once, converted once for ctransformers, cached atomically.
 
-See the docstring of ``server/model.py`` for why the conversion exists. These
+See the docstring of ``stopline/model.py`` for why the conversion exists. These
 tests read the real cached files and convert the real GGUF again into
 temporary directories; nothing here touches the network.
 """
@@ -15,10 +15,10 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-import stopline_core
+from stopline import _core
 
-from server import model
-from server.engine import Engine
+from stopline import model
+from stopline.engine import Engine
 
 
 def sha256(path) -> str:
@@ -157,7 +157,7 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
         assert list((tmp_path / "converted").iterdir()) == [loaded.model_path]
         # The tokenizer comes from the original file given.
         assert loaded.encode(prompt="Hello world") == engine.encode(prompt="Hello world")
-        result = stopline_core.Generation(slot, loaded.encode(prompt="1, 2, 3,"), max_tokens=3, temperature=0).run()
+        result = _core.Generation(slot, loaded.encode(prompt="1, 2, 3,"), max_tokens=3, temperature=0).run()
         assert result.outcome == "done" and result.tokens_generated == 3
     finally:
         slot.close()
@@ -241,7 +241,7 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
                    "PIP_INDEX_URL": f"http://127.0.0.1:{httpd.server_port}/simple/", "PIP_NO_CACHE_DIR": "1",
                    "TERM": "xterm", "COLUMNS": "120"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = pexpect.spawn(sys.executable, ["-c", "from server import model; print(model.embedded_model_path())"],
+    child = pexpect.spawn(sys.executable, ["-c", "from stopline import model; print(model.embedded_model_path())"],
                           cwd=root, env=environment, encoding="utf-8", timeout=300, dimensions=(40, 120))
     try:
         child.expect(r"Downloading the embedded model SmolLM2-135M-Instruct")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from server.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Submit, Tokenize, encode_frame
-from server.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
+from stopline.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Submit, Tokenize, encode_frame
+from stopline.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
 
@@ -149,10 +149,10 @@ def test_tokens_wasted_counts_only_unfinished_work():
 
 
 def test_the_native_loop_speaks_the_same_vocabulary():
-    import stopline_core
-    from server.vocabulary import ErrorCode
+    from stopline import _core
+    from stopline.vocabulary import ErrorCode
     names = set(Reason) | set(ErrorCode)
-    for outcome, reason in stopline_core._EXIT_NAMES.values():
+    for outcome, reason in _core._EXIT_NAMES.values():
         assert outcome in set(Outcome)
         assert reason is None or reason in names, reason
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from server.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
-from server.registry import InvalidCancelToken, Registry, UnknownRequest
-from server.vocabulary import ErrorCode, Outcome, Reason
+from stopline.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
+from stopline.registry import InvalidCancelToken, Registry, UnknownRequest
+from stopline.vocabulary import ErrorCode, Outcome, Reason
 
 
 def fake_tokenize(prompt, messages):

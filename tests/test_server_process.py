@@ -20,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 async def start_process(*args: str):
-    """``python -m server`` on port 0; returns the process and its URL once it listens."""
+    """``python -m stopline`` on port 0; returns the process and its URL once it listens."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--port", "0", *args, cwd=ROOT,
+        sys.executable, "-m", "stopline", "--port", "0", *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     lines = []
     while True:
@@ -78,7 +78,7 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
 ])
 async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--port", "0", *args, cwd=ROOT,
+        sys.executable, "-m", "stopline", "--port", "0", *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
     assert process.returncode == 2

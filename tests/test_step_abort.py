@@ -12,13 +12,13 @@ import threading
 import time
 
 import pytest
-import stopline_core
-from stopline_core import Generation
+from stopline import _core
+from stopline._core import Generation
 
 from bench.native import abort_storm, storm_prompt
 from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, metric_value
-from server.engine import Engine
-from server.vocabulary import AbortMode
+from stopline.engine import Engine
+from stopline.vocabulary import AbortMode
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
 ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "250"))
@@ -46,7 +46,7 @@ def greedy(slot, prompt, max_tokens=8, chunk=16, threads=1):
 
 
 def test_the_engine_proves_the_hook_at_startup(engine):
-    assert stopline_core.step_abort_installed()
+    assert _core.step_abort_installed()
     assert engine.abort_mode is AbortMode.IN_STEP
     # The last token's logits, computed alone, are bit-identical to a full evaluation's.
     assert engine.trim_output
@@ -62,7 +62,7 @@ def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
     """One chunk of 512 tokens takes seconds; a cancel ends it between two graph nodes."""
     prompt = engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
-    generation = Generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=stopline_core.MAX_PREFILL_CHUNK)
+    generation = Generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=_core.MAX_PREFILL_CHUNK)
     thread, box = run_in_thread(generation)
     # Let the evaluation get going (the hook measures nodes from its start).
     time.sleep(0.3 * UNIT)
@@ -84,7 +84,7 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
     prompt = engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
     deadline_ns = time.monotonic_ns() + int(0.3e9 * UNIT)
-    result = Generation(slot, prompt, max_tokens=4, prefill_chunk=stopline_core.MAX_PREFILL_CHUNK,
+    result = Generation(slot, prompt, max_tokens=4, prefill_chunk=_core.MAX_PREFILL_CHUNK,
                         first_token_deadline_ns=deadline_ns).run()
     assert (result.outcome, result.reason) == ("timeout", "first_token_timeout")
     assert result.prompt_tokens_evaluated == 0

@@ -1,6 +1,6 @@
 """Tokenization must be exactly the model's own, and streamed text must be exact.
 
-Prompt ids come from ``server/tokenizer.py`` (the ``tokenizers`` library rebuilt
+Prompt ids come from ``stopline/tokenizer.py`` (the ``tokenizers`` library rebuilt
 from the GGUF). They are checked here against an independent, deliberately
 plain Python implementation of byte-level BPE (the GPT-2 algorithm) that reads
 the same vocab and merges from the original GGUF. Generated text comes from
@@ -16,13 +16,13 @@ import unicodedata
 import gguf
 import pytest
 import regex
-import stopline_core
+from stopline import _core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
-from server.model import original_gguf_path
-from server.tokenizer import ChatTokenizer, TextStream
+from stopline.model import original_gguf_path
+from stopline.tokenizer import ChatTokenizer, TextStream
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -149,7 +149,7 @@ def tokenizer(engine) -> ChatTokenizer:
 @pytest.fixture(scope="module")
 def token_table(engine) -> list[bytes]:
     """Every token's bytes as the token loop sees them (ctransformers' detokenize)."""
-    context = stopline_core.Context(str(engine.model_path), engine.model_type, 16)
+    context = _core.Context(str(engine.model_path), engine.model_type, 16)
     try:
         return [context.token_bytes(i) for i in range(context.vocab_size)]
     finally:

@@ -23,7 +23,7 @@ import pytest_asyncio
 from playwright.async_api import async_playwright, expect
 
 from conftest import UNIT, metric_value
-from server.app import ServerConfig, StoplineServer
+from stopline.app import ServerConfig, StoplineServer
 
 pytestmark = pytest.mark.browser
 

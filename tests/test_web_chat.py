@@ -417,11 +417,11 @@ async def test_auto_theme_follows_the_system(browser, server):  # noqa: F811
 # ---------- the shipped libraries ----------
 
 def test_vendored_libraries_match_their_integrity_attributes():
-    html = (ROOT / "web" / "index.html").read_text()
-    lock = json.loads((ROOT / "web" / "vendor" / "vendor.json").read_text())
+    html = (ROOT / "stopline" / "web" / "index.html").read_text()
+    lock = json.loads((ROOT / "stopline" / "web" / "vendor" / "vendor.json").read_text())
     shipped = [name for package in lock["packages"] for name in package["files"].values()]
     for name in shipped:
-        path = ROOT / "web" / "vendor" / name
+        path = ROOT / "stopline" / "web" / "vendor" / name
         assert path.is_file(), name
         if name.endswith((".js", ".css")):
             digest = base64.b64encode(hashlib.sha384(path.read_bytes()).digest()).decode()
@@ -450,7 +450,7 @@ async def test_the_page_has_a_content_security_policy_and_vendor_files_are_serve
     assert "content-security-policy: default-src 'self'; img-src 'self' data:;" in head
     status, head, body = await raw_get(server.port, "/vendor/purify.min.js")
     assert status == 200 and "content-type: text/javascript; charset=utf-8" in head
-    assert body == (ROOT / "web" / "vendor" / "purify.min.js").read_bytes()
+    assert body == (ROOT / "stopline" / "web" / "vendor" / "purify.min.js").read_bytes()
     for path in ("/vendor/", "/vendor/../README.md", "/vendor/x/../../README.md", "/vendor/.hidden",
                  "/docs/protocol.md", "/vendor/%2e%2e/app.js"):
         status, _, _ = await raw_get(server.port, path)

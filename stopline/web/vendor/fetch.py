@@ -1,7 +1,7 @@
-"""Fetch the browser libraries in web/vendor/ from the npm registry, verified.
+"""Fetch the browser libraries in stopline/web/vendor/ from the npm registry, verified.
 
-    python web/vendor/fetch.py            # fetch; every tarball must match vendor.json
-    python web/vendor/fetch.py --record   # after changing a version: record the new integrity
+    python stopline/web/vendor/fetch.py            # fetch; every tarball must match vendor.json
+    python stopline/web/vendor/fetch.py --record   # after changing a version: record the new integrity
 
 Each package in vendor.json is pinned to an exact version and to the sha512
 integrity of its tarball. The script runs ``npm pack`` for that version,

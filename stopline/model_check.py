@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stopline_core import ModelLoadError
+from stopline._core import ModelLoadError
 
 # What this build can run, as measured (README, "Models").
 GGUF_ARCHITECTURES = ("llama",)

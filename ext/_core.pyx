@@ -33,7 +33,7 @@ from loop_support cimport (
 
 import os
 
-# Outcome and reason names; they match server/vocabulary.py.
+# Outcome and reason names; they match stopline/vocabulary.py.
 DONE, CANCELLED, TIMEOUT, ERROR = "done", "cancelled", "timeout", "error"
 
 cdef enum LoopExit:

@@ -1,4 +1,4 @@
-"""python -m server: run Stopline (by default on the embedded SmolLM2 model)."""
+"""python -m stopline: run Stopline (by default on the embedded SmolLM2 model)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def env_name(flag: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m stopline", description=__doc__,
                                 epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.")
     for flag, kind, default, help_text in SETTINGS:
         raw = os.environ.get(env_name(flag))
@@ -243,8 +243,13 @@ def main(argv=None) -> int:
         return 128 + signal.SIGINT
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``stopline`` console script and ``python -m stopline``."""
     code = main()
     sys.stdout.flush()
     # A model still loading in a daemon thread would hold up a normal exit; nothing else is left to clean up.
     os._exit(code) if code >= 128 else sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,5 +1,5 @@
 """The asyncio service: WebSocket at /ws, the web client at /, /healthz and /metrics.
-The HTTP API (/v1) is served from the same event loop by :mod:`server.http_api`.
+The HTTP API (/v1) is served from the same event loop by :mod:`stopline.http_api`.
 
 This module only moves bytes. Frames go into :class:`protocol.Connection`,
 which decides what they mean; the actions it returns are carried out here
@@ -36,7 +36,7 @@ from .registry import Registry
 from .scheduler import Busy, Scheduler
 from .vocabulary import ErrorCode, Outcome, Reason, Refusal
 
-WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
+WEB_ROOT = Path(__file__).resolve().parent / "web"
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
 SHORT_PROMPT_BYTES = 16 * 1024
 

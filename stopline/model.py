@@ -14,7 +14,7 @@ as it is, so :func:`convert_for_ctransformers` rewrites it once:
    Detokenizing then yields raw bytes, which is what the token loop wants.
 
 Prompts are never tokenized by ctransformers (its tokenizer is wrong for this
-vocab); see ``server/tokenizer.py``.
+vocab); see ``stopline/tokenizer.py``.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import stopline_core
+from stopline import _core
 import structlog
-from stopline_core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
+from stopline._core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
 
 from . import model as embedded
 from .model_check import check_model_file
@@ -88,14 +88,14 @@ class Engine:
         self.model_type = model_type
         self.name = name
         self.threads = threads
-        stopline_core.load_library(_ctransformers_library_path())
+        _core.load_library(_ctransformers_library_path())
         # The first context proves the model loads and gives the real context length.
-        self._probe = stopline_core.Context(str(model_path), model_type, context_length)
+        self._probe = _core.Context(str(model_path), model_type, context_length)
         self.context_length = self._probe.context_length
         self.vocab_size = self._probe.vocab_size
         if tokenizer is None:
             # A context of its own (with a tiny KV cache), so tokenizing never touches a busy slot.
-            self._tokenizer_context = stopline_core.Context(str(model_path), model_type, 8)
+            self._tokenizer_context = _core.Context(str(model_path), model_type, 8)
             tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
         self.tokenizer = tokenizer
         self.abort_mode, self.trim_output = self._prove_step_abort(AbortMode(abort_mode))
@@ -154,12 +154,12 @@ class Engine:
         return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk,
                    abort_mode)
 
-    def open_slot(self) -> stopline_core.Context:
+    def open_slot(self) -> _core.Context:
         """A new native context for this model. Close it with ``slot.close()``."""
         if self._probe is not None:
             slot, self._probe = self._probe, None
             return slot
-        return stopline_core.Context(str(self.model_path), self.model_type, self.context_length)
+        return _core.Context(str(self.model_path), self.model_type, self.context_length)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
@@ -168,14 +168,14 @@ class Engine:
         text = prompt if prompt is not None else self.tokenizer.render_chat(messages)
         return self.tokenizer.encode(text)
 
-    def start(self, slot: stopline_core.Context, prompt_tokens: list[int], params: SamplingParams,
+    def start(self, slot: _core.Context, prompt_tokens: list[int], params: SamplingParams,
               *, window: int = 64, started_ns: int | None = None) -> "Stream":
         """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         seed = params.seed if params.seed is not None else random.randrange(2**31)
         stop = tuple(s.encode("utf-8") for s in params.stop if s)
-        generation = stopline_core.Generation(
+        generation = _core.Generation(
             slot, prompt_tokens, max_tokens=params.max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, repetition_penalty=params.repetition_penalty,
             seed=seed, stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
@@ -202,7 +202,7 @@ class Stream:
     into text (holding back partial UTF-8 and possible stop-sequence starts).
     """
 
-    def __init__(self, generation: stopline_core.Generation, text: TextStream):
+    def __init__(self, generation: _core.Generation, text: TextStream):
         self.generation = generation
         self._text = text
         self.tokens_read = 0

@@ -1,4 +1,4 @@
-"""JSON logs (structlog) and Prometheus metrics, named from server/vocabulary.py."""
+"""JSON logs (structlog) and Prometheus metrics, named from stopline/vocabulary.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""python -m server.client ["prompt"]: chat with Stopline in the terminal; Ctrl-C stops the answer.
+"""python -m stopline.client ["prompt"]: chat with Stopline in the terminal; Ctrl-C stops the answer.
 
 With a prompt, it streams one answer and exits (0 done, 130 cancelled, 2
 timeout, 1 error). Without one, it starts an interactive chat that keeps the
@@ -162,7 +162,7 @@ class _Connection:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is the server running? start it with: python -m server)"
+        return "connection refused (is the server running? start it with: python -m stopline)"
     if isinstance(exc, asyncio.TimeoutError):
         return "no answer within 10 s"
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -264,7 +264,7 @@ def command(session: Session, line: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.client", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m stopline.client", description=__doc__.splitlines()[0],
                                 epilog="Without --url it connects to STOPLINE_HOST:STOPLINE_PORT "
                                        "(default 127.0.0.1:8765).")
     p.add_argument("prompt", nargs="?", help="ask this and exit; without it, chat interactively")
