@@ -216,7 +216,7 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
         sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
                       log_tokens_generated=end.get("tokens_generated"))
         if sample["scenario"] in ("disconnect", DISCONNECT_BUSY, "openai_stream_closed"):
-            sample.update(server_ms=end.get("latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
+            sample.update(server_ms=end.get("cancel_latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
 
 
 def _lag(target: Target) -> dict:

@@ -40,7 +40,7 @@ from ctransformers import AutoModelForCausalLM
 
 from stopline.engine import Engine, SamplingParams, Stream
 from stopline.tokenizer import TextStream
-from stopline.vocabulary import AbortMode
+from stopline.vocabulary import AbortMode, ErrorCode, Outcome, Reason
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8
@@ -172,7 +172,7 @@ class BaselineGeneration:
         published = 0
         text = bytearray()
         kept = None
-        outcome, reason = "done", "eos"
+        outcome, reason = Outcome.DONE, Reason.EOS
         prompt_evaluated = 0
         tokens = llm.generate(self._prompt, top_k=top_k, top_p=p.top_p, temperature=temperature,
                               repetition_penalty=p.repetition_penalty, seed=seed,
@@ -186,13 +186,13 @@ class BaselineGeneration:
                 now = time.monotonic_ns()
                 if self._stop_event.is_set():
                     cancel_observed_ns = now
-                    outcome, reason = "cancelled", self._cancel_reason
+                    outcome, reason = Outcome.CANCELLED, self._cancel_reason
                     break
                 if self._deadline_ns and now >= self._deadline_ns:
-                    outcome, reason = "timeout", "total_timeout"
+                    outcome, reason = Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT
                     break
                 if self._first_token_deadline_ns and published == 0 and now >= self._first_token_deadline_ns:
-                    outcome, reason = "timeout", "first_token_timeout"
+                    outcome, reason = Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT
                     break
                 piece = llm.detokenize([token], decode=False)
                 old_size = len(text)
@@ -205,15 +205,15 @@ class BaselineGeneration:
                 self._wake()
                 kept = self._stop_match(text, old_size)
                 if kept is not None:
-                    outcome, reason = "done", "stop_sequence"
+                    outcome, reason = Outcome.DONE, Reason.STOP_SEQUENCE
                     break
                 if published >= self._max_tokens:
-                    outcome, reason = "done", "max_tokens"
+                    outcome, reason = Outcome.DONE, Reason.MAX_TOKENS
                     break
             else:
                 prompt_evaluated = len(self._prompt)  # generate() returned at EOS
         except Exception:
-            outcome, reason = "error", "internal_error"
+            outcome, reason = Outcome.ERROR, ErrorCode.INTERNAL_ERROR
         finally:
             tokens.close()
         end_ns = time.monotonic_ns()
@@ -222,7 +222,7 @@ class BaselineGeneration:
             self.result = SimpleNamespace(
                 outcome=outcome, reason=reason, prompt_tokens=len(self._prompt), prompt_tokens_reused=0,
                 prompt_tokens_evaluated=prompt_evaluated, tokens_generated=yielded,
-                tokens_after_cancel=yielded - self._yielded_at_cancel if outcome == "cancelled" else 0,
+                tokens_after_cancel=yielded - self._yielded_at_cancel if outcome is Outcome.CANCELLED else 0,
                 start_ns=start_ns, first_token_ns=first_token_ns, cancel_observed_ns=cancel_observed_ns,
                 end_ns=end_ns, text_kept_bytes=len(text) if kept is None else kept)
             self.finished = True

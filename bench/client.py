@@ -15,7 +15,9 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 
-TERMINAL = {"done", "cancelled", "timeout", "error"}
+from stopline.vocabulary import Outcome
+
+TERMINAL = {str(outcome) for outcome in Outcome}
 _ids = itertools.count()
 
 

@@ -35,6 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stopline.protocol import DEFAULT_SAMPLING
+from stopline.vocabulary import Outcome, Reason
+
 from .scenarios import LONG_GENERATION, MAX_FRAMES_BEFORE_STOP, Bench, sleep_until
 from .servers import Target
 
@@ -353,10 +356,11 @@ class LlamaBench(Bench):
     def _body(self, tokens: int, max_tokens: int, slot: int, stream: bool = True) -> dict:
         fields = self._generate_fields(tokens, max_tokens)
         prompt = self.prompts.tokenizer.encode(self.prompts.tokenizer.render_chat(fields["messages"]))
-        # Ours' sampling (stopline/engine.py SamplingParams), and no llama.cpp-only sampler (min_p).
+        # Ours' sampling (Stopline's defaults), and no llama.cpp-only sampler (min_p).
+        ours = DEFAULT_SAMPLING
         return {"prompt": prompt, "n_predict": max_tokens, "stream": stream, "seed": fields["seed"],
-                "temperature": fields["temperature"], "top_k": 40, "top_p": 0.95, "min_p": 0.0,
-                "repeat_penalty": 1.1, "repeat_last_n": 64, "id_slot": slot,
+                "temperature": fields["temperature"], "top_k": ours.top_k, "top_p": ours.top_p, "min_p": 0.0,
+                "repeat_penalty": ours.repetition_penalty, "repeat_last_n": 64, "id_slot": slot,
                 # Every prompt is evaluated whole, as on the other engines.
                 "cache_prompt": False}
 
@@ -448,7 +452,7 @@ class LlamaBench(Bench):
     def _record(self, scenario: str, target: Target, call: Completion, closed_ns: int, stopped: _Stopped,
                 reason: str, **extra) -> dict:
         return {"scenario": scenario, "target": target.name, "id": None,
-                "outcome": "done" if stopped.ran_to_end else "cancelled", "reason": reason,
+                "outcome": Outcome.DONE if stopped.ran_to_end else Outcome.CANCELLED, "reason": reason,
                 "client_ms": stopped.client_ms, "server_ms": None, "slots_confirm_ms": stopped.confirm_ms,
                 "tokens_after_cancel": stopped.tokens_after_close,
                 "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > closed_ns),
@@ -496,7 +500,7 @@ class LlamaBench(Bench):
                              jitter_ms=jitter_ms, prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
 
     async def _disconnect_sample(self, target: Target, slot: int) -> list[dict]:
-        return await self._decode_sample(target, slot, "disconnect", "client_disconnected")
+        return await self._decode_sample(target, slot, "disconnect", Reason.CLIENT_DISCONNECTED)
 
     async def _nonstream_sample(self, target: Target, slot: int, scenario: str = NONSTREAM,
                                 max_tokens: int = BUSY_MAX_TOKENS) -> list[dict]:
@@ -513,7 +517,7 @@ class LlamaBench(Bench):
             stopped = await self._stopped(target, call, slot, closed_ns, max_tokens)
         finally:
             await call.dispose()
-        return [self._record(scenario, target, call, closed_ns, stopped, "client_disconnected", delay_ms=delay_ms,
+        return [self._record(scenario, target, call, closed_ns, stopped, Reason.CLIENT_DISCONNECTED, delay_ms=delay_ms,
                              max_tokens=max_tokens, prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
 
     async def _busy(self, target: Target, run: dict, wanted: float) -> None:
@@ -562,7 +566,7 @@ class LlamaBench(Bench):
         if len(call.tokens) >= 2 and n >= 2:
             rate_client = (n - 1) / ((call.tokens[-1][0] - call.tokens[0][0]) / 1e9)
         return {"scenario": "throughput", "target": target.name, "id": None, "streams": streams, "rep": rep,
-                "outcome": "done" if call.final else "error", "reason": final.get("stop_type"), "tokens": n,
+                "outcome": Outcome.DONE if call.final else Outcome.ERROR, "reason": final.get("stop_type"), "tokens": n,
                 "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
                 "ttft_server_ms": timings.get("prompt_ms"),
                 "tokens_per_s_client": rate_client, "tokens_per_s_server": timings.get("predicted_per_second"),

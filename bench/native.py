@@ -16,6 +16,7 @@ import time
 from stopline._core import Generation
 
 from stopline.engine import Engine
+from stopline.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 512
@@ -81,10 +82,10 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             result = generation.run()
             timer.join(60)
             counts["hangs"] += timer.is_alive()
-            if result.outcome == "cancelled":
+            if result.outcome == Outcome.CANCELLED:
                 counts["cancelled"] += 1
                 exit_ms.append((result.end_ns - cancelled_at[0]) / 1e6)
-            elif result.outcome == "done":
+            elif result.outcome == Outcome.DONE:
                 counts["done"] += 1
                 counts["mismatches"] += b"".join(generation.take()) != expected
             else:

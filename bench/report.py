@@ -385,14 +385,14 @@ class Report:
                       "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
                       "over all the time the scenarios ran against that server.", lag]
         parts += ["### Timeout precision (ms after the deadline)",
-                  "Server: `elapsed_ms` − deadline. Client: generate sent → terminal received, − deadline. "
+                  "Server: `duration_ms` − deadline. Client: generate sent → terminal received, − deadline. "
                   "A total timeout meant for the decode phase that fired before any token (the prefill ran "
                   "longer than calibrated) is shown on its own row.",
                   self.timeouts(),
                   "### Disconnect to stop (ms)",
                   "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0` "
                   "(1 while another client streams); llama-server: → its slot's release line. "
-                  "Server log: the `client_disconnected` cancel's `latency_ms`.",
+                  "Server log: the `client_disconnected` cancel's `cancel_latency_ms`.",
                   self.disconnect()]
         if self.results.get("native"):
             from .native import markdown as native_markdown
@@ -409,7 +409,7 @@ class Report:
             parts += ["### The HTTP API next to the WebSocket (ms)",
                       "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
                       "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
-                      "`latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
+                      "`cancel_latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
                       "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
                       http]
         return "\n\n".join(parts) + "\n"

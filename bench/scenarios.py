@@ -42,6 +42,9 @@ from dataclasses import dataclass
 import aiohttp
 import openai
 
+from stopline.protocol import DEFAULT_SAMPLING
+from stopline.vocabulary import Outcome, Reason, Status
+
 from .client import Call, Session, healthz, metrics
 from .prompts import PromptMaker
 from .servers import CpuMeter, Target
@@ -108,7 +111,8 @@ class Bench:
         return self.rng.randrange(2**31)
 
     def _generate_fields(self, tokens: int, max_tokens: int, **extra) -> dict:
-        return {"messages": self.prompts.story(tokens), "max_tokens": max_tokens, "temperature": 0.7,
+        return {"messages": self.prompts.story(tokens), "max_tokens": max_tokens,
+                "temperature": DEFAULT_SAMPLING.temperature,
                 "seed": self._seed(), **extra}
 
     # Calibration --------------------------------------------------------------
@@ -248,7 +252,7 @@ class Bench:
         cancel_ns = await session.cancel(call)
         await call.wait_end()
         session.forget(call)
-        if call.terminal["type"] != "cancelled":
+        if call.terminal["type"] != Outcome.CANCELLED:
             return []
         # The client saw a token, so the cancel landed after the prefill: it is a decode sample.
         actual = scenario if not call.tokens else "decode"
@@ -266,7 +270,7 @@ class Bench:
         cancel_ns = await session.cancel(call)
         await call.wait_end()
         session.forget(call)
-        if call.terminal["type"] != "cancelled":
+        if call.terminal["type"] != Outcome.CANCELLED:
             return []  # it finished on its own first
         return [stop_record(scenario, target, call, cancel_ns, cancel_after_frames=frames, jitter_ms=jitter_ms,
                             prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
@@ -278,9 +282,9 @@ class Bench:
         call = await session.generate("prefill_speed", **self._generate_fields(tokens, 1))
         term = await call.wait_end()
         session.forget(call)
-        if term["type"] != "done" or not term.get("ttft_ms"):
+        if term["type"] != Outcome.DONE or not term.get("ttft_ms"):
             return []
-        return [{"scenario": "prefill_speed", "target": target.name, "id": call.id, "outcome": "done",
+        return [{"scenario": "prefill_speed", "target": target.name, "id": call.id, "outcome": Outcome.DONE,
                  "prompt_tokens": term["prompt_tokens"], "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
                  "ttft_server_ms": term["ttft_ms"],
                  "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
@@ -294,15 +298,15 @@ class Bench:
         for turn in range(1, TURNS + 1):
             # story() pads a one-message chat; its content alone is the new turn's text.
             messages.append(self.prompts.story(TURN_TOKENS + 25)[0])
-            call = await session.generate("multi_turn", messages=messages, max_tokens=48, temperature=0.7,
+            call = await session.generate("multi_turn", messages=messages, max_tokens=48, temperature=DEFAULT_SAMPLING.temperature,
                                           seed=self._seed())
             term = await call.wait_end()
             session.forget(call)
-            if term["type"] != "done":
+            if term["type"] != Outcome.DONE:
                 return []
             messages.append({"role": "assistant", "content": "".join(frame["text"] for _, frame in call.tokens)})
             records.append({"scenario": "multi_turn", "target": target.name, "id": call.id, "turn": turn,
-                            "outcome": "done", "prompt_tokens": term["prompt_tokens"],
+                            "outcome": Outcome.DONE, "prompt_tokens": term["prompt_tokens"],
                             "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
                             "ttft_server_ms": term["ttft_ms"],
                             "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None})
@@ -346,7 +350,7 @@ class Bench:
                 session.forget(call)
                 # If a holder ended first, the request may have left the queue before the cancel.
                 still_queued = all(not b.ended or b.terminal_ns > call.terminal_ns for b in blockers)
-                if call.terminal["type"] != "cancelled" or call.tokens or not still_queued:
+                if call.terminal["type"] != Outcome.CANCELLED or call.tokens or not still_queued:
                     self._keep("queued", run, [])
                     continue
                 self._keep("queued", run, [stop_record(
@@ -403,7 +407,7 @@ class Bench:
         deadline_ms = 1.25 * target.prefill_ms[self.plan.short_tokens] + self.rng.uniform(100.0, 600.0)
         call = await session.generate("timeout_total", **self._generate_fields(
             self.plan.short_tokens, LONG_GENERATION, timeout_s=deadline_ms / 1000))
-        return self._timeout_record("timeout_total", "total_timeout", target, session, call, deadline_ms,
+        return self._timeout_record("timeout_total", Reason.TOTAL_TIMEOUT, target, session, call, deadline_ms,
                                     await call.wait_end())
 
     async def _timeout_ttft_sample(self, target: Target, session: Session) -> list[dict]:
@@ -411,20 +415,20 @@ class Bench:
         deadline_ms = target.prefill_ms[self.plan.long_tokens] * self.rng.uniform(0.05, 0.25)
         call = await session.generate("timeout_ttft", **self._generate_fields(
             self.plan.long_tokens, 16, ttft_timeout_s=deadline_ms / 1000))
-        return self._timeout_record("timeout_ttft", "first_token_timeout", target, session, call, deadline_ms,
+        return self._timeout_record("timeout_ttft", Reason.FIRST_TOKEN_TIMEOUT, target, session, call, deadline_ms,
                                     await call.wait_end())
 
     def _timeout_record(self, scenario: str, reason: str, target: Target, session: Session, call: Call,
                         deadline_ms: float, term: dict) -> list[dict]:
         session.forget(call)
-        if term["type"] != "timeout" or term.get("reason") != reason:
+        if term["type"] != Outcome.TIMEOUT or term.get("reason") != reason:
             return []
         if scenario == "timeout_total" and not call.tokens:
             # The prefill ran longer than calibrated and the deadline fell inside it: kept apart.
             scenario = "timeout_total_prefill"
         return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
                  "reason": term["reason"], "deadline_ms": deadline_ms,
-                 "server_over_ms": term["elapsed_ms"] - deadline_ms,
+                 "server_over_ms": term["duration_ms"] - deadline_ms,
                  "client_over_ms": (call.terminal_ns - call.sent_ns) / 1e6 - deadline_ms,
                  "tokens_generated": term.get("tokens_generated"), "token_frames": len(call.tokens)}]
 
@@ -448,8 +452,8 @@ class Bench:
             dropped_ns = session.drop()
         finally:
             await session.close()
-        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": "cancelled",
-                 "reason": "client_disconnected", **await self._until_idle(target, dropped_ns, others),
+        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": Outcome.CANCELLED,
+                 "reason": Reason.CLIENT_DISCONNECTED, **await self._until_idle(target, dropped_ns, others),
                  "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
 
     async def _until_idle(self, target: Target, since_ns: int, others: int = 0) -> dict:
@@ -505,8 +509,8 @@ class Bench:
             await stream.close()
         finally:
             await client.close()
-        return [{"scenario": "openai_stream_closed", "target": target.name, "id": chunk.id, "outcome": "cancelled",
-                 "reason": "client_disconnected", **await self._until_idle(target, closed_ns),
+        return [{"scenario": "openai_stream_closed", "target": target.name, "id": chunk.id, "outcome": Outcome.CANCELLED,
+                 "reason": Reason.CLIENT_DISCONNECTED, **await self._until_idle(target, closed_ns),
                  "cancel_after_frames": chunks, "jitter_ms": jitter_ms, "token_frames": len(arrivals)}]
 
     async def _delete_prefill_sample(self, target: Target, _session) -> list[dict]:
@@ -540,7 +544,7 @@ class Bench:
                 response.close()
         terminal_ns, kind, terminal = events[-1]
         tokens = [ns for ns, event, _ in events if event == "token"]
-        if kind != "cancelled" or tokens or status != "cancelled":
+        if kind != Outcome.CANCELLED or tokens or status != Status.CANCELLED:
             return []
         return [{"scenario": "delete_prefill", "target": target.name, "id": accepted["request_id"],
                  "outcome": kind, "reason": terminal["reason"], "client_ms": (terminal_ns - cancel_ns) / 1e6,

@@ -75,14 +75,15 @@ def _list(validate):
 _PORT = _integer(0, 65535)
 _POSITIVE = _integer(1)
 
-# flag, type, default, help. Every flag also reads STOPLINE_<FLAG>.
+# flag, type, default, help. Every flag also reads STOPLINE_<FLAG>. Defaults come from
+# ServerConfig (and through it from protocol.Limits), never repeated here.
 SETTINGS = [
-    ("--host", _host, "127.0.0.1", "address to listen on; 0.0.0.0 listens on every interface"),
-    ("--port", _PORT, 8765, "port to listen on (0: any free port)"),
+    ("--host", _host, ServerConfig.host, "address to listen on; 0.0.0.0 listens on every interface"),
+    ("--port", _PORT, ServerConfig.port, "port to listen on (0: any free port)"),
     ("--http-port", _PORT, None, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
     ("--model", str, None, "model file (default: embedded SmolLM2-135M-Instruct)"),
     ("--model-type", str, None, "ctransformers model type (default: llama)"),
-    ("--workers", _POSITIVE, 2, "generation slots"),
+    ("--workers", _POSITIVE, ServerConfig.workers, "generation slots"),
     ("--threads", _POSITIVE, None, "compute threads per slot (default: cores / workers)"),
     ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
     ("--abort-mode", _one_of([str(m) for m in AbortMode]), str(AbortMode.IN_STEP),
@@ -90,21 +91,25 @@ SETTINGS = [
      "cannot); between_steps: stop only between evaluations"),
     ("--prefill-chunk", _integer(1, 512), None,
      "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)"),
-    ("--max-queue", _integer(0), 16, "requests that may wait for a slot"),
-    ("--requests-per-connection", _POSITIVE, 8, "live requests (running or queued) per connection"),
-    ("--requests-per-address", _POSITIVE, 16, "live requests of all connections from one client address"),
-    ("--max-connections", _POSITIVE, 256, "open WebSocket connections"),
-    ("--max-header-bytes", _integer(1024), 16 * 1024, "bytes a handshake request may carry"),
-    ("--handshake-timeout", _seconds, 10.0, "seconds a client has to complete its handshake request"),
-    ("--bytes-per-second", _integer(1024), 256 * 1024,
+    ("--max-queue", _integer(0), ServerConfig.max_queue, "requests that may wait for a slot"),
+    ("--requests-per-connection", _POSITIVE, ServerConfig.requests_per_connection,
+     "live requests (running or queued) per connection"),
+    ("--requests-per-address", _POSITIVE, ServerConfig.requests_per_address,
+     "live requests of all connections from one client address"),
+    ("--max-connections", _POSITIVE, ServerConfig.max_connections, "open WebSocket connections"),
+    ("--max-header-bytes", _integer(1024), ServerConfig.max_header_bytes, "bytes a handshake request may carry"),
+    ("--handshake-timeout", _seconds, ServerConfig.handshake_timeout_s,
+     "seconds a client has to complete its handshake request"),
+    ("--bytes-per-second", _integer(1024), ServerConfig.bytes_per_second,
      "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)"),
     ("--allowed-origins", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_origins=items)), "",
      "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any"),
     ("--allowed-hosts", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_hosts=items)), "",
      "comma-separated extra host names the server answers to (its address and localhost always are)"),
-    ("--timeout", _seconds, 300.0, "default total timeout, s"),
-    ("--ttft-timeout", _seconds, 120.0, "default first-token timeout, s"),
-    ("--slow-consumer-grace", _seconds, 10.0, "seconds a client may stop reading before its request is cancelled"),
+    ("--timeout", _seconds, ServerConfig.default_timeout_s, "default total timeout, s"),
+    ("--ttft-timeout", _seconds, ServerConfig.default_ttft_timeout_s, "default first-token timeout, s"),
+    ("--slow-consumer-grace", _seconds, ServerConfig.slow_consumer_grace_s,
+     "seconds a client may stop reading before its request is cancelled"),
     ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "JSON log level"),
 ]
 
@@ -191,8 +196,9 @@ async def serve(args: argparse.Namespace) -> int:
         requests_per_connection=args.requests_per_connection, requests_per_address=args.requests_per_address,
         max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
         handshake_timeout_s=args.handshake_timeout, bytes_per_second=args.bytes_per_second,
-        default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, 600.0),
-        default_ttft_timeout_s=args.ttft_timeout, max_ttft_timeout_s=max(args.ttft_timeout, 600.0),
+        default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, ServerConfig.max_timeout_s),
+        default_ttft_timeout_s=args.ttft_timeout,
+        max_ttft_timeout_s=max(args.ttft_timeout, ServerConfig.max_ttft_timeout_s),
         slow_consumer_grace_s=args.slow_consumer_grace)
     server = StoplineServer(engine, config)
     await server.start(sock=args.sock)

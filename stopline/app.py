@@ -1,9 +1,11 @@
 """The asyncio service: WebSocket at /ws, the web client at /, /healthz and /metrics.
 The HTTP API (/v1) is served from the same event loop by :mod:`stopline.http_api`.
 
-This module only moves bytes. Frames go into :class:`protocol.Connection`,
-which decides what they mean; the actions it returns are carried out here
-(send a frame, submit a request to the scheduler, cancel one).
+This module only moves bytes and frames. What a client sends, and what the
+scheduler reports about its requests, goes into :class:`protocol.Connection`,
+which decides what it means; the actions it returns are carried out here: send
+a frame, tokenize a prompt, submit a request to the scheduler, cancel one,
+record one that ended (registry, metrics, log).
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as HTTPRequest, Response
 
-from .engine import Engine
+from .engine import Engine, GenerationResult
 from .observability import Metrics, log, log_accepted, log_end
 from .origin import OriginPolicy, check_request
-from .protocol import (AddressQuota, Cancel, Connection, Draft, Ending, Limits, Request, Send, Submit, Tokenize,
-                       encode_frame, error_frame)
+from .protocol import (Action, AddressQuota, Cancel, Connection, Draft, Ended, Limits, Request, Send, Submit,
+                       Tokenize, encode_frame)
 from .registry import Registry
 from .scheduler import Busy, Scheduler
-from .vocabulary import ErrorCode, Outcome, Reason, Refusal
+from .vocabulary import Outcome, Reason, Refusal
 
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
@@ -43,6 +45,7 @@ SHORT_PROMPT_BYTES = 16 * 1024
 
 @dataclass
 class ServerConfig:
+    # Settings the protocol enforces take their defaults from Limits, their one source.
     host: str = "127.0.0.1"
     port: int = 8765
     # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
@@ -53,28 +56,29 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
     allowed_hosts: tuple[str, ...] = ()
-    requests_per_connection: int = 8
+    requests_per_connection: int = Limits.requests_per_connection
     # Live requests of all connections from one client address.
-    requests_per_address: int = 16
+    requests_per_address: int = Limits.requests_per_address
     # Open WebSocket connections, all clients together.
     max_connections: int = 256
     # Bytes a client may send before its handshake request is complete, and how long it may take.
     max_header_bytes: int = 16 * 1024
     handshake_timeout_s: float = 10.0
-    default_timeout_s: float = 300.0
-    max_timeout_s: float = 600.0
-    default_ttft_timeout_s: float = 120.0
-    max_ttft_timeout_s: float = 600.0
+    default_timeout_s: float = Limits.default_timeout_s
+    max_timeout_s: float = Limits.max_timeout_s
+    default_ttft_timeout_s: float = Limits.default_ttft_timeout_s
+    max_ttft_timeout_s: float = Limits.max_ttft_timeout_s
     # How long a send may wait for a client that stopped reading before its request is cancelled.
     slow_consumer_grace_s: float = 10.0
     # How far (in tokens) a generation may run ahead of what was written to its socket.
     window: int = 64
-    max_frame_bytes: int = 1 << 20
-    frames_per_second: float = 50.0
-    frame_burst: int = 100
+    # The largest frame, which is also the burst of bytes a connection may send.
+    max_frame_bytes: int = Limits.byte_burst
+    frames_per_second: float = Limits.frames_per_second
+    frame_burst: int = Limits.frame_burst
     # Bytes of frames each connection may send a second, in bursts of one largest frame:
     # this bounds the parsing and tokenizing one client can ask for.
-    bytes_per_second: float = 256 * 1024
+    bytes_per_second: float = Limits.bytes_per_second
     # Small transport and kernel send buffers: a stalled client's backlog stays
     # bounded, and backpressure reaches the token loop instead of piling up here.
     write_limit: int = 16 * 1024
@@ -212,8 +216,9 @@ class StoplineServer:
 
 
 class ClientSession:
-    """One WebSocket connection: reads frames, performs the protocol's actions,
-    and receives its requests' output from the scheduler (it is their Sink)."""
+    """One WebSocket connection: reads frames, hands them and what the scheduler
+    reports about its requests (it is their Sink) to the protocol, and performs
+    the actions the protocol returns."""
 
     def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None,
                  address: str | None = None):
@@ -233,7 +238,7 @@ class ClientSession:
         return self.server.engine.encode(prompt=prompt, messages=messages)
 
     async def run(self) -> None:
-        await self._send(self.protocol.hello(self.server.engine.name))
+        await self.perform(self.protocol.hello(self.server.engine.name))
         try:
             async for message in self.websocket:
                 # The cancel's arrival time is taken here, as the frame is read.
@@ -246,7 +251,7 @@ class ClientSession:
                 except Exception:
                     # A bug handling one frame answers that frame, not the connection.
                     log.exception("frame_failed", peer=self.peer)
-                    actions = [Send(error_frame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
+                    actions = self.protocol.frame_failed()
                 await self.perform(actions)
         except ConnectionClosed:
             pass
@@ -261,13 +266,13 @@ class ClientSession:
         if self._preparer is not None:
             self._preparer.cancel()
 
-    async def perform(self, actions) -> None:
-        """Carry out what the protocol decided."""
+    async def perform(self, actions: list[Action]) -> None:
+        """Carry out what the protocol decided, in order."""
         for action in actions:
             if isinstance(action, Send):
-                if action.frame["type"] == "error":
+                if action.frame["type"] == Outcome.ERROR:
                     self.server.metrics.rejected.labels(action.frame["code"]).inc()
-                await self._send(action.frame)
+                await self._send(action.frame, action.request)
             elif isinstance(action, Tokenize):
                 self._drafts.put_nowait(action.draft)
                 if self._preparer is None:
@@ -275,7 +280,11 @@ class ClientSession:
             elif isinstance(action, Submit):
                 await self._submit(action.request)
             elif isinstance(action, Cancel):
-                self.server.scheduler.cancel(action.request, action.reason)
+                self.server.scheduler.cancel(action.request)
+            elif isinstance(action, Ended):
+                self.server.registry.end(action.request, action.ending)
+                self.server.metrics.record_end(action.ending)
+                log_end(action.request, action.ending, self.peer)
 
     async def _prepare(self) -> None:
         """Tokenize this connection's prompts in arrival order, off the event loop."""
@@ -291,7 +300,8 @@ class ClientSession:
             except Exception as exc:
                 # A bug preparing one request ends that request, not the connection.
                 log.exception("request_failed", request_id=draft.id, peer=self.peer)
-                actions = self.protocol.failed(draft, f"the server failed to read this prompt: {type(exc).__name__}")
+                actions = self.protocol.preparation_failed(
+                    draft, f"the server failed to read this prompt: {type(exc).__name__}")
             await self.perform(actions)
 
     async def _submit(self, request: Request) -> None:
@@ -299,40 +309,43 @@ class ClientSession:
         try:
             position = self.server.scheduler.submit(request, self)
         except Busy as exc:
-            await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.BUSY), message=str(exc)))
+            await self.perform(self.protocol.busy(request, str(exc)))
             return
         except Exception as exc:
             log.exception("submit_failed", request_id=request.request_id, id=request.id)
-            await self.finish(request, Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), message=str(exc)))
+            await self.perform(self.protocol.failed(request, str(exc)))
             return
         # Logged first: an HTTP client that leaves now cancels this task at the send.
         log_accepted(request, self.peer, position)
         # A token needs the executor and another pass of the event loop to arrive,
         # so this frame is written before any token frame.
-        await self._send({"type": "accepted", "id": request.id, "queue_position": position,
-                          "request_id": request.request_id, "cancel_token": request.cancel_token})
+        await self.perform(self.protocol.accepted(request, position))
 
-    # Sink ------------------------------------------------------------------------
+    # Sink: what the scheduler reports, handed to the protocol ------------------------
 
     def started(self, request: Request) -> None:
-        self.protocol.started(request, time.monotonic_ns())
+        # Called synchronously as the request takes its slot. All the protocol can
+        # answer is a Cancel (a stop asked for before there was a slot to stop),
+        # and cancelling is synchronous too.
+        for action in self.protocol.started(request, time.monotonic_ns()):
+            if isinstance(action, Cancel):
+                self.server.scheduler.cancel(action.request)
 
     async def deliver(self, request: Request, texts: list[str]) -> None:
         for text in texts:
-            frame = self.protocol.token(request, text, time.monotonic_ns())
-            # A stalled client gets no more tokens; everyone else gets every token generated.
-            if frame is not None and request.cancel_reason is not Reason.SLOW_CONSUMER:
-                await self._send(frame, request)
+            await self.perform(self.protocol.token(request, text, time.monotonic_ns()))
 
-    async def finish(self, request: Request, ending: Ending) -> None:
-        frames = self.protocol.end(request, ending)
-        if not frames:
-            return
-        self.server.registry.end(request, ending)
-        self.server.metrics.record_end(ending)
-        log_end(request, ending, self.peer)
-        for frame in frames:
-            await self._send(frame)
+    async def finished(self, request: Request, result: GenerationResult) -> None:
+        await self.perform(self.protocol.finished(request, result))
+
+    async def failed(self, request: Request, message: str) -> None:
+        await self.perform(self.protocol.failed(request, message))
+
+    async def cancelled_in_queue(self, request: Request, now_ns: int) -> None:
+        await self.perform(self.protocol.cancelled_in_queue(request, now_ns))
+
+    async def expired_in_queue(self, request: Request, now_ns: int) -> None:
+        await self.perform(self.protocol.expired_in_queue(request, now_ns))
 
     async def _send(self, frame: dict, request: Request | None = None) -> None:
         """Send one frame. A client that stops reading makes this wait; past the
@@ -343,9 +356,7 @@ class ClientSession:
             pass
         except TimeoutError:
             # The frame stays in the transport buffer; only the wait was cut short.
-            targets = [request] if request is not None else list(self.protocol.live.values())
-            for target in targets:
-                await self.perform(self.protocol.request_cancel(target, Reason.SLOW_CONSUMER, time.monotonic_ns()))
+            await self.perform(self.protocol.stalled(request, time.monotonic_ns()))
 
     async def _write(self, frame: dict) -> None:
         await self.websocket.send(encode_frame(frame))

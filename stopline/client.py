@@ -21,9 +21,12 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-TERMINAL = {"done", "cancelled", "timeout", "error"}
+from .protocol import DEFAULT_SAMPLING
+from .vocabulary import ErrorCode, Outcome
+
+TERMINAL = {str(outcome) for outcome in Outcome}
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
-EXIT_CODES = {"done": 0, "cancelled": 130, "timeout": 2, "error": 1}
+EXIT_CODES = {Outcome.DONE: 0, Outcome.CANCELLED: 130, Outcome.TIMEOUT: 2, Outcome.ERROR: 1}
 HELP = """\
 Type a message and press Enter. Ctrl-C stops the answer being written.
   /system TEXT   set the system prompt (and start over); /system alone removes it
@@ -171,14 +174,14 @@ def _reason(exc: BaseException) -> str:
 
 def summary(frame: dict) -> str:
     kind = frame["type"]
-    if kind == "done":
+    if kind == Outcome.DONE:
         return (f"[done: {frame['reason']}, {frame['tokens_generated']} tokens, "
                 f"first token {frame['ttft_ms']:.0f} ms, total {frame['duration_ms']:.0f} ms]")
-    if kind == "cancelled":
+    if kind == Outcome.CANCELLED:
         return (f"[cancelled: {frame['reason']}, {frame['tokens_generated']} tokens, "
                 f"{frame['tokens_after_cancel']} after the cancel, stopped in {frame['cancel_latency_ms']:.1f} ms]")
-    if kind == "timeout":
-        return f"[timeout: {frame['reason']} after {frame['elapsed_ms']:.0f} ms, {frame['tokens_generated']} tokens]"
+    if kind == Outcome.TIMEOUT:
+        return f"[timeout: {frame['reason']} after {frame['duration_ms']:.0f} ms, {frame['tokens_generated']} tokens]"
     return f"[error {frame['code']}: {frame['message']}]"
 
 
@@ -234,9 +237,9 @@ def chat(session: Session, read=input) -> int:
                 err.write(f"stopline: {exc}\n")
                 continue
             session.report(frame)
-            if frame["type"] == "error":
+            if frame["type"] == Outcome.ERROR:
                 # It never reached the model (or broke it): leave it out of the conversation.
-                if frame.get("code") == "prompt_too_long":
+                if frame.get("code") == ErrorCode.PROMPT_TOO_LONG:
                     err.write("The conversation no longer fits the model's context; /reset starts over.\n")
                 continue
             # A stopped answer stays in the conversation as far as it got, as on the page.
@@ -270,8 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("prompt", nargs="?", help="ask this and exit; without it, chat interactively")
     p.add_argument("--url", default=None, help="ws(s):// or http(s):// address of the server, /ws optional")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_SAMPLING.max_tokens)
+    p.add_argument("--temperature", type=float, default=DEFAULT_SAMPLING.temperature)
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
     args = p.parse_args(argv)
     try:

@@ -21,7 +21,6 @@ import random
 import select
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from stopline import _core
@@ -30,6 +29,7 @@ from stopline._core import ContextOverflowError, EngineError, GenerationResult, 
 
 from . import model as embedded
 from .model_check import check_model_file
+from .protocol import SamplingParams
 from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
 from .vocabulary import AbortMode
 
@@ -45,21 +45,6 @@ __all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError"
 # docs/engine.md has the measurements.
 DEFAULT_PREFILL_CHUNK = {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1}
 DEFAULT_CONTEXT_LENGTH = 2048
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    repetition_penalty: float = 1.1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    # Seconds from the start time given to Engine.start (the server passes the
-    # request's arrival); None means no deadline.
-    timeout_s: float | None = None
-    ttft_timeout_s: float | None = None
 
 
 def _ctransformers_library_path() -> str:

@@ -44,7 +44,7 @@ _OPENAI_ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404
                       429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 # How a done request's reason reads as an OpenAI finish_reason; a cancel or a
 # timeout is named by its own reason (user_cancelled, total_timeout, ...).
-_FINISH_REASON = {"eos": "stop", "stop_sequence": "stop", "max_tokens": "length"}
+_FINISH_REASON = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no", **_NO_STORE}
 
@@ -105,7 +105,7 @@ class SseReply:
 
     async def emit(self, frame: dict) -> None:
         if self.response is None:
-            if frame["type"] == "error":  # refused before it started: a plain HTTP error
+            if frame["type"] == Outcome.ERROR:  # refused before it started: a plain HTTP error
                 self.response = error_response(frame["code"], frame["message"], openai=False)
                 return
             self.response = web.StreamResponse(headers={**_SSE_HEADERS, **_request_headers(frame)})
@@ -147,10 +147,10 @@ class OpenAIReply:
                 await self._chunk(self._choice({"content": frame["text"]} if self.chat else frame["text"], None))
             else:
                 self._texts.append(frame["text"])
-        elif kind == "error" and not (self.stream and self.response is not None):
+        elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
             self.response = error_response(frame["code"], frame["message"], openai=True)
             self.response.headers.update(self._headers)
-        elif kind == "error":  # the stream had started: OpenAI's in-stream error, then the end marker
+        elif kind == Outcome.ERROR:  # the stream had started: OpenAI's in-stream error, then the end marker
             await self._event({"error": {"message": frame["message"], "type": "server_error", "param": None,
                                          "code": frame["code"]}})
             await self.response.write(b"data: [DONE]\n\n")

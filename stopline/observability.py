@@ -102,7 +102,7 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         f"generation_{ending.outcome}",
         request_id=request.request_id, id=request.id, user_id=request.user, reason=ending.reason, peer=peer,
         tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
-        latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
+        cancel_latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
         prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
         prompt_tokens_evaluated=ending.prompt_tokens_evaluated, queue_ms=ending.queue_ms, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms,
         **({"message": ending.message} if ending.message else {}))

@@ -1,10 +1,27 @@
-"""The Stopline protocol without I/O.
+"""The Stopline protocol without I/O: every decision about a request, and nothing else.
 
-:class:`Connection` takes the frames one client sends and returns *actions*
-for the I/O layer: frames to send, requests to submit, requests to cancel. It
-owns each request's state machine and guarantees that a request gets exactly
-one terminal message, whatever races with what. Nothing here touches a
-socket, a thread or the event loop, so it is tested with plain function calls.
+:class:`Connection` is one client's side of the protocol. The I/O layer
+(:mod:`stopline.app` for the WebSocket, :mod:`stopline.http_api` for HTTP)
+tells it what happened, in plain calls stamped with CLOCK_MONOTONIC ns:
+
+- what the client did: sent a text or binary frame, asked to cancel, left;
+- what the server saw: a prompt tokenized, a request accepted or refused by
+  the scheduler, a request that took a slot, generated text, a native loop that
+  exited (the engine's result), a request cancelled or expired while queued, a
+  send that stalled, a shutdown.
+
+Every such call returns a list of :data:`Action` for the I/O layer to carry out
+in order: :class:`Send` a frame, :class:`Tokenize` a prompt off the event loop,
+:class:`Submit` a request to the scheduler, :class:`Cancel` one, and record a
+request that :class:`Ended` (the registry, the metrics and the end log line).
+
+The protocol validates frames, enforces limits and rates, builds every frame
+and every :class:`Ending`, remembers why and when a stop was asked for, and
+guarantees that a request gets exactly one terminal message, whatever races
+with what. The I/O layer only moves bytes and frames; the scheduler only owns
+slots and the queue. This module imports only the standard library and the
+vocabulary: no socket, thread, event loop or model, so it is tested with plain
+function calls.
 
 A request moves through this table, and nowhere else::
 
@@ -22,15 +39,37 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Union
+from typing import Callable, Protocol, Union
 
-from .engine import SamplingParams
-from .vocabulary import ErrorCode, Outcome, Reason
+from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, Reason, Status
 
 PROTOCOL_VERSION = 1
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a generation asks of the sampler, and its deadlines.
+
+    These defaults are the only ones: a generate frame that leaves a field out
+    gets the value here (the deadlines come from :class:`Limits` instead).
+    """
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Seconds from the start time given to Engine.start (the server passes the
+    # request's arrival); None means no deadline.
+    timeout_s: float | None = None
+    ttft_timeout_s: float | None = None
+
+
+DEFAULT_SAMPLING = SamplingParams()
 
 
 class Phase(Enum):
@@ -52,7 +91,6 @@ _TRANSITIONS = {
 class Limits:
     context_length: int
     vocab_size: int
-    default_max_tokens: int = 256
     default_timeout_s: float = 300.0
     max_timeout_s: float = 600.0
     default_ttft_timeout_s: float = 120.0
@@ -86,6 +124,7 @@ class Request:
     phase: Phase = Phase.QUEUED
     started_ns: int = 0
     first_token_ns: int = 0
+    # Why and when a stop was asked for: only the first reason counts. Read by the protocol alone.
     cancel_reason: Reason | None = None
     cancel_requested_ns: int = 0
     next_index: int = 0
@@ -106,12 +145,27 @@ class Request:
     def ended(self) -> bool:
         return self.phase is Phase.ENDED
 
+    @property
+    def queue_deadline_ns(self) -> int | None:
+        """When the request times out if it is still waiting for a slot (None: never)."""
+        first = _first_deadline(self)
+        return first[0] if first is not None else None
+
+
+def _first_deadline(request: Request) -> tuple[int, Reason] | None:
+    """The request's earlier deadline and the reason it ends with: both count from the arrival."""
+    params = request.params
+    deadlines = [(request.received_ns + int(seconds * 1e9), reason)
+                 for seconds, reason in ((params.timeout_s, Reason.TOTAL_TIMEOUT),
+                                         (params.ttft_timeout_s, Reason.FIRST_TOKEN_TIMEOUT)) if seconds]
+    return min(deadlines) if deadlines else None
+
 
 @dataclass(frozen=True)
 class Ending:
     """Everything known about how a request ended: the terminal frame and the end log line come from it."""
     outcome: Outcome
-    reason: str                       # a Reason, or an ErrorCode for errors
+    reason: Reason | ErrorCode        # an ErrorCode for errors
     prompt_tokens: int = 0
     prompt_tokens_reused: int = 0     # served from the slot's KV cache
     prompt_tokens_evaluated: int = 0  # computed for this request
@@ -131,6 +185,21 @@ class Ending:
         return self.prompt_tokens_evaluated + self.tokens_generated
 
 
+class LoopResult(Protocol):
+    """What the engine reports once a generation's native loop has exited
+    (``stopline.engine.GenerationResult``), as far as the protocol reads it.
+    Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
+    outcome: str                # an Outcome name
+    reason: str | None          # the Reason name of a done or timeout exit; not read otherwise
+    prompt_tokens: int
+    prompt_tokens_reused: int
+    prompt_tokens_evaluated: int
+    tokens_generated: int
+    tokens_after_cancel: int
+    first_token_ns: int
+    end_ns: int
+
+
 @dataclass(eq=False)
 class Draft:
     """A validated generate frame whose prompt is still being tokenized."""
@@ -147,10 +216,13 @@ class Draft:
     cancel_ns: int = 0
 
 
-# Actions returned to the I/O layer.
+# Actions returned to the I/O layer: every call of a Connection returns a list of them.
 @dataclass(frozen=True)
 class Send:
+    """Write ``frame`` to the client. ``request`` is the request whose output it
+    is (a token frame): a send that stalls is reported with ``Connection.stalled(request)``."""
     frame: dict
+    request: Request | None = None
 
 
 @dataclass(frozen=True)
@@ -162,16 +234,25 @@ class Tokenize:
 
 @dataclass(frozen=True)
 class Submit:
+    """Hand ``request`` to the scheduler; report what it said with ``accepted``, ``busy`` or ``failed``."""
     request: Request
 
 
 @dataclass(frozen=True)
 class Cancel:
+    """Stop ``request`` wherever it is, queued or on a slot. The request remembers why and when."""
     request: Request
-    reason: Reason
 
 
-Action = Union[Send, Tokenize, Submit, Cancel]
+@dataclass(frozen=True)
+class Ended:
+    """``request`` ended: record ``ending`` (the registry, the metrics, the end log line).
+    It comes before the frames that tell the client."""
+    request: Request
+    ending: Ending
+
+
+Action = Union[Send, Tokenize, Submit, Cancel, Ended]
 
 
 class ProtocolError(Exception):
@@ -183,18 +264,14 @@ class ProtocolError(Exception):
 
 
 def error_frame(code: ErrorCode, message: str, request_id: str | None = None) -> dict:
-    return {"type": "error", "id": request_id, "code": str(code), "message": message}
-
-
-# cancel_ack names an outcome by these words: "finished" rather than "done",
-# so that an ack is never mistaken for a terminal message.
-_ACK_STATUS = {Outcome.DONE: "finished", Outcome.CANCELLED: "cancelled", Outcome.TIMEOUT: "timeout",
-               Outcome.ERROR: "error"}
+    return {"type": str(Outcome.ERROR), "id": request_id, "code": str(code), "message": message}
 
 
 def cancel_ack(request_id: str, outcome: Outcome | None) -> dict:
-    """The answer to a cancel that found nothing to stop: the request's outcome, or unknown."""
-    return {"type": "cancel_ack", "id": request_id, "status": _ACK_STATUS.get(outcome, "unknown")}
+    """The answer to a cancel that found nothing to stop: the request's outcome, or unknown.
+    An ack says "finished" rather than "done", so it is never mistaken for a terminal message."""
+    status = STATUS_BY_OUTCOME[outcome] if outcome is not None else Status.UNKNOWN
+    return {"type": "cancel_ack", "id": request_id, "status": str(status)}
 
 
 def encode_frame(frame: dict) -> str:
@@ -202,6 +279,10 @@ def encode_frame(frame: dict) -> str:
         return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
     except UnicodeEncodeError:  # pragma: no cover - validation keeps lone surrogates out of frames
         return json.dumps(frame, separators=(",", ":"))
+
+
+def _ms(start_ns: int, end_ns: int) -> float:
+    return round((end_ns - start_ns) / 1e6, 3)
 
 
 class AddressQuota:
@@ -246,13 +327,14 @@ class Connection:
         self._rate_limited_reported_ns = -10**18
         self._bytes = float(limits.byte_burst)
 
-    def hello(self, model: str) -> dict:
+    def hello(self, model: str) -> list[Action]:
+        """The greeting, sent once as the connection opens."""
         lim = self.limits
-        return {"type": "hello", "protocol": PROTOCOL_VERSION, "model": model,
-                "context_length": lim.context_length,
-                "limits": {"max_tokens": lim.context_length, "timeout_s": lim.max_timeout_s,
-                           "ttft_timeout_s": lim.max_ttft_timeout_s,
-                           "requests_per_connection": lim.requests_per_connection}}
+        return [Send({"type": "hello", "protocol": PROTOCOL_VERSION, "model": model,
+                      "context_length": lim.context_length,
+                      "limits": {"max_tokens": lim.context_length, "timeout_s": lim.max_timeout_s,
+                                 "ttft_timeout_s": lim.max_ttft_timeout_s,
+                                 "requests_per_connection": lim.requests_per_connection}})]
 
     # Incoming frames ------------------------------------------------------
 
@@ -276,6 +358,10 @@ class Connection:
                                 _id_of(frame))
         except ProtocolError as exc:
             return [Send(error_frame(exc.code, exc.message, exc.request_id))]
+
+    def frame_failed(self) -> list[Action]:
+        """Handling a frame raised (a bug): that frame is answered, and the connection lives on."""
+        return [Send(error_frame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
 
     def _generate(self, frame: dict, now_ns: int) -> list[Action]:
         request_id = frame.get("id")
@@ -331,7 +417,7 @@ class Connection:
             actions += self.request_cancel(request, Reason.USER_CANCELLED, draft.cancel_ns)
         return actions
 
-    def failed(self, draft: Draft, message: str) -> list[Action]:
+    def preparation_failed(self, draft: Draft, message: str) -> list[Action]:
         """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
         return self.tokenized(draft, ProtocolError(ErrorCode.INTERNAL_ERROR, message, draft.id))
 
@@ -367,7 +453,7 @@ class Connection:
             return []
         return self.request_cancel(request, Reason.USER_CANCELLED, now_ns)
 
-    # Events from the engine side ------------------------------------------
+    # Stops ----------------------------------------------------------------
 
     def request_cancel(self, request: Request, reason: Reason, now_ns: int) -> list[Action]:
         """Ask for a stop for ``reason``; only the first reason for a request counts."""
@@ -375,25 +461,116 @@ class Connection:
             return []
         request.cancel_reason = reason
         request.cancel_requested_ns = now_ns
-        return [Cancel(request, reason)]
+        return [Cancel(request)]
 
-    def started(self, request: Request, now_ns: int) -> None:
+    def stalled(self, request: Request | None, now_ns: int) -> list[Action]:
+        """A send waited past the slow-consumer grace period: the client stopped reading.
+        ``request`` is the request whose output the frame was; a frame of no one
+        request (accepted, a terminal message) stops every live request."""
+        targets = [request] if request is not None else list(self.live.values())
+        actions: list[Action] = []
+        for target in targets:
+            actions += self.request_cancel(target, Reason.SLOW_CONSUMER, now_ns)
+        return actions
+
+    def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:
+        """Stop every live request of this connection: the client left, or the server is shutting down."""
+        if reason is Reason.CLIENT_DISCONNECTED:
+            # Prompts still being tokenized are dropped: nobody is left to answer.
+            for _ in self.pending:
+                self.quota.give_back(self.address)
+            self.pending.clear()
+        actions: list[Action] = []
+        for request in list(self.live.values()):
+            actions += self.request_cancel(request, reason, now_ns)
+        return actions
+
+    # What the scheduler and the engine report ------------------------------
+
+    def accepted(self, request: Request, queue_position: int) -> list[Action]:
+        """The scheduler took ``request``: 0 if it started at once, else its place in the queue."""
+        return [Send({"type": "accepted", "id": request.id, "queue_position": queue_position,
+                      "request_id": request.request_id, "cancel_token": request.cancel_token})]
+
+    def busy(self, request: Request, message: str) -> list[Action]:
+        """The scheduler refused ``request``: every slot is busy and the queue is full."""
+        return self.end(request, Ending(Outcome.ERROR, ErrorCode.BUSY, message=message))
+
+    def failed(self, request: Request, message: str) -> list[Action]:
+        """Submitting, starting or running ``request`` raised (a bug): it ends with internal_error."""
+        return self.end(request, Ending(Outcome.ERROR, ErrorCode.INTERNAL_ERROR, message=message,
+                                        prompt_tokens=len(request.prompt_tokens)))
+
+    def started(self, request: Request, now_ns: int) -> list[Action]:
+        """``request`` took a slot. A stop asked for before there was a slot to stop is asked for again."""
         request.advance(Phase.PREFILL)
         request.started_ns = now_ns
+        return [Cancel(request)] if request.cancel_reason is not None else []
 
-    def token(self, request: Request, text: str, now_ns: int) -> dict | None:
-        """The frame for newly generated text, or None once the request has ended."""
+    def token(self, request: Request, text: str, now_ns: int) -> list[Action]:
+        """Newly generated text: its token frame (none once the request has ended)."""
         if request.ended:
-            return None
+            return []
         if request.phase is Phase.PREFILL:
             request.advance(Phase.DECODING)
             request.first_token_ns = now_ns
         frame = {"type": "token", "id": request.id, "index": request.next_index, "text": text}
         request.next_index += 1
-        return frame
+        # A client that stopped reading gets no more tokens; everyone else gets every token generated.
+        if request.cancel_reason is Reason.SLOW_CONSUMER:
+            return []
+        return [Send(frame, request)]
 
-    def end(self, request: Request, ending: Ending) -> list[dict]:
-        """The one terminal frame of ``request`` (nothing if it already had one).
+    def finished(self, request: Request, result: LoopResult) -> list[Action]:
+        """The native loop of ``request`` exited, and ``result`` is what it reported.
+
+        A cancelled loop ends with the reason this protocol asked for the stop:
+        the native side knows only that a stop was asked for."""
+        outcome = Outcome(result.outcome)
+        duration_ms = _ms(request.received_ns, result.end_ns)
+        if outcome is Outcome.ERROR:
+            return self.end(request, Ending(
+                outcome, ErrorCode.INTERNAL_ERROR, prompt_tokens=result.prompt_tokens,
+                prompt_tokens_evaluated=result.prompt_tokens_evaluated, tokens_generated=result.tokens_generated,
+                message="the model failed to evaluate a batch", duration_ms=duration_ms))
+        cancelled = outcome is Outcome.CANCELLED
+        if not cancelled:
+            reason = Reason(str(result.reason))
+        elif request.cancel_reason is not None:
+            reason = request.cancel_reason
+        else:
+            return self.failed(request, "the generation stopped although no stop was asked for")
+        return self.end(request, Ending(
+            outcome, reason,
+            prompt_tokens=result.prompt_tokens, prompt_tokens_reused=result.prompt_tokens_reused,
+            prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+            tokens_generated=result.tokens_generated, tokens_after_cancel=result.tokens_after_cancel,
+            queue_ms=_ms(request.received_ns, request.started_ns),
+            ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
+            duration_ms=duration_ms,
+            cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None))
+
+    def cancelled_in_queue(self, request: Request, now_ns: int) -> list[Action]:
+        """The scheduler took ``request``, stopped by a Cancel, out of its queue: it never reached a slot."""
+        if request.cancel_reason is None:
+            return self.failed(request, "the request left the queue although no stop was asked for")
+        return self._ended_in_queue(request, Outcome.CANCELLED, request.cancel_reason, now_ns)
+
+    def expired_in_queue(self, request: Request, now_ns: int) -> list[Action]:
+        """``request`` was still queued at its ``queue_deadline_ns``: it times out without a slot."""
+        first = _first_deadline(request)
+        reason = first[1] if first is not None else Reason.TOTAL_TIMEOUT
+        return self._ended_in_queue(request, Outcome.TIMEOUT, reason, now_ns)
+
+    def _ended_in_queue(self, request: Request, outcome: Outcome, reason: Reason, now_ns: int) -> list[Action]:
+        # Nothing was computed for it.
+        waited_ms = _ms(request.received_ns, now_ns)
+        return self.end(request, Ending(
+            outcome, reason, prompt_tokens=len(request.prompt_tokens), queue_ms=waited_ms, duration_ms=waited_ms,
+            cancel_latency_ms=_ms(request.cancel_requested_ns, now_ns) if outcome is Outcome.CANCELLED else None))
+
+    def end(self, request: Request, ending: Ending) -> list[Action]:
+        """The one ending of ``request``: Ended, then its terminal frame (nothing if it already had one).
 
         Cancel frames not answered by the terminal frame itself (every one
         after the first, or all of them when another ending won the race) are
@@ -407,23 +584,11 @@ class Connection:
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
-        frames = [terminal_frame(request.id, ending)]
+        actions: list[Action] = [Ended(request, ending), Send(terminal_frame(request.id, ending))]
         acks = request.unanswered_cancels
         if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
             acks += 1
-        frames += [cancel_ack(request.id, ending.outcome)] * acks
-        return frames
-
-    def stop_all(self, reason: Reason, now_ns: int) -> list[Action]:
-        """Stop every live request of this connection: the client left, or the server is shutting down."""
-        if reason is Reason.CLIENT_DISCONNECTED:
-            # Prompts still being tokenized are dropped: nobody is left to answer.
-            for _ in self.pending:
-                self.quota.give_back(self.address)
-            self.pending.clear()
-        actions: list[Action] = []
-        for request in list(self.live.values()):
-            actions += self.request_cancel(request, reason, now_ns)
+        actions += [Send(cancel_ack(request.id, ending.outcome))] * acks
         return actions
 
     # Flood control ----------------------------------------------------------
@@ -453,18 +618,19 @@ class Connection:
 def terminal_frame(request_id: str, ending: Ending) -> dict:
     frame: dict = {"type": str(ending.outcome), "id": request_id}
     if ending.outcome is Outcome.ERROR:
-        frame.update(code=ending.reason, message=ending.message)
+        frame.update(code=str(ending.reason), message=ending.message)
     elif ending.outcome is Outcome.DONE:
-        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
+        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
                      prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
                      ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
     elif ending.outcome is Outcome.CANCELLED:
-        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated,
+        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
                      tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms,
                      tokens_wasted=ending.tokens_wasted, prompt_tokens_reused=ending.prompt_tokens_reused)
     else:
-        frame.update(reason=ending.reason, tokens_generated=ending.tokens_generated, elapsed_ms=ending.duration_ms,
-                     tokens_wasted=ending.tokens_wasted, prompt_tokens_reused=ending.prompt_tokens_reused)
+        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
+                     duration_ms=ending.duration_ms, tokens_wasted=ending.tokens_wasted,
+                     prompt_tokens_reused=ending.prompt_tokens_reused)
     return frame
 
 
@@ -571,13 +737,15 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
                             f"1 to {limits.max_stop_bytes} bytes", request_id)
 
     n = dict(request_id=request_id)
+    d = DEFAULT_SAMPLING
     params = SamplingParams(
-        max_tokens=_number(frame, "max_tokens", limits.default_max_tokens, 1, limits.context_length, integer=True, **n),
-        temperature=float(_number(frame, "temperature", 0.7, 0, 5, integer=False, **n)),
-        top_k=_number(frame, "top_k", 40, 0, limits.vocab_size, integer=True, **n),
-        top_p=float(_number(frame, "top_p", 0.95, 0, 1, integer=False, low_open=True, **n)),
-        repetition_penalty=float(_number(frame, "repetition_penalty", 1.1, 0.5, 2, integer=False, **n)),
-        seed=_number(frame, "seed", None, 0, 2**31 - 1, integer=True, **n),
+        max_tokens=_number(frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, **n),
+        temperature=float(_number(frame, "temperature", d.temperature, 0, 5, integer=False, **n)),
+        top_k=_number(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, **n),
+        top_p=float(_number(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, **n)),
+        repetition_penalty=float(_number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False,
+                                         **n)),
+        seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, **n),
         stop=tuple(stop),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
         timeout_s=min(limits.max_timeout_s, float(_number(

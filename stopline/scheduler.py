@@ -10,6 +10,11 @@ A slot's KV cache keeps the tokens of its last generation. A new request goes
 to the free slot whose cache is mostly the start of its prompt (a
 conversation's next turn finds its own history there), and otherwise to the
 free slot used least recently, whose history is the least likely to be wanted.
+
+The scheduler owns the slots and the queue, nothing else. It reports facts to
+each request's :class:`Sink` (took a slot, published text, the loop exited
+with this result, left the queue on a cancel or at its deadline); which
+outcome and reason follow from them is decided in :mod:`stopline.protocol`.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ from typing import Protocol
 
 from .engine import Engine, GenerationResult, Stream
 from .observability import log
-from .protocol import Ending, Request
-from .vocabulary import ErrorCode, Outcome, Reason
+from .protocol import Request
 
 
 class Busy(Exception):
@@ -32,35 +36,27 @@ class Busy(Exception):
 
 
 class Sink(Protocol):
-    """Where a request's output goes: the connection that sent it."""
+    """Where the scheduler reports what happened to a request: the session that
+    submitted it, which hands each report to the protocol. The scheduler reports
+    facts only; how a request ends is the protocol's decision."""
 
-    def started(self, request: Request) -> None: ...
-    async def deliver(self, request: Request, texts: list[str]) -> None: ...
-    async def finish(self, request: Request, ending: Ending) -> None: ...
+    def started(self, request: Request) -> None:
+        """It took a slot (called synchronously, before its loop runs)."""
 
+    async def deliver(self, request: Request, texts: list[str]) -> None:
+        """Its loop published text."""
 
-def _ms(start_ns: int, end_ns: int) -> float:
-    return round((end_ns - start_ns) / 1e6, 3)
+    async def finished(self, request: Request, result: GenerationResult) -> None:
+        """Its loop exited and reported ``result``."""
 
+    async def failed(self, request: Request, message: str) -> None:
+        """Starting or running it raised."""
 
-def ending_from_result(request: Request, result: GenerationResult) -> Ending:
-    """Turn what the native loop reported into the request's ending."""
-    outcome = Outcome(result.outcome)
-    if outcome is Outcome.ERROR:
-        return Ending(outcome, str(ErrorCode.INTERNAL_ERROR), prompt_tokens=result.prompt_tokens,
-                      prompt_tokens_evaluated=result.prompt_tokens_evaluated,
-                      tokens_generated=result.tokens_generated, message="the model failed to evaluate a batch",
-                      duration_ms=_ms(request.received_ns, result.end_ns))
-    cancelled = outcome is Outcome.CANCELLED
-    return Ending(
-        outcome, str(result.reason),
-        prompt_tokens=result.prompt_tokens, prompt_tokens_reused=result.prompt_tokens_reused,
-        prompt_tokens_evaluated=result.prompt_tokens_evaluated,
-        tokens_generated=result.tokens_generated, tokens_after_cancel=result.tokens_after_cancel,
-        queue_ms=_ms(request.received_ns, request.started_ns),
-        ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
-        duration_ms=_ms(request.received_ns, result.end_ns),
-        cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None)
+    async def cancelled_in_queue(self, request: Request, now_ns: int) -> None:
+        """A cancel took it out of the queue at ``now_ns``."""
+
+    async def expired_in_queue(self, request: Request, now_ns: int) -> None:
+        """It was still queued at its deadline, ``now_ns``."""
 
 
 class Scheduler:
@@ -107,13 +103,15 @@ class Scheduler:
         self._update_gauges()
         return len(self._queue)
 
-    def cancel(self, request: Request, reason: Reason) -> None:
-        """Stop ``request`` wherever it is. The protocol has already recorded why and when."""
+    def cancel(self, request: Request) -> None:
+        """Stop ``request`` wherever it is. The protocol has recorded why and when."""
         stream = self._running.get(request)
         if stream is not None:
-            stream.cancel(str(reason))
-        else:
-            self._end_in_queue(request, Outcome.CANCELLED, reason)
+            stream.cancel()
+            return
+        sink = self._take_from_queue(request)
+        if sink is not None:
+            self._spawn(sink.cancelled_in_queue(request, time.monotonic_ns()))
 
     def close(self) -> None:
         """Refuse new requests from now on; those already here are unaffected."""
@@ -157,28 +155,28 @@ class Scheduler:
             raise
         self._running[request] = stream
         sink.started(request)
-        if request.cancel_reason is not None:
-            stream.cancel(str(request.cancel_reason))
         self._update_gauges()
         self._spawn(self._run(request, sink, slot, stream))
 
     async def _run(self, request: Request, sink: Sink, slot, stream: Stream) -> None:
+        failure = None
         try:
             async with contextlib.aclosing(stream.batches(self._executor)) as batches:
                 async for texts in batches:
                     await sink.deliver(request, texts)
-            ending = ending_from_result(request, stream.result)
         except Exception as exc:
             # Leaving the batches has already stopped the loop and waited for it.
             log.exception("generation_failed", request_id=request.request_id, id=request.id)
-            ending = Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), prompt_tokens=len(request.prompt_tokens),
-                            message=f"{type(exc).__name__}: {exc}")
+            failure = f"{type(exc).__name__}: {exc}"
         finally:
             del self._running[request]
             stream.generation.close()
             # The slot is free the moment the loop has exited: start the next request first.
             self._release(slot)
-        await sink.finish(request, ending)
+        if failure is None:
+            await sink.finished(request, stream.result)
+        else:
+            await sink.failed(request, failure)
 
     def _release(self, slot) -> None:
         while self._queue and not self._closed:
@@ -188,47 +186,38 @@ class Scheduler:
                 self._start(request, sink, slot)
                 return
             except Exception as exc:
-                ending = Ending(Outcome.ERROR, str(ErrorCode.INTERNAL_ERROR), message=str(exc))
-                self._spawn(sink.finish(request, ending))
+                self._spawn(sink.failed(request, str(exc)))
         self._free.append(slot)
         self._update_gauges()
 
-    def _end_in_queue(self, request: Request, outcome: Outcome, reason: Reason) -> None:
-        """End a request that never reached a slot: nothing was computed for it."""
+    def _take_from_queue(self, request: Request) -> Sink | None:
+        """Take ``request`` out of the queue; its sink, or None if it was not queued."""
         for index, (queued, sink) in enumerate(self._queue):
             if queued is request:
                 del self._queue[index]
-                break
-        else:
-            return
-        self._disarm_queue_deadline(request)
-        self._update_gauges()
-        now = time.monotonic_ns()
-        ending = Ending(outcome, str(reason), prompt_tokens=len(request.prompt_tokens),
-                        queue_ms=_ms(request.received_ns, now), duration_ms=_ms(request.received_ns, now),
-                        cancel_latency_ms=_ms(request.cancel_requested_ns, now) if outcome is Outcome.CANCELLED else None)
-        self._spawn(sink.finish(request, ending))
+                self._disarm_queue_deadline(request)
+                self._update_gauges()
+                return sink
+        return None
 
     def _arm_queue_deadline(self, request: Request) -> None:
-        params = request.params
-        deadlines = [(s, reason) for s, reason in ((params.timeout_s, Reason.TOTAL_TIMEOUT),
-                                                   (params.ttft_timeout_s, Reason.FIRST_TOKEN_TIMEOUT)) if s]
-        if not deadlines:
+        deadline_ns = request.queue_deadline_ns
+        if deadline_ns is None:
             return
-        seconds, reason = min(deadlines)
-        loop = asyncio.get_running_loop()
         # loop.time() is time.monotonic(), the clock received_ns was read from.
-        when = request.received_ns / 1e9 + seconds
-        self._queue_timers[request] = loop.call_at(when, self._expire_queued, request, reason)
+        self._queue_timers[request] = asyncio.get_running_loop().call_at(deadline_ns / 1e9, self._expire_queued,
+                                                                         request)
 
     def _disarm_queue_deadline(self, request: Request) -> None:
         timer = self._queue_timers.pop(request, None)
         if timer is not None:
             timer.cancel()
 
-    def _expire_queued(self, request: Request, reason: Reason) -> None:
+    def _expire_queued(self, request: Request) -> None:
         self._queue_timers.pop(request, None)
-        self._end_in_queue(request, Outcome.TIMEOUT, reason)
+        sink = self._take_from_queue(request)
+        if sink is not None:
+            self._spawn(sink.expired_in_queue(request, time.monotonic_ns()))
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:

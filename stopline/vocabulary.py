@@ -67,7 +67,8 @@ class ErrorCode(StrEnum):
 
 
 class Status(StrEnum):
-    """Where a request stands, as ``GET``/``DELETE /v1/generations/{request_id}`` report it."""
+    """Where a request stands, as ``GET``/``DELETE /v1/generations/{request_id}`` report it;
+    ``cancel_ack`` names the outcome of an ended request by the same words."""
     QUEUED = "queued"
     PREFILL = "prefill"
     DECODING = "decoding"
@@ -75,6 +76,8 @@ class Status(StrEnum):
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     ERROR = "error"
+    # cancel_ack only: no live or recent request on this connection has that id.
+    UNKNOWN = "unknown"
 
 
 STATUS_BY_OUTCOME = {

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from stopline.protocol import AddressQuota, Cancel, Connection, Ending, Limits, Phase, Submit, Tokenize, encode_frame
+from stopline.protocol import (DEFAULT_SAMPLING, AddressQuota, Cancel, Connection, Ended, Ending, Limits, Phase,
+                               Send, Submit, Tokenize, encode_frame)
 from stopline.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
@@ -33,12 +38,30 @@ def generate(conn: Connection, request_id="r1", now_ns=0, **fields):
     return prepare(conn, conn.receive_text(json.dumps(frame), now_ns))
 
 
+def frames(actions) -> list[dict]:
+    """The frames among ``actions``, in order; every other action must be an Ended."""
+    assert all(isinstance(a, (Send, Ended)) for a in actions), actions
+    return [a.frame for a in actions if isinstance(a, Send)]
+
+
+def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
+    """What the engine reports when a loop exits (the fields the protocol reads)."""
+    fields = dict(prompt_tokens=3, prompt_tokens_reused=0, prompt_tokens_evaluated=3, tokens_generated=0,
+                  tokens_after_cancel=0)
+    return SimpleNamespace(outcome=str(outcome), reason=reason, end_ns=end_ns, first_token_ns=first_token_ns,
+                           **{**fields, **counts})
+
+
 def test_generate_submits_a_queued_request():
     conn = connection()
     [submit] = generate(conn)
     assert isinstance(submit, Submit)
     assert submit.request.phase is Phase.QUEUED and submit.request.prompt_tokens == [0, 1, 2]
-    assert submit.request.params.max_tokens == 256 and conn.live == {"r1": submit.request}
+    assert conn.live == {"r1": submit.request}
+    # A field left out gets the one default there is; the deadlines are the server's.
+    limits = conn.limits
+    assert submit.request.params == replace(DEFAULT_SAMPLING, timeout_s=limits.default_timeout_s,
+                                            ttft_timeout_s=limits.default_ttft_timeout_s)
 
 
 def test_the_transition_table_is_enforced():
@@ -47,15 +70,16 @@ def test_the_transition_table_is_enforced():
     request = submit.request
     with pytest.raises(RuntimeError):
         request.advance(Phase.DECODING)
-    conn.started(request, 1)
-    assert conn.token(request, "hi", 2) == {"type": "token", "id": "r1", "index": 0, "text": "hi"}
+    assert conn.started(request, 1) == []
+    assert conn.token(request, "hi", 2) == [Send({"type": "token", "id": "r1", "index": 0, "text": "hi"}, request)]
     assert request.phase is Phase.DECODING and request.first_token_ns == 2
-    assert conn.token(request, " there", 3)["index"] == 1
-    frames = conn.end(request, Ending(Outcome.DONE, Reason.EOS, tokens_generated=2))
-    assert [f["type"] for f in frames] == ["done"]
+    assert frames(conn.token(request, " there", 3))[0]["index"] == 1
+    ended, done = conn.end(request, Ending(Outcome.DONE, Reason.EOS, tokens_generated=2))
+    # The ending is recorded before the client hears of it.
+    assert isinstance(ended, Ended) and ended.ending.outcome is Outcome.DONE and done.frame["type"] == "done"
     # Exactly one terminal message, and nothing after it.
     assert conn.end(request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED)) == []
-    assert conn.token(request, "late", 4) is None
+    assert conn.token(request, "late", 4) == []
     with pytest.raises(RuntimeError):
         conn.started(request, 5)
 
@@ -64,11 +88,11 @@ def test_cancel_is_idempotent_and_acknowledged_with_the_final_state():
     conn = connection()
     [submit] = generate(conn)
     [cancel] = conn.receive_text('{"type": "cancel", "id": "r1"}', 10 * MS)
-    assert isinstance(cancel, Cancel) and cancel.reason is Reason.USER_CANCELLED
+    assert cancel == Cancel(submit.request) and submit.request.cancel_reason is Reason.USER_CANCELLED
     assert submit.request.cancel_requested_ns == 10 * MS
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 11 * MS) == []
-    frames = conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
-    assert frames[1:] == [{"type": "cancel_ack", "id": "r1", "status": "cancelled"}]
+    sent = frames(conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED)))
+    assert sent[1:] == [{"type": "cancel_ack", "id": "r1", "status": "cancelled"}]
     [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 12 * MS)
     assert late.frame["status"] == "cancelled"
     [unknown] = conn.receive_text('{"type": "cancel", "id": "nope"}', 13 * MS)
@@ -79,10 +103,10 @@ def test_a_cancel_that_loses_to_a_finish_is_acknowledged_after_the_terminal():
     conn = connection()
     [submit] = generate(conn)
     conn.receive_text('{"type": "cancel", "id": "r1"}', 1)
-    frames = conn.end(submit.request, Ending(Outcome.DONE, Reason.MAX_TOKENS))
-    assert [f["type"] for f in frames] == ["done", "cancel_ack"]
+    sent = frames(conn.end(submit.request, Ending(Outcome.DONE, Reason.MAX_TOKENS)))
+    assert [f["type"] for f in sent] == ["done", "cancel_ack"]
     # The documented word for a request that ended with done.
-    assert frames[1]["status"] == "finished"
+    assert sent[1]["status"] == "finished"
     [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 2)
     assert late.frame == {"type": "cancel_ack", "id": "r1", "status": "finished"}
 
@@ -96,9 +120,9 @@ def test_every_cancel_racing_an_ending_is_acknowledged_with_the_outcome_that_won
     assert len(conn.receive_text('{"type": "cancel", "id": "r1"}', 1)) == 1
     # The second cancel finds the request stopping, not stopped: no answer may claim an outcome yet.
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 2) == []
-    frames = conn.end(submit.request, Ending(outcome, reason))
-    assert frames[0]["type"] == str(outcome)
-    acks = frames[1:]
+    sent = frames(conn.end(submit.request, Ending(outcome, reason)))
+    assert sent[0]["type"] == str(outcome)
+    acks = sent[1:]
     # The terminal message answers the first cancel only when the cancel won.
     assert acks == [{"type": "cancel_ack", "id": "r1", "status": status}] * (1 if outcome is Outcome.CANCELLED else 2)
 
@@ -112,7 +136,7 @@ def test_only_the_first_stop_reason_counts():
     # A stop of the whole connection skips requests already stopping.
     [other] = generate(conn, "r2")
     actions = conn.stop_all(Reason.CLIENT_DISCONNECTED, 3)
-    assert actions == [Cancel(other.request, Reason.CLIENT_DISCONNECTED)]
+    assert actions == [Cancel(other.request)] and other.request.cancel_reason is Reason.CLIENT_DISCONNECTED
 
 
 def test_prompt_too_long_is_measured_in_tokens():
@@ -243,10 +267,10 @@ def test_a_cancel_while_the_prompt_is_tokenized_stops_the_request_once_it_exists
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == []
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == []
     submit, cancel = conn.tokenized(work.draft, conn.tokenize(work.draft))
-    assert isinstance(submit, Submit) and cancel == Cancel(submit.request, Reason.USER_CANCELLED)
+    assert isinstance(submit, Submit) and cancel == Cancel(submit.request)
     assert submit.request.cancel_requested_ns == 5 * MS
-    frames = conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED))
-    assert [f["type"] for f in frames] == ["cancelled", "cancel_ack"]
+    sent = frames(conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED)))
+    assert [f["type"] for f in sent] == ["cancelled", "cancel_ack"]
 
 
 def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back():
@@ -257,3 +281,138 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back
     conn.stop_all(Reason.CLIENT_DISCONNECTED, 1)
     assert quota.used("a") == 0 and conn.tokenized(work.draft, conn.tokenize(work.draft)) == []
     assert conn.live == {}
+
+
+def test_importing_the_protocol_loads_only_the_standard_library_and_the_vocabulary():
+    code = ("import json, sys\n"
+            "before = set(sys.modules)\n"
+            "import stopline.protocol\n"
+            "print(json.dumps(sorted(set(sys.modules) - before)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = json.loads(out)
+    ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
+    assert ours == {"stopline", "stopline.protocol", "stopline.vocabulary"}, ours
+    others = {name for name in loaded if name not in ours and name.split(".")[0] not in sys.stdlib_module_names}
+    assert others == set(), f"third-party or native modules: {sorted(others)}"
+    assert "stopline.protocol" in loaded  # the probe did import it
+
+
+def started_request(conn: Connection, request_id="r1", now_ns=0, **fields):
+    [submit] = generate(conn, request_id, now_ns, **fields)
+    conn.started(submit.request, now_ns + 1 * MS)
+    return submit.request
+
+
+def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
+    conn = connection()
+    request = started_request(conn)
+    conn.stalled(request, 10 * MS)
+    # The native side knows only that it was asked to stop; whatever it says about why is not read.
+    result = loop_result(Outcome.CANCELLED, "user_cancelled", end_ns=12 * MS, first_token_ns=5 * MS,
+                         tokens_generated=4, tokens_after_cancel=1)
+    ended, terminal = conn.finished(request, result)
+    assert ended.ending.reason is Reason.SLOW_CONSUMER
+    assert terminal.frame == {"type": "cancelled", "id": "r1", "reason": "slow_consumer", "tokens_generated": 4,
+                              "tokens_after_cancel": 1, "cancel_latency_ms": 2.0, "tokens_wasted": 7,
+                              "prompt_tokens_reused": 0}
+    assert ended.ending.queue_ms == 1.0 and ended.ending.ttft_ms == 5.0 and ended.ending.duration_ms == 12.0
+
+
+@pytest.mark.parametrize("outcome, reason", [(Outcome.DONE, Reason.EOS), (Outcome.DONE, Reason.STOP_SEQUENCE),
+                                             (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT)])
+def test_done_and_timeout_take_the_reason_the_loop_reports(outcome, reason):
+    conn = connection()
+    request = started_request(conn)
+    sent = frames(conn.finished(request, loop_result(outcome, str(reason), end_ns=30 * MS, tokens_generated=2)))
+    assert [(f["type"], f["reason"], f["duration_ms"]) for f in sent] == [(str(outcome), str(reason), 30.0)]
+    # One name for one thing: a timeout's time is its duration, as for done.
+    assert "elapsed_ms" not in sent[0]
+
+
+def test_a_failed_evaluation_ends_with_internal_error():
+    conn = connection()
+    request = started_request(conn)
+    [terminal] = frames(conn.finished(request, loop_result(Outcome.ERROR, "internal_error", end_ns=3 * MS)))
+    assert terminal["type"] == "error" and terminal["code"] == ErrorCode.INTERNAL_ERROR
+
+
+def test_a_loop_that_stopped_unasked_is_an_internal_error():
+    conn = connection()
+    request = started_request(conn)
+    [terminal] = frames(conn.finished(request, loop_result(Outcome.CANCELLED, end_ns=3 * MS)))
+    assert terminal["code"] == ErrorCode.INTERNAL_ERROR and conn.live == {}
+
+
+def test_a_request_cancelled_while_queued_ends_without_a_slot():
+    conn = connection()
+    [submit] = generate(conn, now_ns=0)
+    [cancel] = conn.receive_text('{"type": "cancel", "id": "r1"}', 4 * MS)
+    assert cancel == Cancel(submit.request)
+    ended, terminal = conn.cancelled_in_queue(submit.request, 5 * MS)
+    assert ended.ending.outcome is Outcome.CANCELLED and ended.ending.queue_ms == 5.0
+    assert terminal.frame["reason"] == "user_cancelled" and terminal.frame["cancel_latency_ms"] == 1.0
+    assert terminal.frame["tokens_wasted"] == 0 and conn.live == {}
+
+
+@pytest.mark.parametrize("timeout_s, ttft_timeout_s, reason", [(5, 2, Reason.FIRST_TOKEN_TIMEOUT),
+                                                                (1, 2, Reason.TOTAL_TIMEOUT)])
+def test_a_queued_request_times_out_at_its_earlier_deadline(timeout_s, ttft_timeout_s, reason):
+    conn = connection()
+    [submit] = generate(conn, now_ns=7 * MS, timeout_s=timeout_s, ttft_timeout_s=ttft_timeout_s)
+    request = submit.request
+    assert request.queue_deadline_ns == 7 * MS + min(timeout_s, ttft_timeout_s) * 1000 * MS
+    ended, terminal = conn.expired_in_queue(request, request.queue_deadline_ns)
+    assert terminal.frame["type"] == "timeout" and terminal.frame["reason"] == str(reason)
+    assert terminal.frame["duration_ms"] == min(timeout_s, ttft_timeout_s) * 1000.0
+    assert ended.ending.tokens_wasted == 0
+
+
+def test_a_stop_asked_for_before_there_was_a_slot_is_asked_for_again_at_the_start():
+    conn = connection()
+    [submit] = generate(conn)
+    conn.request_cancel(submit.request, Reason.SHUTDOWN, 1)
+    assert conn.started(submit.request, 2) == [Cancel(submit.request)]
+
+
+def test_a_client_that_stops_reading_gets_no_more_tokens():
+    conn = connection()
+    slow = started_request(conn, "slow")
+    other = started_request(conn, "other")
+    assert conn.token(slow, "a", 1) != []
+    # A stalled token frame stops its own request only.
+    assert conn.stalled(slow, 2) == [Cancel(slow)]
+    assert conn.token(slow, "b", 3) == [] and slow.next_index == 2
+    assert frames(conn.token(other, "c", 4)) == [{"type": "token", "id": "other", "index": 0, "text": "c"}]
+    # A stalled frame of no one request stops every request not already stopping.
+    assert conn.stalled(None, 5) == [Cancel(other)] and other.cancel_reason is Reason.SLOW_CONSUMER
+
+
+def test_the_scheduler_refusing_or_failing_a_request_ends_it_with_its_code():
+    quota = AddressQuota(2)
+    conn = Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, 0, address="a", quota=quota)
+    [busy] = generate(conn, "busy")
+    [broken] = generate(conn, "broken")
+    ended, terminal = conn.busy(busy.request, "all 2 slots are busy")
+    assert ended.ending.outcome is Outcome.ERROR
+    assert terminal.frame == {"type": "error", "id": "busy", "code": "busy", "message": "all 2 slots are busy"}
+    [terminal] = frames(conn.failed(broken.request, "RuntimeError: boom"))
+    assert terminal["code"] == ErrorCode.INTERNAL_ERROR and terminal["message"] == "RuntimeError: boom"
+    assert conn.live == {} and quota.used("a") == 0
+
+
+def test_accepted_names_the_global_id_and_the_cancel_token():
+    conn = connection()
+    [submit] = generate(conn)
+    request = submit.request
+    assert conn.accepted(request, 3) == [Send({"type": "accepted", "id": "r1", "queue_position": 3,
+                                               "request_id": request.request_id,
+                                               "cancel_token": request.cancel_token})]
+
+
+def test_the_greeting_and_a_failed_frame_are_actions_too():
+    conn = connection()
+    [hello] = frames(conn.hello("m"))
+    assert hello["type"] == "hello" and hello["limits"]["max_tokens"] == 16
+    [error] = frames(conn.frame_failed())
+    assert error == {"type": "error", "id": None, "code": "internal_error",
+                     "message": "the server failed to handle this frame"}

@@ -37,7 +37,7 @@ async def test_cancel_during_decode(server, logs):
         assert len(client.tokens("r1")) == cancelled["tokens_generated"]
         assert cancelled["cancel_latency_ms"] >= 0
     [end] = logs.records("generation_cancelled", id="r1")
-    assert end["reason"] == "user_cancelled" and end["latency_ms"] == cancelled["cancel_latency_ms"]
+    assert end["reason"] == "user_cancelled" and end["cancel_latency_ms"] == cancelled["cancel_latency_ms"]
     assert end["tokens_wasted"] == end["prompt_tokens_evaluated"] + end["tokens_generated"]
 
 
@@ -128,7 +128,7 @@ async def test_total_timeout_default_override_and_cap(engine, logs):
         assert frame["type"] == "timeout" and frame["reason"] == "total_timeout", frame
         assert frame["tokens_generated"] > 0
         # It fires at the deadline, not before, and within a few decode steps after.
-        assert deadline_ms <= frame["elapsed_ms"] <= deadline_ms + 250 * UNIT, frame
+        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 250 * UNIT, frame
 
 
 async def test_first_token_timeout_stops_prefill(engine, logs):
@@ -142,7 +142,7 @@ async def test_first_token_timeout_stops_prefill(engine, logs):
     for frame, deadline_ms in ((f1, 300), (f2, 150)):
         assert frame["type"] == "timeout" and frame["reason"] == "first_token_timeout", frame
         assert frame["tokens_generated"] == 0
-        assert deadline_ms <= frame["elapsed_ms"] <= deadline_ms + 250 * UNIT, frame
+        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 250 * UNIT, frame
     [end] = logs.records("generation_timeout", id="f2")
     assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
 

@@ -279,7 +279,7 @@ async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
         assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] <= 1, record
         samples.append({"request_id": request_id, "dom_ms": round(clock["dom_ms"], 2),
                         "frame_ms": round(clock["frame_ms"], 2), "playwright_ms": round(outside_ms, 2),
-                        "server_cancel_latency_ms": record["latency_ms"],
+                        "server_cancel_latency_ms": record["cancel_latency_ms"],
                         "tokens_generated": record["tokens_generated"],
                         "tokens_after_cancel": record["tokens_after_cancel"]})
 
@@ -358,7 +358,7 @@ async def test_reload_mid_generation_cancels_it_on_the_server(page, server, logs
     assert len(disconnected) == 1 and disconnected[0]["live_requests"] == 1
     gap_ms = (_time(record) - _time(disconnected[0])).total_seconds() * 1000
     print(f"\nclient_disconnected -> generation_cancelled: {gap_ms:.1f} ms, "
-          f"loop exit {record['latency_ms']} ms after the cancel")
+          f"loop exit {record['cancel_latency_ms']} ms after the cancel")
     text_metrics = await metrics(server.port)
     assert metric_value(text_metrics, "stopline_requests_total", outcome="cancelled",
                         reason="client_disconnected") == 1

@@ -181,9 +181,9 @@ function loadSettings() {
 function saveSettings() {
   const s = {
     system: els.system.value,
-    maxTokens: readNumber(els.maxTokens, 256),
-    temperature: readNumber(els.temperature, 0.7),
-    timeout: readNumber(els.timeout, 60),
+    maxTokens: readNumber(els.maxTokens),
+    temperature: readNumber(els.temperature),
+    timeout: readNumber(els.timeout),
   };
   try { localStorage.setItem(SETTINGS_KEY, JSON.stringify(s)); } catch { /* storage off */ }
 }
@@ -306,7 +306,7 @@ function onFrame(msg) {
       if (!req) break;
       const text = msg.reason === 'first_token_timeout'
         ? 'Timed out: no first token within the limit'
-        : `Timed out after ${seconds(msg.elapsed_ms)} s`;
+        : `Timed out after ${seconds(msg.duration_ms)} s`;
       finish(req, 'timeout', join([text, countTokens(msg.tokens_generated)]));
       break;
     }
@@ -422,9 +422,9 @@ function answer(partial = null) {
     type: 'generate',
     id,
     messages: history,
-    max_tokens: Math.round(readNumber(els.maxTokens, 256)),
-    temperature: readNumber(els.temperature, 0.7),
-    timeout_s: readNumber(els.timeout, 60),
+    max_tokens: readNumber(els.maxTokens, Math.round),
+    temperature: readNumber(els.temperature),
+    timeout_s: readNumber(els.timeout),
   });
   touch(chat);
   try { localStorage.setItem(OPEN_KEY, chat.id); } catch { /* storage off */ }
@@ -572,9 +572,11 @@ function conversation() {
   return out;
 }
 
-function readNumber(input, fallback) {
+// A setting's number; undefined when the box holds none, which leaves the field
+// out of the frame (JSON drops it) so that the server's default applies.
+function readNumber(input, round = (n) => n) {
   const n = input.valueAsNumber;
-  return Number.isFinite(n) ? n : fallback;
+  return Number.isFinite(n) ? round(n) : undefined;
 }
 
 async function copy(text, button) {
