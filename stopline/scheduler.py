@@ -164,6 +164,9 @@ class Scheduler:
             async with contextlib.aclosing(stream.batches(self._executor)) as batches:
                 async for texts in batches:
                     await sink.deliver(request, texts)
+            result = stream.result
+            if result is None:
+                raise RuntimeError("the loop ended without a result")
         except Exception as exc:
             # Leaving the batches has already stopped the loop and waited for it.
             log.exception("generation_failed", request_id=request.request_id, id=request.id)
@@ -174,7 +177,7 @@ class Scheduler:
             # The slot is free the moment the loop has exited: start the next request first.
             self._release(slot)
         if failure is None:
-            await sink.finished(request, stream.result)
+            await sink.finished(request, result)
         else:
             await sink.failed(request, failure)
 

@@ -15,7 +15,9 @@ import pexpect
 import pytest
 
 from conftest import UNIT, fetch_metrics, metric_value
-from stopline.client import UsageError, default_url, websocket_url
+from stopline.client import UsageError, default_url, summary, websocket_url
+from stopline.protocol import Ending, terminal_frame
+from stopline.vocabulary import Outcome, Reason
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_STORY = "Write a very long story about a dragon."
@@ -67,6 +69,14 @@ def test_url_forms(given, expected):
 def test_bad_urls_are_refused(given):
     with pytest.raises(UsageError):
         websocket_url(given)
+
+
+def test_the_summary_reads_the_fields_the_protocol_sends():
+    timeout = terminal_frame("r1", Ending(Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, tokens_generated=5,
+                                          duration_ms=1234.0))
+    assert summary(timeout) == "[timeout: total_timeout after 1234 ms, 5 tokens]"
+    done = terminal_frame("r2", Ending(Outcome.DONE, Reason.EOS, tokens_generated=3, ttft_ms=12.0, duration_ms=40.0))
+    assert summary(done) == "[done: eos, 3 tokens, first token 12 ms, total 40 ms]"
 
 
 def test_host_and_port_come_from_the_environment():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import socket
@@ -370,7 +371,8 @@ async def test_one_second_timeout_shows_as_timeout(page, server, logs):
     message, request_id = await send(page, LONG_STORY)
     await expect_state(message, "timeout", timeout=30)
     shown = await meta(message)
-    assert re.search(r"Timed out after \d+(\.\d)? s · \d+ tokens?", shown), shown
+    after = re.search(r"Timed out after (\d+(?:\.\d)?) s · \d+ tokens?", shown)
+    assert after, shown
     await expect(page.locator("#send")).to_be_enabled()
     await expect(page.locator("#stop")).to_be_disabled()
     await screenshot(page, "timeout")
@@ -379,6 +381,8 @@ async def test_one_second_timeout_shows_as_timeout(page, server, logs):
     assert record["reason"] == "total_timeout"
     assert record["tokens_generated"] < 2000
     assert 1000 <= record["duration_ms"] < 10_000 * UNIT
+    # The page shows the timeout frame's duration_ms, in seconds rounded as Math.round does.
+    assert float(after.group(1)) == math.floor(record["duration_ms"] / 100 + 0.5) / 10, (shown, record)
     text_metrics = await metrics(server.port)
     assert metric_value(text_metrics, "stopline_requests_total", outcome="timeout", reason="total_timeout") == 1
 
