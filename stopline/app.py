@@ -45,7 +45,9 @@ SHORT_PROMPT_BYTES = 16 * 1024
 
 @dataclass
 class ServerConfig:
-    # Settings the protocol enforces take their defaults from Limits, their one source.
+    """The server's settings; ``python -m stopline`` takes its flag defaults from here.
+    The settings the protocol enforces default to :class:`protocol.Limits`, their one source."""
+
     host: str = "127.0.0.1"
     port: int = 8765
     # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).

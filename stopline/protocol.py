@@ -89,6 +89,8 @@ _TRANSITIONS = {
 
 @dataclass(frozen=True)
 class Limits:
+    """What one connection may ask for, and how fast. The defaults here are the server's
+    (``ServerConfig`` and the command line take theirs from them)."""
     context_length: int
     vocab_size: int
     default_timeout_s: float = 300.0
