@@ -15,7 +15,7 @@ import time
 
 from stopline._core import Generation
 
-from stopline.engine import EXIT_OUTCOMES, Engine, SamplingParams, sampling_args
+from stopline.engine import EXIT_OUTCOMES, Engine, SamplingArgs, SamplingParams, sampling_args
 from stopline.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
@@ -24,7 +24,7 @@ STORM_TOKENS = 4
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
 
 
-def greedy_args(max_tokens: int) -> dict[str, int | float]:
+def greedy_args(max_tokens: int) -> SamplingArgs:
     return sampling_args(SamplingParams(max_tokens=max_tokens, temperature=0, seed=0))
 
 

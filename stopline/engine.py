@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from stopline import _core
 import structlog
@@ -65,12 +66,22 @@ class SamplingParams:
     ttft_timeout_s: float | None = None
 
 
-def sampling_args(params: SamplingParams) -> dict[str, int | float]:
-    """The native loop's sampling arguments, all from ``params`` (they have no
-    native defaults). A seed is drawn when ``params`` names none."""
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k,
-            "top_p": params.top_p, "repetition_penalty": params.repetition_penalty,
-            "seed": params.seed if params.seed is not None else random.randrange(2**31)}
+class SamplingArgs(TypedDict):
+    """``_core.Generation``'s sampling arguments, which have no native defaults."""
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+
+
+def sampling_args(params: SamplingParams) -> SamplingArgs:
+    """The native loop's sampling arguments, all from ``params``. A seed is drawn
+    when ``params`` names none."""
+    return SamplingArgs(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                        top_p=params.top_p, repetition_penalty=params.repetition_penalty,
+                        seed=params.seed if params.seed is not None else random.randrange(2**31))
 
 
 # What each way out of the native loop means in the vocabulary. A cancel's

@@ -488,14 +488,14 @@ def measure_flag_poll(int iterations=1000000):
     """Mean cost in ns of one poll of the cancel flag and both deadlines, as the loop does it."""
     cdef LoopState s
     # hits keeps the compiler from optimising the polls away.
-    cdef int i, hits = 0
+    cdef int _i, hits = 0
     cdef int64_t start, elapsed
     memset(&s, 0, sizeof(s))
     s.watch.deadline_ns = sl.sl_monotonic_ns() + 3600 * 1000000000
     s.watch.first_token_deadline_ns = s.watch.deadline_ns
     with nogil:
         start = sl.sl_monotonic_ns()
-        for i in range(iterations):
+        for _i in range(iterations):
             hits += should_stop(&s)
         elapsed = sl.sl_monotonic_ns() - start
     return elapsed / iterations
