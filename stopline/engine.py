@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib.metadata
 import os
 import random
 import select
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypedDict
 
@@ -99,7 +98,7 @@ EXIT_OUTCOMES: dict[ExitKind, tuple[Outcome, Reason | ErrorCode | None]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class GenerationResult:
     """How a generation ended, in the vocabulary, with the native loop's counts
     and CLOCK_MONOTONIC timestamps in ns (0: never)."""
@@ -122,7 +121,7 @@ class GenerationResult:
     def from_loop(cls, loop: _core.LoopResult, cancel_reason: Reason) -> GenerationResult:
         """``loop``'s exit kind in the vocabulary; ``cancel_reason`` names a cancel's reason."""
         outcome, reason = EXIT_OUTCOMES[loop.exit]
-        counts = {f.name: getattr(loop, f.name) for f in dataclasses.fields(cls) if f.name not in ("outcome", "reason")}
+        counts = {f.name: getattr(loop, f.name) for f in fields(cls) if f.name not in ("outcome", "reason")}
         return cls(outcome=outcome, reason=cancel_reason if reason is None else reason, **counts)
 
 

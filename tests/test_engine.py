@@ -8,6 +8,7 @@ busy machine. The only ratio is the GIL test's.
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
 import math
@@ -787,8 +788,28 @@ def test_native_context_refuses_a_non_model_file(engine, tmp_path):
     path.write_bytes(random.Random(8).randbytes(1 << 16))
     with pytest.raises(ModelLoadError, match="could not create"):
         _core.Context(str(path), "llama", 64)
-    with pytest.raises(ModelLoadError):
+    # A failed system call brings its errno and the system's words for it.
+    with pytest.raises(ModelLoadError, match="No such file or directory") as info:
         _core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_a_library_that_cannot_be_loaded_says_why(tmp_path):
+    # In a child process: the library loads once per process.
+    path = tmp_path / "libnot-a-library.so"
+    path.write_bytes(b"not an ELF file" * 300)
+    code = f"""
+from stopline import _core
+try:
+    _core.load_library({str(path)!r})
+except _core.EngineError as error:
+    print(error)
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-2000:]
+    # The loader's own explanation (dlerror()), after the path.
+    assert child.stdout.startswith(f"cannot load {path}: ") and "invalid ELF header" in child.stdout
 
 
 def test_prompt_longer_than_the_context(engine, slot):
