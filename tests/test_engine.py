@@ -1,4 +1,4 @@
-"""The native token loop (ext/_core.pyx) and its Python face (stopline/engine.py),
+"""The native token loop (ext/stopline/_core.pyx) and its Python face (stopline/engine.py),
 against the real model.
 
 Bounds on time are expressed in decode steps or prefill chunks measured in the
@@ -792,6 +792,31 @@ def test_native_context_refuses_a_non_model_file(engine, tmp_path):
     with pytest.raises(ModelLoadError, match="No such file or directory") as info:
         _core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
     assert info.value.errno == errno.ENOENT
+
+
+def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
+    # In a child process, which uses up its file descriptors.
+    code = f"""
+import os, resource
+from stopline import _core
+from stopline.engine import SamplingParams, _ctransformers_library_path, sampling_args
+_core.load_library(_ctransformers_library_path())
+context = _core.Context({str(engine.model_path)!r}, "llama", 64)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    while True:
+        os.open("/dev/null", os.O_RDONLY)
+except OSError:
+    pass
+try:
+    _core.Generation(context, [1, 2], **sampling_args(SamplingParams()))
+except OSError as error:
+    print(error.errno, error)
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == f"{errno.EMFILE} [Errno {errno.EMFILE}] eventfd() failed: {os.strerror(errno.EMFILE)}"
 
 
 def test_a_library_that_cannot_be_loaded_says_why(tmp_path):
