@@ -38,9 +38,10 @@ from types import SimpleNamespace
 
 from ctransformers import AutoModelForCausalLM
 
+from stopline._core import ExitKind
 from stopline.engine import Engine, SamplingParams, Stream
 from stopline.tokenizer import TextStream
-from stopline.vocabulary import AbortMode, ErrorCode, Outcome, Reason
+from stopline.vocabulary import AbortMode
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8
@@ -121,7 +122,7 @@ class BaselineGeneration:
         self._pending: list[bytes] = []
         self._yielded = 0
         self._yielded_at_cancel = 0
-        self._cancel_reason: str | None = None
+        self._cancelled = False
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.finished = False
         self.result = None
@@ -138,11 +139,11 @@ class BaselineGeneration:
             os.close(self._fd)
             self._fd = -1
 
-    def cancel(self, reason: str = "user_cancelled") -> bool:
+    def cancel(self) -> bool:
         with self._lock:
-            if self.finished or self._cancel_reason is not None:
+            if self.finished or self._cancelled:
                 return False
-            self._cancel_reason = reason
+            self._cancelled = True
             self._yielded_at_cancel = self._yielded
         self._stop_event.set()
         return True
@@ -172,7 +173,7 @@ class BaselineGeneration:
         published = 0
         text = bytearray()
         kept = None
-        outcome, reason = Outcome.DONE, Reason.EOS
+        exit = ExitKind.EOS
         prompt_evaluated = 0
         tokens = llm.generate(self._prompt, top_k=top_k, top_p=p.top_p, temperature=temperature,
                               repetition_penalty=p.repetition_penalty, seed=seed,
@@ -186,13 +187,13 @@ class BaselineGeneration:
                 now = time.monotonic_ns()
                 if self._stop_event.is_set():
                     cancel_observed_ns = now
-                    outcome, reason = Outcome.CANCELLED, self._cancel_reason
+                    exit = ExitKind.CANCELLED
                     break
                 if self._deadline_ns and now >= self._deadline_ns:
-                    outcome, reason = Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT
+                    exit = ExitKind.TOTAL_DEADLINE
                     break
                 if self._first_token_deadline_ns and published == 0 and now >= self._first_token_deadline_ns:
-                    outcome, reason = Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT
+                    exit = ExitKind.FIRST_TOKEN_DEADLINE
                     break
                 piece = llm.detokenize([token], decode=False)
                 old_size = len(text)
@@ -205,26 +206,28 @@ class BaselineGeneration:
                 self._wake()
                 kept = self._stop_match(text, old_size)
                 if kept is not None:
-                    outcome, reason = Outcome.DONE, Reason.STOP_SEQUENCE
+                    exit = ExitKind.STOP_SEQUENCE
                     break
                 if published >= self._max_tokens:
-                    outcome, reason = Outcome.DONE, Reason.MAX_TOKENS
+                    exit = ExitKind.MAX_TOKENS
                     break
             else:
                 prompt_evaluated = len(self._prompt)  # generate() returned at EOS
         except Exception:
-            outcome, reason = Outcome.ERROR, ErrorCode.INTERNAL_ERROR
+            exit = ExitKind.EVAL_FAILED
         finally:
             tokens.close()
         end_ns = time.monotonic_ns()
         with self._lock:
             yielded = self._yielded
+            # The fields of stopline._core.LoopResult; this loop measures no graph nodes.
             self.result = SimpleNamespace(
-                outcome=outcome, reason=reason, prompt_tokens=len(self._prompt), prompt_tokens_reused=0,
+                exit=exit, prompt_tokens=len(self._prompt), prompt_tokens_reused=0,
                 prompt_tokens_evaluated=prompt_evaluated, tokens_generated=yielded,
-                tokens_after_cancel=yielded - self._yielded_at_cancel if outcome is Outcome.CANCELLED else 0,
+                tokens_after_cancel=yielded - self._yielded_at_cancel if exit is ExitKind.CANCELLED else 0,
                 start_ns=start_ns, first_token_ns=first_token_ns, cancel_observed_ns=cancel_observed_ns,
-                end_ns=end_ns, text_kept_bytes=len(text) if kept is None else kept)
+                end_ns=end_ns, text_kept_bytes=len(text) if kept is None else kept,
+                longest_prefill_node_ns=0, longest_decode_node_ns=0)
             self.finished = True
         self._wake()
         return self.result

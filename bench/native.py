@@ -15,13 +15,17 @@ import time
 
 from stopline._core import Generation
 
-from stopline.engine import Engine
+from stopline.engine import EXIT_OUTCOMES, Engine, SamplingArgs, SamplingParams, sampling_args
 from stopline.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 512
 STORM_TOKENS = 4
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
+
+
+def greedy_args(max_tokens: int) -> SamplingArgs:
+    return sampling_args(SamplingParams(max_tokens=max_tokens, temperature=0, seed=0))
 
 
 def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
@@ -38,7 +42,7 @@ def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
                 rates, nodes = [], []
                 for _ in range(reps):
                     slot.forget()
-                    result = Generation(slot, prompt, max_tokens=1, temperature=0, prefill_chunk=chunk,
+                    result = Generation(slot, prompt, **greedy_args(1), prefill_chunk=chunk,
                                         step_abort=step_abort, trim_output=trim).run()
                     rates.append(len(prompt) / ((result.first_token_ns - result.start_ns) / 1e9))
                     nodes.append(result.longest_prefill_node_ns / 1e6)
@@ -57,8 +61,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
     slot = engine.open_slot()
 
     def greedy():
-        generation = Generation(slot, prompt, max_tokens=STORM_TOKENS, temperature=0, prefill_chunk=16,
-                                threads=threads)
+        generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16, threads=threads)
         return generation, generation.run()
 
     try:
@@ -73,7 +76,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
                   "mismatches": int(b"".join(generation.take()) != expected)}
         exit_ms = []
         for _ in range(cycles):
-            generation = Generation(slot, prompt, max_tokens=STORM_TOKENS, temperature=0, prefill_chunk=16,
+            generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16,
                                     threads=threads)
             cancelled_at = []
             timer = threading.Timer(rng.uniform(0, rng.choice(spans_s)),
@@ -82,10 +85,11 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             result = generation.run()
             timer.join(60)
             counts["hangs"] += timer.is_alive()
-            if result.outcome == Outcome.CANCELLED:
+            outcome, _ = EXIT_OUTCOMES[result.exit]
+            if outcome is Outcome.CANCELLED:
                 counts["cancelled"] += 1
                 exit_ms.append((result.end_ns - cancelled_at[0]) / 1e6)
-            elif result.outcome == Outcome.DONE:
+            elif outcome is Outcome.DONE:
                 counts["done"] += 1
                 counts["mismatches"] += b"".join(generation.take()) != expected
             else:

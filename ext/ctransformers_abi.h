@@ -17,6 +17,10 @@
 #include <stdint.h>
 #include <stdio.h>
 
+/* The release this file describes. The extension exports it, and the engine
+ * refuses to load any other installed ctransformers. */
+#define CT_ABI_VERSION "0.2.27"
+
 /* Mirrors `struct Config` in ctransformers' models/llm.h. */
 typedef struct {
     int context_length;
@@ -46,17 +50,21 @@ typedef struct {
     int (*llm_logits_size)(ct_llm *llm);
 } ct_api;
 
-/* Fill `api` from the library at `path`. Returns 0, or -1 with a message in `err`. */
+/* Fill `api` from the library at `path`. Returns 0, or -1 with the loader's
+ * own explanation (dlerror()) in `err`. */
 static int ct_api_open(ct_api *api, const char *path, char *err, size_t err_size) {
+    const char *why;
     void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (handle == NULL) {
-        snprintf(err, err_size, "cannot load %s: %s", path, dlerror());
+        snprintf(err, err_size, "%s", dlerror());
         return -1;
     }
 #define CT_RESOLVE(field, symbol)                                              \
+    dlerror();                                                                 \
     *(void **)(&api->field) = dlsym(handle, symbol);                           \
     if (api->field == NULL) {                                                  \
-        snprintf(err, err_size, "%s has no symbol %s", path, symbol);          \
+        why = dlerror();                                                       \
+        snprintf(err, err_size, "%s", why ? why : "no symbol " symbol);       \
         dlclose(handle);                                                       \
         return -1;                                                             \
     }

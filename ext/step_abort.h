@@ -137,10 +137,17 @@ static int sl_graph_compute(struct ggml_cgraph *graph, struct ggml_cplan *plan) 
     return status;
 }
 
+/* Whether the hook is in place, and if not, why. */
+typedef enum {
+    SL_HOOK_INSTALLED = 0,
+    SL_HOOK_NO_LINK_MAP,   /* dlinfo() failed; dlerror() says why */
+    SL_HOOK_NO_PLT_ENTRY,  /* the library does not call ggml_graph_compute through its PLT */
+    SL_HOOK_READ_ONLY,     /* mprotect() failed; errno says why */
+} sl_hook_status;
+
 /* Route `symbol`'s PLT calls made by the library behind `handle` to
- * `replacement`. Returns the function the entry pointed to, or NULL if the
- * library does not call `symbol` through its PLT. */
-static void *sl_patch_plt(void *handle, const char *symbol, void *replacement) {
+ * `replacement`, and store the function the entry pointed to in `original`. */
+static sl_hook_status sl_patch_plt(void *handle, const char *symbol, void *replacement, void **original) {
     struct link_map *map = NULL;
     const ElfW(Dyn) *dyn;
     const ElfW(Sym) *symtab = NULL;
@@ -149,7 +156,7 @@ static void *sl_patch_plt(void *handle, const char *symbol, void *replacement) {
     size_t relocs_size = 0, i;
     long reloc_kind = 0;
     if (dlinfo(handle, RTLD_DI_LINKMAP, &map) != 0 || map == NULL)
-        return NULL;
+        return SL_HOOK_NO_LINK_MAP;
     for (dyn = map->l_ld; dyn->d_tag != DT_NULL; dyn++) {
         /* glibc has already relocated these addresses; others may not have. */
         uintptr_t addr = dyn->d_un.d_ptr;
@@ -164,36 +171,40 @@ static void *sl_patch_plt(void *handle, const char *symbol, void *replacement) {
         }
     }
     if (symtab == NULL || strtab == NULL || relocs == NULL || reloc_kind != DT_RELA)
-        return NULL;
+        return SL_HOOK_NO_PLT_ENTRY;
     for (i = 0; i < relocs_size / sizeof(ElfW(Rela)); i++) {
         const ElfW(Sym) *sym = &symtab[ELF64_R_SYM(relocs[i].r_info)];
         if (strcmp(strtab + sym->st_name, symbol) != 0)
             continue;
         void **entry = (void **)(map->l_addr + relocs[i].r_offset);
-        void *original = __atomic_load_n(entry, __ATOMIC_ACQUIRE);
         /* Under full RELRO the entry's page is read-only; it stays writable
          * afterwards, as it is in a library built without full RELRO. */
         long page = sysconf(_SC_PAGESIZE);
         void *start = (void *)((uintptr_t)entry & ~(uintptr_t)(page - 1));
+        *original = __atomic_load_n(entry, __ATOMIC_ACQUIRE);
         if (mprotect(start, (size_t)page, PROT_READ | PROT_WRITE) != 0)
-            return NULL;
+            return SL_HOOK_READ_ONLY;
         __atomic_store_n(entry, replacement, __ATOMIC_RELEASE);
-        return original;
+        return SL_HOOK_INSTALLED;
     }
-    return NULL;
+    return SL_HOOK_NO_PLT_ENTRY;
 }
 
 /* Install the hook into the library behind `handle` (opened RTLD_NOW, so the
- * entry already holds the real function). Returns 1 if installed. */
-static int sl_step_abort_install(void *handle) {
-    void *original;
+ * entry already holds the real function). Idempotent. */
+static sl_hook_status sl_step_abort_install(void *handle) {
+    void *original = NULL;
+    sl_hook_status status;
     if (sl_real_graph_compute != NULL)
-        return 1;
-    original = sl_patch_plt(handle, "ggml_graph_compute", (void *)sl_graph_compute);
+        return SL_HOOK_INSTALLED;
+    status = sl_patch_plt(handle, "ggml_graph_compute", (void *)sl_graph_compute, &original);
+    if (status != SL_HOOK_INSTALLED)
+        return status;
+    /* The entry already held this very hook: there is no real function to forward to. */
     if (original == NULL || original == (void *)sl_graph_compute)
-        return 0;
+        return SL_HOOK_NO_PLT_ENTRY;
     sl_real_graph_compute = (ggml_graph_compute_fn)original;
-    return 1;
+    return SL_HOOK_INSTALLED;
 }
 
 static inline void sl_watch_enter(sl_watch *w) { sl_thread_watch = w; }

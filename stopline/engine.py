@@ -16,27 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import os
 import random
 import select
 import threading
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypedDict
 
 from stopline import _core
 import structlog
-from stopline._core import ContextOverflowError, EngineError, GenerationResult, ModelLoadError
+from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
 from .model_check import check_model_file
 from .protocol import SamplingParams
 from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
-from .vocabulary import AbortMode
+from .vocabulary import AbortMode, ErrorCode, Outcome, Reason
 
 log = structlog.get_logger("stopline")
 
 __all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError",
-           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK", "AbortMode"]
+           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK", "AbortMode",
+           "EXIT_OUTCOMES", "sampling_args"]
 
 # Prompt tokens per evaluation. When the step hook stops evaluations between
 # graph nodes, a chunk no longer bounds stop latency (its longest node does, a
@@ -47,7 +51,72 @@ DEFAULT_PREFILL_CHUNK = {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1}
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
+class SamplingArgs(TypedDict):
+    """``_core.Generation``'s sampling arguments, which have no native defaults."""
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+
+
+def sampling_args(params: SamplingParams) -> SamplingArgs:
+    """The native loop's sampling arguments, all from ``params``. A seed is drawn
+    when ``params`` names none."""
+    return SamplingArgs(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                        top_p=params.top_p, repetition_penalty=params.repetition_penalty,
+                        seed=params.seed if params.seed is not None else random.randrange(2**31))
+
+
+# What each way out of the native loop means in the vocabulary. A cancel's
+# reason is not the loop's to know: the stream that cancelled supplies it.
+EXIT_OUTCOMES: dict[ExitKind, tuple[Outcome, Reason | ErrorCode | None]] = {
+    ExitKind.EOS: (Outcome.DONE, Reason.EOS),
+    ExitKind.MAX_TOKENS: (Outcome.DONE, Reason.MAX_TOKENS),
+    # The request's max_tokens, capped by the context: the same limit to a client.
+    ExitKind.CONTEXT_FULL: (Outcome.DONE, Reason.MAX_TOKENS),
+    ExitKind.STOP_SEQUENCE: (Outcome.DONE, Reason.STOP_SEQUENCE),
+    ExitKind.CANCELLED: (Outcome.CANCELLED, None),
+    ExitKind.TOTAL_DEADLINE: (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT),
+    ExitKind.FIRST_TOKEN_DEADLINE: (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT),
+    ExitKind.EVAL_FAILED: (Outcome.ERROR, ErrorCode.INTERNAL_ERROR),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """How a generation ended, in the vocabulary, with the native loop's counts
+    and CLOCK_MONOTONIC timestamps in ns (0: never)."""
+    outcome: Outcome
+    reason: Reason | ErrorCode
+    prompt_tokens: int
+    prompt_tokens_reused: int
+    prompt_tokens_evaluated: int
+    tokens_generated: int
+    tokens_after_cancel: int
+    start_ns: int
+    first_token_ns: int
+    cancel_observed_ns: int
+    end_ns: int
+    text_kept_bytes: int
+    longest_prefill_node_ns: int
+    longest_decode_node_ns: int
+
+    @classmethod
+    def from_loop(cls, loop: _core.LoopResult, cancel_reason: Reason) -> GenerationResult:
+        """``loop``'s exit kind in the vocabulary; ``cancel_reason`` names a cancel's reason."""
+        outcome, reason = EXIT_OUTCOMES[loop.exit]
+        counts = {f.name: getattr(loop, f.name) for f in fields(cls) if f.name not in ("outcome", "reason")}
+        return cls(outcome=outcome, reason=cancel_reason if reason is None else reason, **counts)
+
+
 def _ctransformers_library_path() -> str:
+    # ctransformers_abi.h declares the binary interface of one release exactly.
+    installed = importlib.metadata.version("ctransformers")
+    if installed != _core.CTRANSFORMERS_VERSION:
+        raise EngineError(f"ctransformers {installed} is installed; the native loop is built for "
+                          f"{_core.CTRANSFORMERS_VERSION} exactly")
     # The same CPU build (avx2, avx or basic) that ctransformers would load.
     from ctransformers.lib import find_library
     return find_library()
@@ -94,9 +163,11 @@ class Engine:
         aborts, trim_exact = self._probe.probe_step_abort(self.tokenizer.encode("Stop means stop, right now."))
         self._probe.forget()
         if not aborts:
+            failure = _core.step_abort_failure()
             log.warning("step_abort_unavailable", abort_mode=str(AbortMode.BETWEEN_STEPS),
                         detail="this ctransformers build cannot stop inside an evaluation; "
-                               "generations stop between evaluations instead")
+                               "generations stop between evaluations instead",
+                        cause=str(failure) if failure is not None else None)
             return AbortMode.BETWEEN_STEPS, False
         if not trim_exact:
             log.warning("output_trim_unavailable", detail="prompt chunks compute logits for every token")
@@ -158,12 +229,10 @@ class Engine:
         """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
-        seed = params.seed if params.seed is not None else random.randrange(2**31)
         stop = tuple(s.encode("utf-8") for s in params.stop if s)
         generation = _core.Generation(
-            slot, prompt_tokens, max_tokens=params.max_tokens, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, repetition_penalty=params.repetition_penalty,
-            seed=seed, stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
+            slot, prompt_tokens, **sampling_args(params),
+            stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
             deadline_ns=_deadline(now, params.timeout_s), first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
             step_abort=self.abort_mode is AbortMode.IN_STEP, trim_output=self.trim_output)
         return Stream(generation, TextStream(list(stop)))
@@ -185,6 +254,9 @@ class Stream:
     The native loop runs in a worker thread; the stream reads published tokens
     whenever the generation's eventfd becomes readable, and turns their bytes
     into text (holding back partial UTF-8 and possible stop-sequence starts).
+
+    The loop only learns that it must stop; the stream keeps the reason it was
+    given and reports it in :attr:`result`.
     """
 
     def __init__(self, generation: _core.Generation, text: TextStream):
@@ -192,18 +264,39 @@ class Stream:
         self._text = text
         self.tokens_read = 0
         self.ended = False
+        # Held while a cancel records its reason, so that a result read at the
+        # same moment never shows the cancel without it.
+        self._cancel_lock = threading.Lock()
+        self._cancel_reason: Reason | None = None
+        self._result: GenerationResult | None = None
 
     @property
     def result(self) -> GenerationResult | None:
-        return self.generation.result
+        """How the generation ended, once it has; None before."""
+        if self._result is None:
+            loop = self.generation.result
+            if loop is None:
+                return None
+            with self._cancel_lock:
+                # A generation cancelled without this stream's help was cancelled by its user.
+                reason = self._cancel_reason or Reason.USER_CANCELLED
+            self._result = GenerationResult.from_loop(loop, reason)
+        return self._result
 
     @property
     def prompt_tokens(self) -> int:
         return self.generation.prompt_tokens
 
-    def cancel(self, reason: str = "user_cancelled") -> bool:
-        """Thread-safe and idempotent; see ``Generation.cancel``."""
-        return self.generation.cancel(reason)
+    def cancel(self, reason: Reason = Reason.USER_CANCELLED) -> bool:
+        """Stop the generation for ``reason``. Thread-safe and idempotent: only the
+        first call that reaches a running or not-yet-started loop counts, and
+        returns True; its reason is the one :attr:`result` reports."""
+        reason = Reason(reason)
+        with self._cancel_lock:
+            won = self.generation.cancel()
+            if won:
+                self._cancel_reason = reason
+        return won
 
     def read_available(self) -> list[str]:
         """Text ready now (possibly none). Once the loop has ended, the first call
@@ -242,7 +335,7 @@ class Stream:
         finally:
             loop.remove_reader(fd)
             if not done.done():
-                self.generation.cancel("client_disconnected")
+                self.cancel(Reason.CLIENT_DISCONNECTED)
                 await asyncio.shield(done)
 
     async def __aiter__(self):
@@ -265,5 +358,5 @@ class Stream:
                     return
         finally:
             if worker.is_alive():
-                self.generation.cancel("client_disconnected")
+                self.cancel(Reason.CLIENT_DISCONNECTED)
             worker.join()

@@ -18,8 +18,9 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
+from stopline._core import Generation
 from stopline.app import ServerConfig, StoplineServer
-from stopline.engine import Engine
+from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.observability import configure_logging
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
@@ -28,6 +29,18 @@ TERMINAL_TYPES = {"done", "cancelled", "timeout", "error"}
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # A prompt that keeps the model talking for hundreds of tokens.
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+
+
+# Generation's arguments that are not sampling parameters.
+LOOP_OPTIONS = ("stop", "prefill_chunk", "threads", "window", "deadline_ns", "first_token_deadline_ns",
+                "step_abort", "trim_output")
+
+
+def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
+    """A native Generation whose sampling arguments come from ``SamplingParams``
+    (``kwargs`` that name its fields; seed 0 unless given), the loop options as given."""
+    options = {name: kwargs.pop(name) for name in LOOP_OPTIONS if name in kwargs}
+    return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
 
 
 @pytest.fixture(scope="session")

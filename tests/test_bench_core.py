@@ -20,9 +20,10 @@ import time
 
 import pytest
 from stopline import _core
-from stopline._core import Generation
+from stopline._core import ExitKind, Generation
 
 from conftest import LONG_ANSWER
+from stopline.engine import SamplingParams, sampling_args
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512
@@ -76,8 +77,9 @@ def test_flag_poll(benchmark):
 
 
 def _run_ours(slot, prompt):
-    generation = Generation(slot, prompt, max_tokens=DECODE_TOKENS, temperature=0, top_k=40, top_p=0.95,
-                            repetition_penalty=1.1, prefill_chunk=8, threads=1, window=DECODE_TOKENS)
+    generation = Generation(slot, prompt, **sampling_args(SamplingParams(max_tokens=DECODE_TOKENS, temperature=0,
+                                                                         top_k=40, top_p=0.95, repetition_penalty=1.1)),
+                            prefill_chunk=8, threads=1, window=DECODE_TOKENS)
     return generation.run(), generation.take()
 
 
@@ -146,7 +148,8 @@ def test_prefill_by_chunk(benchmark, slot, long_prompt, chunk):
     results = []
 
     def run():
-        results.append(Generation(slot, prompt, max_tokens=1, temperature=0, prefill_chunk=chunk, threads=1).run())
+        results.append(Generation(slot, prompt, **sampling_args(SamplingParams(max_tokens=1, temperature=0)),
+                                  prefill_chunk=chunk, threads=1).run())
 
     benchmark.pedantic(run, rounds=3, iterations=1)
     assert all(r.prompt_tokens_evaluated == PREFILL_TOKENS for r in results)
@@ -175,7 +178,7 @@ class _Cycle:
 
 def _latencies(benchmark, cycles: list[_Cycle], phase: str) -> None:
     results = [c.generation.result for c in cycles]
-    assert all(r.outcome == "cancelled" for r in results)
+    assert all(r.exit is ExitKind.CANCELLED for r in results)
     exit_ms = [(r.end_ns - c.cancel_ns) / 1e6 for c, r in zip(cycles, results)]
     seen_ms = [(r.cancel_observed_ns - c.cancel_ns) / 1e6 for c, r in zip(cycles, results)]
     report(benchmark, phase=phase, cancels=len(cycles),
@@ -191,8 +194,8 @@ def test_cancel_latency_during_decode(benchmark, engine, slot):
     cycles: list[_Cycle] = []
 
     def setup():
-        cycle = _Cycle(Generation(slot, prompt, max_tokens=500, temperature=0.7, seed=rng.randrange(1000),
-                                  prefill_chunk=engine.prefill_chunk, threads=1))
+        params = SamplingParams(max_tokens=500, temperature=0.7, seed=rng.randrange(1000))
+        cycle = _Cycle(Generation(slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1))
         # Some tokens in, then a random point inside a step.
         wanted, seen = rng.randint(1, 5), 0
         while seen < wanted:
@@ -213,7 +216,8 @@ def test_cancel_latency_during_prefill(benchmark, slot, long_prompt, chunk):
     cycles: list[_Cycle] = []
 
     def setup():
-        cycle = _Cycle(Generation(slot, long_prompt, max_tokens=16, prefill_chunk=chunk, threads=1))
+        cycle = _Cycle(Generation(slot, long_prompt, **sampling_args(SamplingParams(max_tokens=16, seed=0)),
+                                  prefill_chunk=chunk, threads=1))
         time.sleep(rng.uniform(0.05, 0.3))
         cycles.append(cycle)
         return (), {}

@@ -1,4 +1,4 @@
-"""The native token loop (ext/_core.pyx) and its Python face (stopline/engine.py),
+"""The native token loop (ext/stopline/_core.pyx) and its Python face (stopline/engine.py),
 against the real model.
 
 Bounds on time are expressed in decode steps or prefill chunks measured in the
@@ -8,6 +8,7 @@ busy machine. The only ratio is the GIL test's.
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
 import math
@@ -23,10 +24,13 @@ from dataclasses import dataclass
 import psutil
 import pytest
 from stopline import _core
-from stopline._core import Generation
+from stopline._core import ExitKind, Generation, GenerationState
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT
-from stopline.engine import ContextOverflowError, Engine, EngineError, ModelLoadError, SamplingParams
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation
+from stopline.engine import (
+    EXIT_OUTCOMES, ContextOverflowError, Engine, EngineError, ModelLoadError, SamplingParams, sampling_args,
+)
+from stopline.vocabulary import Outcome, Reason
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)
@@ -40,6 +44,11 @@ SHORT_COUNTING_TEXT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 
 # --- helpers ---------------------------------------------------------------
+
+
+def ended_done(result: _core.LoopResult) -> bool:
+    """Whether the loop ended by itself: the service calls that outcome done."""
+    return EXIT_OUTCOMES[result.exit][0] is Outcome.DONE
 
 
 class Runner(threading.Thread):
@@ -91,10 +100,10 @@ class Costs:
 def measure_costs(slot, prompt: list[int], chunk: int, decode_tokens: int = 8) -> Costs:
     """Time an uncancelled run on this machine, now, to scale the bounds of a test."""
     slot.forget()
-    generation = Generation(slot, prompt, max_tokens=decode_tokens, temperature=0, prefill_chunk=chunk,
-                            window=decode_tokens)
+    generation = make_generation(slot, prompt, max_tokens=decode_tokens, temperature=0, prefill_chunk=chunk,
+                                 window=decode_tokens)
     result = generation.run()
-    assert result.outcome == "done" and result.prompt_tokens_evaluated == len(prompt)
+    assert ended_done(result) and result.prompt_tokens_evaluated == len(prompt)
     chunks = math.ceil(result.prompt_tokens_evaluated / chunk)
     steps = max(1, result.tokens_generated - 1)
     return Costs(chunk_ns=(result.first_token_ns - result.start_ns) / chunks,
@@ -144,14 +153,14 @@ def france_answer(engine, slot) -> str:
 
 
 def test_cancel_during_decode_via_take(engine, slot):
-    generation = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
+    generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
     runner = start(generation)
     pieces = wait_for_tokens(generation, 5, [])
-    assert generation.cancel("test_stop") is True
+    assert generation.cancel() is True
     result = runner.finish()
     pieces += generation.take()
 
-    assert result.outcome == "cancelled" and result.reason == "test_stop"
+    assert result.exit is ExitKind.CANCELLED
     # The loop polls the flag before every token: at most the one in flight is wasted.
     assert result.tokens_after_cancel <= 1
     assert 5 <= result.tokens_generated < 500
@@ -183,7 +192,7 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
     assert slot.context_length == 2048
     # The cost of one chunk, from a short uncancelled run over the first tokens of the same prompt.
     slot.forget()
-    reference = Generation(slot, long_prompt[:128], max_tokens=1, temperature=0, prefill_chunk=chunk)
+    reference = make_generation(slot, long_prompt[:128], max_tokens=1, temperature=0, prefill_chunk=chunk)
     ref = reference.run()
     assert ref.prompt_tokens_evaluated == 128
     chunk_ns = (ref.first_token_ns - ref.start_ns) / math.ceil(ref.prompt_tokens_evaluated / chunk)
@@ -192,8 +201,8 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
         chunk_ns = ref.longest_prefill_node_ns
 
     slot.forget()
-    generation = Generation(slot, long_prompt, max_tokens=16, temperature=0, prefill_chunk=chunk,
-                            step_abort=step_abort)
+    generation = make_generation(slot, long_prompt, max_tokens=16, temperature=0, prefill_chunk=chunk,
+                                 step_abort=step_abort)
     runner = start(generation)
     # Cancel about half-way through what the reference evaluated, well inside the prompt.
     time.sleep((ref.first_token_ns - ref.start_ns) / 2e9)
@@ -201,7 +210,7 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
     assert generation.cancel() is True
     result = runner.finish()
 
-    assert result.outcome == "cancelled" and result.reason == "user_cancelled"
+    assert result.exit is ExitKind.CANCELLED
     # Only whole chunks count; stopped part-way, the first one may not have completed.
     assert (0 if step_abort else 1) <= result.prompt_tokens_evaluated < len(long_prompt)
     assert result.prompt_tokens_evaluated % chunk == 0
@@ -214,31 +223,43 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
 
 
 def test_cancel_before_run(engine, slot):
-    generation = Generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=16)
-    assert generation.cancel("early") is True
+    generation = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=16)
+    assert generation.cancel() is True
     result = generation.run()
-    assert (result.outcome, result.reason) == ("cancelled", "early")
+    assert result.exit is ExitKind.CANCELLED
     assert result.tokens_generated == 0 and result.prompt_tokens_evaluated == 0 and result.tokens_after_cancel == 0
     assert result.start_ns <= result.cancel_observed_ns <= result.end_ns
     assert generation.take() == []
     # The cancel-before-start path must leave the context usable.
-    again = Generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2, temperature=0).run()
-    assert again.outcome == "done" and again.tokens_generated == 2
+    again = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2, temperature=0).run()
+    assert again.exit is ExitKind.MAX_TOKENS and again.tokens_generated == 2
+
+
+def test_the_loop_is_told_to_stop_never_why(engine, slot):
+    generation = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2)
+    with pytest.raises(TypeError):
+        generation.cancel(Reason.SHUTDOWN)
+    # The reason stays with the stream, which reports it in the vocabulary.
+    stream = engine.start(slot, engine.encode(messages=CHAT_FRANCE), SamplingParams(max_tokens=2))
+    assert stream.cancel(Reason.SHUTDOWN) is True
+    assert list(stream) == []
+    assert stream.generation.result.exit is ExitKind.CANCELLED
+    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, Reason.SHUTDOWN)
 
 
 def test_cancel_twice_only_first_counts(engine, slot):
-    generation = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
-    runner = start(generation)
-    wait_for_tokens(generation, 1, [])
-    assert generation.cancel("first") is True
-    assert generation.cancel("second") is False
-    result = runner.finish()
-    assert generation.cancel("third") is False
-    assert (result.outcome, result.reason) == ("cancelled", "first")
+    stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
+    runner = start(stream.generation)
+    wait_for_tokens(stream.generation, 1, [])
+    assert stream.cancel(Reason.SHUTDOWN) is True
+    assert stream.cancel(Reason.CLIENT_DISCONNECTED) is False
+    runner.finish()
+    assert stream.cancel(Reason.SLOW_CONSUMER) is False
+    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, Reason.SHUTDOWN)
 
 
 def test_concurrent_cancels_exactly_one_wins(engine, slot):
-    generation = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
+    generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
     runner = start(generation)
     wait_for_tokens(generation, 1, [])
     barrier = threading.Barrier(8)
@@ -246,26 +267,100 @@ def test_concurrent_cancels_exactly_one_wins(engine, slot):
 
     def cancel(i):
         barrier.wait()
-        won.append(generation.cancel(f"canceller-{i}") and i)
+        won.append(generation.cancel() and i)
 
     threads = [threading.Thread(target=cancel, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    result = runner.finish()
-    winners = [i for i in won if i is not False]
-    assert len(winners) == 1
-    assert result.reason == f"canceller-{winners[0]}"
+    assert runner.finish().exit is ExitKind.CANCELLED
+    assert len([i for i in won if i is not False]) == 1
+
+
+def test_concurrent_stream_cancels_report_the_winners_reason(engine, slot):
+    reasons = [Reason.USER_CANCELLED, Reason.CLIENT_DISCONNECTED, Reason.SHUTDOWN, Reason.SLOW_CONSUMER]
+    stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
+    runner = start(stream.generation)
+    wait_for_tokens(stream.generation, 1, [])
+    barrier = threading.Barrier(len(reasons))
+    won = []
+
+    def cancel(reason):
+        barrier.wait()
+        if stream.cancel(reason):
+            won.append(reason)
+
+    threads = [threading.Thread(target=cancel, args=(reason,)) for reason in reasons]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runner.finish()
+    assert len(won) == 1
+    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, won[0])
 
 
 def test_cancel_after_finish_changes_nothing(engine, slot):
-    generation = Generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=3, temperature=0)
+    generation = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=3, temperature=0)
     result = generation.run()
-    assert (result.outcome, result.reason) == ("done", "max_tokens")
+    assert result.exit is ExitKind.MAX_TOKENS
     assert generation.cancel() is False
     assert generation.result is result
-    assert (result.outcome, result.reason, result.cancel_observed_ns) == ("done", "max_tokens", 0)
+    assert (result.exit, result.cancel_observed_ns) == (ExitKind.MAX_TOKENS, 0)
+
+
+# --- publication order ---------------------------------------------------------
+
+
+def test_a_reader_that_sees_finished_always_finds_the_result(engine, slot):
+    """The result is published before the finished state, and both before the
+    last wake-up. A watcher polls the state of many short generations and reads
+    the result the moment it sees them finished; the test thread waits on the
+    eventfd. (Under the GIL a wrong order shows once Python code runs between
+    the two stores, as it does when the result is built after the state.)"""
+    prompt = engine.encode(prompt="Once upon a time")
+    switch = sys.getswitchinterval()
+    # Switch threads as often as possible, to interleave the watcher with run()'s last steps.
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(60):
+            generation = make_generation(slot, prompt, max_tokens=1, temperature=0)
+            seen = {}
+
+            def watch(generation=generation, seen=seen):
+                while not generation.finished:
+                    pass
+                seen["result"] = generation.result
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            runner = start(generation)
+            # The wake-up after the finish: a reader woken by it finds the generation finished.
+            fd = generation.fileno()
+            while True:
+                select.select([fd], [], [], JOIN_TIMEOUT_S)
+                generation.take()
+                if generation.finished:
+                    assert generation.result is not None
+                    break
+            watcher.join(JOIN_TIMEOUT_S)
+            result = runner.finish()
+            assert seen["result"] is result
+            assert generation.state is GenerationState.FINISHED
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_the_states_a_generation_goes_through(engine, slot):
+    generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
+    assert generation.state is GenerationState.NEW and generation.result is None
+    runner = start(generation)
+    wait_for_tokens(generation, 1, [])
+    assert generation.state is GenerationState.RUNNING and generation.result is None
+    generation.cancel()
+    runner.finish()
+    assert generation.state is GenerationState.FINISHED and generation.result is not None
 
 
 # --- deadlines -------------------------------------------------------------
@@ -311,9 +406,9 @@ def test_first_token_deadline_with_generation_directly(engine, slot, long_prompt
     costs = measure_costs(slot, long_prompt[:64], chunk=8)
     slot.forget()
     deadline_ns = time.monotonic_ns() + int(0.3 * UNIT * 1e9)
-    generation = Generation(slot, long_prompt, max_tokens=16, prefill_chunk=8, first_token_deadline_ns=deadline_ns)
+    generation = make_generation(slot, long_prompt, max_tokens=16, prefill_chunk=8, first_token_deadline_ns=deadline_ns)
     result = generation.run()
-    assert (result.outcome, result.reason) == ("timeout", "first_token_timeout")
+    assert result.exit is ExitKind.FIRST_TOKEN_DEADLINE
     assert result.tokens_generated == 0 and result.prompt_tokens_evaluated % 8 == 0
     assert 0 <= result.end_ns - deadline_ns <= costs.chunk_ns + SLACK_NS
 
@@ -384,14 +479,14 @@ def test_python_threads_keep_running_during_generation(engine, slot):
     ratios, blocked = [], []
     for _ in range(3):
         solo = _count(1.0)
-        generation = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=1000, temperature=0,
-                                threads=1, window=1024)
+        generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=1000, temperature=0,
+                                     threads=1, window=1024)
         runner = start(generation)
         busy = _count(1.0)
         running = not generation.finished
         generation.cancel()
         result = runner.finish()
-        assert running and result.outcome == "cancelled"
+        assert running and result.exit is ExitKind.CANCELLED
         ratios.append(busy.rate / solo.rate)
         blocked.append(busy.blocked)
         if ratios[-1] >= 0.8:
@@ -436,7 +531,7 @@ def test_same_tokens_as_ctransformers_own_generate(engine, slot, chunk):
                                                     batch_size=chunk, threads=1, reset=True), 24))
     finally:
         del llm
-    generation = Generation(slot, prompt, max_tokens=24, temperature=0, prefill_chunk=chunk)
+    generation = make_generation(slot, prompt, max_tokens=24, temperature=0, prefill_chunk=chunk)
     result = generation.run()
     ours = generation.take()
     assert result.tokens_generated == len(theirs)
@@ -474,10 +569,10 @@ def test_stop_sequence_that_never_appears(engine, slot, france_answer):
 
 
 def test_max_tokens(engine, slot):
-    generation = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=5, temperature=0)
+    generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=5, temperature=0)
     result = generation.run()
     pieces = generation.take()
-    assert (result.outcome, result.reason) == ("done", "max_tokens")
+    assert result.exit is ExitKind.MAX_TOKENS
     assert result.tokens_generated == 5 == len(pieces)
     assert result.text_kept_bytes == len(b"".join(pieces))
 
@@ -487,15 +582,17 @@ def test_max_tokens_is_clamped_to_the_context(engine):
     try:
         prompt = engine.encode(prompt=COUNTING_TEXT)
         assert len(prompt) < 64
-        generation = Generation(context, prompt, max_tokens=500, temperature=0)
+        generation = make_generation(context, prompt, max_tokens=500, temperature=0)
         assert generation.max_tokens == 64 - len(prompt)
         result = generation.run()
-        assert (result.outcome, result.reason) == ("done", "max_tokens")
+        # Ended by the context, not by the request's max_tokens; a client hears max_tokens either way.
+        assert result.exit is ExitKind.CONTEXT_FULL
+        assert EXIT_OUTCOMES[result.exit] == (Outcome.DONE, Reason.MAX_TOKENS)
         assert result.tokens_generated == 64 - len(prompt) == len(generation.take())
         # A prompt that fills the context leaves no room for a token.
         with pytest.raises(ContextOverflowError):
-            Generation(context, (prompt * 2)[:64])
-        assert Generation(context, (prompt * 2)[:63]).max_tokens == 1
+            make_generation(context, (prompt * 2)[:64])
+        assert make_generation(context, (prompt * 2)[:63]).max_tokens == 1
     finally:
         context.close()
 
@@ -505,8 +602,8 @@ def test_slow_reader_pauses_the_loop(engine, slot):
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
     # Long enough for the prompt and twenty tokens, three times over.
     wait_s = 3 * (len(prompt) * costs.chunk_ns + 20 * costs.step_ns) / 1e9
-    generation = Generation(slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk,
-                            window=4)
+    generation = make_generation(slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk,
+                                 window=4)
     runner = start(generation)
     time.sleep(wait_s)
     assert len(generation.take()) == 4  # paused a full window ahead, not further
@@ -517,7 +614,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
     cancel_ns = time.monotonic_ns()
     assert generation.cancel() is True
     result = runner.finish()
-    assert result.outcome == "cancelled"
+    assert result.exit is ExitKind.CANCELLED
     assert result.tokens_generated == 12 and result.tokens_after_cancel == 0
     # A paused loop sees the flag within its pause poll, far below a step.
     assert result.end_ns - cancel_ns <= costs.step_ns + SLACK_NS
@@ -609,23 +706,23 @@ def test_start_cancel_cycles_leak_nothing(engine, slot):
 
 def test_two_slots_run_concurrently(engine, slot, second_slot, france_answer):
     prompt = engine.encode(messages=CHAT_FRANCE)
-    generations = [Generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
+    generations = [make_generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
                    for s in (slot, second_slot)]
     runners = [start(g) for g in generations]
     results = [r.finish() for r in runners]
     texts = [b"".join(g.take()).decode() for g in generations]
     # Same answer as alone: the contexts share weights but not state.
     assert texts == [france_answer, france_answer]
-    assert all(r.outcome == "done" for r in results)
+    assert all(ended_done(r) for r in results)
     # The two loops overlapped in time.
     assert max(r.start_ns for r in results) < min(r.end_ns for r in results)
 
 
 def test_one_slot_runs_one_generation_at_a_time(engine, slot):
-    first = Generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
+    first = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=500, temperature=0)
     runner = start(first)
     wait_for_tokens(first, 1, [])
-    second = Generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=4)
+    second = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=4)
     with pytest.raises(EngineError, match="another generation is running"):
         second.run()
     with pytest.raises(EngineError, match="while a generation runs"):
@@ -633,9 +730,9 @@ def test_one_slot_runs_one_generation_at_a_time(engine, slot):
     with pytest.raises(EngineError, match="running generation"):
         first.close()
     first.cancel()
-    assert runner.finish().outcome == "cancelled"
+    assert runner.finish().exit is ExitKind.CANCELLED
     # The refused generation was never started and can still run.
-    assert second.run().outcome == "done"
+    assert ended_done(second.run())
 
 
 # --- bad input -----------------------------------------------------------------
@@ -691,15 +788,60 @@ def test_native_context_refuses_a_non_model_file(engine, tmp_path):
     path.write_bytes(random.Random(8).randbytes(1 << 16))
     with pytest.raises(ModelLoadError, match="could not create"):
         _core.Context(str(path), "llama", 64)
-    with pytest.raises(ModelLoadError):
+    # A failed system call brings its errno and the system's words for it.
+    with pytest.raises(ModelLoadError, match="No such file or directory") as info:
         _core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
+    # In a child process, which uses up its file descriptors.
+    code = f"""
+import os, resource
+from stopline import _core
+from stopline.engine import SamplingParams, _ctransformers_library_path, sampling_args
+_core.load_library(_ctransformers_library_path())
+context = _core.Context({str(engine.model_path)!r}, "llama", 64)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    while True:
+        os.open("/dev/null", os.O_RDONLY)
+except OSError:
+    pass
+try:
+    _core.Generation(context, [1, 2], **sampling_args(SamplingParams()))
+except OSError as error:
+    print(error.errno, error)
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == f"{errno.EMFILE} [Errno {errno.EMFILE}] eventfd() failed: {os.strerror(errno.EMFILE)}"
+
+
+def test_a_library_that_cannot_be_loaded_says_why(tmp_path):
+    # In a child process: the library loads once per process.
+    path = tmp_path / "libnot-a-library.so"
+    path.write_bytes(b"not an ELF file" * 300)
+    code = f"""
+from stopline import _core
+try:
+    _core.load_library({str(path)!r})
+except _core.EngineError as error:
+    print(error)
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-2000:]
+    # The loader's own explanation (dlerror()), after the path.
+    assert child.stdout.startswith(f"cannot load {path}: ") and "invalid ELF header" in child.stdout
 
 
 def test_prompt_longer_than_the_context(engine, slot):
     prompt = engine.encode(prompt=LONG_PROMPT_TEXT * 2)
     assert len(prompt) > slot.context_length
     with pytest.raises(ContextOverflowError) as info:
-        Generation(slot, prompt)
+        make_generation(slot, prompt)
     assert isinstance(info.value, ValueError) and isinstance(info.value, EngineError)
     assert f"{len(prompt)} tokens" in str(info.value) and str(slot.context_length) in str(info.value)
     with pytest.raises(ContextOverflowError):
@@ -710,22 +852,25 @@ def test_prompt_longer_than_the_context(engine, slot):
 def test_invalid_prompt_tokens(engine, slot, bad):
     tokens = [1, engine.vocab_size] if bad == "vocab_size" else bad
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        Generation(slot, tokens)
+        make_generation(slot, tokens)
 
 
 def test_invalid_arguments(engine, slot):
     with pytest.raises(ValueError, match="no tokens"):
-        Generation(slot, [])
+        make_generation(slot, [])
     for name in ("max_tokens", "prefill_chunk", "threads", "window"):
         with pytest.raises(ValueError, match="positive"):
-            Generation(slot, [1, 2], **{name: 0})
+            Generation(slot, [1, 2], **{**sampling_args(SamplingParams()), name: 0})
+    # Sampling arguments have one source, SamplingParams: the loop has no defaults of its own.
+    with pytest.raises(TypeError):
+        Generation(slot, [1, 2])
     with pytest.raises(ValueError, match="exactly one"):
         engine.encode()
 
 
 def test_a_generation_runs_once(engine, slot):
-    generation = Generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2, temperature=0)
-    assert generation.run().outcome == "done"
+    generation = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2, temperature=0)
+    assert ended_done(generation.run())
     with pytest.raises(EngineError, match="only once"):
         generation.run()
 
@@ -744,13 +889,14 @@ def test_failed_construction_leaves_other_fds_alone(engine):
     code = f"""
 import os, sys
 from stopline import _core
-from stopline.engine import _ctransformers_library_path
+from stopline.engine import SamplingParams, _ctransformers_library_path, sampling_args
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 context.close()
 r, w = os.pipe()
 os.dup2(r, 0)
-for bad in (lambda: _core.Generation(context, [1, 2]), lambda: _core.Generation(context, 5)):
+args = sampling_args(SamplingParams())
+for bad in (lambda: _core.Generation(context, [1, 2], **args), lambda: _core.Generation(context, 5, **args)):
     try:
         bad()
     except Exception:

@@ -18,7 +18,7 @@ import pytest
 from stopline import _core
 
 from stopline import model
-from stopline.engine import Engine
+from stopline.engine import Engine, SamplingParams, sampling_args
 
 
 def sha256(path) -> str:
@@ -157,8 +157,9 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
         assert list((tmp_path / "converted").iterdir()) == [loaded.model_path]
         # The tokenizer comes from the original file given.
         assert loaded.encode(prompt="Hello world") == engine.encode(prompt="Hello world")
-        result = _core.Generation(slot, loaded.encode(prompt="1, 2, 3,"), max_tokens=3, temperature=0).run()
-        assert result.outcome == "done" and result.tokens_generated == 3
+        result = _core.Generation(slot, loaded.encode(prompt="1, 2, 3,"),
+                                  **sampling_args(SamplingParams(max_tokens=3, temperature=0))).run()
+        assert result.exit is _core.ExitKind.MAX_TOKENS and result.tokens_generated == 3
     finally:
         slot.close()
     mtime = loaded.model_path.stat().st_mtime_ns

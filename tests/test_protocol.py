@@ -172,13 +172,19 @@ def test_tokens_wasted_counts_only_unfinished_work():
                   tokens_generated=5).tokens_wasted == 15
 
 
-def test_the_native_loop_speaks_the_same_vocabulary():
-    from stopline import _core
-    from stopline.vocabulary import ErrorCode
-    names = set(Reason) | set(ErrorCode)
-    for outcome, reason in _core._EXIT_NAMES.values():
-        assert outcome in set(Outcome)
-        assert reason is None or reason in names, reason
+def test_every_way_out_of_the_native_loop_has_an_outcome():
+    from stopline._core import ExitKind
+    from stopline.engine import EXIT_OUTCOMES
+    # Every exit kind but "has not ended" is mapped, and to vocabulary values only.
+    assert set(EXIT_OUTCOMES) == set(ExitKind) - {ExitKind.NONE}
+    for outcome, reason in EXIT_OUTCOMES.values():
+        assert isinstance(outcome, Outcome)
+        if outcome is Outcome.CANCELLED:
+            assert reason is None  # the stream that cancelled supplies it
+        elif outcome is Outcome.ERROR:
+            assert isinstance(reason, ErrorCode)
+        else:
+            assert reason in REASONS_BY_OUTCOME[outcome]
 
 
 SURROGATE_FRAMES = [

@@ -13,10 +13,10 @@ import time
 
 import pytest
 from stopline import _core
-from stopline._core import Generation
+from stopline._core import ExitKind, Generation
 
 from bench.native import abort_storm, storm_prompt
-from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, metric_value
+from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, make_generation, metric_value
 from stopline.engine import Engine
 from stopline.vocabulary import AbortMode
 
@@ -40,7 +40,8 @@ def run_in_thread(generation: Generation):
 
 
 def greedy(slot, prompt, max_tokens=8, chunk=16, threads=1):
-    generation = Generation(slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=chunk, threads=threads)
+    generation = make_generation(slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=chunk,
+                                 threads=threads)
     result = generation.run()
     return result, b"".join(generation.take())
 
@@ -62,7 +63,7 @@ def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
     """One chunk of 512 tokens takes seconds; a cancel ends it between two graph nodes."""
     prompt = engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
-    generation = Generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=_core.MAX_PREFILL_CHUNK)
+    generation = make_generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=_core.MAX_PREFILL_CHUNK)
     thread, box = run_in_thread(generation)
     # Let the evaluation get going (the hook measures nodes from its start).
     time.sleep(0.3 * UNIT)
@@ -70,7 +71,7 @@ def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
     assert generation.cancel() is True
     thread.join(120 * UNIT)
     result = box["result"]
-    assert (result.outcome, result.reason) == ("cancelled", "user_cancelled")
+    assert result.exit is ExitKind.CANCELLED
     # Nothing was counted as evaluated: the 512-token evaluation never completed.
     assert result.prompt_tokens_evaluated == 0 and result.tokens_generated == 0
     # The loop left long before the chunk could have ended: the longest node seen
@@ -84,9 +85,9 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
     prompt = engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
     deadline_ns = time.monotonic_ns() + int(0.3e9 * UNIT)
-    result = Generation(slot, prompt, max_tokens=4, prefill_chunk=_core.MAX_PREFILL_CHUNK,
-                        first_token_deadline_ns=deadline_ns).run()
-    assert (result.outcome, result.reason) == ("timeout", "first_token_timeout")
+    result = make_generation(slot, prompt, max_tokens=4, prefill_chunk=_core.MAX_PREFILL_CHUNK,
+                             first_token_deadline_ns=deadline_ns).run()
+    assert result.exit is ExitKind.FIRST_TOKEN_DEADLINE
     assert result.prompt_tokens_evaluated == 0
     assert result.end_ns >= deadline_ns
 
@@ -94,13 +95,13 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
 def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
     prompt = engine.encode(prompt=STORY * 20)[:300]
     slot.forget()
-    generation = Generation(slot, prompt, max_tokens=4, prefill_chunk=128, step_abort=False)
+    generation = make_generation(slot, prompt, max_tokens=4, prefill_chunk=128, step_abort=False)
     thread, box = run_in_thread(generation)
     time.sleep(0.2 * UNIT)
     generation.cancel()
     thread.join(120 * UNIT)
     result = box["result"]
-    assert result.outcome == "cancelled"
+    assert result.exit is ExitKind.CANCELLED
     # Whole chunks only: the evaluation under way when the cancel came was finished.
     assert result.prompt_tokens_evaluated % 128 == 0 and result.prompt_tokens_evaluated > 0
 
@@ -113,7 +114,7 @@ def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
                                                       {"role": "user", "content": "And of Italy?"}])
     # The cache holds the prompt and every answer token that was evaluated: all
     # but the last, unless the answer ended with EOS (never evaluated, never counted).
-    last_evaluated = 0 if r1.reason == "eos" else 1
+    last_evaluated = 0 if r1.exit is ExitKind.EOS else 1
     assert slot.n_held == len(first) + r1.tokens_generated - last_evaluated
     expected = slot.reusable_prefix(follow_up, engine.prefill_chunk)
     # The first turn's prompt, and as much of its answer as the new prompt repeats.

@@ -1,5 +1,6 @@
-# Stopline's own C helpers: atomics, the clock and the eventfd (loop_support.h),
-# and the stop conditions with the in-step abort hook (step_abort.h).
+# Stopline's own C helpers: atomics, the clock and the eventfd (ext/loop_support.h),
+# and the stop conditions with the in-step abort hook (ext/step_abort.h).
+# Cimport qualified: `from stopline cimport _loop_support as sl`, then `sl.sl_check`.
 
 from libc.stdint cimport int64_t
 
@@ -20,6 +21,12 @@ cdef extern from "step_abort.h" nogil:
         SL_STOP_TOTAL_TIMEOUT
         SL_STOP_FIRST_TOKEN_TIMEOUT
 
+    ctypedef enum sl_hook_status:
+        SL_HOOK_INSTALLED
+        SL_HOOK_NO_LINK_MAP
+        SL_HOOK_NO_PLT_ENTRY
+        SL_HOOK_READ_ONLY
+
     ctypedef struct sl_watch:
         int cancel_flag
         int64_t deadline_ns
@@ -29,6 +36,6 @@ cdef extern from "step_abort.h" nogil:
         int64_t longest_gap_ns
 
     sl_stop sl_check(const sl_watch *w)
-    int sl_step_abort_install(void *handle)
+    sl_hook_status sl_step_abort_install(void *handle)
     void sl_watch_enter(sl_watch *w)
     void sl_watch_leave()

@@ -17,44 +17,28 @@ token's id and bytes, publishes the count with a release store and wakes an
 eventfd; Python reads everything below the published count. The loop never
 runs more than ``window`` tokens ahead of what Python has consumed, so a slow
 reader pauses the loop instead of growing a buffer.
+
+The loop knows only whether it must stop, never why a caller wanted it to:
+:meth:`Generation.cancel` takes no reason, and a :class:`LoopResult` reports an
+:class:`ExitKind`. ``stopline.engine`` maps that to the service's vocabulary.
+
+C declarations come from two .pxd files, cimported qualified: ``ct`` (the
+ctransformers C API, ext/ctransformers_abi.h) and ``sl`` (Stopline's own C
+helpers). :func:`c_failure` is the one place where a failure reported by C
+becomes a Python exception.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc cimport errno
 from libc.stdint cimport int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset, strlen
+from posix cimport dlfcn, fcntl, unistd
 
-from ctransformers_abi cimport CT_MAX_BATCH, ct_api, ct_api_open, ct_config, ct_llm
-from loop_support cimport (
-    SL_RUN, SL_STOP_CANCELLED, SL_STOP_TOTAL_TIMEOUT, sl_check, sl_claim, sl_drain, sl_eventfd,
-    sl_load_acquire, sl_monotonic_ns, sl_sleep_ns, sl_step_abort_install, sl_stop, sl_store_release,
-    sl_wake, sl_watch, sl_watch_enter, sl_watch_leave,
-)
+from stopline cimport _ctransformers as ct
+from stopline cimport _loop_support as sl
 
 import os
-
-# Outcome and reason names; they match stopline/vocabulary.py.
-DONE, CANCELLED, TIMEOUT, ERROR = "done", "cancelled", "timeout", "error"
-
-cdef enum LoopExit:
-    EXIT_NONE = 0
-    EXIT_EOS
-    EXIT_MAX_TOKENS
-    EXIT_STOP_SEQUENCE
-    EXIT_CANCELLED
-    EXIT_TOTAL_TIMEOUT
-    EXIT_FIRST_TOKEN_TIMEOUT
-    EXIT_EVAL_FAILED
-
-_EXIT_NAMES = {
-    EXIT_EOS: (DONE, "eos"),
-    EXIT_MAX_TOKENS: (DONE, "max_tokens"),
-    EXIT_STOP_SEQUENCE: (DONE, "stop_sequence"),
-    EXIT_CANCELLED: (CANCELLED, None),
-    EXIT_TOTAL_TIMEOUT: (TIMEOUT, "total_timeout"),
-    EXIT_FIRST_TOKEN_TIMEOUT: (TIMEOUT, "first_token_timeout"),
-    EXIT_EVAL_FAILED: (ERROR, "internal_error"),
-}
 
 cdef enum:
     # How many recent tokens the repetition penalty looks at (ctransformers' default).
@@ -62,23 +46,23 @@ cdef enum:
     # While paused for a slow reader, re-check the flag and deadlines this often.
     PAUSE_POLL_NS = 200000
 
-cdef enum GenerationState:
-    GENERATION_NEW
-    GENERATION_RUNNING
-    GENERATION_FINISHED
-
-cdef ct_api API
+cdef ct.ct_api API
 cdef bint API_READY = False
-# Whether ggml's evaluations can be stopped between graph nodes (step_abort.h).
+# Whether ggml's evaluations can be stopped between graph nodes (step_abort.h),
+# and if not, why.
 cdef bint STEP_ABORT = False
+cdef object STEP_ABORT_FAILURE = None
 
 
 # The largest prefill chunk the library can evaluate at once.
-MAX_PREFILL_CHUNK = CT_MAX_BATCH
+MAX_PREFILL_CHUNK = ct.CT_MAX_BATCH
+# The ctransformers release whose binary interface ctransformers_abi.h declares.
+CTRANSFORMERS_VERSION = ct.CT_ABI_VERSION.decode()
 
 
 class EngineError(RuntimeError):
-    """A failure inside the native engine."""
+    """A failure inside the native engine. ``errno`` is set when a system call failed."""
+    errno = None
 
 
 class ModelLoadError(EngineError):
@@ -89,21 +73,41 @@ class ContextOverflowError(EngineError, ValueError):
     """The prompt does not fit in the context."""
 
 
-cdef raise_engine_error(type kind, str message):
-    # The single place where C failures become Python exceptions.
-    raise kind(message)
+cdef object c_failure(type kind, str what, int errnum=0, const char *detail=NULL):
+    """The one place where a failure reported by C becomes a Python exception
+    (returned, to be raised by the caller). ``errnum`` is the errno the failed
+    call left (0: none), ``detail`` an explanation the library gave (dlerror())."""
+    if detail is not NULL and detail[0]:
+        what = f"{what}: {detail.decode('utf-8', 'replace')}"
+    if issubclass(kind, OSError) and errnum:
+        return kind(errnum, f"{what}: {os.strerror(errnum)}")
+    if errnum:
+        what = f"{what}: {os.strerror(errnum)}"
+    error = kind(what)
+    if errnum:
+        error.errno = errnum
+    return error
 
 
 def load_library(str path):
     """Resolve the ctransformers C API from ``path`` and install the step hook (once per process)."""
-    global API_READY, STEP_ABORT
+    global API_READY, STEP_ABORT, STEP_ABORT_FAILURE
     cdef char err[512]
+    cdef sl.sl_hook_status hook
     if API_READY:
         return
-    if ct_api_open(&API, os.fsencode(path), err, sizeof(err)) != 0:
-        raise_engine_error(EngineError, err.decode("utf-8", "replace"))
+    if ct.ct_api_open(&API, os.fsencode(path), err, sizeof(err)) != 0:
+        raise c_failure(EngineError, f"cannot load {path}", 0, err)
     API_READY = True
-    STEP_ABORT = sl_step_abort_install(API.handle) == 1
+    hook = sl.sl_step_abort_install(API.handle)
+    # Read right away: errno and dlerror() belong to the failed call.
+    if hook == sl.SL_HOOK_NO_LINK_MAP:
+        STEP_ABORT_FAILURE = c_failure(EngineError, "dlinfo() found no link map", 0, dlfcn.dlerror())
+    elif hook == sl.SL_HOOK_READ_ONLY:
+        STEP_ABORT_FAILURE = c_failure(EngineError, "cannot make the GOT entry writable", errno.errno)
+    elif hook == sl.SL_HOOK_NO_PLT_ENTRY:
+        STEP_ABORT_FAILURE = c_failure(EngineError, "the library does not call ggml_graph_compute through its PLT")
+    STEP_ABORT = hook == sl.SL_HOOK_INSTALLED
 
 
 def step_abort_installed():
@@ -112,8 +116,13 @@ def step_abort_installed():
     return STEP_ABORT
 
 
+def step_abort_failure():
+    """Why the hook could not be installed (an :class:`EngineError`), or None."""
+    return STEP_ABORT_FAILURE
+
+
 cdef class Context:
-    cdef ct_llm *llm
+    cdef ct.ct_llm *llm
     cdef readonly int context_length
     cdef readonly int vocab_size
     cdef readonly int max_token_bytes
@@ -126,9 +135,10 @@ cdef class Context:
     cdef int held_chunk
 
     def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
-        cdef ct_config config
+        cdef ct.ct_config config
+        cdef int fd
         if not API_READY:
-            raise_engine_error(EngineError, "load_library() has not been called")
+            raise EngineError("load_library() has not been called")
         config.context_length = context_length
         config.gpu_layers = 0
         config.mmap = True
@@ -137,10 +147,15 @@ cdef class Context:
         kind_bytes = model_type.encode()
         cdef const char *path = path_bytes
         cdef const char *kind = kind_bytes
+        # The library reports any failure as NULL; an unreadable file gets its errno here.
+        fd = fcntl.open(path, fcntl.O_RDONLY | fcntl.O_CLOEXEC)
+        if fd < 0:
+            raise c_failure(ModelLoadError, f"cannot open {model_path}", errno.errno)
+        unistd.close(fd)
         with nogil:
             self.llm = API.llm_create(path, kind, config)
         if self.llm is NULL:
-            raise_engine_error(ModelLoadError, f"ctransformers could not create a {model_type!r} model from {model_path}")
+            raise c_failure(ModelLoadError, f"ctransformers could not create a {model_type!r} model from {model_path}")
         self.context_length = API.llm_context_length(self.llm)
         self.vocab_size = API.llm_vocab_size(self.llm)
         self.architecture = (<bytes>API.llm_architecture(self.llm)).decode("utf-8", "replace")
@@ -152,7 +167,7 @@ cdef class Context:
         self.max_token_bytes = longest
         self.held = <int *>malloc(self.context_length * sizeof(int))
         if self.held is NULL:
-            raise MemoryError()
+            raise c_failure(MemoryError, "cannot allocate the KV cache's token record")
 
     def reusable_prefix(self, tokens, int chunk):
         """How many leading ``tokens`` a generation with prefill chunks of
@@ -160,7 +175,7 @@ cdef class Context:
         cdef int i, n = len(tokens)
         cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
         if ids is NULL:
-            raise MemoryError()
+            raise c_failure(MemoryError, "cannot allocate the token ids")
         try:
             for i in range(n):
                 ids[i] = tokens[i]
@@ -190,42 +205,42 @@ cdef class Context:
         Returns ``(aborts, trim_exact)``: whether an evaluation with the stop
         flag set returned part-way, and whether the last token's logits
         computed alone are bit-identical to those of a full evaluation."""
-        cdef sl_watch watch
+        cdef sl.sl_watch watch
         cdef int n = len(tokens), i, size
         cdef bint ok, aborts
         cdef int *ids
         self._check_open()
         if self.busy:
-            raise_engine_error(EngineError, "the context is busy")
-        if not 2 <= n <= CT_MAX_BATCH:
-            raise ValueError(f"the probe evaluates 2 to {CT_MAX_BATCH} tokens at once")
+            raise EngineError("the context is busy")
+        if not 2 <= n <= ct.CT_MAX_BATCH:
+            raise ValueError(f"the probe evaluates 2 to {ct.CT_MAX_BATCH} tokens at once")
         if not STEP_ABORT:
             return False, False
         ids = <int *>malloc(n * sizeof(int))
         if ids is NULL:
-            raise MemoryError()
+            raise c_failure(MemoryError, "cannot allocate the token ids")
         for i in range(n):
             ids[i] = tokens[i]
         self.n_held = 0
         memset(&watch, 0, sizeof(watch))
         try:
             with nogil:
-                sl_watch_enter(&watch)
+                sl.sl_watch_enter(&watch)
                 watch.cancel_flag = 1
                 API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
                 aborts = watch.aborted == 1
                 watch.cancel_flag = 0
                 ok = API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
-                sl_watch_leave()
+                sl.sl_watch_leave()
             if not ok or watch.aborted:
                 return aborts, False
             size = API.llm_logits_size(self.llm)
             full = PyBytes_FromStringAndSize(<char *>API.llm_logits_data(self.llm), size * sizeof(float))
             with nogil:
-                sl_watch_enter(&watch)
+                sl.sl_watch_enter(&watch)
                 watch.trim_output = 1
                 ok = API.llm_batch_eval(self.llm, ids, n, 0, n, 1)
-                sl_watch_leave()
+                sl.sl_watch_leave()
             trimmed = PyBytes_FromStringAndSize(<char *>API.llm_logits_data(self.llm), size * sizeof(float))
             return aborts, ok and not watch.aborted and trimmed == full
         finally:
@@ -237,7 +252,7 @@ cdef class Context:
         data = text.encode("utf-8")
         cdef int *ids = <int *>malloc((len(data) + 1) * sizeof(int))
         if ids is NULL:
-            raise MemoryError()
+            raise c_failure(MemoryError, "cannot allocate the token ids")
         try:
             n = API.llm_tokenize(self.llm, data, False, ids)
             return [ids[i] for i in range(n)]
@@ -254,7 +269,7 @@ cdef class Context:
 
     def close(self):
         if self.busy:
-            raise_engine_error(EngineError, "cannot close a context while a generation runs on it")
+            raise EngineError("cannot close a context while a generation runs on it")
         if self.llm is not NULL:
             API.llm_delete(self.llm)
             self.llm = NULL
@@ -268,7 +283,7 @@ cdef class Context:
 
     cdef _check_open(self):
         if self.llm is NULL:
-            raise_engine_error(EngineError, "context is closed")
+            raise EngineError("context is closed")
 
 
 cdef struct LoopState:
@@ -277,6 +292,7 @@ cdef struct LoopState:
     int n_prompt
     int n_reused           # leading prompt tokens the KV cache already holds
     int max_tokens
+    bint max_tokens_capped  # max_tokens is the room the context has left
     int top_k
     float top_p
     float temperature
@@ -292,7 +308,7 @@ cdef struct LoopState:
     int n_stops
     int wake_fd
     # The stop conditions: the cancel flag and the deadlines.
-    sl_watch watch
+    sl.sl_watch watch
     # Shared with Python through atomics.
     int cancel_requested   # claimed once, by the first Generation.cancel()
     int published          # tokens whose id and bytes are readable
@@ -305,7 +321,7 @@ cdef struct LoopState:
     int n_generated
     int n_prompt_evaluated
     int stop_at            # byte offset where the matched stop sequence starts
-    LoopExit exit
+    ExitKind exit
     int tokens_after_cancel
     int64_t start_ns
     int64_t first_token_ns
@@ -317,21 +333,21 @@ cdef struct LoopState:
 
 cdef inline bint should_stop(LoopState *s) noexcept nogil:
     """The poll done before every chunk and token; records why the loop ends."""
-    cdef sl_stop why = sl_check(&s.watch)
-    if why == SL_RUN:
+    cdef sl.sl_stop why = sl.sl_check(&s.watch)
+    if why == sl.SL_RUN:
         return False
-    if why == SL_STOP_CANCELLED:
-        s.cancel_observed_ns = sl_monotonic_ns()
-        s.exit = EXIT_CANCELLED
+    if why == sl.SL_STOP_CANCELLED:
+        s.cancel_observed_ns = sl.sl_monotonic_ns()
+        s.exit = ExitKind.CANCELLED
         s.tokens_after_cancel = s.n_generated - s.published_at_cancel
-    elif why == SL_STOP_TOTAL_TIMEOUT:
-        s.exit = EXIT_TOTAL_TIMEOUT
+    elif why == sl.SL_STOP_TOTAL_TIMEOUT:
+        s.exit = ExitKind.TOTAL_DEADLINE
     else:
-        s.exit = EXIT_FIRST_TOKEN_TIMEOUT
+        s.exit = ExitKind.FIRST_TOKEN_DEADLINE
     return True
 
 
-cdef bint evaluate(LoopState *s, ct_llm *llm, ct_api *api, int count) noexcept nogil:
+cdef bint evaluate(LoopState *s, ct.ct_llm *llm, ct.ct_api *api, int count) noexcept nogil:
     """Evaluate the next ``count`` tokens into the KV cache. False when the loop
     must end instead (s.exit says why)."""
     cdef bint ok
@@ -348,10 +364,10 @@ cdef bint evaluate(LoopState *s, ct_llm *llm, ct_api *api, int count) noexcept n
         # holds (the flag is sticky, deadlines only pass), and these positions
         # of the KV cache hold nothing usable.
         if not should_stop(s):
-            s.exit = EXIT_EVAL_FAILED
+            s.exit = ExitKind.EVAL_FAILED
         return False
     if not ok:
-        s.exit = EXIT_EVAL_FAILED
+        s.exit = ExitKind.EVAL_FAILED
         return False
     s.n_past += count
     return True
@@ -387,16 +403,16 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
     return True
 
 
-cdef void run_loop(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
-    s.start_ns = sl_monotonic_ns()
+cdef void run_loop(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil:
+    s.start_ns = sl.sl_monotonic_ns()
     s.n_past = s.n_reused
     if s.step_abort:
-        sl_watch_enter(&s.watch)
+        sl.sl_watch_enter(&s.watch)
     run_steps(s, llm, api)
-    sl_watch_leave()
+    sl.sl_watch_leave()
 
 
-cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
+cdef void run_steps(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil:
     cdef int chunk, token, first_last, step, size, old_size
     cdef int top_k = s.top_k
     cdef float temperature = s.temperature
@@ -425,8 +441,8 @@ cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         if should_stop(s):
             return
         # Pause while the reader is a full window behind.
-        while s.n_generated - sl_load_acquire(&s.consumed) >= s.window:
-            sl_sleep_ns(PAUSE_POLL_NS)
+        while s.n_generated - sl.sl_load_acquire(&s.consumed) >= s.window:
+            sl.sl_sleep_ns(PAUSE_POLL_NS)
             if should_stop(s):
                 return
 
@@ -437,7 +453,7 @@ cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
                                temperature, s.repetition_penalty,
                                <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
         if api.llm_is_eos_token(llm, token):
-            s.exit = EXIT_EOS
+            s.exit = ExitKind.EOS
             return
 
         # Publish: bytes and id first, then the count with release semantics.
@@ -449,14 +465,14 @@ cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
         s.tokens[s.n_past] = token
         s.n_generated += 1
         if s.n_generated == 1:
-            s.first_token_ns = sl_monotonic_ns()
+            s.first_token_ns = sl.sl_monotonic_ns()
             # The first-token deadline has been met.
             s.watch.first_token_deadline_ns = 0
-        sl_store_release(&s.published, s.n_generated)
-        sl_wake(s.wake_fd)
+        sl.sl_store_release(&s.published, s.n_generated)
+        sl.sl_wake(s.wake_fd)
 
         if s.n_stops and stop_sequence_matched(s, old_size, old_size + size):
-            s.exit = EXIT_STOP_SEQUENCE
+            s.exit = ExitKind.STOP_SEQUENCE
             return
         if s.n_generated == s.max_tokens:
             break
@@ -465,56 +481,91 @@ cdef void run_steps(LoopState *s, ct_llm *llm, ct_api *api) noexcept nogil:
             return
         if not evaluate(s, llm, api, 1):
             return
-    s.exit = EXIT_MAX_TOKENS
+    s.exit = ExitKind.CONTEXT_FULL if s.max_tokens_capped else ExitKind.MAX_TOKENS
 
 
 def measure_flag_poll(int iterations=1000000):
     """Mean cost in ns of one poll of the cancel flag and both deadlines, as the loop does it."""
     cdef LoopState s
     # hits keeps the compiler from optimising the polls away.
-    cdef int i, hits = 0
+    cdef int _i, hits = 0
     cdef int64_t start, elapsed
     memset(&s, 0, sizeof(s))
-    s.watch.deadline_ns = sl_monotonic_ns() + 3600 * 1000000000
+    s.watch.deadline_ns = sl.sl_monotonic_ns() + 3600 * 1000000000
     s.watch.first_token_deadline_ns = s.watch.deadline_ns
     with nogil:
-        start = sl_monotonic_ns()
-        for i in range(iterations):
+        start = sl.sl_monotonic_ns()
+        for _i in range(iterations):
             hits += should_stop(&s)
-        elapsed = sl_monotonic_ns() - start
+        elapsed = sl.sl_monotonic_ns() - start
     return elapsed / iterations
 
 
-class GenerationResult:
-    """What a finished generation reports. Timestamps are CLOCK_MONOTONIC ns (0: never)."""
+cdef class LoopResult:
+    """What a finished loop reports: why it ended (an :class:`ExitKind`), the
+    counts, and CLOCK_MONOTONIC timestamps in ns (0: never)."""
 
-    __slots__ = ("outcome", "reason", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated",
-                 "tokens_generated", "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns",
-                 "end_ns", "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns")
+    cdef readonly ExitKind exit
+    cdef readonly int prompt_tokens
+    cdef readonly int prompt_tokens_reused
+    cdef readonly int prompt_tokens_evaluated
+    cdef readonly int tokens_generated
+    cdef readonly int tokens_after_cancel
+    cdef readonly int64_t start_ns
+    cdef readonly int64_t first_token_ns
+    cdef readonly int64_t cancel_observed_ns
+    cdef readonly int64_t end_ns
+    cdef readonly int text_kept_bytes
+    cdef readonly int64_t longest_prefill_node_ns
+    cdef readonly int64_t longest_decode_node_ns
 
-    def __init__(self, **fields):
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
+    FIELDS = ("exit", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated", "tokens_generated",
+              "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns", "end_ns",
+              "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns")
 
     def __repr__(self):
-        return "GenerationResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
+        return "LoopResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS) + ")"
+
+
+cdef LoopResult loop_result(const LoopState *s):
+    cdef LoopResult r = LoopResult.__new__(LoopResult)
+    r.exit = s.exit
+    r.prompt_tokens = s.n_prompt
+    r.prompt_tokens_reused = s.n_reused
+    r.prompt_tokens_evaluated = s.n_prompt_evaluated
+    r.tokens_generated = s.n_generated
+    r.tokens_after_cancel = s.tokens_after_cancel if s.exit == ExitKind.CANCELLED else 0
+    r.start_ns = s.start_ns
+    r.first_token_ns = s.first_token_ns
+    r.cancel_observed_ns = s.cancel_observed_ns
+    r.end_ns = s.end_ns
+    if s.exit == ExitKind.STOP_SEQUENCE:
+        r.text_kept_bytes = s.stop_at
+    else:
+        r.text_kept_bytes = s.text_end[s.n_generated - 1] if s.n_generated else 0
+    r.longest_prefill_node_ns = s.longest_prefill_node_ns
+    r.longest_decode_node_ns = s.longest_decode_node_ns
+    return r
 
 
 cdef class Generation:
     """One run of the token loop on a context. Create it, call :meth:`run` once
-    (from any thread; it blocks without the GIL), read tokens with :meth:`take`."""
+    (from any thread; it blocks without the GIL), read tokens with :meth:`take`.
+
+    The sampling arguments have no defaults here: ``stopline.engine.SamplingParams``
+    is their one source (``stopline.engine.sampling_args`` turns it into them)."""
 
     cdef LoopState s
     cdef Context context
-    cdef GenerationState state
+    # A GenerationState, stored with release and read with acquire semantics.
+    cdef int _state
     # Set only once eventfd() succeeded: __dealloc__ runs even when __cinit__ fails.
     cdef bint owns_wake_fd
-    cdef object cancel_reason
-    cdef object _result
+    cdef LoopResult _result
     cdef readonly object stop_sequences
 
-    def __cinit__(self, Context context, prompt_tokens, *, int max_tokens=256, double temperature=0.7,
-                  int top_k=40, double top_p=0.95, double repetition_penalty=1.1, int seed=0,
+    def __cinit__(self, Context context, prompt_tokens, *, int max_tokens, double temperature,
+                  int top_k, double top_p, double repetition_penalty, int seed,
                   stop=(), int prefill_chunk=1, int threads=1, int window=64,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
@@ -523,14 +574,15 @@ cdef class Generation:
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
         if n_prompt >= context.context_length:
-            raise_engine_error(ContextOverflowError,
+            raise ContextOverflowError(
                 f"the prompt has {n_prompt} tokens; the context holds {context.context_length} "
                 "and needs room for at least one generated token")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
-        if prefill_chunk > CT_MAX_BATCH:
-            raise ValueError(f"prefill_chunk is at most {CT_MAX_BATCH}, the library's batch limit")
+        if prefill_chunk > ct.CT_MAX_BATCH:
+            raise ValueError(f"prefill_chunk is at most {ct.CT_MAX_BATCH}, the library's batch limit")
         # The context must hold the prompt and every generated token.
+        self.s.max_tokens_capped = max_tokens > context.context_length - n_prompt
         max_tokens = min(max_tokens, context.context_length - n_prompt)
         self.context = context
         self.stop_sequences = tuple(bytes(x) for x in stop if x)
@@ -556,7 +608,7 @@ cdef class Generation:
         self.s.stop_sizes = <int *>malloc((self.s.n_stops + 1) * sizeof(int))
         self.s.stops = <char *>malloc(sum(len(x) for x in self.stop_sequences) + 1)
         if not (self.s.tokens and self.s.text and self.s.text_end and self.s.stop_sizes and self.s.stops):
-            raise MemoryError()
+            raise c_failure(MemoryError, "cannot allocate the token log")
         for i in range(n_prompt):
             token = prompt_tokens[i]
             if not 0 <= token < context.vocab_size:
@@ -566,9 +618,9 @@ cdef class Generation:
             memcpy(self.s.stops + offset, <const char *>seq, len(seq))
             self.s.stop_sizes[i] = len(seq)
             offset += len(seq)
-        self.s.wake_fd = sl_eventfd()
+        self.s.wake_fd = sl.sl_eventfd()
         if self.s.wake_fd < 0:
-            raise OSError("eventfd failed")
+            raise c_failure(OSError, "eventfd() failed", errno.errno)
         self.owns_wake_fd = True
 
     def __dealloc__(self):
@@ -586,8 +638,8 @@ cdef class Generation:
 
     def close(self):
         """Release the eventfd early (the memory goes with the object)."""
-        if self.state == GENERATION_RUNNING:
-            raise_engine_error(EngineError, "cannot close a running generation")
+        if sl.sl_load_acquire(&self._state) == GenerationState.RUNNING:
+            raise EngineError("cannot close a running generation")
         if self.owns_wake_fd:
             os.close(self.s.wake_fd)
             self.owns_wake_fd = False
@@ -595,8 +647,14 @@ cdef class Generation:
             self.s.wake_fd = -1
 
     @property
+    def state(self):
+        """Where the generation stands: a :class:`GenerationState`."""
+        return GenerationState(sl.sl_load_acquire(&self._state))
+
+    @property
     def finished(self):
-        return self.state == GENERATION_FINISHED
+        """Whether the loop has ended; :attr:`result` is set once this is true."""
+        return sl.sl_load_acquire(&self._state) == GenerationState.FINISHED
 
     @property
     def prompt_tokens(self):
@@ -606,76 +664,64 @@ cdef class Generation:
     def max_tokens(self):
         return self.s.max_tokens
 
-    def cancel(self, reason="user_cancelled"):
+    def cancel(self):
         """Ask the loop to stop. Thread-safe and idempotent: only the first call counts,
         and a call after the loop ended changes nothing. Returns True if this call
-        was the one that requested the stop of a running or not-yet-started loop."""
-        if self.state == GENERATION_FINISHED:
+        was the one that requested the stop of a running or not-yet-started loop.
+        Why it was stopped is the caller's to remember: the loop knows only that."""
+        if sl.sl_load_acquire(&self._state) == GenerationState.FINISHED:
             return False
-        if not sl_claim(&self.s.cancel_requested, 1):
+        if not sl.sl_claim(&self.s.cancel_requested, 1):
             return False
-        self.cancel_reason = reason
-        self.s.published_at_cancel = sl_load_acquire(&self.s.published)
-        sl_store_release(&self.s.watch.cancel_flag, 1)
+        self.s.published_at_cancel = sl.sl_load_acquire(&self.s.published)
+        sl.sl_store_release(&self.s.watch.cancel_flag, 1)
         return True
 
     def run(self):
-        """Run the loop to its end and return the :class:`GenerationResult`."""
+        """Run the loop to its end and return the :class:`LoopResult`."""
         cdef Context context = self.context
-        cdef int i
-        if self.state != GENERATION_NEW:
-            raise_engine_error(EngineError, "a generation runs only once")
+        if sl.sl_load_acquire(&self._state) != GenerationState.NEW:
+            raise EngineError("a generation runs only once")
         if context.busy:
-            raise_engine_error(EngineError, "another generation is running on this context")
+            raise EngineError("another generation is running on this context")
         context._check_open()
         self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
-        self.state = GENERATION_RUNNING
+        sl.sl_store_release(&self._state, GenerationState.RUNNING)
         context.busy = 1
         # Positions from n_reused on are about to be overwritten.
         context.n_held = self.s.n_reused
         with nogil:
             run_loop(&self.s, context.llm, &API)
-            self.s.end_ns = sl_monotonic_ns()
+            self.s.end_ns = sl.sl_monotonic_ns()
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
         context.n_held = self.s.n_past
         context.held_chunk = self.s.prefill_chunk
         context.busy = 0
-        outcome, reason = _EXIT_NAMES[self.s.exit]
-        if self.s.exit == EXIT_CANCELLED:
-            reason = self.cancel_reason
-        kept = self.s.text_end[self.s.n_generated - 1] if self.s.n_generated else 0
-        if self.s.exit == EXIT_STOP_SEQUENCE:
-            kept = self.s.stop_at
-        self._result = GenerationResult(
-            outcome=outcome, reason=reason, prompt_tokens=self.s.n_prompt, prompt_tokens_reused=self.s.n_reused,
-            prompt_tokens_evaluated=self.s.n_prompt_evaluated, tokens_generated=self.s.n_generated,
-            tokens_after_cancel=self.s.tokens_after_cancel if self.s.exit == EXIT_CANCELLED else 0,
-            start_ns=self.s.start_ns, first_token_ns=self.s.first_token_ns,
-            cancel_observed_ns=self.s.cancel_observed_ns, end_ns=self.s.end_ns, text_kept_bytes=kept,
-            longest_prefill_node_ns=self.s.longest_prefill_node_ns,
-            longest_decode_node_ns=self.s.longest_decode_node_ns)
-        # The result is in place before anyone can see the generation finished.
-        self.state = GENERATION_FINISHED
-        sl_wake(self.s.wake_fd)
+        # Publish in this order: the result, then the finished state (a release
+        # store), then the wake-up. A reader that sees "finished", or that was
+        # woken by the last wake-up, always finds the result.
+        self._result = loop_result(&self.s)
+        sl.sl_store_release(&self._state, GenerationState.FINISHED)
+        sl.sl_wake(self.s.wake_fd)
         return self._result
 
     @property
     def result(self):
-        """The result once the loop has ended, else None."""
+        """The :class:`LoopResult` once the loop has ended, else None."""
         return self._result
 
     def take(self):
         """Return the bytes of each token published since the last call, as a list,
         and let the loop run ahead again."""
-        cdef int start = sl_load_acquire(&self.s.consumed)
-        cdef int end = sl_load_acquire(&self.s.published)
+        cdef int start = sl.sl_load_acquire(&self.s.consumed)
+        cdef int end = sl.sl_load_acquire(&self.s.published)
         cdef int i
         cdef uint32_t begin
         cdef list pieces = []
         if self.owns_wake_fd:
-            sl_drain(self.s.wake_fd)
+            sl.sl_drain(self.s.wake_fd)
         for i in range(start, end):
             begin = self.s.text_end[i - 1] if i else 0
             pieces.append(PyBytes_FromStringAndSize(self.s.text + begin, self.s.text_end[i] - begin))
-        sl_store_release(&self.s.consumed, end)
+        sl.sl_store_release(&self.s.consumed, end)
         return pieces
