@@ -269,10 +269,13 @@ class Cluster:
                         queue_limit=self.queue_limit)
 
     def _register_live(self) -> None:
-        """Write every live generation again: Redis may have come back empty."""
+        """Write every live generation again: Redis may have come back empty. These writes go
+        after everything queued (they are the newest) and are never dropped: there are only
+        as many as slots and queue places."""
         self._synced.clear()
-        for entry in self.registry.live():
-            self._write(self._hash(entry))
+        self._queue.extend(self._hash(entry) for entry in self.registry.live())
+        self.metrics.store_writes_queued.set(len(self._queue))
+        self._queued.set()
 
     # Background work while connected -----------------------------------------------------------
 
