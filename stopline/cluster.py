@@ -10,8 +10,9 @@ answer ``GET`` and ``DELETE /v1/generations/{request_id}`` for any of them:
 - ``stopline:cancellations``, a stream capped with ``MAXLEN ~``: one record
   per cancel and per timeout.
 - ``stopline:replica:{<id>}:heartbeat``, a key each replica sets every
-  heartbeat period, expiring after three: a replica whose key is gone is dead
-  or cut off.
+  heartbeat period to its incarnation (one per process), expiring after
+  three: a replica whose key is gone is dead or cut off, and one whose key
+  names another incarnation has restarted and lost its generations.
 - ``stopline:replica:{<id>}:inbox``, a pub/sub channel per replica: a DELETE
   that lands on a replica that does not hold the request is published to the
   owner's inbox; the owner stops it and publishes the outcome that won to the
@@ -36,8 +37,8 @@ import json
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -45,7 +46,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from .observability import Metrics, log
-from .registry import Entry, InvalidCancelToken, OwnerUnreachable, Registry, StoreUnavailable, UnknownRequest
+from .registry import (
+    Entry,
+    InvalidCancelToken,
+    OwnerUnreachable,
+    Registry,
+    StoreUnavailable,
+    UnknownRequest,
+)
 from .vocabulary import END_EVENTS, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
@@ -121,6 +129,9 @@ class Cluster:
         self.status_ttl_s = status_ttl_s
         self.queue_limit = queue_limit
         self.replica_id = ""
+        # This process's life: a replica restarted under the same id is not the owner of its
+        # previous life's generations, which its heartbeat then says.
+        self.incarnation = uuid.uuid4().hex
         self.state = StoreState.DOWN
         # Stops a request held here when another replica asks; None: it is not here.
         self.cancel_here: Callable[[str], Awaitable[Status | None]] | None = None
@@ -242,7 +253,8 @@ class Cluster:
 
     def _hash(self, entry: Entry) -> Write:
         described = entry.describe()
-        fields = {**described, "owner": self.replica_id, "user_id": entry.user or "",
+        fields = {**described, "owner": self.replica_id, "owner_incarnation": self.incarnation,
+                  "user_id": entry.user or "",
                   "token_sha256": token_digest(entry.cancel_token), "created_at": _iso(entry.created),
                   "updated_at": _iso(time.time())}
         if entry.ending is not None:
@@ -280,7 +292,7 @@ class Cluster:
     # Background work while connected -----------------------------------------------------------
 
     async def _beat(self) -> None:
-        await self._client.set(heartbeat_key(self.replica_id), _iso(time.time()), px=int(HEARTBEAT_TTL_S * 1000))
+        await self._client.set(heartbeat_key(self.replica_id), self.incarnation, px=int(HEARTBEAT_TTL_S * 1000))
 
     async def _heartbeats(self) -> None:
         while True:
@@ -361,9 +373,8 @@ class Cluster:
         """GET for a request this replica does not hold: from its hash, as of the owner's last heartbeat."""
         record = await self._authorized(request_id, cancel_token)
         status = record["status"]
-        if status not in ENDED_STATUSES:
-            if not await self._owner_alive(record["owner"]):
-                status = str(Status.OWNER_LOST)
+        if status not in ENDED_STATUSES and not await self._owner_alive(record):
+            status = str(Status.OWNER_LOST)
         answer: dict = {"request_id": request_id, "status": status,
                         "prompt_tokens": int(record.get("prompt_tokens", 0)),
                         "tokens_generated": int(record.get("tokens_generated", 0))}
@@ -381,7 +392,7 @@ class Cluster:
             return record["status"]
         owner = record["owner"]
         if owner == self.replica_id:
-            return str(Status.OWNER_LOST)  # written by this replica's previous life
+            return str(Status.OWNER_LOST)  # not in the registry, so written by this replica's previous life
         nonce = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._replies[nonce] = future
@@ -390,16 +401,16 @@ class Cluster:
         try:
             async with self._store():
                 pipe = self._client.pipeline(transaction=False)
-                pipe.exists(heartbeat_key(owner))
+                pipe.get(heartbeat_key(owner))
                 pipe.publish(inbox_channel(owner), message)
                 beating, receivers = await pipe.execute()
-            if not beating or not receivers:
+            if beating != record.get("owner_incarnation") or not receivers:
                 return str(Status.OWNER_LOST)
             try:
                 async with asyncio.timeout(REPLY_TIMEOUT_S):
                     return await future
             except TimeoutError:
-                if not await self._owner_alive(owner):
+                if not await self._owner_alive(record):
                     return str(Status.OWNER_LOST)
                 raise OwnerUnreachable(f"replica {owner} did not answer within {REPLY_TIMEOUT_S:g} s") from None
         finally:
@@ -416,14 +427,17 @@ class Cluster:
             raise InvalidCancelToken(request_id)
         return record
 
-    async def _owner_alive(self, owner: str) -> bool:
-        """Its heartbeat has not expired and it listens on its inbox."""
+    async def _owner_alive(self, record: dict) -> bool:
+        """The owner's heartbeat has not expired, is still this generation's process, and it listens on its inbox."""
+        owner = record["owner"]
+        if owner == self.replica_id:
+            return record.get("owner_incarnation") == self.incarnation
         async with self._store():
             pipe = self._client.pipeline(transaction=False)
-            pipe.exists(heartbeat_key(owner))
+            pipe.get(heartbeat_key(owner))
             pipe.pubsub_numsub(inbox_channel(owner))
             beating, [(_, listeners)] = await pipe.execute()
-        return bool(beating) and listeners > 0
+        return beating == record.get("owner_incarnation") and listeners > 0
 
     def _store(self):
         return _StoreCall(self)

@@ -7,10 +7,8 @@ a replica that dies leaves its generations answered at once, never hanging.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import socket
@@ -23,16 +21,30 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from conftest import LONG_ANSWER, TERMINAL_TYPES, UNIT, Client, metric_value, wait_for
 from websockets.asyncio.client import connect
 
-from conftest import LONG_ANSWER, TERMINAL_TYPES, UNIT, Client, metric_value, wait_for
-from stopline.cluster import (CANCELLATIONS, HEARTBEAT_PERIOD_S, HEARTBEAT_TTL_S, Cluster, generation_key,
-                              heartbeat_key)
+from bench.servers import RedisServer, free_port
+from stopline.cluster import (
+    CANCELLATIONS,
+    HEARTBEAT_PERIOD_S,
+    HEARTBEAT_TTL_S,
+    Cluster,
+    generation_key,
+    heartbeat_key,
+)
 from stopline.engine import SamplingParams
 from stopline.observability import Metrics
 from stopline.protocol import Ending, Request
 from stopline.registry import Registry
-from stopline.vocabulary import ErrorCode, Outcome, Reason, Status, StoreEvent, StoreState
+from stopline.vocabulary import (
+    ErrorCode,
+    Outcome,
+    Reason,
+    Status,
+    StoreEvent,
+    StoreState,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX_CONF = REPO / "deploy" / "nginx.conf"
@@ -41,43 +53,8 @@ DEPLOY_LISTEN = 8080
 DEPLOY_REPLICAS = ((8765, 8766), (8775, 8776), (8785, 8786))
 REPLICA_IDS = ("a", "b", "c")
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on a free port, in its own directory, without persistence."""
-
-    def __init__(self, directory: Path, port: int | None = None):
-        self.directory = directory
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> "RedisServer":
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / "redis.log", "ab") as log:
-            self.process = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10 * UNIT
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
-                    return self
-            assert self.process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def client(self) -> aioredis.Redis:
-        return aioredis.from_url(self.url, decode_responses=True)
+def store_client(redis_server: RedisServer) -> aioredis.Redis:
+    return aioredis.from_url(redis_server.url, decode_responses=True)
 
 
 class Replica:
@@ -105,7 +82,7 @@ class Replica:
                     self.api = record["http_api"]
                     self._started.set()
 
-    def wait_started(self) -> "Replica":
+    def wait_started(self) -> Replica:
         if not self._started.wait(180 * UNIT):
             raise AssertionError(f"replica {self.replica_id} did not start: {self.stderr_path.read_text()[-2000:]}")
         self.http_port = int(re.search(r":(\d+)/v1$", self.api).group(1))
@@ -182,7 +159,7 @@ class Deployment:
 def deployment(tmp_path_factory):
     """redis-server, three replicas and nginx in front of them, as docs/deploy.md runs them."""
     directory = tmp_path_factory.mktemp("deploy")
-    redis_server = RedisServer(directory / "redis").start()
+    redis_server = RedisServer(directory / "redis").start(10 * UNIT)
     replicas: list[Replica] = []
     nginx = None
     try:
@@ -245,7 +222,7 @@ async def store_state(http, replica: Replica) -> str:
 async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deployment, http):
     """WebSocket generations through nginx, each cancelled by a DELETE through nginx, until the DELETE has
     been answered by every replica, by the owner and by replicas that do not hold the generation."""
-    store = deployment.redis.client()
+    store = store_client(deployment.redis)
     api = f"{deployment.nginx.http}/v1"
     answered_by: set[str] = set()
     relayed = 0
@@ -267,16 +244,16 @@ async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deploym
                 assert terminal["type"] == Outcome.CANCELLED and terminal["reason"] == Reason.USER_CANCELLED
                 # Exactly one terminal frame: a cancel frame now only gets an ack naming the outcome.
                 await client.send({"type": "cancel", "id": name})
-                ack = await client.recv_until(lambda f: f["id"] == name and f["type"] not in ("token",))
+                ack = await client.recv_until(lambda f, name=name: f["id"] == name and f["type"] != "token")
                 assert ack == {"type": "cancel_ack", "id": name, "status": "cancelled"}
                 assert [f for f in client.frames if f["type"] in TERMINAL_TYPES] == [terminal]
             # A repeat from anywhere gets the same answer.
             assert (await call(http, "DELETE", api, request_id, token))[:2] == (200, body)
-            record = await wait_for(lambda: _ended_hash(store, request_id), timeout=10)
+            record = await wait_for(lambda request_id=request_id: _ended_hash(store, request_id), timeout=10)
             assert record["status"] == Status.CANCELLED and record["user_id"] == user
             assert record["owner"] in deployment.by_id and record["reason"] == Reason.USER_CANCELLED
             assert "token_sha256" in record and token not in record.values()
-            [logged] = await wait_for(lambda: stream_records(store, request_id), timeout=10)
+            [logged] = await wait_for(lambda request_id=request_id: stream_records(store, request_id), timeout=10)
             assert logged["event"] == "generation_cancelled" and logged["user_id"] == user
             assert logged["reason"] == Reason.USER_CANCELLED and int(logged["tokens_generated"]) >= 1
             assert int(logged["tokens_wasted"]) >= int(logged["tokens_generated"]) and float(logged["latency_ms"]) >= 0
@@ -308,7 +285,7 @@ async def test_redis_down_then_back(deployment, http):
     async with ws_client(a.ws_url) as client:
         first = await running_generation(client, "before")
         # Known in the store before it goes.
-        store = deployment.redis.client()
+        store = store_client(deployment.redis)
         try:
             await wait_for(lambda: store.exists(generation_key(first["request_id"])), timeout=10)
         finally:
@@ -322,7 +299,7 @@ async def test_redis_down_then_back(deployment, http):
             status, body, _ = await call(http, "GET", b.api, first["request_id"], first["cancel_token"])
             assert status == 503 and body["code"] == ErrorCode.STORE_UNAVAILABLE, body
             for replica in (a, b):
-                await wait_for(lambda: _is(store_state(http, replica), StoreState.DOWN), timeout=10)
+                await wait_for(lambda replica=replica: _is(store_state(http, replica), StoreState.DOWN), timeout=10)
             async with http.get(f"http://127.0.0.1:{a.ws_port}/metrics") as response:
                 assert metric_value(await response.text(), "stopline_redis_up") == 0
             # A local DELETE needs no Redis.
@@ -332,9 +309,9 @@ async def test_redis_down_then_back(deployment, http):
             # A generation that starts while Redis is away.
             during = await running_generation(client, "during")
         finally:
-            deployment.redis.start()
+            deployment.redis.start(10 * UNIT)
         for replica in deployment.replicas:
-            await wait_for(lambda: _is(store_state(http, replica), StoreState.UP), timeout=10)
+            await wait_for(lambda replica=replica: _is(store_state(http, replica), StoreState.UP), timeout=10)
         async with http.get(f"http://127.0.0.1:{a.ws_port}/metrics") as response:
             assert metric_value(await response.text(), "stopline_redis_up") == 1
         # Registered again: another replica finds it and stops it through its owner.
@@ -345,7 +322,7 @@ async def test_redis_down_then_back(deployment, http):
         status, body, _ = await wait_for(lambda: _answered(call(http, "GET", b.api, first["request_id"],
                                                                 first["cancel_token"])), timeout=10)
         assert body["status"] == Status.CANCELLED
-        store = deployment.redis.client()
+        store = store_client(deployment.redis)
         try:
             assert len(await wait_for(lambda: stream_records(store, first["request_id"]), timeout=10)) == 1
         finally:
@@ -383,7 +360,7 @@ async def test_dead_owner_is_answered_at_once(deployment, http, tmp_path):
         status, body, _ = await call(http, "GET", a.api, request_id, token)
         assert (status, body["status"]) == (200, Status.OWNER_LOST)
         # Its heartbeat key expires on its own.
-        store = deployment.redis.client()
+        store = store_client(deployment.redis)
         try:
             await wait_for(lambda: _gone(store, heartbeat_key("doomed")), timeout=HEARTBEAT_TTL_S + 2 * HEARTBEAT_PERIOD_S)
         finally:
@@ -421,13 +398,13 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
         assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
         assert metric_value(metrics.render().decode(), "stopline_redis_up") == 0
         assert logs.records(StoreEvent.WRITES_DROPPED, cause="queue_full")
-        redis_server.start()
+        redis_server.start(10 * UNIT)
         await wait_for(lambda: cluster.state is StoreState.UP and not cluster.health()["queued_writes"], timeout=10)
-        store = redis_server.client()
+        store = store_client(redis_server)
         try:
             # The ends (kept, the newest writes) and the live ones (registered again on connecting).
             for request in requests:
-                record = await wait_for(lambda: store.hgetall(generation_key(request.request_id)), timeout=10)
+                record = await wait_for(lambda request=request: store.hgetall(generation_key(request.request_id)), timeout=10)
                 assert record["owner"] == "solo" and record["user_id"] == request.user
                 assert record["status"] == (Status.CANCELLED if request in requests[:3] else Status.QUEUED)
                 assert 0 < await store.ttl(generation_key(request.request_id)) <= 86_400
