@@ -54,7 +54,7 @@ from .registry import (
     StoreUnavailable,
     UnknownRequest,
 )
-from .vocabulary import END_EVENTS, Outcome, Status, StoreEvent, StoreState
+from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
 # The stream keeps about this many records (MAXLEN ~ trims whole nodes, cheaply).
@@ -142,6 +142,8 @@ class Cluster:
                                       health_check_interval=0)
         self._queue: deque[Write] = deque()
         self._queued = asyncio.Event()
+        # Writes taken off the queue whose pipeline has not come back yet.
+        self._sending = 0
         self._dropped = 0
         self._drops_logged_at = 0.0
         # Live generations' (status, tokens) as last written, so a heartbeat writes only what changed.
@@ -163,7 +165,7 @@ class Cluster:
         """Flush the last writes (briefly), leave the cluster at once, and close every connection."""
         if self.state is StoreState.UP:
             deadline = time.monotonic() + FLUSH_TIMEOUT_S
-            while self._queue and self.state is StoreState.UP and time.monotonic() < deadline:
+            while (self._queue or self._sending) and self.state is StoreState.UP and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -266,11 +268,11 @@ class Cluster:
         if len(self._queue) > self.queue_limit:
             # The oldest goes: a newer write of the same hash carries everything it had.
             self._queue.popleft()
-            self._drop(1, "queue_full")
+            self._drop(1, DropCause.QUEUE_FULL)
         self.metrics.store_writes_queued.set(len(self._queue))
         self._queued.set()
 
-    def _drop(self, count: int, cause: str) -> None:
+    def _drop(self, count: int, cause: DropCause) -> None:
         self._dropped += count
         self.metrics.store_writes_dropped.inc(count)
         # At most one line a second, with the running total: a long outage must not flood the log.
@@ -315,6 +317,7 @@ class Cluster:
             pipe = self._client.pipeline(transaction=False)
             for write in batch:
                 write.add_to(pipe, self.status_ttl_s)
+            self._sending = len(batch)
             try:
                 results = await pipe.execute(raise_on_error=False)
             except BaseException:
@@ -322,17 +325,17 @@ class Cluster:
                 self._queue.extendleft(reversed(batch))
                 while len(self._queue) > self.queue_limit:
                     self._queue.popleft()
-                    self._drop(1, "queue_full")
+                    self._drop(1, DropCause.QUEUE_FULL)
                 raise
             finally:
+                self._sending = 0
                 self.metrics.store_writes_queued.set(len(self._queue))
             failed = _failed_writes(batch, results)
-            retry = []
             for write in failed:
                 write.attempts += 1
-                (retry if write.attempts < WRITE_ATTEMPTS else []).append(write)
+            retry = [write for write in failed if write.attempts < WRITE_ATTEMPTS]
             if len(failed) > len(retry):
-                self._drop(len(failed) - len(retry), "rejected")
+                self._drop(len(failed) - len(retry), DropCause.REJECTED)
             self._queue.extendleft(reversed(retry))
 
     async def _listen(self, pubsub) -> None:

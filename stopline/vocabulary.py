@@ -117,3 +117,11 @@ class StoreEvent(StrEnum):
     DOWN = "store_down"
     WRITES_DROPPED = "store_writes_dropped"
     REMOTE_CANCEL = "remote_cancel"
+
+
+class DropCause(StrEnum):
+    """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
+    # The queue of writes waiting for Redis was full: the oldest went.
+    QUEUE_FULL = "queue_full"
+    # Redis answered it with an error, every time it was tried.
+    REJECTED = "rejected"

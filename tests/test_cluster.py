@@ -418,3 +418,41 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
         await cluster.close()
         redis_server.kill()
     assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
+
+
+async def test_a_restarted_replica_does_not_own_its_previous_life(tmp_path):
+    """Same replica id, new process: the generations of the old one read owner_lost, on it and elsewhere."""
+    redis_server = RedisServer(tmp_path).start(10 * UNIT)
+    clusters: list[Cluster] = []
+
+    async def joined(replica_id: str) -> tuple[Cluster, Registry]:
+        registry = Registry()
+        cluster = Cluster(redis_server.url, registry, Metrics())
+        registry.listener = cluster
+        clusters.append(cluster)
+        await cluster.start(replica_id)
+        await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
+        return cluster, registry
+
+    try:
+        old, registry = await joined("solo")
+        request = _request(1)
+        registry.add(request, None)
+        other, _ = await joined("other")
+        await wait_for(lambda: _answered_by(other.describe(request.request_id, request.cancel_token)), timeout=10)
+        assert (await other.describe(request.request_id, request.cancel_token))["status"] == Status.QUEUED
+        await old.close()  # the process is gone; its hash stays
+        new, _ = await joined("solo")
+        for cluster in (new, other):
+            assert (await cluster.describe(request.request_id, request.cancel_token))["status"] == Status.OWNER_LOST
+            assert await cluster.cancel(request.request_id, request.cancel_token) == Status.OWNER_LOST
+    finally:
+        for cluster in clusters:
+            await cluster.close()
+        redis_server.kill()
+
+
+async def _answered_by(answer) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(await answer)
+    return False
