@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,6 +36,9 @@ from .protocol import (AddressQuota, Cancel, Connection, Draft, Ending, Limits, 
 from .registry import Registry
 from .scheduler import Busy, Scheduler
 from .vocabulary import ErrorCode, Outcome, Reason, Refusal
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
@@ -119,7 +123,7 @@ class StoplineServer:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-long",
                                initializer=_background_priority))
         self.registry = Registry()
-        self.cluster = None
+        self.cluster: Cluster | None = None
         if config.redis_url:
             from .cluster import Cluster
             self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)

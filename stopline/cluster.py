@@ -246,7 +246,7 @@ class Cluster:
         self._synced.pop(entry.request_id, None)
         self._write(self._hash(entry))
         ending = entry.ending
-        if ending.outcome in LOGGED_OUTCOMES:
+        if ending is not None and ending.outcome in LOGGED_OUTCOMES:
             self._write(Write(CANCELLATIONS, _without_none({
                 "event": END_EVENTS[ending.outcome], "request_id": entry.request_id, "user_id": entry.user or "",
                 "reason": ending.reason, "tokens_generated": ending.tokens_generated,
@@ -426,7 +426,7 @@ class Cluster:
             raise UnknownRequest(request_id)
         # As the registry does: compared in constant time, and here on digests, so the token is never stored.
         if cancel_token is None or not hmac.compare_digest(token_digest(cancel_token),
-                                                           record.get("token_sha256", "")):
+                                                           str(record.get("token_sha256", ""))):
             raise InvalidCancelToken(request_id)
         return record
 

@@ -315,7 +315,8 @@ class HttpApi:
 
     async def _replica_header(self, request: web.Request, response: web.StreamResponse) -> None:
         # Which replica answered: behind a load balancer, the one place that says so.
-        response.headers["X-Stopline-Replica"] = self.server.cluster.replica_id
+        if self.server.cluster is not None:
+            response.headers["X-Stopline-Replica"] = self.server.cluster.replica_id
 
     # Generations -------------------------------------------------------------
 
@@ -363,7 +364,8 @@ class HttpApi:
     async def _get_generation(self, request: web.Request) -> web.Response:
         async def here(entry: Entry) -> dict:
             return entry.describe()
-        return await self._by_id(request, here, self.server.cluster and self.server.cluster.describe)
+        cluster = self.server.cluster
+        return await self._by_id(request, here, cluster.describe if cluster is not None else None)
 
     async def _delete_generation(self, request: web.Request) -> web.Response:
         # The cancel's arrival time, as for a cancel frame.
@@ -372,9 +374,12 @@ class HttpApi:
         async def here(entry: Entry) -> dict:
             return {"request_id": entry.request_id, "status": str(await self._cancel(entry, now))}
 
+        cluster = self.server.cluster
+
         async def elsewhere(request_id: str, token: str | None) -> dict:
-            return {"request_id": request_id, "status": str(await self.server.cluster.cancel(request_id, token))}
-        return await self._by_id(request, here, elsewhere if self.server.cluster else None)
+            assert cluster is not None  # passed on only when there is one
+            return {"request_id": request_id, "status": await cluster.cancel(request_id, token)}
+        return await self._by_id(request, here, elsewhere if cluster is not None else None)
 
     async def _cancel(self, entry: Entry, now: int) -> Status:
         if entry.ending is None:
@@ -393,8 +398,8 @@ class HttpApi:
         """Answer for the generation named in the path: from this replica's registry if it holds it,
         else (``--redis-url``) from the shared store, under the same authorization."""
         request_id = request.match_info["request_id"]
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else None
+        scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
+        token = credential.strip() if scheme.lower() == "bearer" else None
         try:
             try:
                 body = await here(self.server.registry.authorize(request_id, token))

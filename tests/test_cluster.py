@@ -456,3 +456,14 @@ async def _answered_by(answer) -> bool:
     with contextlib.suppress(Exception):
         return bool(await answer)
     return False
+
+
+async def test_without_redis_url_the_store_is_this_process(server, http):
+    """No --redis-url: nothing of the shared store shows, and an unknown id is simply unknown."""
+    async with http.get(f"{server.http_url}/healthz") as response:
+        assert (await response.json())["store"] == {"type": "memory"}
+    async with http.get(f"{server.http_url}/metrics") as response:
+        text = await response.text()
+    assert "stopline_redis_up" not in text and "stopline_store_writes" not in text
+    status, body, replica = await call(http, "DELETE", server.http.base_url, "elsewhere", "token")
+    assert (status, body["code"], replica) == (404, ErrorCode.UNKNOWN_REQUEST, None)
