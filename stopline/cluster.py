@@ -401,16 +401,25 @@ class Cluster:
         self._replies[nonce] = future
         message = json.dumps({"op": "cancel", "request_id": request_id, "nonce": nonce, "from": self.replica_id,
                               "reply_to": inbox_channel(self.replica_id)})
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
         try:
-            async with self._store():
-                pipe = self._client.pipeline(transaction=False)
-                pipe.get(heartbeat_key(owner))
-                pipe.publish(inbox_channel(owner), message)
-                beating, receivers = await pipe.execute()
-            if beating != record.get("owner_incarnation") or not receivers:
-                return str(Status.OWNER_LOST)
+            while True:
+                async with self._store():
+                    pipe = self._client.pipeline(transaction=False)
+                    pipe.get(heartbeat_key(owner))
+                    pipe.publish(inbox_channel(owner), message)
+                    beating, receivers = await pipe.execute()
+                if beating != record.get("owner_incarnation"):
+                    return str(Status.OWNER_LOST)
+                if receivers:
+                    break
+                # Alive but not listening: reconnecting to Redis, or just killed. Either it listens
+                # again or its heartbeat expires, within one heartbeat lifetime.
+                if time.monotonic() > deadline:
+                    raise OwnerUnreachable(f"replica {owner} did not listen within {REPLY_TIMEOUT_S:g} s")
+                await asyncio.sleep(HEARTBEAT_PERIOD_S / 10)
             try:
-                async with asyncio.timeout(REPLY_TIMEOUT_S):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     return await future
             except TimeoutError:
                 if not await self._owner_alive(record):
@@ -431,16 +440,13 @@ class Cluster:
         return record
 
     async def _owner_alive(self, record: dict) -> bool:
-        """The owner's heartbeat has not expired, is still this generation's process, and it listens on its inbox."""
+        """The owner's heartbeat has not expired, and is still from the process that ran this generation."""
         owner = record["owner"]
         if owner == self.replica_id:
             return record.get("owner_incarnation") == self.incarnation
         async with self._store():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.get(heartbeat_key(owner))
-            pipe.pubsub_numsub(inbox_channel(owner))
-            beating, [(_, listeners)] = await pipe.execute()
-        return beating == record.get("owner_incarnation") and listeners > 0
+            beating = await self._client.get(heartbeat_key(owner))
+        return beating == record.get("owner_incarnation")
 
     def _store(self):
         return _StoreCall(self)
