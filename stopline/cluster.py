@@ -180,6 +180,9 @@ class Cluster:
             except (RedisError, OSError):
                 pass
         self._set_state(StoreState.DOWN, reason="shutdown")
+        if self._queue:
+            self._drop(len(self._queue), DropCause.SHUTDOWN)
+            self._queue.clear()
         await self._client.aclose()
 
     def health(self) -> dict:
@@ -193,6 +196,10 @@ class Cluster:
             try:
                 await self._connected()
             except (RedisError, OSError) as exc:
+                self._set_state(StoreState.DOWN, reason=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - logged with its traceback
+                # A bug in a session must not end the reconnecting: log it, and start over.
+                log.exception(StoreEvent.SESSION_FAILED, replica_id=self.replica_id)
                 self._set_state(StoreState.DOWN, reason=f"{type(exc).__name__}: {exc}")
             # Back off while Redis stays away; try again at once after a session that worked.
             failures = 0 if self._sessions != sessions else failures + 1
@@ -277,7 +284,7 @@ class Cluster:
         self.metrics.store_writes_dropped.inc(count)
         # At most one line a second, with the running total: a long outage must not flood the log.
         now = time.monotonic()
-        if now - self._drops_logged_at >= 1.0:
+        if now - self._drops_logged_at >= 1.0 or cause is DropCause.SHUTDOWN:
             self._drops_logged_at = now
             log.warning(StoreEvent.WRITES_DROPPED, cause=cause, dropped_total=self._dropped,
                         queue_limit=self.queue_limit)
@@ -347,7 +354,7 @@ class Cluster:
                 body = json.loads(message["data"])
                 op = body["op"]
             except (ValueError, TypeError, KeyError):
-                log.warning("store_message_invalid", replica_id=self.replica_id)
+                log.warning(StoreEvent.MESSAGE_INVALID, replica_id=self.replica_id)
                 continue
             if op == "cancel":
                 task = asyncio.get_running_loop().create_task(self._serve_cancel(body))

@@ -117,6 +117,8 @@ class StoreEvent(StrEnum):
     DOWN = "store_down"
     WRITES_DROPPED = "store_writes_dropped"
     REMOTE_CANCEL = "remote_cancel"
+    SESSION_FAILED = "store_session_failed"
+    MESSAGE_INVALID = "store_message_invalid"
 
 
 class DropCause(StrEnum):
@@ -125,3 +127,5 @@ class DropCause(StrEnum):
     QUEUE_FULL = "queue_full"
     # Redis answered it with an error, every time it was tried.
     REJECTED = "rejected"
+    # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
+    SHUTDOWN = "shutdown"
