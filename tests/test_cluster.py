@@ -471,3 +471,40 @@ async def test_without_redis_url_the_store_is_this_process(server, http):
     assert "stopline_redis_up" not in text and "stopline_store_writes" not in text
     status, body, replica = await call(http, "DELETE", server.http.base_url, "elsewhere", "token")
     assert (status, body["code"], replica) == (404, ErrorCode.UNKNOWN_REQUEST, None)
+
+
+async def test_the_log_records_cancels_and_timeouts_not_finished_ones(tmp_path):
+    redis_server = RedisServer(tmp_path).start(10 * UNIT)
+    registry = Registry()
+    cluster = Cluster(redis_server.url, registry, Metrics())
+    registry.listener = cluster
+    await cluster.start("solo")
+    store = store_client(redis_server)
+    try:
+        await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
+        endings = [Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=5),
+                   Ending(Outcome.TIMEOUT, str(Reason.FIRST_TOKEN_TIMEOUT), prompt_tokens_evaluated=7),
+                   Ending(Outcome.CANCELLED, str(Reason.CLIENT_DISCONNECTED), prompt_tokens_evaluated=3,
+                          tokens_generated=2, cancel_latency_ms=1.5)]
+        requests = [_request(n) for n in range(len(endings))]
+        for request, ending in zip(requests, endings):
+            registry.add(request, None)
+            registry.end(request, ending)
+        records = await wait_for(lambda: _stream_of(store, 2), timeout=10)
+        assert [(r["event"], r["request_id"], r["reason"], r["user_id"]) for r in records] == [
+            ("generation_timeout", requests[1].request_id, Reason.FIRST_TOKEN_TIMEOUT, "user-1"),
+            ("generation_cancelled", requests[2].request_id, Reason.CLIENT_DISCONNECTED, "user-2")]
+        # A timeout has no cancel latency; a cancel has.
+        assert "latency_ms" not in records[0] and float(records[1]["latency_ms"]) == 1.5
+        assert [int(r["tokens_wasted"]) for r in records] == [7, 5]
+        statuses = [(await store.hgetall(generation_key(r.request_id)))["status"] for r in requests]
+        assert statuses == [Status.FINISHED, Status.TIMEOUT, Status.CANCELLED]
+    finally:
+        await store.aclose()
+        await cluster.close()
+        redis_server.kill()
+
+
+async def _stream_of(store: aioredis.Redis, count: int) -> list[dict] | None:
+    records = [fields for _, fields in await store.xrange(CANCELLATIONS)]
+    return records if len(records) >= count else None
