@@ -208,7 +208,7 @@ class StoplineServer:
             body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
                                "active": self.scheduler.active, "queued": self.scheduler.queue_depth,
                                "abort_mode": str(self.engine.abort_mode), "http_api": self.http.base_url,
-                               "store": self.cluster.health() if self.cluster else {"type": "memory"}})
+                               "store": self.cluster.health() if self.cluster is not None else {"type": "memory"}})
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)

@@ -76,8 +76,9 @@ class Metrics:
         self.store_writes_queued = Gauge("stopline_store_writes_queued",
                                          "Status and cancellation-log writes waiting for Redis.", registry=r)
         self.store_writes_dropped = Counter("stopline_store_writes_dropped",
-                                            "Status and cancellation-log writes given up: the queue was full "
-                                            "or Redis kept refusing them.", registry=r)
+                                            "Status and cancellation-log writes given up: the queue was full, "
+                                            "Redis kept refusing them, or they were queued at shutdown.",
+                                            registry=r)
 
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:
