@@ -70,7 +70,8 @@ class Replica:
                 [sys.executable, "-m", "stopline", "--port", "0", "--http-port", "0", "--workers", "1",
                  "--threads", "1", "--redis-url", redis_url, "--replica-id", replica_id],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL)
-        threading.Thread(target=self._read, name=f"replica-{replica_id}-log", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"replica-{replica_id}-log", daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -100,6 +101,7 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._reader.join(10)  # it reads to the end of the dead process's output
         self.process.stdout.close()
 
 
