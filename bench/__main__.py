@@ -9,6 +9,9 @@ over real WebSockets and the production protocol.
 
 ``--engines ours,baseline,llama-server`` adds llama.cpp's llama-server on the
 same model file, driven over its own HTTP API (bench/llama_server.py).
+
+The scenario cancel_via_replica starts servers of its own: redis-server (from
+the PATH) and two replicas of "ours" sharing it (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SER
                            peer_from_args)
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import ALL_SCENARIOS as STOPLINE_SCENARIOS, LONG_SCENARIOS, TURNS, Plan
+from .scenarios import (ALL_SCENARIOS as STOPLINE_SCENARIOS, CANCEL_VIA_REPLICA, LONG_SCENARIOS, TURNS, Plan,
+                        run_cancel_via_replica)
 from .serve import ENGINES as SERVED_ENGINES
-from .servers import CpuMeter, ManagedServer, Target
+from .servers import CpuMeter, ManagedServer, RedisServer, Target
 from .traffic import TrafficBench
 
 ALL_SCENARIOS = STOPLINE_SCENARIOS + (NONSTREAM, DISCONNECT_BUSY)
@@ -126,10 +130,10 @@ def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], con
                     supports) -> int | None:
     if plan.duration_s is not None and not math.isfinite(plan.requests):
         return None
-    total = 0
+    total = int(plan.requests) if CANCEL_VIA_REPLICA in scenarios and targets[0].managed else 0
     for target in targets:
         for scenario in scenarios:
-            if not supports(target, scenario):
+            if scenario == CANCEL_VIA_REPLICA or not supports(target, scenario):
                 continue
             if scenario == "throughput":
                 total += plan.throughput_reps * sum({1, concurrency or target.slots})
@@ -193,7 +197,12 @@ async def run(args) -> dict:
         # Scenario by scenario, each engine in turn, so both see the machine in the same state.
         for scenario in scenarios:
             for target in targets:
-                await runner(target).run(scenario, target)
+                if scenario != CANCEL_VIA_REPLICA:
+                    await runner(target).run(scenario, target)
+        if CANCEL_VIA_REPLICA in scenarios and not args.url:
+            await asyncio.gather(*(m.stop() for m in managed))  # the machine to the replicas alone
+            progress.set_description(CANCEL_VIA_REPLICA)
+            meta["cancel_via_replica"] = await _cancel_via_replica(bench, args)
     finally:
         progress.close()
         await asyncio.gather(*(m.stop() for m in managed))
@@ -204,6 +213,21 @@ async def run(args) -> dict:
             _attach_server_log(bench.samples, target)
             results["lag"][target.name] = _lag(target)
     return results
+
+
+async def _cancel_via_replica(bench: TrafficBench, args) -> dict:
+    """redis-server and two replicas of ours sharing it; the first owns the generations."""
+    redis_server = RedisServer(args.out / "redis").start()
+    replicas = [ManagedServer("ours", args.out, args.workers, args.threads, name=f"replica-{name}",
+                              extra_args=("--redis-url", redis_server.url, "--replica-id", name)) for name in "ab"]
+    try:
+        owner, other = await asyncio.gather(*(r.start() for r in replicas))
+        await run_cancel_via_replica(bench, owner, other)
+    finally:
+        await asyncio.gather(*(r.stop() for r in replicas))
+        redis_server.kill()
+    return {"replicas": 2, "redis": "redis-server on 127.0.0.1 (loopback)", "workers": args.workers,
+            "threads": args.threads}
 
 
 def _attach_server_log(samples: list[dict], target: Target) -> None:

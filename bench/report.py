@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .llama_server import DISCONNECT_BUSY, NONSTREAM
-from .scenarios import HTTP_SCENARIOS, STOP_SCENARIOS, TIMEOUT_SCENARIOS
+from .scenarios import CANCEL_VIA_REPLICA, HTTP_SCENARIOS, STOP_SCENARIOS, TIMEOUT_SCENARIOS, VIA_OTHER, VIA_OWNER
 
 OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
 # Engines compared with ours, each in a "<peer>/ours" ratio row.
@@ -29,6 +29,8 @@ SCENARIO_TITLES = {
     DISCONNECT_BUSY: "socket dropped while another client streams",
     NONSTREAM: "non-streaming request, client gone",
 }
+# The extra cost of a DELETE relayed through Redis that the scale-out design allows, at p99.
+RELAY_TARGET_MS = 5.0
 # The HTTP API's stops, each next to the WebSocket stop it mirrors.
 HTTP_COMPARISONS = (
     ("openai_stream_closed", "HTTP: OpenAI stream closed"),
@@ -304,6 +306,35 @@ class Report:
         return _table(["stop", "engine", "n", "client p50", "p99", "server p50", "p99", "tokens after cancel, max"],
                       rows)
 
+    def cancel_via_replica(self) -> str | None:
+        """DELETE on the owner against DELETE on another replica (relayed through Redis), and the difference."""
+        samples = [s for s in self.samples if s["scenario"] == CANCEL_VIA_REPLICA]
+        if not samples:
+            return None
+        stats = {}
+        for via in (VIA_OWNER, VIA_OTHER):
+            mine = [s for s in samples if s["via"] == via]
+            stats[via] = (len(mine), summary(s["delete_ms"] for s in mine), summary(s["client_ms"] for s in mine),
+                          summary(s["server_ms"] for s in mine))
+        rows = []
+        for via in (VIA_OWNER, VIA_OTHER):
+            count, delete, frame, server = stats[via]
+            rows.append([f"DELETE on the {via}", str(count)] + [fmt(_get(x, k)) for x in (delete, frame, server)
+                                                                 for k in ("p50", "p99")])
+        extra = [None if _get(stats[VIA_OTHER][i], k) is None or _get(stats[VIA_OWNER][i], k) is None
+                 else _get(stats[VIA_OTHER][i], k) - _get(stats[VIA_OWNER][i], k)
+                 for i in (1, 2, 3) for k in ("p50", "p99")]
+        rows.append(["extra cost of the relay", ""] + [fmt(x) for x in extra])
+        table = _table(["", "n", "DELETE answered p50", "p99", "cancelled frame p50", "p99",
+                        "server (cancel read → loop exit) p50", "p99"], rows)
+        if extra[1] is None or extra[3] is None:
+            return table
+        worst = max(extra[1], extra[3])
+        return table + (f"\n\nCancelling via another replica instead of the owner costs {extra[1]:+.2f} ms at p99 "
+                        f"until the DELETE is answered and {extra[3]:+.2f} ms until the `cancelled` frame: "
+                        f"{'within' if worst <= RELAY_TARGET_MS else 'over'} the {RELAY_TARGET_MS:g} ms target. "
+                        "With few samples, p99 is close to the slowest sample of each side.")
+
     def other_load(self) -> str | None:
         """How much CPU other processes took while the scenarios ran: context for every number here."""
         runs = [r for r in self.results["runs"] if r.get("cpu")]
@@ -404,6 +435,16 @@ class Report:
                       "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
                       "slot's tokens.",
                       native_markdown(self.results["native"])]
+        relay = self.cancel_via_replica()
+        if relay:
+            parts += ["### Cancel via another replica (ms)",
+                      "redis-server on loopback and two replicas sharing it (`--redis-url`). A WebSocket generation "
+                      "on the first replica is cancelled after 1–8 token frames by `DELETE /v1/generations/{id}`, "
+                      "sent alternately to the owner and to the other replica, which finds the owner in Redis and "
+                      "relays the cancel over pub/sub; both over a warm keep-alive connection. DELETE answered: "
+                      "sent → its answer, naming the outcome. Cancelled frame: sent → the `cancelled` frame on the "
+                      "generation's WebSocket. Server: `cancel_latency_ms` on the owner, from the cancel's arrival "
+                      "there.", relay]
         http = self.http_api()
         if http:
             parts += ["### The HTTP API next to the WebSocket (ms)",

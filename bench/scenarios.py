@@ -29,6 +29,13 @@ Over the HTTP API (``/v1``, the same server and token loop):
   ``/metrics`` shows no active generation, as in ``disconnect``.
 * ``delete_prefill``: a long prompt streams over SSE; a second client sends
   ``DELETE /v1/generations/{request_id}`` at a random point of its prefill.
+
+Scale-out (``--redis-url``, docs/deploy.md):
+
+* ``cancel_via_replica``: redis-server and two replicas; a WebSocket generation
+  on the first is cancelled, in turn, by a DELETE on its owner and by a DELETE
+  on the other replica, which relays it through Redis. The DELETE's answer
+  time and the time to the ``cancelled`` frame, owner against other replica.
 """
 
 from __future__ import annotations
@@ -53,8 +60,12 @@ STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode", "decode_a
 SPEED_SCENARIOS = ("prefill_speed", "multi_turn")
 TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
 HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
+# Runs once, on servers of its own (redis-server and two replicas), not against each engine.
+CANCEL_VIA_REPLICA = "cancel_via_replica"
 ALL_SCENARIOS = (STOP_SCENARIOS + ("throughput",) + SPEED_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",)
-                 + HTTP_SCENARIOS)
+                 + HTTP_SCENARIOS + (CANCEL_VIA_REPLICA,))
+# Where a cancel_via_replica sample's DELETE went.
+VIA_OWNER, VIA_OTHER = "owner", "other replica"
 # The scenarios that send the long prompt or a whole chat (and take --long-requests samples).
 LONG_SCENARIOS = ("prefill_long", "timeout_ttft", "delete_prefill", "prefill_speed", "multi_turn")
 TURNS = 6
@@ -565,3 +576,52 @@ async def _read_sse(response: aiohttp.ClientResponse, events: list) -> None:
         elif line.startswith("data: ") and event is not None:
             events.append((now, event, json.loads(line[len("data: "):])))
             event = None
+
+
+async def run_cancel_via_replica(bench: Bench, owner: Target, other: Target) -> None:
+    """DELETE a running generation of ``owner``, alternately on ``owner`` and on ``other``."""
+    for target in (owner, other):
+        async with asyncio.timeout(30):
+            while (await healthz(target.http_url)).get("store", {}).get("state") != "up":
+                await asyncio.sleep(0.05)
+    start, run = await bench._open_run(CANCEL_VIA_REPLICA, owner)
+    started = time.monotonic()
+    apis = {VIA_OWNER: await bench._api_url(owner), VIA_OTHER: await bench._api_url(other)}
+    session = await Session.open(owner.ws_url)
+    # One keep-alive connection per replica, opened before the first sample, as a gateway would hold.
+    async with aiohttp.ClientSession() as http:
+        for api in apis.values():
+            async with http.get(f"{api}/models") as response:
+                await response.read()
+        try:
+            while bench._more(run, bench.plan.requests, started):
+                via = (VIA_OWNER, VIA_OTHER)[run["requests"] % 2]
+                bench._keep(CANCEL_VIA_REPLICA, run, await _cancel_via(bench, owner, session, http, apis[via], via))
+        finally:
+            await session.close()
+    await bench._end_sampling(owner, run)
+    owner.windows.append((CANCEL_VIA_REPLICA, start, time.monotonic_ns()))
+    bench.runs.append(run)
+
+
+async def _cancel_via(bench: Bench, owner: Target, session: Session, http: aiohttp.ClientSession, api: str,
+                      via: str) -> list[dict]:
+    frames = bench.rng.randint(1, 8)
+    call = await session.generate(CANCEL_VIA_REPLICA, **bench._generate_fields(bench.plan.short_tokens,
+                                                                               LONG_GENERATION))
+    await call.wait_tokens(frames)
+    if call.ended:
+        return bench._discard(session, call)
+    accepted = call.accepted
+    sent_ns = time.monotonic_ns()
+    async with http.delete(f"{api}/generations/{accepted['request_id']}",
+                           headers={"Authorization": f"Bearer {accepted['cancel_token']}"}) as response:
+        answer = await response.json()
+        replica = response.headers.get("X-Stopline-Replica")
+    answered_ns = time.monotonic_ns()
+    await call.wait_end()
+    session.forget(call)
+    if call.terminal["type"] != "cancelled" or answer.get("status") != "cancelled":
+        return []
+    return [stop_record(CANCEL_VIA_REPLICA, owner, call, sent_ns, via=via, answered_by=replica,
+                        delete_ms=(answered_ns - sent_ns) / 1e6, cancel_after_frames=frames)]

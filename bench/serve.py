@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lag-interval-ms", type=float, default=10.0)
     p.add_argument("--lag-out", required=True, help="where to write the lag samples (JSON)")
     p.add_argument("--log-file", required=True, help="the server's JSON log")
+    p.add_argument("--redis-url", default=None, help="the store shared with other replicas (docs/deploy.md)")
+    p.add_argument("--replica-id", default=None, help="this replica's name in the store")
     return p.parse_args(argv)
 
 
@@ -70,7 +72,8 @@ async def serve(args: argparse.Namespace) -> None:
     # The benchmark sets its own deadlines; a slow engine's long prompt must not hit the defaults.
     server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, workers=args.workers,
                                                  default_timeout_s=3600, max_timeout_s=3600,
-                                                 default_ttft_timeout_s=3600, max_ttft_timeout_s=3600))
+                                                 default_ttft_timeout_s=3600, max_ttft_timeout_s=3600,
+                                                 redis_url=args.redis_url, replica_id=args.replica_id))
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

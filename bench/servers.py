@@ -4,8 +4,11 @@ subprocesses), or one that is already running (``--url``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,13 +49,17 @@ class Target:
 class ManagedServer:
     """One ``python -m bench.serve`` process: a server on the native engine or on the baseline."""
 
-    def __init__(self, engine: str, out_dir: Path, workers: int, threads: int):
+    def __init__(self, engine: str, out_dir: Path, workers: int, threads: int, name: str | None = None,
+                 extra_args: tuple[str, ...] = ()):
         self.engine = engine
+        # The target's name, and its files': the engine's unless several servers run the same engine.
+        self.name = name or engine
         self.workers = workers
         self.threads = threads
-        self.log_path = out_dir / f"server-{engine}.log"
-        self.stderr_path = out_dir / f"server-{engine}.stderr"
-        self.lag_path = out_dir / f"lag-{engine}.json"
+        self.extra_args = extra_args
+        self.log_path = out_dir / f"server-{self.name}.log"
+        self.stderr_path = out_dir / f"server-{self.name}.stderr"
+        self.lag_path = out_dir / f"lag-{self.name}.json"
         self.info: dict = {}
         self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -64,16 +71,16 @@ class ManagedServer:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.serve", "--engine", self.engine, "--workers", str(self.workers),
                 "--threads", str(self.threads), "--lag-out", str(self.lag_path), "--log-file", str(self.log_path),
-                cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+                *self.extra_args, cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr)
         self.pid = self._process.pid
         line = await asyncio.wait_for(self._process.stdout.readline(), 300)
         if not line:
             await self._process.wait()
-            raise RuntimeError(f"the {self.engine} server did not start; see {self.stderr_path}:\n"
+            raise RuntimeError(f"the {self.name} server did not start; see {self.stderr_path}:\n"
                                + self.stderr_path.read_text()[-2000:])
         self.info = json.loads(line)
         host = f"127.0.0.1:{self.info['port']}"
-        return Target(self.engine, f"ws://{host}/ws", f"http://{host}", slots=self.workers, managed=self)
+        return Target(self.name, f"ws://{host}/ws", f"http://{host}", slots=self.workers, managed=self)
 
     async def stop(self) -> None:
         if self._process is None or self._process.returncode is not None:
@@ -105,6 +112,47 @@ class ManagedServer:
                         # The id the client chose (for HTTP requests, the server-global request id).
                         ends[record.get("id", record["request_id"])] = record
         return ends
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server (Debian's ``redis-server``) on 127.0.0.1 and a free port, in its own directory,
+    without persistence: for the scale-out scenario, and for the scale-out tests."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        self.directory = directory
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        """Start it (again, on the same port) and return once it answers PING."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "redis.log", "ab") as log:
+            self.process = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return self
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start; see {self.directory / 'redis.log'}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """Stop it at once, as a crash would (SIGKILL)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 class CpuMeter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import socket
 import sys
@@ -72,6 +73,22 @@ def _list(validate):
     return parse
 
 
+def _redis_url(text: str) -> str:
+    from redis.asyncio.connection import parse_url  # only a deployment with a store needs it
+    try:
+        parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _replica_id(text: str) -> str:
+    # It becomes part of Redis key and channel names, inside a {hash tag}.
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a replica id: give 1 to 64 letters, digits, '.', '_' or '-'")
+    return text
+
+
 _PORT = _integer(0, 65535)
 _POSITIVE = _integer(1)
 
@@ -110,6 +127,11 @@ SETTINGS = [
     ("--ttft-timeout", _seconds, ServerConfig.default_ttft_timeout_s, "default first-token timeout, s"),
     ("--slow-consumer-grace", _seconds, ServerConfig.slow_consumer_grace_s,
      "seconds a client may stop reading before its request is cancelled"),
+    ("--redis-url", _redis_url, None,
+     "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
+     "default: none, this process alone"),
+    ("--status-ttl", _POSITIVE, ServerConfig.status_ttl_s, "seconds a generation's status stays in the shared store"),
+    ("--replica-id", _replica_id, None, "this replica's name in the shared store (default: <hostname>-<port>)"),
     ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "JSON log level"),
 ]
 
@@ -199,7 +221,8 @@ async def serve(args: argparse.Namespace) -> int:
         default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, ServerConfig.max_timeout_s),
         default_ttft_timeout_s=args.ttft_timeout,
         max_ttft_timeout_s=max(args.ttft_timeout, ServerConfig.max_ttft_timeout_s),
-        slow_consumer_grace_s=args.slow_consumer_grace)
+        slow_consumer_grace_s=args.slow_consumer_grace,
+        redis_url=args.redis_url, status_ttl_s=args.status_ttl, replica_id=args.replica_id)
     server = StoplineServer(engine, config)
     await server.start(sock=args.sock)
     await stop.wait()

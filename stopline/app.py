@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,6 +38,9 @@ from .protocol import (Action, AddressQuota, Cancel, Connection, Draft, Ended, L
 from .registry import Registry
 from .scheduler import Busy, Scheduler
 from .vocabulary import Outcome, Reason, Refusal
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
@@ -85,6 +89,11 @@ class ServerConfig:
     # bounded, and backpressure reaches the token loop instead of piling up here.
     write_limit: int = 16 * 1024
     socket_send_buffer: int = 16 * 1024
+    # The shared store of a scale-out deployment (docs/deploy.md); None: this process alone.
+    redis_url: str | None = None
+    status_ttl_s: int = 86_400
+    # This replica's name in the store; None: "<hostname>-<port>".
+    replica_id: str | None = None
 
 
 class StoplineServer:
@@ -120,6 +129,11 @@ class StoplineServer:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-long",
                                initializer=_background_priority))
         self.registry = Registry()
+        self.cluster: Cluster | None = None
+        if config.redis_url:
+            from .cluster import Cluster
+            self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)
+            self.registry.listener = self.cluster
         from .http_api import HttpApi  # imported here: its sessions build on ClientSession below
         self.http = HttpApi(self)
 
@@ -141,6 +155,8 @@ class StoplineServer:
         if http_port is None:
             http_port = self.config.port + 1 if self.config.port else 0
         await self.http.start(self.config.host, http_port)
+        if self.cluster is not None:
+            await self.cluster.start(self.config.replica_id or f"{socket.gethostname()}-{self.port}")
         log.info("server_started", url=f"http://{self.config.host}:{self.port}/", model=self.engine.name,
                  workers=self.config.workers, threads=self.engine.threads, context_length=self.engine.context_length,
                  prefill_chunk=self.engine.prefill_chunk, abort_mode=str(self.engine.abort_mode),
@@ -157,6 +173,8 @@ class StoplineServer:
         for session in list(self._sessions):
             await session.perform(session.protocol.stop_all(Reason.SHUTDOWN, now))
         await self.scheduler.shutdown()
+        if self.cluster is not None:
+            await self.cluster.close()
         self._server.close(close_connections=True)
         await self._server.wait_closed()
         await self.http.close()
@@ -195,7 +213,8 @@ class StoplineServer:
         if path == "/healthz":
             body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
                                "active": self.scheduler.active, "queued": self.scheduler.queue_depth,
-                               "abort_mode": str(self.engine.abort_mode), "http_api": self.http.base_url})
+                               "abort_mode": str(self.engine.abort_mode), "http_api": self.http.base_url,
+                               "store": self.cluster.health() if self.cluster is not None else {"type": "memory"}})
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)

@@ -25,8 +25,8 @@ from .app import ClientSession, StoplineServer
 from .origin import check_request
 from .observability import log
 from .protocol import Submit, encode_frame, error_frame
-from .registry import Entry, InvalidCancelToken, UnknownRequest
-from .vocabulary import ErrorCode, Outcome, Reason
+from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
+from .vocabulary import ErrorCode, Outcome, Reason, Status
 
 TERMINAL_TYPES = {str(outcome) for outcome in Outcome}
 
@@ -38,10 +38,12 @@ _HTTP_STATUS = {
     ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
+    ErrorCode.STORE_UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.OWNER_UNREACHABLE: HTTPStatus.GATEWAY_TIMEOUT,
 }
 # OpenAI's error ``type`` for each HTTP status it uses.
 _OPENAI_ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
-                      429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+                      429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
 # How a done request's reason reads as an OpenAI finish_reason; a cancel or a
 # timeout is named by its own reason (user_cancelled, total_timeout, ...).
 _FINISH_REASON = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
@@ -259,6 +261,9 @@ class HttpApi:
             web.get("/v1/models", self._models),
         ])
         self.app.on_response_prepare.append(self._cors_headers)
+        if server.cluster is not None:
+            server.cluster.cancel_here = self._cancel_here
+            self.app.on_response_prepare.append(self._replica_header)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -308,6 +313,11 @@ class HttpApi:
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, X-Cancel-Token"
             response.headers["Vary"] = "Origin"
 
+    async def _replica_header(self, request: web.Request, response: web.StreamResponse) -> None:
+        # Which replica answered: behind a load balancer, the one place that says so.
+        if self.server.cluster is not None:
+            response.headers["X-Stopline-Replica"] = self.server.cluster.replica_id
+
     # Generations -------------------------------------------------------------
 
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
@@ -352,35 +362,62 @@ class HttpApi:
         return reply.response
 
     async def _get_generation(self, request: web.Request) -> web.Response:
-        entry = self._authorized(request)
-        if isinstance(entry, web.Response):
-            return entry
-        return web.json_response(entry.describe(), headers=_NO_STORE)
+        async def here(entry: Entry) -> dict:
+            return entry.describe()
+        cluster = self.server.cluster
+        return await self._by_id(request, here, cluster.describe if cluster is not None else None)
 
     async def _delete_generation(self, request: web.Request) -> web.Response:
         # The cancel's arrival time, as for a cancel frame.
         now = time.monotonic_ns()
-        entry = self._authorized(request)
-        if isinstance(entry, web.Response):
-            return entry
+
+        async def here(entry: Entry) -> dict:
+            return {"request_id": entry.request_id, "status": str(await self._cancel(entry, now))}
+
+        cluster = self.server.cluster
+
+        async def elsewhere(request_id: str, token: str | None) -> dict:
+            assert cluster is not None  # passed on only when there is one
+            return {"request_id": request_id, "status": await cluster.cancel(request_id, token)}
+        return await self._by_id(request, here, elsewhere if cluster is not None else None)
+
+    async def _cancel(self, entry: Entry, now: int) -> Status:
         if entry.ending is None:
             session = entry.session
             await session.perform(session.protocol.request_cancel(entry.request, Reason.USER_CANCELLED, now))
             # Answer with the outcome that won, which the loop reports within one step.
             await entry.ended.wait()
-        return web.json_response({"request_id": entry.request_id, "status": str(entry.status)}, headers=_NO_STORE)
+        return entry.status
 
-    def _authorized(self, request: web.Request) -> Entry | web.Response:
-        """The registry entry this request may see, or the error response saying why not."""
+    async def _cancel_here(self, request_id: str) -> Status | None:
+        """Another replica's DELETE, relayed by the shared store (authorized there); None: not held here."""
+        entry = self.server.registry.get(request_id)
+        return None if entry is None else await self._cancel(entry, time.monotonic_ns())
+
+    async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
+        """Answer for the generation named in the path: from this replica's registry if it holds it,
+        else (``--redis-url``) from the shared store, under the same authorization."""
         request_id = request.match_info["request_id"]
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
+        token = credential.strip() if scheme.lower() == "bearer" else None
         try:
-            return self.server.registry.authorize(request_id, token.strip() if scheme.lower() == "bearer" else None)
+            try:
+                body = await here(self.server.registry.authorize(request_id, token))
+            except UnknownRequest:
+                if elsewhere is None:
+                    raise
+                body = await elsewhere(request_id, token)
         except UnknownRequest:
             return error_response(ErrorCode.UNKNOWN_REQUEST, f"no generation has id {request_id!r}", openai=False)
         except InvalidCancelToken:
             return error_response(ErrorCode.INVALID_CANCEL_TOKEN,
                                   "send the generation's cancel token as 'Authorization: Bearer <token>'", openai=False)
+        except StoreUnavailable:
+            return error_response(ErrorCode.STORE_UNAVAILABLE, "this generation is not on this replica, and the "
+                                  "shared store that would find it cannot be reached; try again", openai=False)
+        except OwnerUnreachable as exc:
+            return error_response(ErrorCode.OWNER_UNREACHABLE, str(exc), openai=False)
+        return web.json_response(body, headers=_NO_STORE)
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}

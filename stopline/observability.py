@@ -9,7 +9,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .protocol import Ending, Request
-from .vocabulary import AbortMode, Outcome
+from .vocabulary import END_EVENTS, AbortMode, Outcome
 
 
 def configure_logging(level: str = "info", stream=None) -> None:
@@ -69,6 +69,17 @@ class Metrics:
                                "HTTP and WebSocket connections refused before the handshake completed, by code.",
                                ["code"], registry=r)
 
+    def add_store_metrics(self) -> None:
+        """The shared store's metrics, exported only when there is one (``--redis-url``)."""
+        r = self.registry
+        self.redis_up = Gauge("stopline_redis_up", "1 while Redis (the shared store) answers, else 0.", registry=r)
+        self.store_writes_queued = Gauge("stopline_store_writes_queued",
+                                         "Status and cancellation-log writes waiting for Redis.", registry=r)
+        self.store_writes_dropped = Counter("stopline_store_writes_dropped",
+                                            "Status and cancellation-log writes given up: the queue was full, "
+                                            "Redis kept refusing them, or they were queued at shutdown.",
+                                            registry=r)
+
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:
             self.abort_mode.labels(str(each)).set(1 if each is mode else 0)
@@ -99,7 +110,7 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
     """The end line: the fields of the classic cancellation record, and then some."""
     level = "warning" if ending.outcome is Outcome.ERROR else "info"
     getattr(log, level)(
-        f"generation_{ending.outcome}",
+        END_EVENTS[ending.outcome],
         request_id=request.request_id, id=request.id, user_id=request.user, reason=ending.reason, peer=peer,
         tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
         cancel_latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,

@@ -4,13 +4,18 @@ A live entry knows its session (the Sink that owns the request), so a DELETE
 from anyone holding the cancel token stops it exactly as the owner's own
 cancel would. An ended entry keeps only the outcome and the counts, so a
 repeated DELETE or GET gets the same answer after the request is gone.
+
+With a shared store (``--redis-url``) a listener hears of every entry added
+and ended, and copies it there for the other replicas (stopline/cluster.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections import OrderedDict
+from typing import Protocol
 
 from .protocol import Ending, Phase, Request
 from .vocabulary import STATUS_BY_OUTCOME, Status
@@ -24,10 +29,20 @@ class InvalidCancelToken(PermissionError):
     """The token is missing or is not the request's."""
 
 
+class StoreUnavailable(ConnectionError):
+    """The request is not on this replica, and the shared store that would find it cannot be reached."""
+
+
+class OwnerUnreachable(TimeoutError):
+    """The replica that runs the request did not answer in time, yet still sends heartbeats."""
+
+
 class Entry:
     def __init__(self, request: Request, session):
         self.request_id = request.request_id
         self.cancel_token = request.cancel_token
+        self.user = request.user
+        self.created = time.time()
         self.request: Request | None = request
         self.session = session
         self.ending: Ending | None = None
@@ -52,14 +67,24 @@ class Entry:
         return answer
 
 
+class Listener(Protocol):
+    """Hears of entries as they come and go; called on the event loop, it must not wait."""
+
+    def added(self, entry: Entry) -> None: ...
+    def ended(self, entry: Entry) -> None: ...
+
+
 class Registry:
     def __init__(self, remembered: int = 4096):
         self._live: dict[str, Entry] = {}
         self._ended: OrderedDict[str, Entry] = OrderedDict()
         self._remembered = remembered
+        self.listener: Listener | None = None
 
     def add(self, request: Request, session) -> None:
-        self._live[request.request_id] = Entry(request, session)
+        entry = self._live[request.request_id] = Entry(request, session)
+        if self.listener is not None:
+            self.listener.added(entry)
 
     def end(self, request: Request, ending: Ending) -> None:
         entry = self._live.pop(request.request_id, None)
@@ -71,6 +96,11 @@ class Registry:
         self._ended[entry.request_id] = entry
         if len(self._ended) > self._remembered:
             self._ended.popitem(last=False)
+        if self.listener is not None:
+            self.listener.ended(entry)
+
+    def live(self) -> list[Entry]:
+        return list(self._live.values())
 
     def get(self, request_id: str) -> Entry | None:
         """The entry for ``request_id``, unchecked: for code in this process, never for a client."""

@@ -64,6 +64,9 @@ class ErrorCode(StrEnum):
     UNKNOWN_REQUEST = "unknown_request"
     INVALID_CANCEL_TOKEN = "invalid_cancel_token"
     NOT_FOUND = "not_found"
+    # Cross-replica GET/DELETE with --redis-url (docs/deploy.md)
+    STORE_UNAVAILABLE = "store_unavailable"
+    OWNER_UNREACHABLE = "owner_unreachable"
 
 
 class Status(StrEnum):
@@ -78,6 +81,8 @@ class Status(StrEnum):
     ERROR = "error"
     # cancel_ack only: no live or recent request on this connection has that id.
     UNKNOWN = "unknown"
+    # Another replica ran it and has stopped sending heartbeats: it ended with that replica.
+    OWNER_LOST = "owner_lost"
 
 
 STATUS_BY_OUTCOME = {
@@ -97,3 +102,33 @@ class Refusal(StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections"
     HEADERS_TOO_LARGE = "headers_too_large"
     HANDSHAKE_TIMEOUT = "handshake_timeout"
+
+
+# The ``event`` of a request's end log line, and of its record in the cancellation log.
+END_EVENTS = {outcome: f"generation_{outcome}" for outcome in Outcome}
+
+
+class StoreState(StrEnum):
+    """Whether the shared store (``--redis-url``) can be reached: ``/healthz`` and ``stopline_redis_up``."""
+    UP = "up"
+    DOWN = "down"
+
+
+class StoreEvent(StrEnum):
+    """The log events of the shared store."""
+    UP = "store_up"
+    DOWN = "store_down"
+    WRITES_DROPPED = "store_writes_dropped"
+    REMOTE_CANCEL = "remote_cancel"
+    SESSION_FAILED = "store_session_failed"
+    MESSAGE_INVALID = "store_message_invalid"
+
+
+class DropCause(StrEnum):
+    """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
+    # The queue of writes waiting for Redis was full: the oldest went.
+    QUEUE_FULL = "queue_full"
+    # Redis answered it with an error, every time it was tried.
+    REJECTED = "rejected"
+    # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
+    SHUTDOWN = "shutdown"

@@ -1,0 +1,490 @@
+"""The shared store of many replicas behind a load balancer (``--redis-url``).
+
+Every replica copies its generations into Redis, so that any replica can
+answer ``GET`` and ``DELETE /v1/generations/{request_id}`` for any of them:
+
+- ``stopline:generation:<request_id>``, a hash per generation: its owner
+  replica, status, ``user_id``, token counts, reason, timestamps and the
+  SHA-256 of its cancel token (the token itself never leaves the owner); it
+  expires ``--status-ttl`` seconds after its last write.
+- ``stopline:cancellations``, a stream capped with ``MAXLEN ~``: one record
+  per cancel and per timeout.
+- ``stopline:replica:{<id>}:heartbeat``, a key each replica sets every
+  heartbeat period to its incarnation (one per process), expiring after
+  three: a replica whose key is gone is dead or cut off, and one whose key
+  names another incarnation has restarted and lost its generations.
+- ``stopline:replica:{<id>}:inbox``, a pub/sub channel per replica: a DELETE
+  that lands on a replica that does not hold the request is published to the
+  owner's inbox; the owner stops it and publishes the outcome that won to the
+  asking replica's inbox.
+
+Redis trouble never stalls tokens: the registry's hooks only append to a
+bounded queue that one writer task drains, in order, in pipelines. While
+Redis is down the queue waits (and drops its oldest writes when full,
+counted and logged); the writer, the heartbeat and the inbox reconnect by
+themselves, and a reconnected replica writes every live generation again, so
+a Redis that restarted empty learns them back. Local cancels never touch
+Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from .observability import Metrics, log
+from .registry import (
+    Entry,
+    InvalidCancelToken,
+    OwnerUnreachable,
+    Registry,
+    StoreUnavailable,
+    UnknownRequest,
+)
+from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
+
+CANCELLATIONS = "stopline:cancellations"
+# The stream keeps about this many records (MAXLEN ~ trims whole nodes, cheaply).
+CANCELLATIONS_MAXLEN = 100_000
+HEARTBEAT_PERIOD_S = 1.0
+# A replica missing three heartbeats in a row is taken for dead.
+HEARTBEAT_TTL_S = 3 * HEARTBEAT_PERIOD_S
+# How long a DELETE waits for the owner's answer; a live owner answers within one step of its token loop.
+REPLY_TIMEOUT_S = HEARTBEAT_TTL_S
+# Every command gives up after this long, so that a Redis that hangs is found down instead of waited on.
+COMMAND_TIMEOUT_S = 2.0
+WRITE_QUEUE_LIMIT = 10_000
+WRITE_BATCH = 256
+# A batch that fails this many times (Redis answers, but with an error) is given up.
+WRITE_ATTEMPTS = 5
+RECONNECT_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# After shutdown's last writes: how long to wait for them to reach Redis.
+FLUSH_TIMEOUT_S = 2.0
+
+ENDED_STATUSES = frozenset(str(status) for status in (Status.FINISHED, Status.CANCELLED, Status.TIMEOUT,
+                                                      Status.ERROR))
+LOGGED_OUTCOMES = (Outcome.CANCELLED, Outcome.TIMEOUT)
+
+
+def generation_key(request_id: str) -> str:
+    return f"stopline:generation:{request_id}"
+
+
+# The replica id sits in braces, a Redis Cluster hash tag: its heartbeat key and
+# its inbox channel map to the same slot (docs/deploy.md).
+def heartbeat_key(replica_id: str) -> str:
+    return f"stopline:replica:{{{replica_id}}}:heartbeat"
+
+
+def inbox_channel(replica_id: str) -> str:
+    return f"stopline:replica:{{{replica_id}}}:inbox"
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Write:
+    """One queued write: a generation's whole hash, or one cancellation-log record."""
+    key: str
+    fields: dict[str, str | int | float]
+    attempts: int = field(default=0)
+
+    def add_to(self, pipe, ttl_s: int) -> None:
+        if self.key == CANCELLATIONS:
+            pipe.xadd(CANCELLATIONS, self.fields, maxlen=CANCELLATIONS_MAXLEN, approximate=True)
+        else:
+            pipe.hset(self.key, mapping=self.fields)
+            pipe.expire(self.key, ttl_s)
+
+
+class Cluster:
+    """This replica's side of the shared store. Hooked into the registry as its listener."""
+
+    def __init__(self, url: str, registry: Registry, metrics: Metrics, *, status_ttl_s: int = 86_400,
+                 queue_limit: int = WRITE_QUEUE_LIMIT):
+        self.url = url
+        self.registry = registry
+        self.metrics = metrics
+        metrics.add_store_metrics()
+        metrics.redis_up.set(0)
+        self.status_ttl_s = status_ttl_s
+        self.queue_limit = queue_limit
+        self.replica_id = ""
+        # This process's life: a replica restarted under the same id is not the owner of its
+        # previous life's generations, which its heartbeat then says.
+        self.incarnation = uuid.uuid4().hex
+        self.state = StoreState.DOWN
+        # Stops a request held here when another replica asks; None: it is not here.
+        self.cancel_here: Callable[[str], Awaitable[Status | None]] | None = None
+        # No retries inside the client: a failed command marks the store down at once,
+        # and the supervisor below reconnects.
+        self._client = redis.from_url(url, decode_responses=True, socket_timeout=COMMAND_TIMEOUT_S,
+                                      socket_connect_timeout=COMMAND_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
+                                      health_check_interval=0)
+        self._queue: deque[Write] = deque()
+        self._queued = asyncio.Event()
+        # Writes taken off the queue whose pipeline has not come back yet.
+        self._sending = 0
+        self._dropped = 0
+        self._drops_logged_at = 0.0
+        # Live generations' (status, tokens) as last written, so a heartbeat writes only what changed.
+        self._synced: dict[str, tuple[str, int]] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._served: set[asyncio.Task] = set()
+        self._supervisor: asyncio.Task | None = None
+        # Sessions with Redis that got as far as registering.
+        self._sessions = 0
+
+    # Lifecycle -------------------------------------------------------------------
+
+    async def start(self, replica_id: str) -> None:
+        """Connect in the background: the replica serves at once, with the store down until Redis answers."""
+        self.replica_id = replica_id
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def close(self) -> None:
+        """Flush the last writes (briefly), leave the cluster at once, and close every connection."""
+        if self.state is StoreState.UP:
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
+            while (self._queue or self._sending) and self.state is StoreState.UP and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        for task in list(self._served):
+            task.cancel()
+        await asyncio.gather(*self._served, return_exceptions=True)
+        if self.state is StoreState.UP:
+            try:
+                # The other replicas see this one gone now rather than when its heartbeat expires.
+                await self._client.delete(heartbeat_key(self.replica_id))
+            except (RedisError, OSError):
+                pass
+        self._set_state(StoreState.DOWN, reason="shutdown")
+        if self._queue:
+            self._drop(len(self._queue), DropCause.SHUTDOWN)
+            self._queue.clear()
+        await self._client.aclose()
+
+    def health(self) -> dict:
+        return {"type": "redis", "state": str(self.state), "replica_id": self.replica_id,
+                "queued_writes": len(self._queue), "dropped_writes": self._dropped}
+
+    async def _supervise(self) -> None:
+        failures = 0
+        while True:
+            sessions = self._sessions
+            try:
+                await self._connected()
+            except (RedisError, OSError) as exc:
+                self._set_state(StoreState.DOWN, reason=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - logged with its traceback
+                # A bug in a session must not end the reconnecting: log it, and start over.
+                log.exception(StoreEvent.SESSION_FAILED, replica_id=self.replica_id)
+                self._set_state(StoreState.DOWN, reason=f"{type(exc).__name__}: {exc}")
+            # Back off while Redis stays away; try again at once after a session that worked.
+            failures = 0 if self._sessions != sessions else failures + 1
+            await asyncio.sleep(RECONNECT_DELAYS_S[min(failures, len(RECONNECT_DELAYS_S) - 1)])
+
+    async def _connected(self) -> None:
+        """One session with Redis: subscribe, register, then heartbeat, listen and write until something fails."""
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        tasks: list[asyncio.Task] = []
+        try:
+            await pubsub.subscribe(inbox_channel(self.replica_id))
+            await self._beat()
+            self._register_live()
+            self._set_state(StoreState.UP)
+            loop = asyncio.get_running_loop()
+            tasks = [loop.create_task(self._listen(pubsub)), loop.create_task(self._heartbeats()),
+                     loop.create_task(self._drain())]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises what ended the session
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await pubsub.aclose()
+            except (RedisError, OSError):
+                pass
+            # A DELETE waiting for an owner's answer on this connection will not get it.
+            for future in self._replies.values():
+                if not future.done():
+                    future.set_exception(StoreUnavailable("the connection to Redis was lost"))
+
+    def _set_state(self, state: StoreState, reason: str | None = None) -> None:
+        if state is self.state:
+            return
+        self.state = state
+        self.metrics.redis_up.set(1 if state is StoreState.UP else 0)
+        if state is StoreState.UP:
+            self._sessions += 1
+            log.info(StoreEvent.UP, replica_id=self.replica_id, queued_writes=len(self._queue))
+        else:
+            log.warning(StoreEvent.DOWN, replica_id=self.replica_id, reason=reason, queued_writes=len(self._queue))
+
+    # The registry's hooks: called on the event loop, they only queue ----------------------
+
+    def added(self, entry: Entry) -> None:
+        self._write(self._hash(entry))
+
+    def ended(self, entry: Entry) -> None:
+        self._synced.pop(entry.request_id, None)
+        self._write(self._hash(entry))
+        ending = entry.ending
+        if ending is not None and ending.outcome in LOGGED_OUTCOMES:
+            self._write(Write(CANCELLATIONS, _without_none({
+                "event": END_EVENTS[ending.outcome], "request_id": entry.request_id, "user_id": entry.user or "",
+                "reason": ending.reason, "tokens_generated": ending.tokens_generated,
+                "tokens_wasted": ending.tokens_wasted, "latency_ms": ending.cancel_latency_ms,
+                "timestamp": _iso(time.time()), "replica_id": self.replica_id})))
+
+    def _hash(self, entry: Entry) -> Write:
+        described = entry.describe()
+        fields = {**described, "owner": self.replica_id, "owner_incarnation": self.incarnation,
+                  "user_id": entry.user or "",
+                  "token_sha256": token_digest(entry.cancel_token), "created_at": _iso(entry.created),
+                  "updated_at": _iso(time.time())}
+        if entry.ending is not None:
+            fields["ended_at"] = fields["updated_at"]
+        return Write(generation_key(entry.request_id), _without_none(fields))
+
+    def _write(self, write: Write) -> None:
+        self._queue.append(write)
+        if len(self._queue) > self.queue_limit:
+            # The oldest goes: a newer write of the same hash carries everything it had.
+            self._queue.popleft()
+            self._drop(1, DropCause.QUEUE_FULL)
+        self.metrics.store_writes_queued.set(len(self._queue))
+        self._queued.set()
+
+    def _drop(self, count: int, cause: DropCause) -> None:
+        self._dropped += count
+        self.metrics.store_writes_dropped.inc(count)
+        # At most one line a second, with the running total: a long outage must not flood the log.
+        now = time.monotonic()
+        if now - self._drops_logged_at >= 1.0 or cause is DropCause.SHUTDOWN:
+            self._drops_logged_at = now
+            log.warning(StoreEvent.WRITES_DROPPED, cause=cause, dropped_total=self._dropped,
+                        queue_limit=self.queue_limit)
+
+    def _register_live(self) -> None:
+        """Write every live generation again: Redis may have come back empty. These writes go
+        after everything queued (they are the newest) and are never dropped: there are only
+        as many as slots and queue places."""
+        self._synced.clear()
+        self._queue.extend(self._hash(entry) for entry in self.registry.live())
+        self.metrics.store_writes_queued.set(len(self._queue))
+        self._queued.set()
+
+    # Background work while connected -----------------------------------------------------------
+
+    async def _beat(self) -> None:
+        await self._client.set(heartbeat_key(self.replica_id), self.incarnation, px=int(HEARTBEAT_TTL_S * 1000))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_PERIOD_S)
+            await self._beat()
+            # Live generations' progress (queued, prefill, decoding; tokens so far), once a period.
+            for entry in self.registry.live():
+                progress = (str(entry.status), entry.request.next_index if entry.request else 0)
+                if self._synced.get(entry.request_id) != progress:
+                    self._synced[entry.request_id] = progress
+                    self._write(self._hash(entry))
+
+    async def _drain(self) -> None:
+        """Send queued writes in order, a pipeline at a time."""
+        while True:
+            if not self._queue:
+                self._queued.clear()
+                await self._queued.wait()
+            batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+            pipe = self._client.pipeline(transaction=False)
+            for write in batch:
+                write.add_to(pipe, self.status_ttl_s)
+            self._sending = len(batch)
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except BaseException:
+                # Not sent, or not known to be: put the batch back in front, and let the session end.
+                self._queue.extendleft(reversed(batch))
+                while len(self._queue) > self.queue_limit:
+                    self._queue.popleft()
+                    self._drop(1, DropCause.QUEUE_FULL)
+                raise
+            finally:
+                self._sending = 0
+                self.metrics.store_writes_queued.set(len(self._queue))
+            failed = _failed_writes(batch, results)
+            for write in failed:
+                write.attempts += 1
+            retry = [write for write in failed if write.attempts < WRITE_ATTEMPTS]
+            if len(failed) > len(retry):
+                self._drop(len(failed) - len(retry), DropCause.REJECTED)
+            self._queue.extendleft(reversed(retry))
+
+    async def _listen(self, pubsub) -> None:
+        while True:
+            message = await pubsub.get_message(timeout=HEARTBEAT_PERIOD_S)
+            if message is None or message.get("type") != "message":
+                continue
+            try:
+                body = json.loads(message["data"])
+                op = body["op"]
+            except (ValueError, TypeError, KeyError):
+                log.warning(StoreEvent.MESSAGE_INVALID, replica_id=self.replica_id)
+                continue
+            if op == "cancel":
+                task = asyncio.get_running_loop().create_task(self._serve_cancel(body))
+                self._served.add(task)
+                task.add_done_callback(self._served.discard)
+            elif op == "reply":
+                future = self._replies.get(body.get("nonce"))
+                if future is not None and not future.done():
+                    future.set_result(body.get("status"))
+
+    async def _serve_cancel(self, body: dict) -> None:
+        """Another replica's DELETE of a request held here: stop it, answer with the outcome that won."""
+        request_id = body.get("request_id")
+        status = await self.cancel_here(request_id) if self.cancel_here and isinstance(request_id, str) else None
+        log.info(StoreEvent.REMOTE_CANCEL, request_id=request_id, asked_by=body.get("from"),
+                 status=str(status) if status else None)
+        reply = {"op": "reply", "nonce": body.get("nonce"), "status": str(status or Status.OWNER_LOST)}
+        try:
+            await self._client.publish(body["reply_to"], json.dumps(reply))
+        except (RedisError, OSError, KeyError):
+            pass  # the asker times out and says so
+
+    # Requests held by other replicas ------------------------------------------------------------
+
+    async def describe(self, request_id: str, cancel_token: str | None) -> dict:
+        """GET for a request this replica does not hold: from its hash, as of the owner's last heartbeat."""
+        record = await self._authorized(request_id, cancel_token)
+        status = record["status"]
+        if status not in ENDED_STATUSES and not await self._owner_alive(record):
+            status = str(Status.OWNER_LOST)
+        answer: dict = {"request_id": request_id, "status": status,
+                        "prompt_tokens": int(record.get("prompt_tokens", 0)),
+                        "tokens_generated": int(record.get("tokens_generated", 0))}
+        if record["status"] in ENDED_STATUSES:
+            answer["reason"] = record.get("reason")
+            for name, kind in (("tokens_after_cancel", int), ("tokens_wasted", int), ("duration_ms", float)):
+                if name in record:
+                    answer[name] = kind(record[name])
+        return answer
+
+    async def cancel(self, request_id: str, cancel_token: str | None) -> str:
+        """DELETE for a request this replica does not hold: its owner stops it and names the outcome that won."""
+        record = await self._authorized(request_id, cancel_token)
+        if record["status"] in ENDED_STATUSES:
+            return record["status"]
+        owner = record["owner"]
+        if owner == self.replica_id:
+            return str(Status.OWNER_LOST)  # not in the registry, so written by this replica's previous life
+        nonce = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._replies[nonce] = future
+        message = json.dumps({"op": "cancel", "request_id": request_id, "nonce": nonce, "from": self.replica_id,
+                              "reply_to": inbox_channel(self.replica_id)})
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        try:
+            while True:
+                async with self._store():
+                    pipe = self._client.pipeline(transaction=False)
+                    pipe.get(heartbeat_key(owner))
+                    pipe.publish(inbox_channel(owner), message)
+                    beating, receivers = await pipe.execute()
+                if beating != record.get("owner_incarnation"):
+                    return str(Status.OWNER_LOST)
+                if receivers:
+                    break
+                # Alive but not listening: reconnecting to Redis, or just killed. Either it listens
+                # again or its heartbeat expires, within one heartbeat lifetime.
+                if time.monotonic() > deadline:
+                    raise OwnerUnreachable(f"replica {owner} did not listen within {REPLY_TIMEOUT_S:g} s")
+                await asyncio.sleep(HEARTBEAT_PERIOD_S / 10)
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    return await future
+            except TimeoutError:
+                if not await self._owner_alive(record):
+                    return str(Status.OWNER_LOST)
+                raise OwnerUnreachable(f"replica {owner} did not answer within {REPLY_TIMEOUT_S:g} s") from None
+        finally:
+            self._replies.pop(nonce, None)
+
+    async def _authorized(self, request_id: str, cancel_token: str | None) -> dict:
+        async with self._store():
+            record = await self._client.hgetall(generation_key(request_id))
+        if not record or "owner" not in record:
+            raise UnknownRequest(request_id)
+        # As the registry does: compared in constant time, and here on digests, so the token is never stored.
+        if cancel_token is None or not hmac.compare_digest(token_digest(cancel_token),
+                                                           str(record.get("token_sha256", ""))):
+            raise InvalidCancelToken(request_id)
+        return record
+
+    async def _owner_alive(self, record: dict) -> bool:
+        """The owner's heartbeat has not expired, and is still from the process that ran this generation."""
+        owner = record["owner"]
+        if owner == self.replica_id:
+            return record.get("owner_incarnation") == self.incarnation
+        async with self._store():
+            beating = await self._client.get(heartbeat_key(owner))
+        return beating == record.get("owner_incarnation")
+
+    def _store(self):
+        return _StoreCall(self)
+
+
+class _StoreCall:
+    """Around one command for a client: refused at once while the store is down, and any failure is a 503."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    async def __aenter__(self) -> None:
+        if self.cluster.state is not StoreState.UP:
+            raise StoreUnavailable("Redis cannot be reached")
+
+    async def __aexit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, (RedisError, OSError)) and not isinstance(exc, StoreUnavailable):
+            raise StoreUnavailable(f"Redis failed: {type(exc).__name__}") from exc
+        return False
+
+
+def _failed_writes(batch: list[Write], results: list) -> list[Write]:
+    """The writes whose commands Redis answered with an error (a hash write is two commands)."""
+    failed, position = [], 0
+    for write in batch:
+        count = 1 if write.key == CANCELLATIONS else 2
+        if any(isinstance(r, Exception) for r in results[position:position + count]):
+            failed.append(write)
+        position += count
+    return failed
+
+
+def _without_none(fields: dict) -> dict:
+    return {k: v for k, v in fields.items() if v is not None}

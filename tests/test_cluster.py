@@ -1,0 +1,512 @@
+"""Scale-out: real redis-server, real replicas (``python -m stopline`` processes), real nginx.
+
+A DELETE or GET that lands on a replica that does not hold the generation is
+answered through Redis; Redis going away never stops tokens or local cancels;
+a replica that dies leaves its generations answered at once, never hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from conftest import LONG_ANSWER, TERMINAL_TYPES, UNIT, Client, metric_value, wait_for
+from websockets.asyncio.client import connect
+
+from bench.servers import RedisServer, free_port
+from stopline.cluster import (
+    CANCELLATIONS,
+    HEARTBEAT_PERIOD_S,
+    HEARTBEAT_TTL_S,
+    Cluster,
+    generation_key,
+    heartbeat_key,
+)
+from stopline.engine import SamplingParams
+from stopline.observability import Metrics
+from stopline.protocol import Ending, Request
+from stopline.registry import Registry
+from stopline.vocabulary import (
+    ErrorCode,
+    Outcome,
+    Reason,
+    Status,
+    StoreEvent,
+    StoreState,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+NGINX_CONF = REPO / "deploy" / "nginx.conf"
+# The ports deploy/nginx.conf names: nginx, then each replica's WebSocket and HTTP API.
+DEPLOY_LISTEN = 8080
+DEPLOY_REPLICAS = ((8765, 8766), (8775, 8776), (8785, 8786))
+REPLICA_IDS = ("a", "b", "c")
+
+def store_client(redis_server: RedisServer) -> aioredis.Redis:
+    return aioredis.from_url(redis_server.url, decode_responses=True)
+
+
+class Replica:
+    """``python -m stopline`` with --redis-url: one slot, ports chosen by the system, read from its log."""
+
+    def __init__(self, replica_id: str, redis_url: str, directory: Path):
+        self.replica_id = replica_id
+        self.records: list[dict] = []
+        self._started = threading.Event()
+        self.stderr_path = directory / f"replica-{replica_id}.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "stopline", "--port", "0", "--http-port", "0", "--workers", "1",
+                 "--threads", "1", "--redis-url", redis_url, "--replica-id", replica_id],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL)
+        self._reader = threading.Thread(target=self._read, name=f"replica-{replica_id}-log", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                self.records.append(record)
+                if record.get("event") == "server_started":
+                    self.ws_port = int(re.search(r":(\d+)/$", record["url"]).group(1))
+                    self.api = record["http_api"]
+                    self._started.set()
+
+    def wait_started(self) -> Replica:
+        if not self._started.wait(180 * UNIT):
+            raise AssertionError(f"replica {self.replica_id} did not start: {self.stderr_path.read_text()[-2000:]}")
+        self.http_port = int(re.search(r":(\d+)/v1$", self.api).group(1))
+        return self
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.ws_port}/ws"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(30 * UNIT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(10)  # it reads to the end of the dead process's output
+        self.process.stdout.close()
+
+
+def render_nginx_conf(listen: int, replicas: list[Replica]) -> str:
+    """deploy/nginx.conf with its ports replaced by the test's: the same file, not a copy of it."""
+    text = NGINX_CONF.read_text()
+    swaps = [(f"listen 127.0.0.1:{DEPLOY_LISTEN};", f"listen 127.0.0.1:{listen};")]
+    for (ws, api), replica in zip(DEPLOY_REPLICAS, replicas):
+        swaps += [(f"server 127.0.0.1:{ws};", f"server 127.0.0.1:{replica.ws_port};"),
+                  (f"server 127.0.0.1:{api};", f"server 127.0.0.1:{replica.http_port};")]
+    for old, new in swaps:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+class Nginx:
+    """nginx as in docs/deploy.md: its own prefix, pid file and temp files; no daemon."""
+
+    def __init__(self, directory: Path, replicas: list[Replica]):
+        self.port = free_port()
+        (directory / "tmp").mkdir(parents=True, exist_ok=True)
+        conf = directory / "nginx.conf"
+        conf.write_text(render_nginx_conf(self.port, replicas))
+        self.stderr_path = directory / "nginx.stderr"
+        with open(self.stderr_path, "wb") as stderr:
+            self.process = subprocess.Popen(["nginx", "-p", str(directory), "-c", str(conf), "-e", "stderr",
+                                             "-g", "daemon off;"], stdout=stderr, stderr=stderr)
+        deadline = time.monotonic() + 10 * UNIT
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                break
+            assert self.process.poll() is None, self.stderr_path.read_text()
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.02)
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class Deployment:
+    def __init__(self, redis_server: RedisServer, replicas: list[Replica], nginx: Nginx):
+        self.redis = redis_server
+        self.replicas = replicas
+        self.nginx = nginx
+        self.by_id = {r.replica_id: r for r in replicas}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """redis-server, three replicas and nginx in front of them, as docs/deploy.md runs them."""
+    directory = tmp_path_factory.mktemp("deploy")
+    redis_server = RedisServer(directory / "redis").start(10 * UNIT)
+    replicas: list[Replica] = []
+    nginx = None
+    try:
+        replicas = [Replica(name, redis_server.url, directory) for name in REPLICA_IDS]
+        for replica in replicas:
+            replica.wait_started()
+        nginx = Nginx(directory / "nginx", replicas)
+        yield Deployment(redis_server, replicas, nginx)
+    finally:
+        if nginx is not None:
+            nginx.stop()
+        for replica in replicas:
+            replica.stop()
+        redis_server.kill()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as session:
+        yield session
+
+
+@contextlib.asynccontextmanager
+async def ws_client(url: str):
+    async with connect(url) as websocket:
+        client = Client(websocket)
+        client.hello = json.loads(await websocket.recv())
+        yield client
+
+
+async def call(http, method: str, base: str, request_id: str, token: str | None) -> tuple[int, dict, str | None]:
+    """GET or DELETE /v1/generations/{request_id}: (status, body, the replica that answered)."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    async with http.request(method, f"{base}/generations/{request_id}", headers=headers) as response:
+        return response.status, await response.json(), response.headers.get("X-Stopline-Replica")
+
+
+async def running_generation(client: Client, name: str, **fields) -> dict:
+    """Start a long generation and wait until it streams; its accepted frame."""
+    accepted = await client.generate(name, messages=LONG_ANSWER, max_tokens=1500, **fields)
+    assert accepted["type"] == "accepted", accepted
+    await client.recv_until(lambda f: f["type"] == "token" and f["id"] == name)
+    return accepted
+
+
+async def stream_records(store: aioredis.Redis, request_id: str) -> list[dict]:
+    return [fields for _, fields in await store.xrange(CANCELLATIONS) if fields["request_id"] == request_id]
+
+
+async def healthz(http, replica: Replica) -> dict:
+    async with http.get(f"http://127.0.0.1:{replica.ws_port}/healthz") as response:
+        return await response.json()
+
+
+async def store_state(http, replica: Replica) -> str:
+    return (await healthz(http, replica))["store"]["state"]
+
+
+@pytest.mark.slow
+async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deployment, http):
+    """WebSocket generations through nginx, each cancelled by a DELETE through nginx, until the DELETE has
+    been answered by every replica, by the owner and by replicas that do not hold the generation."""
+    store = store_client(deployment.redis)
+    api = f"{deployment.nginx.http}/v1"
+    answered_by: set[str] = set()
+    relayed = 0
+    try:
+        for attempt in range(12):
+            name, user = f"g{attempt}", f"user-{attempt}"
+            async with ws_client(deployment.nginx.ws_url) as client:
+                accepted = await running_generation(client, name, user=user)
+                request_id, token = accepted["request_id"], accepted["cancel_token"]
+                # Any replica reads its status (the GET also moves nginx's HTTP round robin along).
+                status, body, _ = await call(http, "GET", api, request_id, token)
+                assert status == 200 and body["status"] in (Status.PREFILL, Status.DECODING), body
+                assert (await call(http, "DELETE", api, request_id, "not-the-token"))[:2] == (
+                    403, {"type": "error", "id": None, "code": ErrorCode.INVALID_CANCEL_TOKEN,
+                          "message": "send the generation's cancel token as 'Authorization: Bearer <token>'"})
+                status, body, replica = await call(http, "DELETE", api, request_id, token)
+                assert (status, body) == (200, {"request_id": request_id, "status": Status.CANCELLED})
+                terminal = await client.terminal(name)
+                assert terminal["type"] == Outcome.CANCELLED and terminal["reason"] == Reason.USER_CANCELLED
+                # Exactly one terminal frame: a cancel frame now only gets an ack naming the outcome.
+                await client.send({"type": "cancel", "id": name})
+                ack = await client.recv_until(lambda f, name=name: f["id"] == name and f["type"] != "token")
+                assert ack == {"type": "cancel_ack", "id": name, "status": "cancelled"}
+                assert [f for f in client.frames if f["type"] in TERMINAL_TYPES] == [terminal]
+            # A repeat from anywhere gets the same answer.
+            assert (await call(http, "DELETE", api, request_id, token))[:2] == (200, body)
+            record = await wait_for(lambda request_id=request_id: _ended_hash(store, request_id), timeout=10)
+            assert record["status"] == Status.CANCELLED and record["user_id"] == user
+            assert record["owner"] in deployment.by_id and record["reason"] == Reason.USER_CANCELLED
+            assert "token_sha256" in record and token not in record.values()
+            [logged] = await wait_for(lambda request_id=request_id: stream_records(store, request_id), timeout=10)
+            assert logged["event"] == "generation_cancelled" and logged["user_id"] == user
+            assert logged["reason"] == Reason.USER_CANCELLED and int(logged["tokens_generated"]) >= 1
+            assert int(logged["tokens_wasted"]) >= int(logged["tokens_generated"]) and float(logged["latency_ms"]) >= 0
+            answered_by.add(replica)
+            relayed += replica != record["owner"]
+            if answered_by == set(REPLICA_IDS) and relayed:
+                break
+        assert answered_by == set(REPLICA_IDS) and relayed, (answered_by, relayed)
+        # The relayed ones were stopped by their owner, which logged who asked.
+        remote = [r for replica in deployment.replicas for r in replica.records
+                  if r.get("event") == StoreEvent.REMOTE_CANCEL]
+        assert len(remote) == relayed and all(r["status"] == Status.CANCELLED for r in remote)
+        status, body, _ = await call(http, "DELETE", api, "no-such-generation", "x")
+        assert status == 404 and body["code"] == ErrorCode.UNKNOWN_REQUEST
+    finally:
+        await store.aclose()
+
+
+async def _ended_hash(store: aioredis.Redis, request_id: str) -> dict | None:
+    record = await store.hgetall(generation_key(request_id))
+    return record if record.get("status") in (Status.CANCELLED, Status.FINISHED) else None
+
+
+@pytest.mark.slow
+async def test_redis_down_then_back(deployment, http):
+    """Tokens and local cancels go on without Redis; a cross-replica DELETE gets 503 store_unavailable; once
+    Redis is back (empty), every replica reconnects and registers its live generations again."""
+    a, b = deployment.by_id["a"], deployment.by_id["b"]
+    async with ws_client(a.ws_url) as client:
+        first = await running_generation(client, "before")
+        # Known in the store before it goes.
+        store = store_client(deployment.redis)
+        try:
+            await wait_for(lambda: store.exists(generation_key(first["request_id"])), timeout=10)
+        finally:
+            await store.aclose()
+        deployment.redis.kill()
+        try:
+            seen = len(client.tokens("before"))
+            await client.recv_until(lambda f: f["type"] == "token" and f["index"] >= seen + 3)
+            status, body, _ = await call(http, "DELETE", b.api, first["request_id"], first["cancel_token"])
+            assert status == 503 and body["code"] == ErrorCode.STORE_UNAVAILABLE, body
+            status, body, _ = await call(http, "GET", b.api, first["request_id"], first["cancel_token"])
+            assert status == 503 and body["code"] == ErrorCode.STORE_UNAVAILABLE, body
+            for replica in (a, b):
+                await wait_for(lambda replica=replica: _is(store_state(http, replica), StoreState.DOWN), timeout=10)
+            async with http.get(f"http://127.0.0.1:{a.ws_port}/metrics") as response:
+                assert metric_value(await response.text(), "stopline_redis_up") == 0
+            # A local DELETE needs no Redis.
+            status, body, _ = await call(http, "DELETE", a.api, first["request_id"], first["cancel_token"])
+            assert (status, body["status"]) == (200, Status.CANCELLED)
+            assert (await client.terminal("before"))["type"] == Outcome.CANCELLED
+            # A generation that starts while Redis is away.
+            during = await running_generation(client, "during")
+        finally:
+            deployment.redis.start(10 * UNIT)
+        for replica in deployment.replicas:
+            await wait_for(lambda replica=replica: _is(store_state(http, replica), StoreState.UP), timeout=10)
+        async with http.get(f"http://127.0.0.1:{a.ws_port}/metrics") as response:
+            assert metric_value(await response.text(), "stopline_redis_up") == 1
+        # Registered again: another replica finds it and stops it through its owner.
+        status, body, _ = await call(http, "DELETE", b.api, during["request_id"], during["cancel_token"])
+        assert (status, body) == (200, {"request_id": during["request_id"], "status": Status.CANCELLED})
+        assert (await client.terminal("during"))["type"] == Outcome.CANCELLED
+        # The writes queued while Redis was away reached it: the first generation's end, and its log record.
+        status, body, _ = await wait_for(lambda: _answered(call(http, "GET", b.api, first["request_id"],
+                                                                first["cancel_token"])), timeout=10)
+        assert body["status"] == Status.CANCELLED
+        store = store_client(deployment.redis)
+        try:
+            assert len(await wait_for(lambda: stream_records(store, first["request_id"]), timeout=10)) == 1
+        finally:
+            await store.aclose()
+
+
+async def _is(state, wanted) -> bool:
+    return (await state) == wanted
+
+
+async def _answered(response):
+    answer = await response
+    return answer if answer[0] == 200 else None
+
+
+@pytest.mark.slow
+async def test_dead_owner_is_answered_at_once(deployment, http, tmp_path):
+    """The owner is killed mid-generation: a DELETE elsewhere answers owner_lost once its heartbeat expires,
+    within heartbeat periods; from then on, GET and DELETE answer it at once."""
+    a = deployment.by_id["a"]
+    doomed = Replica("doomed", deployment.redis.url, tmp_path).wait_started()
+    try:
+        async with ws_client(doomed.ws_url) as client:
+            accepted = await running_generation(client, "doomed")
+            request_id, token = accepted["request_id"], accepted["cancel_token"]
+            # Its progress reaches the store once a heartbeat period.
+            status, body, _ = await wait_for(lambda: _decoding(call(http, "GET", a.api, request_id, token)),
+                                             timeout=3 * HEARTBEAT_PERIOD_S)
+            doomed.stop(signal.SIGKILL)
+            started = time.monotonic()
+            status, body, replica = await call(http, "DELETE", a.api, request_id, token)
+            elapsed = time.monotonic() - started
+        assert (status, body, replica) == (200, {"request_id": request_id, "status": Status.OWNER_LOST}, "a")
+        # Once its heartbeat has expired, however long the generation had to go.
+        assert elapsed < (HEARTBEAT_TTL_S + 2 * HEARTBEAT_PERIOD_S) * UNIT, elapsed
+        store = store_client(deployment.redis)
+        try:
+            assert not await store.exists(heartbeat_key("doomed"))
+        finally:
+            await store.aclose()
+        # And from then on at once.
+        status, body, _ = await call(http, "GET", a.api, request_id, token)
+        assert (status, body["status"]) == (200, Status.OWNER_LOST)
+        assert (await call(http, "DELETE", a.api, request_id, token))[:2] == (
+            200, {"request_id": request_id, "status": Status.OWNER_LOST})
+    finally:
+        doomed.stop(signal.SIGKILL)
+
+
+async def _decoding(response):
+    answer = await response
+    return answer if answer[0] == 200 and answer[1]["status"] == Status.DECODING and answer[1]["tokens_generated"] else None
+
+
+# The write queue, without the model: a Cluster over a registry, Redis absent and then present. -------------
+
+def _request(number: int) -> Request:
+    return Request(f"r{number}", [1, 2, 3], SamplingParams(), received_ns=0, user=f"user-{number}")
+
+
+async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
+    port = free_port()
+    registry, metrics = Registry(), Metrics()
+    cluster = Cluster(f"redis://127.0.0.1:{port}/0", registry, metrics, queue_limit=6)
+    registry.listener = cluster
+    await cluster.start("solo")
+    redis_server = RedisServer(tmp_path, port)
+    try:
+        requests = [_request(n) for n in range(6)]
+        for request in requests:
+            registry.add(request, None)
+        for request in requests[:3]:
+            registry.end(request, Ending(Outcome.CANCELLED, str(Reason.USER_CANCELLED), prompt_tokens=3,
+                                         prompt_tokens_evaluated=3, tokens_generated=2, cancel_latency_ms=0.5))
+        # 6 adds, then a hash and a log record for each of 3 ends: 12 writes, 6 places.
+        assert cluster.state is StoreState.DOWN
+        assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
+        assert metric_value(metrics.render().decode(), "stopline_redis_up") == 0
+        assert logs.records(StoreEvent.WRITES_DROPPED, cause="queue_full")
+        redis_server.start(10 * UNIT)
+        await wait_for(lambda: cluster.state is StoreState.UP and not cluster.health()["queued_writes"], timeout=10)
+        store = store_client(redis_server)
+        try:
+            # The ends (kept, the newest writes) and the live ones (registered again on connecting).
+            for request in requests:
+                record = await wait_for(lambda request=request: store.hgetall(generation_key(request.request_id)), timeout=10)
+                assert record["owner"] == "solo" and record["user_id"] == request.user
+                assert record["status"] == (Status.CANCELLED if request in requests[:3] else Status.QUEUED)
+                assert 0 < await store.ttl(generation_key(request.request_id)) <= 86_400
+            logged = [fields["request_id"] for _, fields in await store.xrange(CANCELLATIONS)]
+            assert logged == [r.request_id for r in requests[:3]]
+            assert await store.exists(heartbeat_key("solo"))
+        finally:
+            await store.aclose()
+        assert metric_value(metrics.render().decode(), "stopline_redis_up") == 1
+    finally:
+        await cluster.close()
+        redis_server.kill()
+    assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
+
+
+async def test_a_restarted_replica_does_not_own_its_previous_life(tmp_path):
+    """Same replica id, new process: the generations of the old one read owner_lost, on it and elsewhere."""
+    redis_server = RedisServer(tmp_path).start(10 * UNIT)
+    clusters: list[Cluster] = []
+
+    async def joined(replica_id: str) -> tuple[Cluster, Registry]:
+        registry = Registry()
+        cluster = Cluster(redis_server.url, registry, Metrics())
+        registry.listener = cluster
+        clusters.append(cluster)
+        await cluster.start(replica_id)
+        await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
+        return cluster, registry
+
+    try:
+        old, registry = await joined("solo")
+        request = _request(1)
+        registry.add(request, None)
+        other, _ = await joined("other")
+        await wait_for(lambda: _answered_by(other.describe(request.request_id, request.cancel_token)), timeout=10)
+        assert (await other.describe(request.request_id, request.cancel_token))["status"] == Status.QUEUED
+        await old.close()  # the process is gone; its hash stays
+        new, _ = await joined("solo")
+        for cluster in (new, other):
+            assert (await cluster.describe(request.request_id, request.cancel_token))["status"] == Status.OWNER_LOST
+            assert await cluster.cancel(request.request_id, request.cancel_token) == Status.OWNER_LOST
+    finally:
+        for cluster in clusters:
+            await cluster.close()
+        redis_server.kill()
+
+
+async def _answered_by(answer) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(await answer)
+    return False
+
+
+async def test_without_redis_url_the_store_is_this_process(server, http):
+    """No --redis-url: nothing of the shared store shows, and an unknown id is simply unknown."""
+    async with http.get(f"{server.http_url}/healthz") as response:
+        assert (await response.json())["store"] == {"type": "memory"}
+    async with http.get(f"{server.http_url}/metrics") as response:
+        text = await response.text()
+    assert "stopline_redis_up" not in text and "stopline_store_writes" not in text
+    status, body, replica = await call(http, "DELETE", server.http.base_url, "elsewhere", "token")
+    assert (status, body["code"], replica) == (404, ErrorCode.UNKNOWN_REQUEST, None)
+
+
+async def test_the_log_records_cancels_and_timeouts_not_finished_ones(tmp_path):
+    redis_server = RedisServer(tmp_path).start(10 * UNIT)
+    registry = Registry()
+    cluster = Cluster(redis_server.url, registry, Metrics())
+    registry.listener = cluster
+    await cluster.start("solo")
+    store = store_client(redis_server)
+    try:
+        await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
+        endings = [Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=5),
+                   Ending(Outcome.TIMEOUT, str(Reason.FIRST_TOKEN_TIMEOUT), prompt_tokens_evaluated=7),
+                   Ending(Outcome.CANCELLED, str(Reason.CLIENT_DISCONNECTED), prompt_tokens_evaluated=3,
+                          tokens_generated=2, cancel_latency_ms=1.5)]
+        requests = [_request(n) for n in range(len(endings))]
+        for request, ending in zip(requests, endings):
+            registry.add(request, None)
+            registry.end(request, ending)
+        records = await wait_for(lambda: _stream_of(store, 2), timeout=10)
+        assert [(r["event"], r["request_id"], r["reason"], r["user_id"]) for r in records] == [
+            ("generation_timeout", requests[1].request_id, Reason.FIRST_TOKEN_TIMEOUT, "user-1"),
+            ("generation_cancelled", requests[2].request_id, Reason.CLIENT_DISCONNECTED, "user-2")]
+        # A timeout has no cancel latency; a cancel has.
+        assert "latency_ms" not in records[0] and float(records[1]["latency_ms"]) == 1.5
+        assert [int(r["tokens_wasted"]) for r in records] == [7, 5]
+        statuses = [(await store.hgetall(generation_key(r.request_id)))["status"] for r in requests]
+        assert statuses == [Status.FINISHED, Status.TIMEOUT, Status.CANCELLED]
+    finally:
+        await store.aclose()
+        await cluster.close()
+        redis_server.kill()
+
+
+async def _stream_of(store: aioredis.Redis, count: int) -> list[dict] | None:
+    records = [fields for _, fields in await store.xrange(CANCELLATIONS)]
+    return records if len(records) >= count else None
