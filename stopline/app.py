@@ -1,11 +1,11 @@
 """The asyncio service: WebSocket at /ws, the web client at /, /healthz and /metrics.
 The HTTP API (/v1) is served from the same event loop by :mod:`stopline.http_api`.
 
-This module only moves bytes and frames. What a client sends, and what the
-scheduler reports about its requests, goes into :class:`protocol.Connection`,
-which decides what it means; the actions it returns are carried out here: send
-a frame, tokenize a prompt, submit a request to the scheduler, cancel one,
-record one that ended (registry, metrics, log).
+This module owns the listening sockets, the slots and the shared state
+(scheduler, registry, metrics, the optional Redis store) and the HTTP side of
+the WebSocket port (the page, /healthz, /metrics, Host and Origin checks).
+Each WebSocket connection is a :class:`session.ClientSession`, which hands its
+frames to :class:`protocol.Connection` and carries out the actions returned.
 """
 
 from __future__ import annotations
@@ -27,24 +27,22 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as HTTPRequest, Response
 
-from .engine import Engine, GenerationResult
-from .observability import Metrics, log, log_accepted, log_end
+from .engine import Engine
+from .http_api import HttpApi
+from .observability import Metrics, log
 from .origin import OriginPolicy, check_request
-from .protocol import (Action, AddressQuota, Cancel, Connection, Draft, Ended, Limits, Request, Send, Submit,
-                       Tokenize, encode_frame)
+from .protocol import AddressQuota, Limits
 from .registry import Registry
-from .scheduler import Busy, Scheduler
-from .vocabulary import Outcome, Reason, Refusal
+from .scheduler import Scheduler
+from .session import ClientSession, peer_name
+from .vocabulary import Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
 
 WEB_ROOT = Path(__file__).resolve().parent / "web"
-# Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
-SHORT_PROMPT_BYTES = 16 * 1024
 
 
 @dataclass
@@ -134,7 +132,6 @@ class StoplineServer:
             from .cluster import Cluster
             self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)
             self.registry.listener = self.cluster
-        from .http_api import HttpApi  # imported here: its sessions build on ClientSession below
         self.http = HttpApi(self)
 
     @property
@@ -190,7 +187,7 @@ class StoplineServer:
     def refuse(self, connection: ServerConnection, code: Refusal, **details) -> None:
         """Count and log a connection refused before it became a WebSocket."""
         self.metrics.refused.labels(str(code)).inc()
-        log.warning("connection_refused", code=str(code), peer=_peer(connection), **details)
+        log.warning("connection_refused", code=str(code), peer=peer_name(connection), **details)
 
     def _process_request(self, connection: ServerConnection, request: HTTPRequest) -> Response | None:
         path = urlsplit(request.path).path
@@ -234,153 +231,6 @@ class StoplineServer:
         finally:
             self._sessions.discard(session)
             self.metrics.connections.dec()
-
-
-class ClientSession:
-    """One WebSocket connection: reads frames, hands them and what the scheduler
-    reports about its requests (it is their Sink) to the protocol, and performs
-    the actions the protocol returns."""
-
-    def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None,
-                 address: str | None = None):
-        self.server = server
-        self.websocket = websocket
-        self.peer = peer or _peer(websocket)
-        if address is None:
-            address = websocket.remote_address[0] if websocket.remote_address else "unknown"
-        self.protocol = Connection(server.limits, self._encode, time.monotonic_ns(), address=address,
-                                   quota=server.address_quota)
-        # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
-        # (cancels, pings), and one connection never has more than one prompt in the works.
-        self._drafts: asyncio.Queue[Draft] = asyncio.Queue()
-        self._preparer: asyncio.Task | None = None
-
-    def _encode(self, prompt, messages):
-        return self.server.engine.encode(prompt=prompt, messages=messages)
-
-    async def run(self) -> None:
-        await self.perform(self.protocol.hello(self.server.engine.name))
-        try:
-            async for message in self.websocket:
-                # The cancel's arrival time is taken here, as the frame is read.
-                now = time.monotonic_ns()
-                try:
-                    if isinstance(message, str):
-                        actions = self.protocol.receive_text(message, now)
-                    else:
-                        actions = self.protocol.receive_binary(now, len(message))
-                except Exception:
-                    # A bug handling one frame answers that frame, not the connection.
-                    log.exception("frame_failed", peer=self.peer)
-                    actions = self.protocol.frame_failed()
-                await self.perform(actions)
-        except ConnectionClosed:
-            pass
-        finally:
-            await self.client_gone()
-
-    async def client_gone(self) -> None:
-        """The client went away: stop everything it started."""
-        if self.protocol.live or self.protocol.pending:
-            log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
-        await self.perform(self.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
-        if self._preparer is not None:
-            self._preparer.cancel()
-
-    async def perform(self, actions: list[Action]) -> None:
-        """Carry out what the protocol decided, in order."""
-        for action in actions:
-            if isinstance(action, Send):
-                if action.frame["type"] == Outcome.ERROR:
-                    self.server.metrics.rejected.labels(action.frame["code"]).inc()
-                await self._send(action.frame, action.request)
-            elif isinstance(action, Tokenize):
-                self._drafts.put_nowait(action.draft)
-                if self._preparer is None:
-                    self._preparer = asyncio.get_running_loop().create_task(self._prepare())
-            elif isinstance(action, Submit):
-                await self._submit(action.request)
-            elif isinstance(action, Cancel):
-                self.server.scheduler.cancel(action.request)
-            elif isinstance(action, Ended):
-                self.server.registry.end(action.request, action.ending)
-                self.server.metrics.record_end(action.ending)
-                log_end(action.request, action.ending, self.peer)
-
-    async def _prepare(self) -> None:
-        """Tokenize this connection's prompts in arrival order, off the event loop."""
-        loop = asyncio.get_running_loop()
-        while True:
-            draft = await self._drafts.get()
-            try:
-                lane = self.server.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
-                actions = self.protocol.tokenized(
-                    draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # A bug preparing one request ends that request, not the connection.
-                log.exception("request_failed", request_id=draft.id, peer=self.peer)
-                actions = self.protocol.preparation_failed(
-                    draft, f"the server failed to read this prompt: {type(exc).__name__}")
-            await self.perform(actions)
-
-    async def _submit(self, request: Request) -> None:
-        self.server.registry.add(request, self)
-        try:
-            position = self.server.scheduler.submit(request, self)
-        except Busy as exc:
-            await self.perform(self.protocol.busy(request, str(exc)))
-            return
-        except Exception as exc:
-            log.exception("submit_failed", request_id=request.request_id, id=request.id)
-            await self.perform(self.protocol.failed(request, str(exc)))
-            return
-        # Logged first: an HTTP client that leaves now cancels this task at the send.
-        log_accepted(request, self.peer, position)
-        # A token needs the executor and another pass of the event loop to arrive,
-        # so this frame is written before any token frame.
-        await self.perform(self.protocol.accepted(request, position))
-
-    # Sink: what the scheduler reports, handed to the protocol ------------------------
-
-    def started(self, request: Request) -> None:
-        # Called synchronously as the request takes its slot. All the protocol can
-        # answer is a Cancel (a stop asked for before there was a slot to stop),
-        # and cancelling is synchronous too.
-        for action in self.protocol.started(request, time.monotonic_ns()):
-            if isinstance(action, Cancel):
-                self.server.scheduler.cancel(action.request)
-
-    async def deliver(self, request: Request, texts: list[str]) -> None:
-        for text in texts:
-            await self.perform(self.protocol.token(request, text, time.monotonic_ns()))
-
-    async def finished(self, request: Request, result: GenerationResult) -> None:
-        await self.perform(self.protocol.finished(request, result))
-
-    async def failed(self, request: Request, message: str) -> None:
-        await self.perform(self.protocol.failed(request, message))
-
-    async def cancelled_in_queue(self, request: Request, now_ns: int) -> None:
-        await self.perform(self.protocol.cancelled_in_queue(request, now_ns))
-
-    async def expired_in_queue(self, request: Request, now_ns: int) -> None:
-        await self.perform(self.protocol.expired_in_queue(request, now_ns))
-
-    async def _send(self, frame: dict, request: Request | None = None) -> None:
-        """Send one frame. A client that stops reading makes this wait; past the
-        grace period its request is cancelled with reason slow_consumer."""
-        try:
-            await asyncio.wait_for(self._write(frame), self.server.config.slow_consumer_grace_s)
-        except (ConnectionClosed, ConnectionError):
-            pass
-        except TimeoutError:
-            # The frame stays in the transport buffer; only the wait was cut short.
-            await self.perform(self.protocol.stalled(request, time.monotonic_ns()))
-
-    async def _write(self, frame: dict) -> None:
-        await self.websocket.send(encode_frame(frame))
 
 
 class GuardedConnection(ServerConnection):
@@ -458,11 +308,6 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + 10))
     except (AttributeError, OSError):
         pass
-
-
-def _peer(connection: ServerConnection) -> str:
-    address = connection.remote_address
-    return f"{address[0]}:{address[1]}" if address else "unknown"
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str, extra_headers=()) -> Response:

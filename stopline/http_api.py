@@ -18,15 +18,19 @@ import json
 import socket
 import time
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .app import ClientSession, StoplineServer
 from .origin import check_request
 from .observability import log
 from .protocol import Submit, encode_frame, error_frame
+from .session import ClientSession
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .vocabulary import ErrorCode, Outcome, Reason, Status
+
+if TYPE_CHECKING:
+    from .app import StoplineServer
 
 TERMINAL_TYPES = {str(outcome) for outcome in Outcome}
 
