@@ -17,7 +17,6 @@ from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
 from bench.scenarios import Plan
 from stopline import model as embedded
-from stopline.tokenizer import ChatTokenizer
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 SLOTS = 2
@@ -25,7 +24,7 @@ SLOTS = 2
 
 @pytest.fixture(scope="module")
 def prompts() -> PromptMaker:
-    return PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), random.Random(1))
+    return PromptMaker(embedded.embedded_tokenizer(progress=False), random.Random(1))
 
 
 @pytest.fixture
