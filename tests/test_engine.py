@@ -558,7 +558,11 @@ def _fd_count() -> int:
 
 
 def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
-    stream = engine.start(slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)))
+    # A window of one token holds the loop until the consumer reads, so a cancel at the
+    # first chunk always lands long before the 16th token.
+    window = 1 if mode in (1, 3) else 64
+    stream = engine.start(slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)),
+                          window=window)
     if mode == 0:  # cancelled before the loop starts
         assert stream.cancel() is True
         assert list(stream) == []
@@ -566,20 +570,29 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
     elif mode == 1:  # cancelled at the first token
         for _ in stream:
             stream.cancel()
-        assert stream.result.outcome in ("cancelled", "done")
+        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "user_cancelled")
+        assert stream.result.tokens_generated < 16 and stream.result.tokens_after_cancel <= 1
     elif mode == 2:  # cancelled at a random point: mid-prompt, mid-decode or after the end
-        timer = threading.Timer(rng.uniform(0, 0.15 * UNIT), stream.cancel)
+        accepted: list[bool] = []
+        timer = threading.Timer(rng.uniform(0, 0.15 * UNIT), lambda: accepted.append(stream.cancel()))
         timer.start()
         list(stream)
         timer.join()
-        assert stream.result.outcome in ("cancelled", "done")
+        result = stream.result
+        if result.outcome == "cancelled":
+            assert accepted == [True] and result.reason == "user_cancelled"
+            # Polled before every token: a cancelled loop never reaches max_tokens.
+            assert result.tokens_generated < 16 and result.tokens_after_cancel <= 1
+        else:
+            # Only a loop past its last poll may finish: it had produced every token it would.
+            assert result.outcome == "done"
+            assert result.reason == "eos" or (result.reason, result.tokens_generated) == ("max_tokens", 16)
     else:  # the consumer goes away after one chunk
         chunks = iter(stream)
-        next(chunks, None)
+        assert next(chunks, None) is not None
         chunks.close()
-        assert stream.result.outcome in ("cancelled", "done")
-        if stream.result.outcome == "cancelled":
-            assert stream.result.reason == "client_disconnected"
+        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "client_disconnected")
+        assert stream.result.tokens_generated < 16
 
 
 def test_start_cancel_cycles_leak_nothing(engine, slot):
