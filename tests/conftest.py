@@ -189,6 +189,13 @@ async def fetch_metrics(server) -> str:
     return body
 
 
+def decode_step_ms(record: dict) -> float:
+    """A request's mean decode step, from its end-of-request log record: the unit for
+    bounds on how late something may happen, which grows with the machine's load."""
+    assert record["tokens_generated"] >= 2, record
+    return (record["duration_ms"] - record["ttft_ms"]) / (record["tokens_generated"] - 1)
+
+
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01):
     """Poll ``predicate`` (sync or async) until it returns something truthy."""
     deadline = time.monotonic() + timeout * UNIT

