@@ -30,6 +30,13 @@ CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    # Browser tests are all slow: the fast tier (-m "not slow") runs without a browser.
+    for item in items:
+        if item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
     # One compute thread per slot, as the server runs on two cores by default.

@@ -379,6 +379,7 @@ def _count(seconds: float, python_hog: bool = False) -> Counting:
     return out[0]
 
 
+@pytest.mark.slow
 def test_python_threads_keep_running_during_generation(engine, slot):
     # The loop runs without the GIL: a Python thread keeps (nearly) its solo speed.
     ratios, blocked = [], []
@@ -421,6 +422,7 @@ def test_greedy_is_deterministic_and_answers_paris(engine, slot, france_answer):
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.slow
 def test_same_tokens_as_ctransformers_own_generate(engine, slot, chunk):
     # The loop drives the same C calls as ctransformers' Python generate(): greedy output
     # must match token for token. (It depends on the prefill batch size in both: the
@@ -504,7 +506,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
     prompt = engine.encode(prompt=SHORT_COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
     # Long enough for the prompt and twenty tokens, three times over.
-    wait_s = 3 * (len(prompt) * costs.chunk_ns + 20 * costs.step_ns) / 1e9
+    wait_s = 3 * (costs.prefill_ns + 20 * costs.step_ns) / 1e9
     generation = Generation(slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk,
                             window=4)
     runner = start(generation)
@@ -595,6 +597,7 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
         assert stream.result.tokens_generated < 16
 
 
+@pytest.mark.slow
 def test_start_cancel_cycles_leak_nothing(engine, slot):
     prompt = engine.encode(prompt="Once upon a time")
     rng = random.Random(1234)
@@ -671,6 +674,7 @@ def test_non_gguf_file(tmp_path):
         Engine.load(path, model_type="llama", progress=False)
 
 
+@pytest.mark.slow
 def test_truncated_gguf(tmp_path):
     from stopline.model import original_gguf_path
 
@@ -682,6 +686,7 @@ def test_truncated_gguf(tmp_path):
     assert str(path) in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_model_without_a_readable_bpe_vocab_uses_ctransformers_tokenizer(engine):
     # The converted cache file stores raw-byte tokens, which no byte-level BPE can be
     # rebuilt from: the engine falls back to the model's own (ctransformers) tokenizer.

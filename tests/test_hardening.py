@@ -143,6 +143,7 @@ def random_frame(rng: random.Random) -> str | bytes:
     return raw
 
 
+@pytest.mark.slow
 async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
     """>= 10,000 random and malformed frames on 4 connections: no traceback, no connection closed."""
     frames_per_connection = 2500

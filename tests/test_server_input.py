@@ -172,6 +172,7 @@ async def test_http_routes(server):
         assert status == 404, path
 
 
+@pytest.mark.slow
 async def test_slow_consumer_is_cancelled_and_memory_stays_bounded(engine, logs):
     async with running_server(engine, slow_consumer_grace_s=0.5, window=8, write_limit=1024,
                               socket_send_buffer=4096) as server:

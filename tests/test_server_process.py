@@ -114,6 +114,7 @@ async def test_metrics_count_outcomes_and_give_a_cancellation_rate(server):
     assert metric_value(text, "stopline_queue_depth") == 0 and metric_value(text, "stopline_active_generations") == 0
 
 
+@pytest.mark.slow
 async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
     """Many short lives of a connection: RSS stays flat, no slot, thread or fd is left behind."""
     cycles = int(os.environ.get("STOPLINE_SOAK_CYCLES", "150"))

@@ -135,6 +135,7 @@ def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow
 def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
     """The same generation cancelled at random moments, over and over, on one
     slot: no abort, in the prompt or in decode, may leave a trace. Every run
