@@ -14,12 +14,14 @@ import os
 import threading
 import time
 
+import gguf
 import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
 from stopline.app import ServerConfig, StoplineServer
 from stopline.engine import Engine
+from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
@@ -41,6 +43,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 def engine() -> Engine:
     # One compute thread per slot, as the server runs on two cores by default.
     return Engine.load(threads=1, progress=False)
+
+
+@pytest.fixture(scope="session")
+def original_gguf_fields(engine) -> dict:
+    """The embedded model's original GGUF metadata (``GGUFReader.fields``), read once: reading takes seconds."""
+    return gguf.GGUFReader(str(original_gguf_path(progress=False))).fields
 
 
 class LogCapture(io.TextIOBase):

@@ -88,6 +88,7 @@ async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_li
     assert [r["valid"] for r in bench.runs] == [3, 3]
 
 
+@pytest.mark.slow
 async def test_a_non_streaming_request_that_never_notices_runs_to_its_end(peer, prompts):
     server, target, accounts = peer
     bench = bench_for(prompts, requests=2)

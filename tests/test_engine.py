@@ -160,6 +160,7 @@ def test_cancel_during_decode_via_take(engine, slot):
     assert 0 < result.cancel_observed_ns <= result.end_ns
 
 
+@pytest.mark.slow
 def test_cancel_during_decode_via_stream(engine, slot):
     costs = measure_costs(slot, engine.encode(prompt=COUNTING_TEXT), chunk=engine.prefill_chunk)
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
@@ -178,7 +179,8 @@ def test_cancel_during_decode_via_stream(engine, slot):
     assert result.end_ns - cancel_ns <= costs.step_ns + SLACK_NS
 
 
-@pytest.mark.parametrize("chunk,step_abort", [(1, False), (8, False), (64, True)])
+@pytest.mark.parametrize("chunk,step_abort", [pytest.param(1, False, marks=pytest.mark.slow),
+                                              pytest.param(8, False, marks=pytest.mark.slow), (64, True)])
 def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_prompt, chunk, step_abort):
     assert slot.context_length == 2048
     # The cost of one chunk, from a short uncancelled run over the first tokens of the same prompt.
@@ -271,6 +273,7 @@ def test_cancel_after_finish_changes_nothing(engine, slot):
 # --- deadlines -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_total_deadline_fires_within_a_step(engine, slot):
     prompt = engine.encode(prompt=COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
@@ -307,6 +310,7 @@ def test_first_token_deadline_fires_during_prefill(engine, slot, long_prompt):
     assert result.end_ns - deadline_ns <= costs.chunk_ns + SLACK_NS
 
 
+@pytest.mark.slow
 def test_first_token_deadline_with_generation_directly(engine, slot, long_prompt):
     costs = measure_costs(slot, long_prompt[:64], chunk=8)
     slot.forget()
@@ -318,6 +322,7 @@ def test_first_token_deadline_with_generation_directly(engine, slot, long_prompt
     assert 0 <= result.end_ns - deadline_ns <= costs.chunk_ns + SLACK_NS
 
 
+@pytest.mark.slow
 def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
     prompt = engine.encode(prompt=SHORT_COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
@@ -469,6 +474,7 @@ def test_stop_sequences_cut_at_the_earliest_match_whatever_their_order(engine, s
     assert text == expected
 
 
+@pytest.mark.slow
 def test_stop_sequence_that_never_appears(engine, slot, france_answer):
     text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0,
                                stop=("zebra",))
@@ -484,6 +490,7 @@ def test_max_tokens(engine, slot):
     assert result.text_kept_bytes == len(b"".join(pieces))
 
 
+@pytest.mark.slow
 def test_max_tokens_is_clamped_to_the_context(engine):
     context = _core.Context(str(engine.model_path), engine.model_type, 64)
     try:
@@ -502,6 +509,7 @@ def test_max_tokens_is_clamped_to_the_context(engine):
         context.close()
 
 
+@pytest.mark.slow
 def test_slow_reader_pauses_the_loop(engine, slot):
     prompt = engine.encode(prompt=SHORT_COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
@@ -527,6 +535,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
 
 # --- Stream: every token reaches a slow consumer ------------------------------------
 
+@pytest.mark.slow
 def test_slow_consumer_gets_every_token(engine, slot):
     # The loop runs ahead (up to its window) while the consumer handles a chunk, and
     # ends meanwhile; the stream must still deliver everything it generated.
@@ -537,6 +546,7 @@ def test_slow_consumer_gets_every_token(engine, slot):
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
+@pytest.mark.slow
 async def test_slow_async_consumer_gets_every_token(engine, slot):
     import asyncio
 
@@ -547,6 +557,7 @@ async def test_slow_async_consumer_gets_every_token(engine, slot):
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
+@pytest.mark.slow
 def test_fast_consumer_gets_every_token(engine, slot):
     text, result = stream_text(engine, slot, engine.encode(messages=LONG_ANSWER), max_tokens=40, temperature=0)
     assert result.tokens_generated == 40 and text
@@ -623,6 +634,7 @@ def test_start_cancel_cycles_leak_nothing(engine, slot):
 # --- several slots -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_slots_run_concurrently(engine, slot, second_slot, france_answer):
     prompt = engine.encode(messages=CHAT_FRANCE)
     generations = [Generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
@@ -757,6 +769,7 @@ def test_closed_context(engine):
         context.token_bytes(1)
 
 
+@pytest.mark.slow
 def test_failed_construction_leaves_other_fds_alone(engine):
     # In a child process: the bug closes whatever file descriptor 0 is.
     code = f"""

@@ -107,7 +107,8 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     return int(head.split()[1]), body
 
 
-async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_path):
+async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_path, engine):
+    # The session's engine has put the model into the cache the installed command reads.
     process = await asyncio.create_subprocess_exec(
         str(venv / "bin" / "stopline"), "--port", "0", "--http-port", "0", "--workers", "1",
         cwd=tmp_path, env=venv_environment(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

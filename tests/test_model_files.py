@@ -324,8 +324,9 @@ PROMPTS = ["Hello world", "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n", 
 
 
 @pytest.fixture(scope="module")
-def built_tokenizer(original_path) -> ChatTokenizer:
-    return ChatTokenizer.from_gguf(original_path)
+def built_tokenizer(original_path, original_gguf_fields) -> ChatTokenizer:
+    # What ChatTokenizer.from_gguf(original_path) builds, from the fields the session has read already.
+    return ChatTokenizer.from_fields(original_gguf_fields, str(original_path))
 
 
 @pytest.fixture

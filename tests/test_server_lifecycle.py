@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from conftest import (CHAT_FRANCE, LONG_ANSWER, client_for, decode_step_ms, fetch_metrics, metric_value,
                       running_server, wait_for)
 
@@ -243,6 +245,7 @@ async def test_server_assigns_ids_when_the_client_does_not(server):
         assert (await client.terminal(accepted["id"]))["type"] == "done"
 
 
+@pytest.mark.slow
 async def test_event_loop_stays_responsive_while_every_slot_generates(server, logs):
     async with client_for(server) as client:
         await client.generate("x1", messages=LONG_ANSWER, max_tokens=300)

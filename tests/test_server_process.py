@@ -40,6 +40,7 @@ async def read_logs(process) -> list[dict]:
     return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
     process, url, _ = await start_process("--workers", "1")

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
-from stopline.model import original_gguf_path
 from stopline.tokenizer import ChatTokenizer, TextStream
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -78,8 +77,7 @@ def bytes_to_unicode() -> dict[int, str]:
 class ReferenceBPE:
     """Byte-level BPE as GPT-2 wrote it, with SmolLM's digit splitting and special tokens."""
 
-    def __init__(self, path):
-        fields = gguf.GGUFReader(str(path)).fields
+    def __init__(self, fields: dict):
         tokens = fields["tokenizer.ggml.tokens"].contents()
         types = fields["tokenizer.ggml.token_type"].contents()
         merges = fields["tokenizer.ggml.merges"].contents()
@@ -137,8 +135,8 @@ class ReferenceBPE:
 
 
 @pytest.fixture(scope="module")
-def reference() -> ReferenceBPE:
-    return ReferenceBPE(original_gguf_path(progress=False))
+def reference(original_gguf_fields) -> ReferenceBPE:
+    return ReferenceBPE(original_gguf_fields)
 
 
 @pytest.fixture(scope="module")
