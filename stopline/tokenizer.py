@@ -87,7 +87,8 @@ class ChatTokenizer:
         Raises ValueError for anything else: another file, format or ``tokenizers``
         version, or a damaged copy (its payload's sha256 no longer matches)."""
         saved = json.loads(text)
-        if not isinstance(saved, dict) or {k: saved.get(k) for k in _saved_key(source_sha256)} != _saved_key(source_sha256):
+        key = _saved_key(source_sha256)
+        if not isinstance(saved, dict) or any(saved.get(name) != value for name, value in key.items()):
             raise ValueError("saved for another file, format or tokenizers version")
         payload = saved.get("payload")
         if not isinstance(payload, str) or _sha256(payload) != saved.get("payload_sha256"):
