@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from stopline import model as embedded
 from stopline.engine import DEFAULT_CONTEXT_LENGTH
-from stopline.tokenizer import ChatTokenizer
 
 from . import native
 from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench,
@@ -149,7 +148,7 @@ async def run(args) -> dict:
     scenarios = [s for s in ALL_SCENARIOS if s in args.scenarios.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    prompts = PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), rng)
+    prompts = PromptMaker(embedded.embedded_tokenizer(progress=False), rng)
 
     native_results = None
     if args.native:

@@ -1,6 +1,6 @@
 """Microbenchmarks of the per-token path between the native loop and the socket.
 
-    python -m pytest bench/test_microbench.py --benchmark-only -p no:cacheprovider
+    python -m pytest bench/ --benchmark-only
 
 Per token, the server takes the published bytes from the native log
 (``Generation.take``), turns them into text (``TextStream.feed``), builds a

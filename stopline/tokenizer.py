@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import jinja2.sandbox
+import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+# The format of a saved tokenizer (ChatTokenizer.dumps). Bump it whenever that
+# format or the way from_fields builds a tokenizer changes, so saved ones are rebuilt.
+SAVED_FORMAT = 1
 
 
 class TokenizerError(ValueError):
@@ -66,6 +73,33 @@ class ChatTokenizer:
         template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
         return cls(tokenizer, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id"))
 
+    def dumps(self, source_sha256: str) -> str:
+        """Save this tokenizer, built from the GGUF whose sha256 is ``source_sha256``, as text
+        that :meth:`loads` accepts only for that same file, format and ``tokenizers`` version."""
+        payload = json.dumps({"tokenizer": self.tokenizer.to_str(), "chat_template": self.chat_template,
+                              "bos_token": self.bos_token, "eos_token": self.eos_token})
+        return json.dumps({**_saved_key(source_sha256), "payload_sha256": _sha256(payload), "payload": payload})
+
+    @classmethod
+    def loads(cls, text: str, source_sha256: str) -> "ChatTokenizer":
+        """The tokenizer :meth:`dumps` saved for the GGUF whose sha256 is ``source_sha256``.
+
+        Raises ValueError for anything else: another file, format or ``tokenizers``
+        version, or a damaged copy (its payload's sha256 no longer matches)."""
+        saved = json.loads(text)
+        key = _saved_key(source_sha256)
+        if not isinstance(saved, dict) or any(saved.get(name) != value for name, value in key.items()):
+            raise ValueError("saved for another file, format or tokenizers version")
+        payload = saved.get("payload")
+        if not isinstance(payload, str) or _sha256(payload) != saved.get("payload_sha256"):
+            raise ValueError("damaged: the payload does not match its sha256")
+        fields = json.loads(payload)
+        try:
+            tokenizer = Tokenizer.from_str(fields["tokenizer"])
+        except Exception as exc:  # tokenizers raises plain Exceptions
+            raise ValueError(f"unreadable tokenizer: {exc}") from exc
+        return cls(tokenizer, fields["chat_template"], fields["bos_token"], fields["eos_token"])
+
     def encode(self, text: str) -> list[int]:
         # The batch calls release the GIL while they work; the single ones do not.
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
@@ -87,6 +121,14 @@ class ChatTokenizer:
     def render_chat(self, messages: list[dict]) -> str:
         """Render chat messages through the model's template, opening the assistant turn."""
         return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+
+
+def _saved_key(source_sha256: str) -> dict:
+    return {"format": SAVED_FORMAT, "source_sha256": source_sha256, "tokenizers": tokenizers.__version__}
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class NativeTokenizer:

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 
+import gguf
 import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
@@ -21,6 +22,7 @@ from websockets.asyncio.client import connect
 from stopline._core import Generation
 from stopline.app import ServerConfig, StoplineServer
 from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
@@ -43,10 +45,23 @@ def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
     return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    # Browser tests are all slow: the fast tier (-m "not slow") runs without a browser.
+    for item in items:
+        if item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
     # One compute thread per slot, as the server runs on two cores by default.
     return Engine.load(threads=1, progress=False)
+
+
+@pytest.fixture(scope="session")
+def original_gguf_fields(engine) -> dict:
+    """The embedded model's original GGUF metadata (``GGUFReader.fields``), read once: reading takes seconds."""
+    return gguf.GGUFReader(str(original_gguf_path(progress=False))).fields
 
 
 class LogCapture(io.TextIOBase):
@@ -200,6 +215,13 @@ async def fetch_metrics(server) -> str:
     status, body = await http_get(server, "/metrics")
     assert status == 200
     return body
+
+
+def decode_step_ms(record: dict) -> float:
+    """A request's mean decode step, from its end-of-request log record: the unit for
+    bounds on how late something may happen, which grows with the machine's load."""
+    assert record["tokens_generated"] >= 2, record
+    return (record["duration_ms"] - record["ttft_ms"]) / (record["tokens_generated"] - 1)
 
 
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01):

@@ -17,7 +17,6 @@ from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
 from bench.scenarios import Plan
 from stopline import model as embedded
-from stopline.tokenizer import ChatTokenizer
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 SLOTS = 2
@@ -25,7 +24,7 @@ SLOTS = 2
 
 @pytest.fixture(scope="module")
 def prompts() -> PromptMaker:
-    return PromptMaker(ChatTokenizer.from_gguf(embedded.original_gguf_path(progress=False)), random.Random(1))
+    return PromptMaker(embedded.embedded_tokenizer(progress=False), random.Random(1))
 
 
 @pytest.fixture
@@ -89,6 +88,7 @@ async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_li
     assert [r["valid"] for r in bench.runs] == [3, 3]
 
 
+@pytest.mark.slow
 async def test_a_non_streaming_request_that_never_notices_runs_to_its_end(peer, prompts):
     server, target, accounts = peer
     bench = bench_for(prompts, requests=2)

@@ -119,6 +119,7 @@ async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
 
 # ---------- the interactive chat ----------
 
+@pytest.mark.slow
 async def test_interactive_chat_keeps_history_and_ctrl_c_stops_the_answer(server, logs):
     child = spawn("--url", server.http_url, "--temperature", "0", "--max-tokens", "400")
     try:

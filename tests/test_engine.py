@@ -169,6 +169,7 @@ def test_cancel_during_decode_via_take(engine, slot):
     assert 0 < result.cancel_observed_ns <= result.end_ns
 
 
+@pytest.mark.slow
 def test_cancel_during_decode_via_stream(engine, slot):
     costs = measure_costs(slot, engine.encode(prompt=COUNTING_TEXT), chunk=engine.prefill_chunk)
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
@@ -187,7 +188,8 @@ def test_cancel_during_decode_via_stream(engine, slot):
     assert result.end_ns - cancel_ns <= costs.step_ns + SLACK_NS
 
 
-@pytest.mark.parametrize("chunk,step_abort", [(1, False), (8, False), (64, True)])
+@pytest.mark.parametrize("chunk,step_abort", [pytest.param(1, False, marks=pytest.mark.slow),
+                                              pytest.param(8, False, marks=pytest.mark.slow), (64, True)])
 def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_prompt, chunk, step_abort):
     assert slot.context_length == 2048
     # The cost of one chunk, from a short uncancelled run over the first tokens of the same prompt.
@@ -366,6 +368,7 @@ def test_the_states_a_generation_goes_through(engine, slot):
 # --- deadlines -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_total_deadline_fires_within_a_step(engine, slot):
     prompt = engine.encode(prompt=COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
@@ -402,6 +405,7 @@ def test_first_token_deadline_fires_during_prefill(engine, slot, long_prompt):
     assert result.end_ns - deadline_ns <= costs.chunk_ns + SLACK_NS
 
 
+@pytest.mark.slow
 def test_first_token_deadline_with_generation_directly(engine, slot, long_prompt):
     costs = measure_costs(slot, long_prompt[:64], chunk=8)
     slot.forget()
@@ -413,6 +417,7 @@ def test_first_token_deadline_with_generation_directly(engine, slot, long_prompt
     assert 0 <= result.end_ns - deadline_ns <= costs.chunk_ns + SLACK_NS
 
 
+@pytest.mark.slow
 def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
     prompt = engine.encode(prompt=SHORT_COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
@@ -474,6 +479,7 @@ def _count(seconds: float, python_hog: bool = False) -> Counting:
     return out[0]
 
 
+@pytest.mark.slow
 def test_python_threads_keep_running_during_generation(engine, slot):
     # The loop runs without the GIL: a Python thread keeps (nearly) its solo speed.
     ratios, blocked = [], []
@@ -516,6 +522,7 @@ def test_greedy_is_deterministic_and_answers_paris(engine, slot, france_answer):
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.slow
 def test_same_tokens_as_ctransformers_own_generate(engine, slot, chunk):
     # The loop drives the same C calls as ctransformers' Python generate(): greedy output
     # must match token for token. (It depends on the prefill batch size in both: the
@@ -562,6 +569,7 @@ def test_stop_sequences_cut_at_the_earliest_match_whatever_their_order(engine, s
     assert text == expected
 
 
+@pytest.mark.slow
 def test_stop_sequence_that_never_appears(engine, slot, france_answer):
     text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0,
                                stop=("zebra",))
@@ -577,6 +585,7 @@ def test_max_tokens(engine, slot):
     assert result.text_kept_bytes == len(b"".join(pieces))
 
 
+@pytest.mark.slow
 def test_max_tokens_is_clamped_to_the_context(engine):
     context = _core.Context(str(engine.model_path), engine.model_type, 64)
     try:
@@ -597,11 +606,12 @@ def test_max_tokens_is_clamped_to_the_context(engine):
         context.close()
 
 
+@pytest.mark.slow
 def test_slow_reader_pauses_the_loop(engine, slot):
     prompt = engine.encode(prompt=SHORT_COUNTING_TEXT)
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
     # Long enough for the prompt and twenty tokens, three times over.
-    wait_s = 3 * (len(prompt) * costs.chunk_ns + 20 * costs.step_ns) / 1e9
+    wait_s = 3 * (costs.prefill_ns + 20 * costs.step_ns) / 1e9
     generation = make_generation(slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk,
                                  window=4)
     runner = start(generation)
@@ -622,6 +632,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
 
 # --- Stream: every token reaches a slow consumer ------------------------------------
 
+@pytest.mark.slow
 def test_slow_consumer_gets_every_token(engine, slot):
     # The loop runs ahead (up to its window) while the consumer handles a chunk, and
     # ends meanwhile; the stream must still deliver everything it generated.
@@ -632,6 +643,7 @@ def test_slow_consumer_gets_every_token(engine, slot):
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
+@pytest.mark.slow
 async def test_slow_async_consumer_gets_every_token(engine, slot):
     import asyncio
 
@@ -642,6 +654,7 @@ async def test_slow_async_consumer_gets_every_token(engine, slot):
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
+@pytest.mark.slow
 def test_fast_consumer_gets_every_token(engine, slot):
     text, result = stream_text(engine, slot, engine.encode(messages=LONG_ANSWER), max_tokens=40, temperature=0)
     assert result.tokens_generated == 40 and text
@@ -655,7 +668,11 @@ def _fd_count() -> int:
 
 
 def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
-    stream = engine.start(slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)))
+    # A window of one token holds the loop until the consumer reads, so a cancel at the
+    # first chunk always lands long before the 16th token.
+    window = 1 if mode in (1, 3) else 64
+    stream = engine.start(slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)),
+                          window=window)
     if mode == 0:  # cancelled before the loop starts
         assert stream.cancel() is True
         assert list(stream) == []
@@ -663,22 +680,32 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
     elif mode == 1:  # cancelled at the first token
         for _ in stream:
             stream.cancel()
-        assert stream.result.outcome in ("cancelled", "done")
+        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "user_cancelled")
+        assert stream.result.tokens_generated < 16 and stream.result.tokens_after_cancel <= 1
     elif mode == 2:  # cancelled at a random point: mid-prompt, mid-decode or after the end
-        timer = threading.Timer(rng.uniform(0, 0.15 * UNIT), stream.cancel)
+        accepted: list[bool] = []
+        timer = threading.Timer(rng.uniform(0, 0.15 * UNIT), lambda: accepted.append(stream.cancel()))
         timer.start()
         list(stream)
         timer.join()
-        assert stream.result.outcome in ("cancelled", "done")
+        result = stream.result
+        if result.outcome == "cancelled":
+            assert accepted == [True] and result.reason == "user_cancelled"
+            # Polled before every token: a cancelled loop never reaches max_tokens.
+            assert result.tokens_generated < 16 and result.tokens_after_cancel <= 1
+        else:
+            # Only a loop past its last poll may finish: it had produced every token it would.
+            assert result.outcome == "done"
+            assert result.reason == "eos" or (result.reason, result.tokens_generated) == ("max_tokens", 16)
     else:  # the consumer goes away after one chunk
         chunks = iter(stream)
-        next(chunks, None)
+        assert next(chunks, None) is not None
         chunks.close()
-        assert stream.result.outcome in ("cancelled", "done")
-        if stream.result.outcome == "cancelled":
-            assert stream.result.reason == "client_disconnected"
+        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "client_disconnected")
+        assert stream.result.tokens_generated < 16
 
 
+@pytest.mark.slow
 def test_start_cancel_cycles_leak_nothing(engine, slot):
     prompt = engine.encode(prompt="Once upon a time")
     rng = random.Random(1234)
@@ -704,6 +731,7 @@ def test_start_cancel_cycles_leak_nothing(engine, slot):
 # --- several slots -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_slots_run_concurrently(engine, slot, second_slot, france_answer):
     prompt = engine.encode(messages=CHAT_FRANCE)
     generations = [make_generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
@@ -755,6 +783,7 @@ def test_non_gguf_file(tmp_path):
         Engine.load(path, model_type="llama", progress=False)
 
 
+@pytest.mark.slow
 def test_truncated_gguf(tmp_path):
     from stopline.model import original_gguf_path
 
@@ -766,6 +795,7 @@ def test_truncated_gguf(tmp_path):
     assert str(path) in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_model_without_a_readable_bpe_vocab_uses_ctransformers_tokenizer(engine):
     # The converted cache file stores raw-byte tokens, which no byte-level BPE can be
     # rebuilt from: the engine falls back to the model's own (ctransformers) tokenizer.
@@ -884,6 +914,7 @@ def test_closed_context(engine):
         context.token_bytes(1)
 
 
+@pytest.mark.slow
 def test_failed_construction_leaves_other_fds_alone(engine):
     # In a child process: the bug closes whatever file descriptor 0 is.
     code = f"""

@@ -71,6 +71,7 @@ def tracebacks():
 
 # Frames ----------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_no_frame_kills_the_connection_or_its_other_requests(server, logs, tracebacks):
     async with client_for(server) as client:
         await client.generate("bystander", messages=LONG_ANSWER, max_tokens=60, temperature=0)
@@ -143,6 +144,7 @@ def random_frame(rng: random.Random) -> str | bytes:
     return raw
 
 
+@pytest.mark.slow
 async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
     """>= 10,000 random and malformed frames on 4 connections: no traceback, no connection closed."""
     frames_per_connection = 2500
@@ -369,6 +371,7 @@ async def run_server_process(*args: str, env: dict | None = None, timeout: float
     return process.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, env, problem", [
     (["--workers", "0"], {}, "argument --workers"),
     (["--workers", "-3"], {}, "argument --workers"),

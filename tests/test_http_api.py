@@ -118,6 +118,7 @@ async def test_closing_an_openai_stream_stops_the_model(server, logs):
     await _close_an_openai_stream(server, logs, active_after=0)
 
 
+@pytest.mark.slow
 async def test_closing_an_openai_stream_stops_the_model_under_other_traffic(server, logs):
     async with client_for(server) as other:
         # Another client streams on the other slot, and reads every token, the whole time.

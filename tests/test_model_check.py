@@ -68,7 +68,8 @@ def bad_files(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("case", ["non-llama GGUF v3", "truncated GGUF", "text file", "GGUF without a tokenizer"])
+@pytest.mark.parametrize("case", ["non-llama GGUF v3", pytest.param("truncated GGUF", marks=pytest.mark.slow),
+                                  "text file", "GGUF without a tokenizer"])
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
     path, why = bad_files[case]
     result = subprocess.run([sys.executable, "-m", "stopline", "--port", "0", "--model", str(path)], cwd=ROOT,
@@ -86,6 +87,7 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
     assert failure["error"] == line.removeprefix("stopline: ")
 
 
+@pytest.mark.slow
 def test_a_supported_gguf_passes_the_check(engine):
     fields = check_model_file(model.original_gguf_path(progress=False), None)
     assert fields["general.architecture"].contents() == "llama"

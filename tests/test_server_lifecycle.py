@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server,
-                      wait_for)
+import pytest
+
+from conftest import (CHAT_FRANCE, LONG_ANSWER, client_for, decode_step_ms, fetch_metrics, metric_value,
+                      running_server, wait_for)
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -41,15 +43,18 @@ async def test_cancel_during_decode(server, logs):
     assert end["tokens_wasted"] == end["prompt_tokens_evaluated"] + end["tokens_generated"]
 
 
-async def test_cancel_during_prefill_stops_within_one_chunk(server):
+async def test_cancel_during_prefill_stops_within_one_chunk(server, logs):
     long_prompt = "The history of bread is long. " * 220  # about 1,500 tokens
     async with client_for(server) as client:
         await client.generate("r1", prompt=long_prompt, max_tokens=16)
-        await asyncio.sleep(0.3 * UNIT)
+        # Its prompt takes seconds: once it holds a slot, it is evaluating the prompt.
+        await wait_for(lambda: server.scheduler.active == 1)
         await client.send({"type": "cancel", "id": "r1"})
         cancelled = await client.terminal("r1")
         assert cancelled["type"] == "cancelled" and cancelled["tokens_generated"] == 0
         assert client.tokens("r1") == []
+    [end] = logs.records("generation_cancelled", id="r1")
+    assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
     metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
 
@@ -87,8 +92,8 @@ async def test_freed_slot_starts_the_next_queued_request_at_once(server, logs):
             await client.terminal(request_id)
     [a_end] = logs.records("generation_cancelled", id="a")
     [c_end] = logs.records("generation_done", id="c")
-    # c waited exactly as long as a ran: it started when a's loop exited, not later.
-    assert c_end["queue_ms"] <= a_end["duration_ms"] + 50
+    # c waited exactly as long as a ran: it started when a's loop exited, within a decode step.
+    assert c_end["queue_ms"] <= a_end["duration_ms"] + decode_step_ms(c_end)
 
 
 async def test_client_disconnect_stops_every_request_of_the_connection(server, logs):
@@ -128,13 +133,18 @@ async def test_total_timeout_default_override_and_cap(engine, logs):
         assert frame["type"] == "timeout" and frame["reason"] == "total_timeout", frame
         assert frame["tokens_generated"] > 0
         # It fires at the deadline, not before, and within a few decode steps after.
-        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 250 * UNIT, frame
+        [end] = logs.records("generation_timeout", id=frame["id"])
+        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 5 * decode_step_ms(end), (frame, end)
 
 
 async def test_first_token_timeout_stops_prefill(engine, logs):
     long_prompt = "The history of bread is long. " * 220
     async with running_server(engine, default_ttft_timeout_s=0.3) as server:
         async with client_for(server) as client:
+            # The unit for how late a deadline may fire: a decode step on this machine, now.
+            await client.generate("step", prompt=STORY_START, max_tokens=8, temperature=0)
+            await client.terminal("step")
+            [reference] = logs.records("generation_done", id="step")
             await client.generate("f1", prompt=long_prompt, max_tokens=8)
             f1 = await client.terminal("f1")
             await client.generate("f2", prompt=long_prompt, max_tokens=8, ttft_timeout_s=0.15)
@@ -142,7 +152,8 @@ async def test_first_token_timeout_stops_prefill(engine, logs):
     for frame, deadline_ms in ((f1, 300), (f2, 150)):
         assert frame["type"] == "timeout" and frame["reason"] == "first_token_timeout", frame
         assert frame["tokens_generated"] == 0
-        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 250 * UNIT, frame
+        # Stopped between two graph nodes of a prompt chunk: a node takes less than a decode step.
+        assert deadline_ms <= frame["duration_ms"] <= deadline_ms + 5 * decode_step_ms(reference), frame
     [end] = logs.records("generation_timeout", id="f2")
     assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
 
@@ -234,7 +245,8 @@ async def test_server_assigns_ids_when_the_client_does_not(server):
         assert (await client.terminal(accepted["id"]))["type"] == "done"
 
 
-async def test_event_loop_stays_responsive_while_every_slot_generates(server):
+@pytest.mark.slow
+async def test_event_loop_stays_responsive_while_every_slot_generates(server, logs):
     async with client_for(server) as client:
         await client.generate("x1", messages=LONG_ANSWER, max_tokens=300)
         await client.generate("x2", messages=LONG_ANSWER, max_tokens=300)
@@ -247,12 +259,13 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server):
             overshoots.append(asyncio.get_running_loop().time() - start - 0.005)
         status, body = await http_get_healthz(server)
         assert status == 200 and '"active": 2' in body
-        overshoots.sort()
-        # Bounded in decode steps: the loop is never blocked for one (about 14 ms).
-        assert overshoots[len(overshoots) // 2] < 0.014 * UNIT, overshoots
         for request_id in ("x1", "x2"):
             await client.send({"type": "cancel", "id": request_id})
             await client.terminal(request_id)
+    overshoots.sort()
+    # Bounded in decode steps: the loop is never blocked for one.
+    step_s = min(decode_step_ms(r) for r in logs.records("generation_cancelled")) / 1000
+    assert overshoots[len(overshoots) // 2] < step_s, (overshoots, step_s)
 
 
 async def http_get_healthz(server):

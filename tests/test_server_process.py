@@ -7,14 +7,14 @@ import json
 import os
 import signal
 import sys
-import time
 
 import psutil
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server
+from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, decode_step_ms, fetch_metrics, metric_value,
+                      running_server, wait_for)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,6 +40,7 @@ async def read_logs(process) -> list[dict]:
     return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
     process, url, _ = await start_process("--workers", "1")
@@ -50,9 +51,9 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
                 await ws.send(json.dumps({"type": "generate", "id": request_id, "messages": LONG_ANSWER,
                                           "max_tokens": 1000}))
             frames = []
-            while not any(f["type"] == "token" for f in frames):
+            # A few tokens in, so that its end record measures a decode step.
+            while len([f for f in frames if f["type"] == "token"]) < 3:
                 frames.append(json.loads(await ws.recv()))
-            signalled = time.monotonic()
             process.send_signal(sig)
             with pytest.raises(ConnectionClosed) as closed:
                 while True:
@@ -63,9 +64,12 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
         assert terminals["queued"]["type"] == "cancelled" and terminals["queued"]["reason"] == "shutdown"
         assert terminals["running"]["tokens_after_cancel"] <= 1
         assert await asyncio.wait_for(process.wait(), 10 * UNIT) == 0
-        assert time.monotonic() - signalled < 2 * UNIT
-        events = [r["event"] for r in await read_logs(process)]
-        assert events.count("generation_cancelled") == 2 and events[-1] == "server_stopped"
+        records = await read_logs(process)
+        assert [r["event"] for r in records].count("generation_cancelled") == 2
+        assert records[-1]["event"] == "server_stopped"
+        # The running generation stopped within a couple of decode steps of the shutdown's cancel.
+        [running] = [r for r in records if r["event"] == "generation_cancelled" and r["id"] == "running"]
+        assert terminals["running"]["cancel_latency_ms"] < 2 * decode_step_ms(running), (terminals, running)
     finally:
         if process.returncode is None:
             process.kill()
@@ -111,6 +115,7 @@ async def test_metrics_count_outcomes_and_give_a_cancellation_rate(server):
     assert metric_value(text, "stopline_queue_depth") == 0 and metric_value(text, "stopline_active_generations") == 0
 
 
+@pytest.mark.slow
 async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
     """Many short lives of a connection: RSS stays flat, no slot, thread or fd is left behind."""
     cycles = int(os.environ.get("STOPLINE_SOAK_CYCLES", "150"))
@@ -127,10 +132,10 @@ async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
         threads, fds, before = len(psutil.Process().threads()), len(os.listdir("/proc/self/fd")), rss().rss
         for i in range(cycles):
             await one_cycle(i)
-        await asyncio.sleep(0.2)
-        assert server.scheduler.active == 0 and server.scheduler.queue_depth == 0
+        # The even cycles' generations end once the server sees their connections gone.
+        await wait_for(lambda: server.scheduler.active == 0 and server.scheduler.queue_depth == 0)
+        await wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds)
         after = rss().rss
         print(f"RSS before {before / 2**20:.1f} MiB, after {cycles} cycles {after / 2**20:.1f} MiB")
         assert after - before < 32 * 2**20
         assert len(psutil.Process().threads()) <= threads
-        assert len(os.listdir("/proc/self/fd")) <= fds

@@ -53,6 +53,7 @@ def test_the_engine_proves_the_hook_at_startup(engine):
     assert engine.trim_output
 
 
+@pytest.mark.slow
 def test_trimmed_output_projection_is_bit_identical_on_a_long_chunk(engine, slot):
     # 100 tokens: past the 32-token width where ggml's f16 dot products change summation order.
     tokens = engine.encode(prompt=STORY * 5)[:100]
@@ -92,6 +93,7 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
     assert result.end_ns >= deadline_ns
 
 
+@pytest.mark.slow
 def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
     prompt = engine.encode(prompt=STORY * 20)[:300]
     slot.forget()
@@ -136,6 +138,7 @@ def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow
 def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
     """The same generation cancelled at random moments, over and over, on one
     slot: no abort, in the prompt or in decode, may leave a trace. Every run
@@ -160,6 +163,7 @@ async def test_health_and_metrics_report_the_abort_mode(server):
     assert metric_value(text, "stopline_abort_mode", mode="between_steps") == 0
 
 
+@pytest.mark.slow
 async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engine, logs):
     """Two conversations alternate on two slots; each turn finds its own history."""
     conversations = {"a": [{"role": "user", "content": "Name a fruit. " + STORY * 3}],
@@ -187,6 +191,7 @@ async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engin
     assert sorted(r["prompt_tokens_reused"] for r in logs.records("generation_done")) == sorted(reused)
 
 
+@pytest.mark.slow
 def test_between_steps_fallback_is_explicit(engine):
     other = Engine.load(threads=1, progress=False, abort_mode=AbortMode.BETWEEN_STEPS)
     assert other.abort_mode is AbortMode.BETWEEN_STEPS and not other.trim_output

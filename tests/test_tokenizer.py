@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
-from stopline.model import original_gguf_path
 from stopline.tokenizer import ChatTokenizer, TextStream
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -78,8 +77,7 @@ def bytes_to_unicode() -> dict[int, str]:
 class ReferenceBPE:
     """Byte-level BPE as GPT-2 wrote it, with SmolLM's digit splitting and special tokens."""
 
-    def __init__(self, path):
-        fields = gguf.GGUFReader(str(path)).fields
+    def __init__(self, fields: dict):
         tokens = fields["tokenizer.ggml.tokens"].contents()
         types = fields["tokenizer.ggml.token_type"].contents()
         merges = fields["tokenizer.ggml.merges"].contents()
@@ -137,8 +135,8 @@ class ReferenceBPE:
 
 
 @pytest.fixture(scope="module")
-def reference() -> ReferenceBPE:
-    return ReferenceBPE(original_gguf_path(progress=False))
+def reference(original_gguf_fields) -> ReferenceBPE:
+    return ReferenceBPE(original_gguf_fields)
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +168,21 @@ def stream_through(table: list[bytes], ids: list[int], stop: list[bytes] = ()) -
 UNENCODABLE_CONTROLS = "\x04\x06\x13\x14\x16\x1d"
 
 
+# The reference's character classes (\p{L}, \p{N}) come from the `regex` module's
+# Unicode tables, the tokenizer's from those inside `tokenizers`; the two differ in
+# version and disagree on characters only the newer one has assigned (U+12550 was
+# one, with an older `regex`). Generated text keeps to characters that Python's own,
+# older tables assign (Unicode 14.0 on Python 3.11), on which both agree: measured
+# over every code point, they now disagree only on characters new in Unicode 17.
+NEWEST_SHARED_UNICODE = (16, 0)
+
+
 def _texts(excluded: str):
     # Random text rich in the things tokenizers get wrong: whitespace runs, digits,
     # contractions, multi-byte characters and special-token markup.
-    chars = st.one_of(st.characters(codec="utf-8", max_codepoint=0x3FFFF, blacklist_characters=excluded),
-                      st.characters(codec="utf-8", min_codepoint=0xC0000))
+    assigned = {"codec": "utf-8", "exclude_categories": ("Cn",)}
+    chars = st.one_of(st.characters(max_codepoint=0x3FFFF, exclude_characters=excluded, **assigned),
+                      st.characters(min_codepoint=0xC0000, **assigned))
     fragments = st.sampled_from([" ", "  ", "\n", "\n\n", "\r\n", "\t", " \t ", "'s", "'ll", "'T", "123", "0",
                                  "🎉", "👩‍👩‍👧", "你好", "é", "e\u0301", "<|im_start|>", "<|im_end|>", "<|im_",
                                  "|>", "Hello", " world", "!", "...", "٣"])
@@ -206,12 +214,18 @@ def test_reference_agrees_on_known_ids(reference, tokenizer):
     assert len(reference.encode("Hello world")) == 2
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXTS)
 def test_random_text_matches_reference_and_round_trips(tokenizer, reference, text):
     ids = tokenizer.encode(text)
     assert ids == reference.encode(text)
     assert tokenizer.decode(ids) == text
+
+
+def test_generated_text_keeps_to_unicode_both_tables_know():
+    # A newer Python's tables could assign characters the tokenizer's do not know yet.
+    assert tuple(map(int, unicodedata.unidata_version.split(".")[:2])) <= NEWEST_SHARED_UNICODE
 
 
 def test_vocab_covers_all_but_a_few_bytes(reference):
@@ -271,7 +285,8 @@ def _is_complete_utf8(data: bytes) -> bool:
         return False
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=STREAMABLE_TEXTS)
 def test_random_text_streams_back_exactly(reference, token_table, text):
     chunks = stream_through(token_table, reference.encode(text))
@@ -324,7 +339,7 @@ def test_text_stream_multibyte_stop_sequence():
     assert stream.finish(len("文".encode())) == ""
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(text=TEXTS, stop=st.text(min_size=1, max_size=4), cuts=st.lists(st.integers(0, 200), max_size=10),
        data=st.data())
 def test_text_stream_never_releases_a_stop_sequence(text, stop, cuts, data):

@@ -1,8 +1,8 @@
 """Microbenchmarks of the native core, against the real model.
 
-Skipped in the normal run (pyproject sets --benchmark-skip). Run them with
+Run them with the other microbenchmarks (the test suite does not collect bench/):
 
-    python -m pytest tests/test_bench_core.py --benchmark-only
+    python -m pytest bench/ --benchmark-only
 
 Every model benchmark uses pedantic mode with few rounds so the file takes a
 couple of minutes; the numbers that matter (tokens/s, latencies) are in each
@@ -21,14 +21,18 @@ import time
 import pytest
 from stopline import _core
 from stopline._core import ExitKind, Generation
-
-from conftest import LONG_ANSWER
-from stopline.engine import SamplingParams, sampling_args
+from stopline.engine import Engine, SamplingParams, sampling_args
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512
 CANCELS = 30
 LONG_PROMPT_TEXT = "The history of bread is long. " * 220
+LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load(threads=1, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +73,6 @@ def test_flag_poll(benchmark):
     benchmark.pedantic(lambda: per_poll.append(_core.measure_flag_poll(iterations)), rounds=20, iterations=1)
     report(benchmark, iterations=iterations, ns_per_poll=round(statistics.median(per_poll), 2),
            ns_per_poll_min=round(min(per_poll), 2))
-    # A poll is a load and a clock read: negligible next to a decode step of milliseconds.
-    assert statistics.median(per_poll) < 10_000
 
 
 # --- (b) our loop against ctransformers' own Python generate() --------------------
