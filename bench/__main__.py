@@ -34,12 +34,28 @@ from stopline import model as embedded
 from stopline.engine import DEFAULT_CONTEXT_LENGTH
 
 from . import native
-from .llama_server import (BUSY_MAX_TOKENS, DISCONNECT_BUSY, ENGINE as LLAMA_SERVER, NONSTREAM, LlamaBench,
-                           peer_from_args)
+from .llama_server import (
+    BUSY_MAX_TOKENS,
+    DISCONNECT_BUSY,
+    NONSTREAM,
+    LlamaBench,
+    peer_from_args,
+)
+from .llama_server import (
+    ENGINE as LLAMA_SERVER,
+)
 from .prompts import PromptMaker
 from .report import Report, plot_stop_latency_cdf, write_json
-from .scenarios import (ALL_SCENARIOS as STOPLINE_SCENARIOS, CANCEL_VIA_REPLICA, LONG_SCENARIOS, TURNS, Plan,
-                        run_cancel_via_replica)
+from .scenarios import (
+    ALL_SCENARIOS as STOPLINE_SCENARIOS,
+)
+from .scenarios import (
+    CANCEL_VIA_REPLICA,
+    LONG_SCENARIOS,
+    TURNS,
+    Plan,
+    run_cancel_via_replica,
+)
 from .serve import ENGINES as SERVED_ENGINES
 from .servers import CpuMeter, ManagedServer, RedisServer, Target
 from .traffic import TrafficBench
@@ -53,43 +69,74 @@ DEFAULT_LONG_REQUESTS = 6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=None,
-                   help=f"samples per scenario per engine (default {DEFAULT_REQUESTS}; unlimited with --duration)")
-    p.add_argument("--long-requests", type=int, default=None,
-                   help="samples for the long-prompt scenarios, whose baseline samples each take a whole "
-                        f"long prefill (default: the smaller of --requests and {DEFAULT_LONG_REQUESTS})")
-    p.add_argument("--duration", type=float, default=None,
-                   help="seconds per scenario per engine; a scenario ends at this or at --requests, whichever first")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="streams in the concurrent throughput run (default: one per slot)")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="requests in flight at once in the prefill, decode and timeout scenarios (default 1)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"samples per scenario per engine (default {DEFAULT_REQUESTS}; unlimited with --duration)",
+    )
+    p.add_argument(
+        "--long-requests",
+        type=int,
+        default=None,
+        help="samples for the long-prompt scenarios, whose baseline samples each take a whole "
+        f"long prefill (default: the smaller of --requests and {DEFAULT_LONG_REQUESTS})",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds per scenario per engine; a scenario ends at this or at --requests, whichever first",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="streams in the concurrent throughput run (default: one per slot)"
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="requests in flight at once in the prefill, decode and timeout scenarios (default 1)",
+    )
     p.add_argument("--short-prompt-tokens", type=int, default=50)
     p.add_argument("--long-prompt-tokens", type=int, default=1500)
     p.add_argument("--decode-tokens", type=int, default=128, help="max_tokens of each throughput request")
     p.add_argument("--throughput-reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="output directory (default bench/out)")
-    p.add_argument("--url", default=None,
-                   help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline")
-    p.add_argument("--engines", default="ours,ours_between_steps,baseline",
-                   help=f"servers to start, comma-separated: any of {','.join(ENGINES)}")
-    p.add_argument("--llama-server", metavar="PATH", default=None,
-                   help="the llama-server binary for the llama-server engine")
-    p.add_argument("--build-llama-server", action="store_true",
-                   help="build llama-server from a pinned llama.cpp source into the cache (once), for the "
-                        "llama-server engine")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="measure this running server (ws://host:port/ws) instead of starting ours and the baseline",
+    )
+    p.add_argument(
+        "--engines",
+        default="ours,ours_between_steps,baseline",
+        help=f"servers to start, comma-separated: any of {','.join(ENGINES)}",
+    )
+    p.add_argument(
+        "--llama-server", metavar="PATH", default=None, help="the llama-server binary for the llama-server engine"
+    )
+    p.add_argument(
+        "--build-llama-server",
+        action="store_true",
+        help="build llama-server from a pinned llama.cpp source into the cache (once), for the llama-server engine",
+    )
     p.add_argument("--workers", type=int, default=2, help="slots of each started server")
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
     p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
-    p.add_argument("--native", action="store_true",
-                   help="first measure the native loop in-process: prompt speed by chunk size, and aborts at "
-                        "random moments (bench/native.py)")
+    p.add_argument(
+        "--native",
+        action="store_true",
+        help="first measure the native loop in-process: prompt speed by chunk size, and aborts at "
+        "random moments (bench/native.py)",
+    )
     p.add_argument("--abort-cycles", type=int, default=500, help="aborts per thread setting with --native")
-    p.add_argument("--results-md", action="store_true",
-                   help="also write bench/RESULTS.md and bench/stop_latency_cdf.png")
+    p.add_argument(
+        "--results-md", action="store_true", help="also write bench/RESULTS.md and bench/stop_latency_cdf.png"
+    )
     args = p.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - set(ALL_SCENARIOS)
     if unknown:
@@ -105,10 +152,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_plan(args) -> Plan:
     requests = args.requests if args.requests is not None else (DEFAULT_REQUESTS if args.duration is None else math.inf)
     long_requests = args.long_requests if args.long_requests is not None else min(requests, DEFAULT_LONG_REQUESTS)
-    return Plan(requests=requests, long_requests=long_requests, duration_s=args.duration,
-                short_tokens=args.short_prompt_tokens, long_tokens=args.long_prompt_tokens,
-                concurrency=args.concurrency, throughput_reps=args.throughput_reps,
-                decode_tokens=args.decode_tokens, parallel=max(1, args.parallel))
+    return Plan(
+        requests=requests,
+        long_requests=long_requests,
+        duration_s=args.duration,
+        short_tokens=args.short_prompt_tokens,
+        long_tokens=args.long_prompt_tokens,
+        concurrency=args.concurrency,
+        throughput_reps=args.throughput_reps,
+        decode_tokens=args.decode_tokens,
+        parallel=max(1, args.parallel),
+    )
 
 
 def machine() -> dict:
@@ -121,12 +175,19 @@ def machine() -> dict:
                 virtual = virtual or "hypervisor" in line.split()
     except OSError:
         pass
-    return {"cpu": cpu, "virtual": virtual, "cores": os.cpu_count(), "cores_available": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "virtual": virtual,
+        "cores": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
-def planned_samples(plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None,
-                    supports) -> int | None:
+def planned_samples(
+    plan: Plan, scenarios: list[str], targets: list[Target], concurrency: int | None, supports
+) -> int | None:
     if plan.duration_s is not None and not math.isfinite(plan.requests):
         return None
     total = int(plan.requests) if CANCEL_VIA_REPLICA in scenarios and targets[0].managed else 0
@@ -159,17 +220,26 @@ async def run(args) -> dict:
     if args.url:
         targets = [await Target.from_url(args.url)]
     else:
-        managed = [ManagedServer(e, args.out, args.workers, args.threads) if e != LLAMA_SERVER
-                   else peer_from_args(args, args.out, DEFAULT_CONTEXT_LENGTH, embedded.original_gguf_path())
-                   for e in args.engines.split(",") if e]
+        managed = [
+            ManagedServer(e, args.out, args.workers, args.threads)
+            if e != LLAMA_SERVER
+            else peer_from_args(args, args.out, DEFAULT_CONTEXT_LENGTH, embedded.original_gguf_path())
+            for e in args.engines.split(",")
+            if e
+        ]
         print(f"starting {', '.join(m.engine for m in managed)} ...", file=sys.stderr)
         targets = list(await asyncio.gather(*(m.start() for m in managed)))
 
-    meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]),
-            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
-            "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
-            "scenarios": scenarios, "targets": {}, "results_json": _shown(args.out / "results.json")}
+    meta = {
+        "command": "python -m bench " + shlex.join(sys.argv[1:]),
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "model": embedded.EMBEDDED_MODEL_NAME + " Q4_1",
+        "plan": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(plan).items()},
+        "scenarios": scenarios,
+        "targets": {},
+        "results_json": _shown(args.out / "results.json"),
+    }
     # Other work's CPU use can be told apart only when every server is ours to watch.
     cpu = CpuMeter([os.getpid()] + [m.pid for m in managed]) if managed else None
     bench = TrafficBench(plan, prompts, rng, None, cpu)
@@ -179,19 +249,26 @@ async def run(args) -> dict:
     def runner(target: Target):
         return peer if target.name == LLAMA_SERVER else bench
 
-    progress = tqdm(total=planned_samples(plan, scenarios, targets, plan.concurrency,
-                                          lambda t, s: runner(t).supports(s)),
-                    file=sys.stderr, unit="sample", dynamic_ncols=True)
+    progress = tqdm(
+        total=planned_samples(plan, scenarios, targets, plan.concurrency, lambda t, s: runner(t).supports(s)),
+        file=sys.stderr,
+        unit="sample",
+        dynamic_ncols=True,
+    )
     bench.progress = peer.progress = progress
     try:
         for target in targets:
             progress.set_description(f"calibrating [{target.name}]")
-            calibration = await runner(target).calibrate(
-                target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
+            calibration = await runner(target).calibrate(target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
             info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
             if target.managed:
-                info.update({k: v for k, v in target.managed.info.items()
-                             if k in ("threads", "prefill_chunk", "command", "source")})
+                info.update(
+                    {
+                        k: v
+                        for k, v in target.managed.info.items()
+                        if k in ("threads", "prefill_chunk", "command", "source")
+                    }
+                )
             meta["targets"][target.name] = info
         # Scenario by scenario, each engine in turn, so both see the machine in the same state.
         for scenario in scenarios:
@@ -217,16 +294,29 @@ async def run(args) -> dict:
 async def _cancel_via_replica(bench: TrafficBench, args) -> dict:
     """redis-server and two replicas of ours sharing it; the first owns the generations."""
     redis_server = RedisServer(args.out / "redis").start()
-    replicas = [ManagedServer("ours", args.out, args.workers, args.threads, name=f"replica-{name}",
-                              extra_args=("--redis-url", redis_server.url, "--replica-id", name)) for name in "ab"]
+    replicas = [
+        ManagedServer(
+            "ours",
+            args.out,
+            args.workers,
+            args.threads,
+            name=f"replica-{name}",
+            extra_args=("--redis-url", redis_server.url, "--replica-id", name),
+        )
+        for name in "ab"
+    ]
     try:
         owner, other = await asyncio.gather(*(r.start() for r in replicas))
         await run_cancel_via_replica(bench, owner, other)
     finally:
         await asyncio.gather(*(r.stop() for r in replicas))
         redis_server.kill()
-    return {"replicas": 2, "redis": "redis-server on 127.0.0.1 (loopback)", "workers": args.workers,
-            "threads": args.threads}
+    return {
+        "replicas": 2,
+        "redis": "redis-server on 127.0.0.1 (loopback)",
+        "workers": args.workers,
+        "threads": args.threads,
+    }
 
 
 def _attach_server_log(samples: list[dict], target: Target) -> None:
@@ -236,8 +326,11 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
         end = ends.get(sample.get("id")) if sample["target"] == target.name else None
         if end is None:
             continue
-        sample.update(tokens_wasted=end.get("tokens_wasted"), prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
-                      log_tokens_generated=end.get("tokens_generated"))
+        sample.update(
+            tokens_wasted=end.get("tokens_wasted"),
+            prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
+            log_tokens_generated=end.get("tokens_generated"),
+        )
         if sample["scenario"] in ("disconnect", DISCONNECT_BUSY, "openai_stream_closed"):
             sample.update(server_ms=end.get("cancel_latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
 
@@ -251,8 +344,13 @@ def _lag(target: Target) -> dict:
         overs = [over / 1e6 for t, over in samples if start <= t < end]
         by_scenario.setdefault(name, []).extend(overs)
         under_load.extend(overs)
-    return {"interval_ms": 10.0, "under_load_ms": under_load, "by_scenario_ms": by_scenario,
-            "windows": target.windows, "samples": samples}
+    return {
+        "interval_ms": 10.0,
+        "under_load_ms": under_load,
+        "by_scenario_ms": by_scenario,
+        "windows": target.windows,
+        "samples": samples,
+    }
 
 
 def results_markdown(results: dict, tables: str) -> str:
@@ -277,17 +375,17 @@ timeout precision and disconnect handling of Stopline's native token loop, again
 "ours", "ours_between_steps" and "baseline" are served by the same WebSocket server, protocol,
 scheduler and metrics code; only the token loop differs. Ratios are other/ours.
 
-- Command: `{meta['command']}` ({meta['started_at']})
-- Machine: {m['cpu']}{' (virtual machine)' if m.get('virtual') else ''}, {m['cores']} cores
-  ({m['cores_available']} available to the benchmark), shared with other work; Python {m['python']}
-- Model: {meta['model']} GGUF (the embedded model), context 2048, both engines on the same converted
+- Command: `{meta["command"]}` ({meta["started_at"]})
+- Machine: {m["cpu"]}{" (virtual machine)" if m.get("virtual") else ""}, {m["cores"]} cores
+  ({m["cores_available"]} available to the benchmark), shared with other work; Python {m["python"]}
+- Model: {meta["model"]} GGUF (the embedded model), context 2048, both engines on the same converted
   file; {slots} slots per server, {threads} compute thread per slot
 - Servers: one process each (`python -m bench.serve`), on 127.0.0.1, started by the benchmark
-- Prompts: about {meta['plan']['short_tokens']} tokens (short) and {meta['plan']['long_tokens']} tokens (long),
+- Prompts: about {meta["plan"]["short_tokens"]} tokens (short) and {meta["plan"]["long_tokens"]} tokens (long),
   each different, each asking for a long story; sampling at temperature 0.7
-- Samples: {_count(meta['plan']['requests'])} per scenario per engine, {_count(meta['plan']['long_requests'])} for the
+- Samples: {_count(meta["plan"]["requests"])} per scenario per engine, {_count(meta["plan"]["long_requests"])} for the
   long-prompt scenarios (each baseline sample there costs a whole long prefill); one request at a time
-  unless a scenario needs more ({meta['plan']['parallel']} in flight in the prefill, decode and timeout scenarios)
+  unless a scenario needs more ({meta["plan"]["parallel"]} in flight in the prefill, decode and timeout scenarios)
 
 How the cancels are placed:
 
@@ -308,7 +406,7 @@ How the cancels are placed:
 {tables}
 ![Stop latency CDF per scenario, ours against the other engines](stop_latency_cdf.png)
 
-Every sample is in the JSON file the run wrote (`{meta['results_json']}`).
+Every sample is in the JSON file the run wrote (`{meta["results_json"]}`).
 """
 
 
@@ -325,7 +423,7 @@ def _peer_method(results: dict) -> str:
   {BUSY_MAX_TOKENS} tokens never noticed; its time is the time that took.
 - **non-streaming request, client gone** (llama-server only; ours streams every request): the same, with
   no other traffic.
-- **llama-server** ({peer.get('source', 'llama.cpp')}; `{shlex.join(peer.get('command', []))}`): every stop is
+- **llama-server** ({peer.get("source", "llama.cpp")}; `{shlex.join(peer.get("command", []))}`): every stop is
   the client closing the connection (it has no cancel request); it counts as stopped when its log prints
   the release of the request's slot, stamped as the line arrives; see "Against llama-server" below.
 """

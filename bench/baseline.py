@@ -52,7 +52,8 @@ class BaselineSlot:
 
     def __init__(self, model_path: str, context_length: int, threads: int):
         self.llm = AutoModelForCausalLM.from_pretrained(
-            model_path, model_type="llama", context_length=context_length, threads=threads)
+            model_path, model_type="llama", context_length=context_length, threads=threads
+        )
 
     # generate() evaluates the whole prompt every time: nothing is held for reuse.
     n_held = 0
@@ -89,8 +90,15 @@ class BaselineEngine:
         # ctransformers' own tokenizer is wrong for this vocabulary; both engines get the same ids.
         return self._engine.encode(prompt=prompt, messages=messages)
 
-    def start(self, slot: BaselineSlot, prompt_tokens: list[int], params: SamplingParams,
-              *, window: int = 64, started_ns: int | None = None) -> Stream:
+    def start(
+        self,
+        slot: BaselineSlot,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        window: int = 64,
+        started_ns: int | None = None,
+    ) -> Stream:
         now = started_ns if started_ns is not None else time.monotonic_ns()
         if not prompt_tokens:
             raise ValueError("the prompt has no tokens")
@@ -108,8 +116,9 @@ def _deadline(now_ns: int, seconds: float | None) -> int:
 class BaselineGeneration:
     """One generation on a worker thread; the same surface as ``stopline._core.Generation``."""
 
-    def __init__(self, slot: BaselineSlot, prompt_tokens: list[int], params: SamplingParams,
-                 context_length: int, now_ns: int):
+    def __init__(
+        self, slot: BaselineSlot, prompt_tokens: list[int], params: SamplingParams, context_length: int, now_ns: int
+    ):
         self._llm = slot.llm
         self._prompt = prompt_tokens
         self._params = params
@@ -175,9 +184,16 @@ class BaselineGeneration:
         kept = None
         exit = ExitKind.EOS
         prompt_evaluated = 0
-        tokens = llm.generate(self._prompt, top_k=top_k, top_p=p.top_p, temperature=temperature,
-                              repetition_penalty=p.repetition_penalty, seed=seed,
-                              batch_size=BATCH_SIZE, threads=llm.config.threads)
+        tokens = llm.generate(
+            self._prompt,
+            top_k=top_k,
+            top_p=p.top_p,
+            temperature=temperature,
+            repetition_penalty=p.repetition_penalty,
+            seed=seed,
+            batch_size=BATCH_SIZE,
+            threads=llm.config.threads,
+        )
         try:
             for token in tokens:
                 prompt_evaluated = len(self._prompt)
@@ -222,12 +238,20 @@ class BaselineGeneration:
             yielded = self._yielded
             # The fields of stopline._core.LoopResult; this loop measures no graph nodes.
             self.result = SimpleNamespace(
-                exit=exit, prompt_tokens=len(self._prompt), prompt_tokens_reused=0,
-                prompt_tokens_evaluated=prompt_evaluated, tokens_generated=yielded,
+                exit=exit,
+                prompt_tokens=len(self._prompt),
+                prompt_tokens_reused=0,
+                prompt_tokens_evaluated=prompt_evaluated,
+                tokens_generated=yielded,
                 tokens_after_cancel=yielded - self._yielded_at_cancel if exit is ExitKind.CANCELLED else 0,
-                start_ns=start_ns, first_token_ns=first_token_ns, cancel_observed_ns=cancel_observed_ns,
-                end_ns=end_ns, text_kept_bytes=len(text) if kept is None else kept,
-                longest_prefill_node_ns=0, longest_decode_node_ns=0)
+                start_ns=start_ns,
+                first_token_ns=first_token_ns,
+                cancel_observed_ns=cancel_observed_ns,
+                end_ns=end_ns,
+                text_kept_bytes=len(text) if kept is None else kept,
+                longest_prefill_node_ns=0,
+                longest_decode_node_ns=0,
+            )
             self.finished = True
         self._wake()
         return self.result

@@ -82,7 +82,7 @@ class Session:
         self._reader: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, url: str) -> "Session":
+    async def open(cls, url: str) -> Session:
         # No compression: the server's frames are tiny, and it would only add CPU on both sides.
         websocket = await connect(url, compression=None, max_size=1 << 20, open_timeout=30)
         session = cls(websocket)
@@ -150,8 +150,14 @@ async def http_get(base_url: str, path: str, timeout: float = 10.0) -> bytes:
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), None)
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                None,
+            )
             body = await (reader.readexactly(length) if length is not None else reader.read())
         finally:
             writer.close()

@@ -50,8 +50,14 @@ CMAKE_OPTIONS = [
 if platform.machine().lower() in ("x86_64", "amd64"):
     # AVX2, as the ctransformers build ours runs on. Not -march=native: that also turns on AMX, whose
     # tile instructions fault where the kernel does not grant them (virtual machines, for one).
-    CMAKE_OPTIONS += ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                      "-DGGML_BMI2=ON"]
+    CMAKE_OPTIONS += [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+    ]
 # A change of options builds a new binary (in the same build tree, so only what changed is rebuilt).
 BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
 
@@ -88,8 +94,18 @@ def _download_sdist(root: Path) -> Path:
     if not sdist.is_file():
         root.mkdir(parents=True, exist_ok=True)
         print(f"fetching {SDIST_REQUIREMENT} (llama.cpp's source) ...", file=sys.stderr)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-                   "--disable-pip-version-check", "-d", str(root), SDIST_REQUIREMENT]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(root),
+            SDIST_REQUIREMENT,
+        ]
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0 or not sdist.is_file():
             raise LlamaBuildError(f"could not download {SDIST_REQUIREMENT}:\n{result.stdout[-2000:]}")
@@ -113,7 +129,7 @@ def _extract(sdist: Path, root: Path) -> Path:
         for member in archive.getmembers():
             if not member.name.startswith(prefix) or not (member.isfile() or member.isdir()):
                 continue
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
             members.append(member)
         archive.extractall(source, members=members, filter="data")
     if not marker.is_file():
@@ -130,8 +146,9 @@ def _cmake_build(source: Path, build: Path, progress: bool, jobs: int) -> Path:
         if subprocess.run(configure, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
             raise LlamaBuildError(f"cmake configure failed; see {log_path}")
         command = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
-        bar = tqdm(total=100, unit="%", desc="building llama-server", disable=not progress, file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=100, unit="%", desc="building llama-server", disable=not progress, file=sys.stderr, dynamic_ncols=True
+        )
         done = 0
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:

@@ -57,12 +57,13 @@ _RELEASE = re.compile(r"slot\s+release: id\s+(\d+) \| task (-?\d+) \| stop proce
 
 # The server process -------------------------------------------------------------------
 
+
 @dataclass
 class Release:
     slot: int
     task: int
     n_tokens: int  # prompt + generated tokens in the slot's context when it stopped
-    seen_ns: int   # when the log line arrived
+    seen_ns: int  # when the log line arrived
 
 
 class LlamaServer:
@@ -84,17 +85,42 @@ class LlamaServer:
         self._releases: dict[int, asyncio.Queue[Release]] = {}
 
     def command(self) -> list[str]:
-        return [str(self.binary), "--model", str(self.model), "--host", "127.0.0.1", "--port", "0",
-                "--parallel", str(self.slots), "--ctx-size", str(self.context_length * self.slots),
-                "--no-kv-unified",  # each slot gets its own context of context_length tokens
-                "--threads", str(self.threads), "--threads-batch", str(self.threads),
-                "--slots", "--metrics", "--cache-ram", "0", "--fit", "off", "--log-colors", "off"]
+        return [
+            str(self.binary),
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--parallel",
+            str(self.slots),
+            "--ctx-size",
+            str(self.context_length * self.slots),
+            "--no-kv-unified",  # each slot gets its own context of context_length tokens
+            "--threads",
+            str(self.threads),
+            "--threads-batch",
+            str(self.threads),
+            "--slots",
+            "--metrics",
+            "--cache-ram",
+            "0",
+            "--fit",
+            "off",
+            "--log-colors",
+            "off",
+        ]
 
     async def start(self) -> Target:
         self._releases = {slot: asyncio.Queue() for slot in range(self.slots)}
         self._process = await asyncio.create_subprocess_exec(
-            *self.command(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            *self.command(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
         self.pid = self._process.pid
         port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_log(port))
@@ -102,26 +128,35 @@ class LlamaServer:
             async with asyncio.timeout(300):
                 done, _ = await asyncio.wait([port, self._reader], return_when=asyncio.FIRST_COMPLETED)
                 if not port.done():
-                    raise RuntimeError(f"llama-server exited during start-up; see {self.log_path}:\n"
-                                       + self.log_path.read_text()[-2000:])
+                    raise RuntimeError(
+                        f"llama-server exited during start-up; see {self.log_path}:\n"
+                        + self.log_path.read_text()[-2000:]
+                    )
                 url = f"http://127.0.0.1:{port.result()}"
                 while (await _get(url, "/health", check=False))[0] != 200:  # 503 while the model loads
                     await asyncio.sleep(0.05)
         except BaseException:
             await self.stop()
             raise
-        self.info = {"port": port.result(), "engine": ENGINE, "threads": self.threads, "workers": self.slots,
-                     "prefill_chunk": "512 (ubatch)", "source": await self._source(),
-                     # As a reader would type it: the model by its file name.
-                     "command": ["llama-server"] + [self.model.name if a == str(self.model) else a
-                                                    for a in self.command()[1:]]}
+        self.info = {
+            "port": port.result(),
+            "engine": ENGINE,
+            "threads": self.threads,
+            "workers": self.slots,
+            "prefill_chunk": "512 (ubatch)",
+            "source": await self._source(),
+            # As a reader would type it: the model by its file name.
+            "command": ["llama-server"] + [self.model.name if a == str(self.model) else a for a in self.command()[1:]],
+        }
         return Target(ENGINE, "", url, slots=self.slots, managed=self)
 
     async def _source(self) -> str:
         """Which llama.cpp this is: its --version line, and where the benchmark built it from."""
         from .llama_build import SOURCE_LABEL, cached_binary
-        process = await asyncio.create_subprocess_exec(str(self.binary), "--version", stdout=asyncio.subprocess.PIPE,
-                                                       stderr=asyncio.subprocess.STDOUT)
+
+        process = await asyncio.create_subprocess_exec(
+            str(self.binary), "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
         try:
             output = (await asyncio.wait_for(process.communicate(), 60))[0].decode(errors="replace")
         except TimeoutError:
@@ -174,6 +209,7 @@ class LlamaServer:
 
 
 # A small HTTP/1.1 client --------------------------------------------------------------------
+
 
 async def _get(base_url: str, path: str, check: bool = True) -> tuple[int, bytes]:
     host, port = base_url.rsplit("/", 1)[-1].split(":")
@@ -235,7 +271,7 @@ class Completion:
         self.prompt: list[int] = []
         self.events: list[tuple[int, dict]] = []  # (arrival ns, event) of every streamed event
         self.tokens: list[tuple[int, dict]] = []  # the events that carried generated tokens
-        self.final: dict | None = None            # the event (or non-streamed answer) with "stop": true
+        self.final: dict | None = None  # the event (or non-streamed answer) with "stop": true
         self.final_ns = 0
         self.closed = False
         self._writer: asyncio.StreamWriter | None = None
@@ -243,15 +279,18 @@ class Completion:
         self._changed = asyncio.Event()
 
     @classmethod
-    async def start(cls, base_url: str, body: dict) -> "Completion":
+    async def start(cls, base_url: str, body: dict) -> Completion:
         host, port = base_url.rsplit("/", 1)[-1].split(":")
         call = cls()
         call.prompt = body.get("prompt", [])
         reader, call._writer = await asyncio.open_connection(host, int(port))
         payload = json.dumps(body).encode()
         call.sent_ns = time.monotonic_ns()
-        call._writer.write(f"POST /completion HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                           f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        call._writer.write(
+            f"POST /completion HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         call._reader_task = asyncio.create_task(call._read(reader, bool(body.get("stream"))))
         return call
 
@@ -335,15 +374,17 @@ async def _raw(reader: asyncio.StreamReader):
 
 # The scenarios ----------------------------------------------------------------------------
 
+
 @dataclass
 class _Stopped:
     """What became of a request after its client went away."""
-    client_ms: float           # close -> its slot released (log line arrived)
-    confirm_ms: float          # close -> a /slots answer showing the slot idle
-    tokens_after_close: int    # tokens generated after the client closed
-    generated: int             # tokens generated in all
-    prompt_evaluated: int      # prompt tokens evaluated
-    ran_to_end: bool = False   # it generated everything it was asked for: the close was never noticed
+
+    client_ms: float  # close -> its slot released (log line arrived)
+    confirm_ms: float  # close -> a /slots answer showing the slot idle
+    tokens_after_close: int  # tokens generated after the client closed
+    generated: int  # tokens generated in all
+    prompt_evaluated: int  # prompt tokens evaluated
+    ran_to_end: bool = False  # it generated everything it was asked for: the close was never noticed
     extra: dict = field(default_factory=dict)
 
 
@@ -358,11 +399,21 @@ class LlamaBench(Bench):
         prompt = self.prompts.tokenizer.encode(self.prompts.tokenizer.render_chat(fields["messages"]))
         # Ours' sampling (Stopline's defaults), and no llama.cpp-only sampler (min_p).
         ours = DEFAULT_SAMPLING
-        return {"prompt": prompt, "n_predict": max_tokens, "stream": stream, "seed": fields["seed"],
-                "temperature": fields["temperature"], "top_k": ours.top_k, "top_p": ours.top_p, "min_p": 0.0,
-                "repeat_penalty": ours.repetition_penalty, "repeat_last_n": 64, "id_slot": slot,
-                # Every prompt is evaluated whole, as on the other engines.
-                "cache_prompt": False}
+        return {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "stream": stream,
+            "seed": fields["seed"],
+            "temperature": fields["temperature"],
+            "top_k": ours.top_k,
+            "top_p": ours.top_p,
+            "min_p": 0.0,
+            "repeat_penalty": ours.repetition_penalty,
+            "repeat_last_n": 64,
+            "id_slot": slot,
+            # Every prompt is evaluated whole, as on the other engines.
+            "cache_prompt": False,
+        }
 
     async def _complete(self, target: Target, tokens: int, max_tokens: int, slot: int, stream: bool = True):
         return await Completion.start(target.http_url, self._body(tokens, max_tokens, slot, stream))
@@ -398,21 +449,27 @@ class LlamaBench(Bench):
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")
         start = time.monotonic_ns()
-        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
-               "cpu_before": self.cpu.read() if self.cpu else None}
+        run = {
+            "scenario": scenario,
+            "target": target.name,
+            "requests": 0,
+            "valid": 0,
+            "discarded": 0,
+            "cpu_before": self.cpu.read() if self.cpu else None,
+        }
         await self._wait_idle(target)
         if scenario == "throughput":
             await self._throughput(target, run)
         elif scenario == DISCONNECT_BUSY:
             await self._busy(target, run, wanted)
         else:
-            sample = {"prefill_short": lambda t, slot: self._prefill_sample(t, slot, "prefill_short",
-                                                                             plan.short_tokens),
-                      "prefill_long": lambda t, slot: self._prefill_sample(t, slot, "prefill_long",
-                                                                            plan.long_tokens),
-                      "decode": self._decode_sample,
-                      "disconnect": self._disconnect_sample,
-                      NONSTREAM: self._nonstream_sample}[scenario]
+            sample = {
+                "prefill_short": lambda t, slot: self._prefill_sample(t, slot, "prefill_short", plan.short_tokens),
+                "prefill_long": lambda t, slot: self._prefill_sample(t, slot, "prefill_long", plan.long_tokens),
+                "decode": self._decode_sample,
+                "disconnect": self._disconnect_sample,
+                NONSTREAM: self._nonstream_sample,
+            }[scenario]
             lanes = min(plan.parallel, target.slots) if scenario in ("prefill_short", "prefill_long", "decode") else 1
             started = time.monotonic()
 
@@ -432,8 +489,7 @@ class LlamaBench(Bench):
             while any(s["is_processing"] for s in await get_json(target.http_url, "/slots")):
                 await asyncio.sleep(0.01)
 
-    async def _stopped(self, target: Target, call: Completion, slot: int, closed_ns: int,
-                       max_tokens: int) -> _Stopped:
+    async def _stopped(self, target: Target, call: Completion, slot: int, closed_ns: int, max_tokens: int) -> _Stopped:
         """Wait for the slot's release line, then confirm on /slots that it is idle."""
         release = await target.managed.next_release(slot)
         while any(s["id"] == slot and s["is_processing"] for s in await get_json(target.http_url, "/slots")):
@@ -444,24 +500,38 @@ class LlamaBench(Bench):
         prompt = len(call.prompt)
         generated = release.n_tokens - prompt + 1 if release.n_tokens >= prompt else 0
         before = call.tokens[-1][1].get("tokens_predicted", len(call.tokens)) if call.tokens else 0
-        return _Stopped(client_ms=(release.seen_ns - closed_ns) / 1e6, confirm_ms=(confirmed_ns - closed_ns) / 1e6,
-                        tokens_after_close=max(0, generated - before), generated=generated,
-                        prompt_evaluated=min(release.n_tokens, prompt),
-                        ran_to_end=generated >= max_tokens)
+        return _Stopped(
+            client_ms=(release.seen_ns - closed_ns) / 1e6,
+            confirm_ms=(confirmed_ns - closed_ns) / 1e6,
+            tokens_after_close=max(0, generated - before),
+            generated=generated,
+            prompt_evaluated=min(release.n_tokens, prompt),
+            ran_to_end=generated >= max_tokens,
+        )
 
-    def _record(self, scenario: str, target: Target, call: Completion, closed_ns: int, stopped: _Stopped,
-                reason: str, **extra) -> dict:
-        return {"scenario": scenario, "target": target.name, "id": None,
-                "outcome": Outcome.DONE if stopped.ran_to_end else Outcome.CANCELLED, "reason": reason,
-                "client_ms": stopped.client_ms, "server_ms": None, "slots_confirm_ms": stopped.confirm_ms,
-                "tokens_after_cancel": stopped.tokens_after_close,
-                "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > closed_ns),
-                "tokens_generated": stopped.generated, "token_frames": len(call.tokens),
-                "ran_to_end": stopped.ran_to_end,
-                # The client is gone in every one of these, so all the work done for it was wasted.
-                "tokens_wasted": stopped.prompt_evaluated + stopped.generated,
-                "prompt_tokens_evaluated": stopped.prompt_evaluated, "log_tokens_generated": stopped.generated,
-                **extra}
+    def _record(
+        self, scenario: str, target: Target, call: Completion, closed_ns: int, stopped: _Stopped, reason: str, **extra
+    ) -> dict:
+        return {
+            "scenario": scenario,
+            "target": target.name,
+            "id": None,
+            "outcome": Outcome.DONE if stopped.ran_to_end else Outcome.CANCELLED,
+            "reason": reason,
+            "client_ms": stopped.client_ms,
+            "server_ms": None,
+            "slots_confirm_ms": stopped.confirm_ms,
+            "tokens_after_cancel": stopped.tokens_after_close,
+            "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > closed_ns),
+            "tokens_generated": stopped.generated,
+            "token_frames": len(call.tokens),
+            "ran_to_end": stopped.ran_to_end,
+            # The client is gone in every one of these, so all the work done for it was wasted.
+            "tokens_wasted": stopped.prompt_evaluated + stopped.generated,
+            "prompt_tokens_evaluated": stopped.prompt_evaluated,
+            "log_tokens_generated": stopped.generated,
+            **extra,
+        }
 
     async def _prefill_sample(self, target: Target, slot: int, scenario: str, tokens: int) -> list[dict]:
         estimate = target.prefill_ms[tokens]
@@ -477,11 +547,24 @@ class LlamaBench(Bench):
         finally:
             await call.dispose()
         actual = scenario if not call.tokens else "decode"
-        return [self._record(actual, target, call, closed_ns, stopped, "stream_closed", delay_ms=delay_ms,
-                             prefill_estimate_ms=estimate, prompt_tokens=tokens, measured_as=scenario)]
+        return [
+            self._record(
+                actual,
+                target,
+                call,
+                closed_ns,
+                stopped,
+                "stream_closed",
+                delay_ms=delay_ms,
+                prefill_estimate_ms=estimate,
+                prompt_tokens=tokens,
+                measured_as=scenario,
+            )
+        ]
 
-    async def _decode_sample(self, target: Target, slot: int, scenario: str = "decode",
-                             reason: str = "stream_closed") -> list[dict]:
+    async def _decode_sample(
+        self, target: Target, slot: int, scenario: str = "decode", reason: str = "stream_closed"
+    ) -> list[dict]:
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
         jitter_ms = self.rng.uniform(0.0, target.step_ms)
         target.managed.forget_releases(slot)
@@ -496,14 +579,27 @@ class LlamaBench(Bench):
             stopped = await self._stopped(target, call, slot, closed_ns, LONG_GENERATION)
         finally:
             await call.dispose()
-        return [self._record(scenario, target, call, closed_ns, stopped, reason, cancel_after_frames=frames,
-                             jitter_ms=jitter_ms, prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
+        return [
+            self._record(
+                scenario,
+                target,
+                call,
+                closed_ns,
+                stopped,
+                reason,
+                cancel_after_frames=frames,
+                jitter_ms=jitter_ms,
+                prompt_tokens=self.plan.short_tokens,
+                measured_as=scenario,
+            )
+        ]
 
     async def _disconnect_sample(self, target: Target, slot: int) -> list[dict]:
         return await self._decode_sample(target, slot, "disconnect", Reason.CLIENT_DISCONNECTED)
 
-    async def _nonstream_sample(self, target: Target, slot: int, scenario: str = NONSTREAM,
-                                max_tokens: int = BUSY_MAX_TOKENS) -> list[dict]:
+    async def _nonstream_sample(
+        self, target: Target, slot: int, scenario: str = NONSTREAM, max_tokens: int = BUSY_MAX_TOKENS
+    ) -> list[dict]:
         """A non-streaming request whose client goes away during decode (placed by the calibrated times)."""
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
         delay_ms = target.prefill_ms[self.plan.short_tokens] + (frames + self.rng.random()) * target.step_ms
@@ -517,8 +613,20 @@ class LlamaBench(Bench):
             stopped = await self._stopped(target, call, slot, closed_ns, max_tokens)
         finally:
             await call.dispose()
-        return [self._record(scenario, target, call, closed_ns, stopped, Reason.CLIENT_DISCONNECTED, delay_ms=delay_ms,
-                             max_tokens=max_tokens, prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
+        return [
+            self._record(
+                scenario,
+                target,
+                call,
+                closed_ns,
+                stopped,
+                Reason.CLIENT_DISCONNECTED,
+                delay_ms=delay_ms,
+                max_tokens=max_tokens,
+                prompt_tokens=self.plan.short_tokens,
+                measured_as=scenario,
+            )
+        ]
 
     async def _busy(self, target: Target, run: dict, wanted: float) -> None:
         """Slot 0 streams without pause; on slot 1 a non-streaming request's client goes away."""
@@ -547,16 +655,19 @@ class LlamaBench(Bench):
         concurrency = min(self.plan.concurrency or target.slots, target.slots)
         for streams in sorted({1, concurrency}):
             for rep in range(self.plan.throughput_reps):
-                calls = [await self._complete(target, self.plan.short_tokens, self.plan.decode_tokens, slot)
-                         for slot in range(streams)]
+                calls = [
+                    await self._complete(target, self.plan.short_tokens, self.plan.decode_tokens, slot)
+                    for slot in range(streams)
+                ]
                 try:
                     await asyncio.gather(*(c.wait_end() for c in calls))
                 finally:
                     for c in calls:
                         await c.dispose()
                 records = [self._throughput_record_of(target, call, streams, rep) for call in calls]
-                self._keep_throughput(run, records, streams,
-                                      [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2])
+                self._keep_throughput(
+                    run, records, streams, [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2]
+                )
 
     def _throughput_record_of(self, target: Target, call: Completion, streams: int, rep: int) -> dict:
         final = call.final or {}
@@ -565,12 +676,21 @@ class LlamaBench(Bench):
         rate_client = None
         if len(call.tokens) >= 2 and n >= 2:
             rate_client = (n - 1) / ((call.tokens[-1][0] - call.tokens[0][0]) / 1e9)
-        return {"scenario": "throughput", "target": target.name, "id": None, "streams": streams, "rep": rep,
-                "outcome": Outcome.DONE if call.final else Outcome.ERROR, "reason": final.get("stop_type"), "tokens": n,
-                "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
-                "ttft_server_ms": timings.get("prompt_ms"),
-                "tokens_per_s_client": rate_client, "tokens_per_s_server": timings.get("predicted_per_second"),
-                "prompt_tokens_per_s_server": timings.get("prompt_per_second")}
+        return {
+            "scenario": "throughput",
+            "target": target.name,
+            "id": None,
+            "streams": streams,
+            "rep": rep,
+            "outcome": Outcome.DONE if call.final else Outcome.ERROR,
+            "reason": final.get("stop_type"),
+            "tokens": n,
+            "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+            "ttft_server_ms": timings.get("prompt_ms"),
+            "tokens_per_s_client": rate_client,
+            "tokens_per_s_server": timings.get("predicted_per_second"),
+            "prompt_tokens_per_s_server": timings.get("prompt_per_second"),
+        }
 
 
 def peer_from_args(args, out_dir: Path, context_length: int, model: Path) -> LlamaServer:
@@ -581,5 +701,6 @@ def peer_from_args(args, out_dir: Path, context_length: int, model: Path) -> Lla
             raise SystemExit(f"--llama-server {binary}: not an executable file")
     else:
         from .llama_build import ensure_llama_server
+
         binary = ensure_llama_server()
     return LlamaServer(binary, model, out_dir, args.workers, args.threads, context_length)

@@ -14,7 +14,6 @@ import threading
 import time
 
 from stopline._core import Generation
-
 from stopline.engine import EXIT_OUTCOMES, Engine, SamplingArgs, SamplingParams, sampling_args
 from stopline.vocabulary import Outcome
 
@@ -37,17 +36,27 @@ def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
     rows = []
     try:
         for chunk in CHUNKS:
-            for mode, step_abort, trim in (("stock", False, False), ("in_step", True, False),
-                                           ("in_step_trimmed", True, True)):
+            for mode, step_abort, trim in (
+                ("stock", False, False),
+                ("in_step", True, False),
+                ("in_step_trimmed", True, True),
+            ):
                 rates, nodes = [], []
                 for _ in range(reps):
                     slot.forget()
-                    result = Generation(slot, prompt, **greedy_args(1), prefill_chunk=chunk,
-                                        step_abort=step_abort, trim_output=trim).run()
+                    result = Generation(
+                        slot, prompt, **greedy_args(1), prefill_chunk=chunk, step_abort=step_abort, trim_output=trim
+                    ).run()
                     rates.append(len(prompt) / ((result.first_token_ns - result.start_ns) / 1e9))
                     nodes.append(result.longest_prefill_node_ns / 1e6)
-                rows.append({"chunk": chunk, "mode": mode, "prompt_tokens_per_s": statistics.median(rates),
-                             "longest_node_ms": max(nodes) if step_abort else None})
+                rows.append(
+                    {
+                        "chunk": chunk,
+                        "mode": mode,
+                        "prompt_tokens_per_s": statistics.median(rates),
+                        "longest_node_ms": max(nodes) if step_abort else None,
+                    }
+                )
     finally:
         slot.close()
     return rows
@@ -72,15 +81,22 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
         generation, resumed = greedy()
         spans_s = [(r.end_ns - r.start_ns) / 1e9 for r in (fresh, resumed)]
         rng = random.Random(seed)
-        counts = {"cycles": cycles, "cancelled": 0, "done": 0, "other": 0, "hangs": 0,
-                  "mismatches": int(b"".join(generation.take()) != expected)}
+        counts = {
+            "cycles": cycles,
+            "cancelled": 0,
+            "done": 0,
+            "other": 0,
+            "hangs": 0,
+            "mismatches": int(b"".join(generation.take()) != expected),
+        }
         exit_ms = []
         for _ in range(cycles):
-            generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16,
-                                    threads=threads)
+            generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16, threads=threads)
             cancelled_at = []
-            timer = threading.Timer(rng.uniform(0, rng.choice(spans_s)),
-                                    lambda g=generation: cancelled_at.append(time.monotonic_ns()) or g.cancel())
+            timer = threading.Timer(
+                rng.uniform(0, rng.choice(spans_s)),
+                lambda g=generation: cancelled_at.append(time.monotonic_ns()) or g.cancel(),
+            )
             timer.start()
             result = generation.run()
             timer.join(60)
@@ -120,22 +136,33 @@ def markdown(results: dict) -> str:
         return "–" if v is None else f"{v:.1f}"
 
     stock_best = max(r["prompt_tokens_per_s"] for r in results["sweep"] if r["mode"] == "stock")
-    lines = ["| chunk | stock tok/s | hook, full logits tok/s | hook, last-token logits tok/s | "
-             "longest node (ms) | trimmed / best stock |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| chunk | stock tok/s | hook, full logits tok/s | hook, last-token logits tok/s | "
+        "longest node (ms) | trimmed / best stock |",
+        "|---|---|---|---|---|---|",
+    ]
     by = {(r["chunk"], r["mode"]): r for r in results["sweep"]}
     for chunk in CHUNKS:
         stock, hook, trim = (by[(chunk, m)] for m in ("stock", "in_step", "in_step_trimmed"))
-        lines.append(f"| {chunk} | {fmt(stock['prompt_tokens_per_s'])} | {fmt(hook['prompt_tokens_per_s'])} | "
-                     f"{fmt(trim['prompt_tokens_per_s'])} | {fmt(trim['longest_node_ms'])} | "
-                     f"{trim['prompt_tokens_per_s'] / stock_best:.2f}× |")
-    lines += ["", "| threads per slot | aborts | cancelled | escaped (done) | different tokens after | "
-                  "hangs | other outcomes | cancel→exit p50 / p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {chunk} | {fmt(stock['prompt_tokens_per_s'])} | {fmt(hook['prompt_tokens_per_s'])} | "
+            f"{fmt(trim['prompt_tokens_per_s'])} | {fmt(trim['longest_node_ms'])} | "
+            f"{trim['prompt_tokens_per_s'] / stock_best:.2f}× |"
+        )
+    lines += [
+        "",
+        "| threads per slot | aborts | cancelled | escaped (done) | different tokens after | "
+        "hangs | other outcomes | cancel→exit p50 / p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for storm in results["storms"]:
         ms = sorted(storm["cancel_to_exit_ms"])
         p50 = statistics.median(ms) if ms else None
         p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
-        lines.append(f"| {storm['threads']} | {storm['cycles']} | {storm['cancelled']} | {storm['done']} | "
-                     f"{storm['mismatches']} | {storm['hangs']} | {storm['other']} | {fmt(p50)} / {fmt(p99)} |")
+        lines.append(
+            f"| {storm['threads']} | {storm['cycles']} | {storm['cancelled']} | {storm['done']} | "
+            f"{storm['mismatches']} | {storm['hangs']} | {storm['other']} | {fmt(p50)} / {fmt(p99)} |"
+        )
     return "\n".join(lines) + "\n"
 
 

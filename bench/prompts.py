@@ -21,11 +21,18 @@ car city community name president team minute idea kid body information back par
 level office door health person art war history party result change morning reason research girl
 guy moment air teacher force education river stone garden window bread tower lamp""".split()
 
-_TOPICS = ["a dragon who learns to bake bread", "a lighthouse keeper and a lost whale",
-           "a robot that collects old maps", "two sisters who build a flying boat",
-           "a village where it never stops snowing", "a clockmaker who can pause time",
-           "a cat that becomes mayor of a small town", "an explorer crossing a desert of glass",
-           "a librarian who finds a book that writes itself", "a boy who trains a thunderstorm"]
+_TOPICS = [
+    "a dragon who learns to bake bread",
+    "a lighthouse keeper and a lost whale",
+    "a robot that collects old maps",
+    "two sisters who build a flying boat",
+    "a village where it never stops snowing",
+    "a clockmaker who can pause time",
+    "a cat that becomes mayor of a small town",
+    "an explorer crossing a desert of glass",
+    "a librarian who finds a book that writes itself",
+    "a boy who trains a thunderstorm",
+]
 
 
 class PromptMaker:

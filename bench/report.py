@@ -45,8 +45,14 @@ def summary(values) -> dict | None:
     v = np.array([x for x in values if x is not None], dtype=float)
     if not len(v):
         return None
-    return {"n": int(len(v)), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99)), "max": float(v.max()), "mean": float(v.mean())}
+    return {
+        "n": int(len(v)),
+        "p50": float(np.percentile(v, 50)),
+        "p90": float(np.percentile(v, 90)),
+        "p99": float(np.percentile(v, 99)),
+        "max": float(v.max()),
+        "mean": float(v.mean()),
+    }
 
 
 def fmt(x: float | None) -> str:
@@ -83,8 +89,11 @@ class Report:
         self.peers = [p for p in PEERS if p in self.targets] if OURS in self.targets else []
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
-        return [s for s in self.samples if s["scenario"] == scenario and s["target"] == target
-                and all(s.get(k) == v for k, v in match.items())]
+        return [
+            s
+            for s in self.samples
+            if s["scenario"] == scenario and s["target"] == target and all(s.get(k) == v for k, v in match.items())
+        ]
 
     def _rows_with_ratio(self, label: str, stats: dict[str, list], extra=None) -> list[list[str]]:
         """One row per target, then <peer>/ours for every column and peer. ``stats[target]`` is a list of
@@ -105,14 +114,30 @@ class Report:
             info = self.results["meta"]["targets"][target]
             cal = info.get("calibration", {})
             prefill = cal.get("prefill_ms", {})
-            rows.append([target, str(info.get("prefill_chunk", "–")), str(info.get("threads", "–")),
-                         str(info.get("slots", "–"))] + [fmt(prefill.get(str(k), prefill.get(k)))
-                                                          for k in self._lengths()]
-                        + [fmt(cal.get("step_ms")), fmt(self.prompt_rate(target))])
+            rows.append(
+                [
+                    target,
+                    str(info.get("prefill_chunk", "–")),
+                    str(info.get("threads", "–")),
+                    str(info.get("slots", "–")),
+                ]
+                + [fmt(prefill.get(str(k), prefill.get(k))) for k in self._lengths()]
+                + [fmt(cal.get("step_ms")), fmt(self.prompt_rate(target))]
+            )
         short, long = self._lengths()
-        return _table(["engine", "prompt tokens per uninterruptible step", "threads per slot", "slots",
-                       f"prefill, {short}-token prompt (ms)", f"prefill, {long}-token prompt (ms)",
-                       "decode step (ms)", f"prompt tok/s ({long}-token prompt)"], rows)
+        return _table(
+            [
+                "engine",
+                "prompt tokens per uninterruptible step",
+                "threads per slot",
+                "slots",
+                f"prefill, {short}-token prompt (ms)",
+                f"prefill, {long}-token prompt (ms)",
+                "decode step (ms)",
+                f"prompt tok/s ({long}-token prompt)",
+            ],
+            rows,
+        )
 
     def prompt_rate(self, target: str) -> float | None:
         """Prompt tokens per second over the calibrated long prefill."""
@@ -133,26 +158,51 @@ class Report:
                 samples = self.of(scenario, target)
                 client = summary(s["client_ms"] for s in samples)
                 server = summary(s["server_ms"] for s in samples)
-                stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
-                                 + [_get(server, k) for k in ("p50", "p90", "p99", "max")])
+                stats[target] = (
+                    len(samples),
+                    [_get(client, k) for k in ("p50", "p90", "p99", "max")]
+                    + [_get(server, k) for k in ("p50", "p90", "p99", "max")],
+                )
             rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
-        return _table(["scenario", "engine", "n", "client p50", "p90", "p99", "max",
-                       "server p50", "p90", "p99", "max"], rows)
+        return _table(
+            ["scenario", "engine", "n", "client p50", "p90", "p99", "max", "server p50", "p90", "p99", "max"], rows
+        )
 
     def tokens_after_cancel(self) -> str:
         rows = []
         for scenario in STOP_SCENARIOS + ("all",):
             for target in self.targets:
-                samples = [s for s in self.samples if s["target"] == target and s["scenario"] in STOP_SCENARIOS
-                           and (scenario == "all" or s["scenario"] == scenario)]
+                samples = [
+                    s
+                    for s in self.samples
+                    if s["target"] == target
+                    and s["scenario"] in STOP_SCENARIOS
+                    and (scenario == "all" or s["scenario"] == scenario)
+                ]
                 after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
                 frames = [s["frames_after_cancel"] for s in samples]
                 hist = " ".join(f"{k}: {v}" for k, v in sorted(Counter(after).items()))
-                rows.append([SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else "",
-                             target, str(len(after)), hist or "–", str(max(after)) if after else "–",
-                             str(max(frames)) if frames else "–"])
-        return _table(["scenario", "engine", "n", "tokens after cancel (server): histogram",
-                       "max", "token frames received after the cancel was sent: max"], rows)
+                rows.append(
+                    [
+                        SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else "",
+                        target,
+                        str(len(after)),
+                        hist or "–",
+                        str(max(after)) if after else "–",
+                        str(max(frames)) if frames else "–",
+                    ]
+                )
+        return _table(
+            [
+                "scenario",
+                "engine",
+                "n",
+                "tokens after cancel (server): histogram",
+                "max",
+                "token frames received after the cancel was sent: max",
+            ],
+            rows,
+        )
 
     def tokens_wasted(self) -> str:
         rows = []
@@ -161,14 +211,21 @@ class Report:
             stats = {}
             for target in self.targets:
                 # By the scenario the request was sent in: its prompt length is what it can waste.
-                samples = [s for s in self.samples if s["target"] == target and s.get("tokens_wasted") is not None
-                           and s.get("measured_as", s["scenario"]) == scenario]
+                samples = [
+                    s
+                    for s in self.samples
+                    if s["target"] == target
+                    and s.get("tokens_wasted") is not None
+                    and s.get("measured_as", s["scenario"]) == scenario
+                ]
                 if samples:
                     wasted = summary(s["tokens_wasted"] for s in samples)
                     prompt = summary(s["prompt_tokens_evaluated"] for s in samples)
                     generated = summary(s["log_tokens_generated"] for s in samples)
-                    stats[target] = (len(samples), [_get(wasted, "mean"), _get(wasted, "max"),
-                                                    _get(prompt, "mean"), _get(generated, "mean")])
+                    stats[target] = (
+                        len(samples),
+                        [_get(wasted, "mean"), _get(wasted, "max"), _get(prompt, "mean"), _get(generated, "mean")],
+                    )
                 else:
                     # No server log (an already running server): the /metrics delta over the requests sent.
                     run = runs.get((scenario, target))
@@ -176,8 +233,18 @@ class Report:
                     mean = delta / run["requests"] if delta is not None and run["requests"] else None
                     stats[target] = (run["requests"] if run else 0, [mean, None, None, None])
             rows += self._rows_with_ratio(SCENARIO_TITLES.get(scenario, scenario), stats)
-        return _table(["scenario", "engine", "n", "tokens wasted per request: mean", "max",
-                       "prompt tokens evaluated: mean", "tokens generated: mean"], rows)
+        return _table(
+            [
+                "scenario",
+                "engine",
+                "n",
+                "tokens wasted per request: mean",
+                "max",
+                "prompt tokens evaluated: mean",
+                "tokens generated: mean",
+            ],
+            rows,
+        )
 
     def throughput(self) -> str:
         rows = []
@@ -192,11 +259,32 @@ class Report:
                 aggregate = summary({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values())
                 ttft = summary(s["ttft_client_ms"] for s in samples)
                 ttft_server = summary(s["ttft_server_ms"] for s in samples)
-                stats[target] = (len(samples), [_get(rate, "p50"), _get(rate_server, "p50"), _get(aggregate, "mean"),
-                                                _get(ttft, "p50"), _get(ttft, "p99"), _get(ttft_server, "p50")])
+                stats[target] = (
+                    len(samples),
+                    [
+                        _get(rate, "p50"),
+                        _get(rate_server, "p50"),
+                        _get(aggregate, "mean"),
+                        _get(ttft, "p50"),
+                        _get(ttft, "p99"),
+                        _get(ttft_server, "p50"),
+                    ],
+                )
             rows += self._rows_with_ratio(f"{streams} stream{'s' if streams > 1 else ''}", stats)
-        return _table(["streams", "engine", "n", "decode tok/s per stream p50 (client)", "(server)",
-                       "aggregate tok/s", "TTFT p50 ms (client)", "TTFT p99", "TTFT p50 (server)"], rows)
+        return _table(
+            [
+                "streams",
+                "engine",
+                "n",
+                "decode tok/s per stream p50 (client)",
+                "(server)",
+                "aggregate tok/s",
+                "TTFT p50 ms (client)",
+                "TTFT p99",
+                "TTFT p50 (server)",
+            ],
+            rows,
+        )
 
     def event_loop_lag(self) -> str | None:
         lag = self.results.get("lag", {})
@@ -207,8 +295,9 @@ class Report:
             over = lag.get(target, {}).get("under_load_ms", [])
             s = summary(over)
             stats[target] = (len(over), [_get(s, "p50"), _get(s, "p99"), _get(s, "max")])
-        return _table(["", "engine", "n", "p50 ms", "p99 ms", "max ms"],
-                      self._rows_with_ratio("10 ms sleep overshoot", stats))
+        return _table(
+            ["", "engine", "n", "p50 ms", "p99 ms", "max ms"], self._rows_with_ratio("10 ms sleep overshoot", stats)
+        )
 
     def timeouts(self) -> str:
         rows = []
@@ -219,11 +308,15 @@ class Report:
                 samples = self.of(scenario, target)
                 server = summary(s["server_over_ms"] for s in samples)
                 client = summary(s["client_over_ms"] for s in samples)
-                stats[target] = (len(samples), [_get(server, k) for k in ("p50", "p90", "p99", "max")]
-                                 + [_get(client, k) for k in ("p50", "p90", "p99", "max")])
+                stats[target] = (
+                    len(samples),
+                    [_get(server, k) for k in ("p50", "p90", "p99", "max")]
+                    + [_get(client, k) for k in ("p50", "p90", "p99", "max")],
+                )
             rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
-        return _table(["deadline", "engine", "n", "server p50", "p90", "p99", "max",
-                       "client p50", "p90", "p99", "max"], rows)
+        return _table(
+            ["deadline", "engine", "n", "server p50", "p90", "p99", "max", "client p50", "p90", "p99", "max"], rows
+        )
 
     def disconnect(self) -> str:
         rows = []
@@ -235,8 +328,11 @@ class Report:
                 samples = self.of(scenario, target)
                 client = summary(s["client_ms"] for s in samples)
                 server = summary(s.get("server_ms") for s in samples)
-                stats[target] = (len(samples), [_get(client, k) for k in ("p50", "p90", "p99", "max")]
-                                 + [_get(server, "p50"), _get(server, "max")])
+                stats[target] = (
+                    len(samples),
+                    [_get(client, k) for k in ("p50", "p90", "p99", "max")]
+                    + [_get(server, "p50"), _get(server, "max")],
+                )
             rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
         return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"], rows)
 
@@ -244,26 +340,32 @@ class Report:
 
     def _headlines(self) -> list[tuple[str, float | None, float | None, bool]]:
         """(what, ours, llama-server, lower is better) for the figures a reader compares first."""
+
         def stop(scenario, key="p50"):
             return [_get(summary(s["client_ms"] for s in self.of(scenario, t)), key) for t in (OURS, LLAMA)]
 
         def rate(key, streams, stat="p50"):
-            return [_get(summary(s.get(key) for s in self.of("throughput", t, streams=streams)), stat)
-                    for t in (OURS, LLAMA)]
+            return [
+                _get(summary(s.get(key) for s in self.of("throughput", t, streams=streams)), stat)
+                for t in (OURS, LLAMA)
+            ]
 
         streams = max((s["streams"] for s in self.samples if s["scenario"] == "throughput"), default=1)
         long = self._lengths()[1]
-        rows = [(f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
-                (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
-                ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
-                ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
-                ("stop during decode, p50 ms", *stop("decode"), True),
-                ("disconnect during decode, p50 ms", *stop("disconnect"), True),
-                ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
-                ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False)]
+        rows = [
+            (f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
+            (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
+            ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
+            ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
+            ("stop during decode, p50 ms", *stop("decode"), True),
+            ("disconnect during decode, p50 ms", *stop("disconnect"), True),
+            ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
+            ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False),
+        ]
         if streams > 1:
-            rows.append((f"decode tok/s, {streams} streams, aggregate",
-                         *rate("aggregate_tokens_per_s", streams, "mean"), False))
+            rows.append(
+                (f"decode tok/s, {streams} streams, aggregate", *rate("aggregate_tokens_per_s", streams, "mean"), False)
+            )
         rows.append((f"prompt tok/s, {long:,}-token prompt", self.prompt_rate(OURS), self.prompt_rate(LLAMA), False))
         return rows
 
@@ -279,14 +381,19 @@ class Report:
                 by = max(peer, ours) / min(peer, ours)
                 better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
             rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
-        words = [f"llama-server is better at: {'; '.join(better[LLAMA])}." if better[LLAMA]
-                 else "llama-server is better at none of these."]
+        words = [
+            f"llama-server is better at: {'; '.join(better[LLAMA])}."
+            if better[LLAMA]
+            else "llama-server is better at none of these."
+        ]
         if better[OURS]:
             words.append(f"Ours is better at: {'; '.join(better[OURS])}.")
         ran_to_end = sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end"))
         if ran_to_end:
-            words.append(f"{ran_to_end} llama-server requests never noticed that their client had gone and "
-                         "generated every token they were asked for; their time is the time that took.")
+            words.append(
+                f"{ran_to_end} llama-server requests never noticed that their client had gone and "
+                "generated every token they were asked for; their time is the time that took."
+            )
         return _table(["", OURS, LLAMA, "llama-server/ours", "better"], rows) + "\n\n" + " ".join(words)
 
     def http_api(self) -> str | None:
@@ -301,10 +408,21 @@ class Report:
                 client = summary(s["client_ms"] for s in samples)
                 server = summary(s.get("server_ms") for s in samples)
                 after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
-                rows.append([label, target, str(len(samples)), fmt(_get(client, "p50")), fmt(_get(client, "p99")),
-                             fmt(_get(server, "p50")), fmt(_get(server, "p99")), str(max(after)) if after else "–"])
-        return _table(["stop", "engine", "n", "client p50", "p99", "server p50", "p99", "tokens after cancel, max"],
-                      rows)
+                rows.append(
+                    [
+                        label,
+                        target,
+                        str(len(samples)),
+                        fmt(_get(client, "p50")),
+                        fmt(_get(client, "p99")),
+                        fmt(_get(server, "p50")),
+                        fmt(_get(server, "p99")),
+                        str(max(after)) if after else "–",
+                    ]
+                )
+        return _table(
+            ["stop", "engine", "n", "client p50", "p99", "server p50", "p99", "tokens after cancel, max"], rows
+        )
 
     def cancel_via_replica(self) -> str | None:
         """DELETE on the owner against DELETE on another replica (relayed through Redis), and the difference."""
@@ -314,26 +432,49 @@ class Report:
         stats = {}
         for via in (VIA_OWNER, VIA_OTHER):
             mine = [s for s in samples if s["via"] == via]
-            stats[via] = (len(mine), summary(s["delete_ms"] for s in mine), summary(s["client_ms"] for s in mine),
-                          summary(s["server_ms"] for s in mine))
+            stats[via] = (
+                len(mine),
+                summary(s["delete_ms"] for s in mine),
+                summary(s["client_ms"] for s in mine),
+                summary(s["server_ms"] for s in mine),
+            )
         rows = []
         for via in (VIA_OWNER, VIA_OTHER):
             count, delete, frame, server = stats[via]
-            rows.append([f"DELETE on the {via}", str(count)] + [fmt(_get(x, k)) for x in (delete, frame, server)
-                                                                 for k in ("p50", "p99")])
-        extra = [None if _get(stats[VIA_OTHER][i], k) is None or _get(stats[VIA_OWNER][i], k) is None
-                 else _get(stats[VIA_OTHER][i], k) - _get(stats[VIA_OWNER][i], k)
-                 for i in (1, 2, 3) for k in ("p50", "p99")]
+            rows.append(
+                [f"DELETE on the {via}", str(count)]
+                + [fmt(_get(x, k)) for x in (delete, frame, server) for k in ("p50", "p99")]
+            )
+        extra = [
+            None
+            if _get(stats[VIA_OTHER][i], k) is None or _get(stats[VIA_OWNER][i], k) is None
+            else _get(stats[VIA_OTHER][i], k) - _get(stats[VIA_OWNER][i], k)
+            for i in (1, 2, 3)
+            for k in ("p50", "p99")
+        ]
         rows.append(["extra cost of the relay", ""] + [fmt(x) for x in extra])
-        table = _table(["", "n", "DELETE answered p50", "p99", "cancelled frame p50", "p99",
-                        "server (cancel read → loop exit) p50", "p99"], rows)
+        table = _table(
+            [
+                "",
+                "n",
+                "DELETE answered p50",
+                "p99",
+                "cancelled frame p50",
+                "p99",
+                "server (cancel read → loop exit) p50",
+                "p99",
+            ],
+            rows,
+        )
         if extra[1] is None or extra[3] is None:
             return table
         worst = max(extra[1], extra[3])
-        return table + (f"\n\nCancelling via another replica instead of the owner costs {extra[1]:+.2f} ms at p99 "
-                        f"until the DELETE is answered and {extra[3]:+.2f} ms until the `cancelled` frame: "
-                        f"{'within' if worst <= RELAY_TARGET_MS else 'over'} the {RELAY_TARGET_MS:g} ms target. "
-                        "With few samples, p99 is close to the slowest sample of each side.")
+        return table + (
+            f"\n\nCancelling via another replica instead of the owner costs {extra[1]:+.2f} ms at p99 "
+            f"until the DELETE is answered and {extra[3]:+.2f} ms until the `cancelled` frame: "
+            f"{'within' if worst <= RELAY_TARGET_MS else 'over'} the {RELAY_TARGET_MS:g} ms target. "
+            "With few samples, p99 is close to the slowest sample of each side."
+        )
 
     def other_load(self) -> str | None:
         """How much CPU other processes took while the scenarios ran: context for every number here."""
@@ -343,8 +484,10 @@ class Report:
         weights = [r["cpu"]["wall_s"] for r in runs]
         mean = sum(r["cpu"]["other_cores"] * w for r, w in zip(runs, weights)) / sum(weights)
         worst = max(runs, key=lambda r: r["cpu"]["other_cores"])
-        return (f"Other processes on the machine used {mean:.2f} cores on average while the scenarios ran "
-                f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']}).")
+        return (
+            f"Other processes on the machine used {mean:.2f} cores on average while the scenarios ran "
+            f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']})."
+        )
 
     def prompt_speed(self) -> str:
         stats = {}
@@ -353,11 +496,14 @@ class Report:
             ttft = summary(s["ttft_server_ms"] for s in samples)
             rate = summary(s["prompt_tokens_per_s"] for s in samples)
             stats[target] = (len(samples), [_get(ttft, "p50"), _get(ttft, "p99"), _get(rate, "p50")])
-        return _table(["", "engine", "n", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tok/s p50"],
-                      self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats))
+        return _table(
+            ["", "engine", "n", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tok/s p50"],
+            self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats),
+        )
 
     def multi_turn(self) -> str:
         from .scenarios import TURNS
+
         rows = []
         for target in self.targets:
             samples = self.of("multi_turn", target)
@@ -368,10 +514,17 @@ class Report:
             prompt = sum(s["prompt_tokens"] for s in samples)
             reused = sum(s["prompt_tokens_reused"] for s in samples)
             ratio = ttft[-1] / ttft[0] if ttft[0] and ttft[-1] else None
-            rows.append([target, str(len(by_turn[TURNS]))] + [fmt(v) for v in ttft]
-                        + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"])
-        return _table(["engine", "chats"] + [f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1)]
-                      + [f"turn {TURNS} / turn 1", "prompt tokens reused"], rows)
+            rows.append(
+                [target, str(len(by_turn[TURNS]))]
+                + [fmt(v) for v in ttft]
+                + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"]
+            )
+        return _table(
+            ["engine", "chats"]
+            + [f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1)]
+            + [f"turn {TURNS} / turn 1", "prompt tokens reused"],
+            rows,
+        )
 
     def markdown(self) -> str:
         parts = []
@@ -412,47 +565,60 @@ class Report:
         ]
         lag = self.event_loop_lag()
         if lag:
-            parts += ["### Event-loop lag under load (server process)",
-                      "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
-                      "over all the time the scenarios ran against that server.", lag]
-        parts += ["### Timeout precision (ms after the deadline)",
-                  "Server: `duration_ms` − deadline. Client: generate sent → terminal received, − deadline. "
-                  "A total timeout meant for the decode phase that fired before any token (the prefill ran "
-                  "longer than calibrated) is shown on its own row.",
-                  self.timeouts(),
-                  "### Disconnect to stop (ms)",
-                  "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0` "
-                  "(1 while another client streams); llama-server: → its slot's release line. "
-                  "Server log: the `client_disconnected` cancel's `cancel_latency_ms`.",
-                  self.disconnect()]
+            parts += [
+                "### Event-loop lag under load (server process)",
+                "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
+                "over all the time the scenarios ran against that server.",
+                lag,
+            ]
+        parts += [
+            "### Timeout precision (ms after the deadline)",
+            "Server: `duration_ms` − deadline. Client: generate sent → terminal received, − deadline. "
+            "A total timeout meant for the decode phase that fired before any token (the prefill ran "
+            "longer than calibrated) is shown on its own row.",
+            self.timeouts(),
+            "### Disconnect to stop (ms)",
+            "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0` "
+            "(1 while another client streams); llama-server: → its slot's release line. "
+            "Server log: the `client_disconnected` cancel's `cancel_latency_ms`.",
+            self.disconnect(),
+        ]
         if self.results.get("native"):
             from .native import markdown as native_markdown
-            parts += ["### The native loop, in-process",
-                      "Prompt speed on a 512-token prompt by chunk size: the stock evaluation (no hook, logits "
-                      "for every token), the step hook with full logits, and the hook with the output projection "
-                      "for the last token only (the default); the longest graph node is the most a stop waits. "
-                      "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "
-                      "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
-                      "slot's tokens.",
-                      native_markdown(self.results["native"])]
+
+            parts += [
+                "### The native loop, in-process",
+                "Prompt speed on a 512-token prompt by chunk size: the stock evaluation (no hook, logits "
+                "for every token), the step hook with full logits, and the hook with the output projection "
+                "for the last token only (the default); the longest graph node is the most a stop waits. "
+                "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "
+                "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
+                "slot's tokens.",
+                native_markdown(self.results["native"]),
+            ]
         relay = self.cancel_via_replica()
         if relay:
-            parts += ["### Cancel via another replica (ms)",
-                      "redis-server on loopback and two replicas sharing it (`--redis-url`). A WebSocket generation "
-                      "on the first replica is cancelled after 1–8 token frames by `DELETE /v1/generations/{id}`, "
-                      "sent alternately to the owner and to the other replica, which finds the owner in Redis and "
-                      "relays the cancel over pub/sub; both over a warm keep-alive connection. DELETE answered: "
-                      "sent → its answer, naming the outcome. Cancelled frame: sent → the `cancelled` frame on the "
-                      "generation's WebSocket. Server: `cancel_latency_ms` on the owner, from the cancel's arrival "
-                      "there.", relay]
+            parts += [
+                "### Cancel via another replica (ms)",
+                "redis-server on loopback and two replicas sharing it (`--redis-url`). A WebSocket generation "
+                "on the first replica is cancelled after 1–8 token frames by `DELETE /v1/generations/{id}`, "
+                "sent alternately to the owner and to the other replica, which finds the owner in Redis and "
+                "relays the cancel over pub/sub; both over a warm keep-alive connection. DELETE answered: "
+                "sent → its answer, naming the outcome. Cancelled frame: sent → the `cancelled` frame on the "
+                "generation's WebSocket. Server: `cancel_latency_ms` on the owner, from the cancel's arrival "
+                "there.",
+                relay,
+            ]
         http = self.http_api()
         if http:
-            parts += ["### The HTTP API next to the WebSocket (ms)",
-                      "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
-                      "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
-                      "`cancel_latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
-                      "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
-                      http]
+            parts += [
+                "### The HTTP API next to the WebSocket (ms)",
+                "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
+                "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
+                "`cancel_latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
+                "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
+                http,
+            ]
         return "\n\n".join(parts) + "\n"
 
 
@@ -469,11 +635,12 @@ LLAMA_METHOD = (
     "in a loop to find the moment: each of its answers restarts the one-second wait after which llama-server's "
     "request handler checks whether its client is still connected, so a 1 ms poll would keep it from ever "
     "noticing a client that left while nothing was being written to it. That is the case the "
-    "\"disconnect while another client streams\" rows measure: another client streams, and the measured "
+    '"disconnect while another client streams" rows measure: another client streams, and the measured '
     "client, non-streaming on llama-server (whose handler writes nothing until the end) and streaming on "
     "ours (the only mode of its protocol), goes away during decode. Tokens after the stop are derived from "
     "the slot's context size in the release line. Ratios are llama-server/ours: above 1, llama-server took "
-    "longer to stop or reach its first token, or produced more tokens per second.")
+    "longer to stop or reach its first token, or produced more tokens per second."
+)
 
 
 def _get(stats: dict | None, key: str) -> float | None:
@@ -487,12 +654,18 @@ def write_json(results: dict, path: Path) -> None:
 def plot_stop_latency_cdf(results: dict, path: Path) -> None:
     """One panel per stop scenario: the CDF of stop latency, ours against the baseline, log time axis."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     report = Report(results)
-    colors = {OURS: "tab:blue", BASELINE: "tab:orange", LLAMA: "tab:green", BETWEEN_STEPS: "tab:purple",
-              "server": "tab:blue"}
+    colors = {
+        OURS: "tab:blue",
+        BASELINE: "tab:orange",
+        LLAMA: "tab:green",
+        BETWEEN_STEPS: "tab:purple",
+        "server": "tab:blue",
+    }
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     # One shared time axis, so the panels can be compared at a glance.
@@ -509,8 +682,14 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
                 # Start each curve at 0 so that its first step is visible.
                 x = np.concatenate([[values[0]], values])
                 cdf = np.concatenate([[0.0], np.arange(1, len(values) + 1) / len(values)])
-                ax.step(x, cdf, style, where="post", color=colors.get(target, "tab:green"),
-                        label=f"{target} ({label}), n={len(values)}")
+                ax.step(
+                    x,
+                    cdf,
+                    style,
+                    where="post",
+                    color=colors.get(target, "tab:green"),
+                    label=f"{target} ({label}), n={len(values)}",
+                )
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -518,14 +697,16 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_title(SCENARIO_TITLES[scenario])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    for ax in axes.flat[len(STOP_SCENARIOS):]:
+    for ax in axes.flat[len(STOP_SCENARIOS) :]:
         ax.set_visible(False)
     for ax in axes[-1, :]:
         ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
-    fig.suptitle("Stop latency: Stopline (in-step abort; between steps only) vs. ctransformers generate() + "
-                 "threading.Event" + (" vs. llama-server" if LLAMA in report.targets else ""))
+    fig.suptitle(
+        "Stop latency: Stopline (in-step abort; between steps only) vs. ctransformers generate() + "
+        "threading.Event" + (" vs. llama-server" if LLAMA in report.targets else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -62,8 +62,15 @@ TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
 HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
 # Runs once, on servers of its own (redis-server and two replicas), not against each engine.
 CANCEL_VIA_REPLICA = "cancel_via_replica"
-ALL_SCENARIOS = (STOP_SCENARIOS + ("throughput",) + SPEED_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",)
-                 + HTTP_SCENARIOS + (CANCEL_VIA_REPLICA,))
+ALL_SCENARIOS = (
+    STOP_SCENARIOS
+    + ("throughput",)
+    + SPEED_SCENARIOS
+    + TIMEOUT_SCENARIOS
+    + ("disconnect",)
+    + HTTP_SCENARIOS
+    + (CANCEL_VIA_REPLICA,)
+)
 # Where a cancel_via_replica sample's DELETE went.
 VIA_OWNER, VIA_OTHER = "owner", "other replica"
 # The scenarios that send the long prompt or a whole chat (and take --long-requests samples).
@@ -80,15 +87,15 @@ QUEUED_MAX_DELAY_MS = 100.0
 
 @dataclass
 class Plan:
-    requests: float          # samples per scenario per target (math.inf: until the duration is up)
-    long_requests: float     # the same for the two long-prompt scenarios
+    requests: float  # samples per scenario per target (math.inf: until the duration is up)
+    long_requests: float  # the same for the two long-prompt scenarios
     duration_s: float | None
     short_tokens: int
     long_tokens: int
     concurrency: int | None  # streams in the concurrent throughput run (None: one per slot)
     throughput_reps: int
     decode_tokens: int
-    parallel: int            # concurrent samplers in the scenarios whose samples are independent
+    parallel: int  # concurrent samplers in the scenarios whose samples are independent
 
 
 async def sleep_until(ns: int) -> None:
@@ -97,14 +104,20 @@ async def sleep_until(ns: int) -> None:
 
 def stop_record(scenario: str, target: Target, call: Call, cancel_ns: int, **extra) -> dict:
     term = call.terminal
-    return {"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
-            "reason": term.get("reason"),
-            "client_ms": (call.terminal_ns - cancel_ns) / 1e6,
-            "server_ms": term.get("cancel_latency_ms"),
-            "tokens_after_cancel": term.get("tokens_after_cancel"),
-            "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > cancel_ns),
-            "tokens_generated": term.get("tokens_generated"),
-            "token_frames": len(call.tokens), **extra}
+    return {
+        "scenario": scenario,
+        "target": target.name,
+        "id": call.id,
+        "outcome": term["type"],
+        "reason": term.get("reason"),
+        "client_ms": (call.terminal_ns - cancel_ns) / 1e6,
+        "server_ms": term.get("cancel_latency_ms"),
+        "tokens_after_cancel": term.get("tokens_after_cancel"),
+        "frames_after_cancel": sum(1 for ns, _ in call.tokens if ns > cancel_ns),
+        "tokens_generated": term.get("tokens_generated"),
+        "token_frames": len(call.tokens),
+        **extra,
+    }
 
 
 class Bench:
@@ -122,9 +135,13 @@ class Bench:
         return self.rng.randrange(2**31)
 
     def _generate_fields(self, tokens: int, max_tokens: int, **extra) -> dict:
-        return {"messages": self.prompts.story(tokens), "max_tokens": max_tokens,
-                "temperature": DEFAULT_SAMPLING.temperature,
-                "seed": self._seed(), **extra}
+        return {
+            "messages": self.prompts.story(tokens),
+            "max_tokens": max_tokens,
+            "temperature": DEFAULT_SAMPLING.temperature,
+            "seed": self._seed(),
+            **extra,
+        }
 
     # Calibration --------------------------------------------------------------
 
@@ -169,14 +186,16 @@ class Bench:
         elif scenario == "delete_prefill":
             await self._lanes(target, run, wanted, 1, self._delete_prefill_sample, own_session=True)
         else:
-            sample = {"prefill_short": lambda t, s: self._prefill_sample(t, s, "prefill_short", plan.short_tokens),
-                      "prefill_long": lambda t, s: self._prefill_sample(t, s, "prefill_long", plan.long_tokens),
-                      "decode": self._decode_sample,
-                      "decode_after_token": lambda t, s: self._decode_sample(t, s, "decode_after_token"),
-                      "prefill_speed": self._prefill_speed_sample,
-                      "multi_turn": self._multi_turn_sample,
-                      "timeout_total": self._timeout_total_sample,
-                      "timeout_ttft": self._timeout_ttft_sample}[scenario]
+            sample = {
+                "prefill_short": lambda t, s: self._prefill_sample(t, s, "prefill_short", plan.short_tokens),
+                "prefill_long": lambda t, s: self._prefill_sample(t, s, "prefill_long", plan.long_tokens),
+                "decode": self._decode_sample,
+                "decode_after_token": lambda t, s: self._decode_sample(t, s, "decode_after_token"),
+                "prefill_speed": self._prefill_speed_sample,
+                "multi_turn": self._multi_turn_sample,
+                "timeout_total": self._timeout_total_sample,
+                "timeout_ttft": self._timeout_ttft_sample,
+            }[scenario]
             await self._lanes(target, run, wanted, plan.parallel, sample)
         await self._end_sampling(target, run)
         target.windows.append((scenario, start, time.monotonic_ns()))
@@ -186,9 +205,15 @@ class Bench:
         """The start time and the account of one scenario on one target."""
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")
-        run = {"scenario": scenario, "target": target.name, "requests": 0, "valid": 0, "discarded": 0,
-               "metrics_before": await metrics(target.http_url),
-               "cpu_before": self.cpu.read() if self.cpu else None}
+        run = {
+            "scenario": scenario,
+            "target": target.name,
+            "requests": 0,
+            "valid": 0,
+            "discarded": 0,
+            "metrics_before": await metrics(target.http_url),
+            "cpu_before": self.cpu.read() if self.cpu else None,
+        }
         return time.monotonic_ns(), run
 
     def _keep_throughput(self, run: dict, records: list[dict], streams: int, spans: list[tuple[int, int]]) -> None:
@@ -235,8 +260,9 @@ class Bench:
         if own and self.progress is not None:
             self.progress.update(len(own))
 
-    async def _lanes(self, target: Target, run: dict, wanted: float, lanes: int, sample,
-                     own_session: bool = False) -> None:
+    async def _lanes(
+        self, target: Target, run: dict, wanted: float, lanes: int, sample, own_session: bool = False
+    ) -> None:
         """Take samples until the scenario has enough, ``lanes`` at a time, each lane on its own connection."""
         started = time.monotonic()
 
@@ -267,8 +293,18 @@ class Bench:
             return []
         # The client saw a token, so the cancel landed after the prefill: it is a decode sample.
         actual = scenario if not call.tokens else "decode"
-        return [stop_record(actual, target, call, cancel_ns, delay_ms=delay_ms, prefill_estimate_ms=estimate,
-                            prompt_tokens=tokens, measured_as=scenario)]
+        return [
+            stop_record(
+                actual,
+                target,
+                call,
+                cancel_ns,
+                delay_ms=delay_ms,
+                prefill_estimate_ms=estimate,
+                prompt_tokens=tokens,
+                measured_as=scenario,
+            )
+        ]
 
     async def _decode_sample(self, target: Target, session: Session, scenario: str = "decode") -> list[dict]:
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
@@ -283,8 +319,18 @@ class Bench:
         session.forget(call)
         if call.terminal["type"] != Outcome.CANCELLED:
             return []  # it finished on its own first
-        return [stop_record(scenario, target, call, cancel_ns, cancel_after_frames=frames, jitter_ms=jitter_ms,
-                            prompt_tokens=self.plan.short_tokens, measured_as=scenario)]
+        return [
+            stop_record(
+                scenario,
+                target,
+                call,
+                cancel_ns,
+                cancel_after_frames=frames,
+                jitter_ms=jitter_ms,
+                prompt_tokens=self.plan.short_tokens,
+                measured_as=scenario,
+            )
+        ]
 
     # Prompt speed and reuse ---------------------------------------------------------
 
@@ -295,12 +341,20 @@ class Bench:
         session.forget(call)
         if term["type"] != Outcome.DONE or not term.get("ttft_ms"):
             return []
-        return [{"scenario": "prefill_speed", "target": target.name, "id": call.id, "outcome": Outcome.DONE,
-                 "prompt_tokens": term["prompt_tokens"], "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
-                 "ttft_server_ms": term["ttft_ms"],
-                 "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
-                 "prompt_tokens_per_s": (term["prompt_tokens"] - term.get("prompt_tokens_reused", 0))
-                 / (term["ttft_ms"] / 1e3)}]
+        return [
+            {
+                "scenario": "prefill_speed",
+                "target": target.name,
+                "id": call.id,
+                "outcome": Outcome.DONE,
+                "prompt_tokens": term["prompt_tokens"],
+                "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
+                "ttft_server_ms": term["ttft_ms"],
+                "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+                "prompt_tokens_per_s": (term["prompt_tokens"] - term.get("prompt_tokens_reused", 0))
+                / (term["ttft_ms"] / 1e3),
+            }
+        ]
 
     async def _multi_turn_sample(self, target: Target, session: Session) -> list[dict]:
         """One chat of TURNS turns; each user turn brings about TURN_TOKENS tokens of new text."""
@@ -309,18 +363,31 @@ class Bench:
         for turn in range(1, TURNS + 1):
             # story() pads a one-message chat; its content alone is the new turn's text.
             messages.append(self.prompts.story(TURN_TOKENS + 25)[0])
-            call = await session.generate("multi_turn", messages=messages, max_tokens=48, temperature=DEFAULT_SAMPLING.temperature,
-                                          seed=self._seed())
+            call = await session.generate(
+                "multi_turn",
+                messages=messages,
+                max_tokens=48,
+                temperature=DEFAULT_SAMPLING.temperature,
+                seed=self._seed(),
+            )
             term = await call.wait_end()
             session.forget(call)
             if term["type"] != Outcome.DONE:
                 return []
             messages.append({"role": "assistant", "content": "".join(frame["text"] for _, frame in call.tokens)})
-            records.append({"scenario": "multi_turn", "target": target.name, "id": call.id, "turn": turn,
-                            "outcome": Outcome.DONE, "prompt_tokens": term["prompt_tokens"],
-                            "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
-                            "ttft_server_ms": term["ttft_ms"],
-                            "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None})
+            records.append(
+                {
+                    "scenario": "multi_turn",
+                    "target": target.name,
+                    "id": call.id,
+                    "turn": turn,
+                    "outcome": Outcome.DONE,
+                    "prompt_tokens": term["prompt_tokens"],
+                    "prompt_tokens_reused": term.get("prompt_tokens_reused", 0),
+                    "ttft_server_ms": term["ttft_ms"],
+                    "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+                }
+            )
         return records
 
     def _discard(self, session: Session, call: Call) -> list[dict]:
@@ -364,10 +431,22 @@ class Bench:
                 if call.terminal["type"] != Outcome.CANCELLED or call.tokens or not still_queued:
                     self._keep("queued", run, [])
                     continue
-                self._keep("queued", run, [stop_record(
-                    "queued", target, call, cancel_ns, delay_ms=delay_ms,
-                    queue_position=call.accepted["queue_position"], prompt_tokens=self.plan.short_tokens,
-                    measured_as="queued")])
+                self._keep(
+                    "queued",
+                    run,
+                    [
+                        stop_record(
+                            "queued",
+                            target,
+                            call,
+                            cancel_ns,
+                            delay_ms=delay_ms,
+                            queue_position=call.accepted["queue_position"],
+                            prompt_tokens=self.plan.short_tokens,
+                            measured_as="queued",
+                        )
+                    ],
+                )
         finally:
             await self._end_sampling(target, run)
             for blocker in blockers:
@@ -386,15 +465,20 @@ class Bench:
             for rep in range(self.plan.throughput_reps):
                 sessions = [await Session.open(target.ws_url) for _ in range(streams)]
                 try:
-                    calls = [await s.generate("throughput", **self._generate_fields(
-                        self.plan.short_tokens, self.plan.decode_tokens)) for s in sessions]
+                    calls = [
+                        await s.generate(
+                            "throughput", **self._generate_fields(self.plan.short_tokens, self.plan.decode_tokens)
+                        )
+                        for s in sessions
+                    ]
                     await asyncio.gather(*(c.wait_end() for c in calls))
                 finally:
                     for s in sessions:
                         await s.close()
                 records = [self._throughput_record(target, call, streams, rep) for call in calls]
-                self._keep_throughput(run, records, streams,
-                                      [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2])
+                self._keep_throughput(
+                    run, records, streams, [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2]
+                )
 
     def _throughput_record(self, target: Target, call: Call, streams: int, rep: int) -> dict:
         term = call.terminal
@@ -405,48 +489,73 @@ class Bench:
             rate_client = (n - 1) / ((call.tokens[-1][0] - call.tokens[0][0]) / 1e9)
             if term.get("ttft_ms") is not None and term["duration_ms"] > term["ttft_ms"]:
                 rate_server = (n - 1) / ((term["duration_ms"] - term["ttft_ms"]) / 1e3)
-        return {"scenario": "throughput", "target": target.name, "id": call.id, "streams": streams, "rep": rep,
-                "outcome": term["type"], "reason": term.get("reason"), "tokens": n,
-                "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
-                "ttft_server_ms": term.get("ttft_ms"),
-                "tokens_per_s_client": rate_client, "tokens_per_s_server": rate_server}
+        return {
+            "scenario": "throughput",
+            "target": target.name,
+            "id": call.id,
+            "streams": streams,
+            "rep": rep,
+            "outcome": term["type"],
+            "reason": term.get("reason"),
+            "tokens": n,
+            "ttft_client_ms": (call.tokens[0][0] - call.sent_ns) / 1e6 if call.tokens else None,
+            "ttft_server_ms": term.get("ttft_ms"),
+            "tokens_per_s_client": rate_client,
+            "tokens_per_s_server": rate_server,
+        }
 
     # Timeouts ----------------------------------------------------------------------------
 
     async def _timeout_total_sample(self, target: Target, session: Session) -> list[dict]:
         # A deadline meant for the decode phase: well past the prefill, before the generation would end.
         deadline_ms = 1.25 * target.prefill_ms[self.plan.short_tokens] + self.rng.uniform(100.0, 600.0)
-        call = await session.generate("timeout_total", **self._generate_fields(
-            self.plan.short_tokens, LONG_GENERATION, timeout_s=deadline_ms / 1000))
-        return self._timeout_record("timeout_total", Reason.TOTAL_TIMEOUT, target, session, call, deadline_ms,
-                                    await call.wait_end())
+        call = await session.generate(
+            "timeout_total",
+            **self._generate_fields(self.plan.short_tokens, LONG_GENERATION, timeout_s=deadline_ms / 1000),
+        )
+        return self._timeout_record(
+            "timeout_total", Reason.TOTAL_TIMEOUT, target, session, call, deadline_ms, await call.wait_end()
+        )
 
     async def _timeout_ttft_sample(self, target: Target, session: Session) -> list[dict]:
         # A first-token deadline in the first quarter of a long prompt's prefill.
         deadline_ms = target.prefill_ms[self.plan.long_tokens] * self.rng.uniform(0.05, 0.25)
-        call = await session.generate("timeout_ttft", **self._generate_fields(
-            self.plan.long_tokens, 16, ttft_timeout_s=deadline_ms / 1000))
-        return self._timeout_record("timeout_ttft", Reason.FIRST_TOKEN_TIMEOUT, target, session, call, deadline_ms,
-                                    await call.wait_end())
+        call = await session.generate(
+            "timeout_ttft", **self._generate_fields(self.plan.long_tokens, 16, ttft_timeout_s=deadline_ms / 1000)
+        )
+        return self._timeout_record(
+            "timeout_ttft", Reason.FIRST_TOKEN_TIMEOUT, target, session, call, deadline_ms, await call.wait_end()
+        )
 
-    def _timeout_record(self, scenario: str, reason: str, target: Target, session: Session, call: Call,
-                        deadline_ms: float, term: dict) -> list[dict]:
+    def _timeout_record(
+        self, scenario: str, reason: str, target: Target, session: Session, call: Call, deadline_ms: float, term: dict
+    ) -> list[dict]:
         session.forget(call)
         if term["type"] != Outcome.TIMEOUT or term.get("reason") != reason:
             return []
         if scenario == "timeout_total" and not call.tokens:
             # The prefill ran longer than calibrated and the deadline fell inside it: kept apart.
             scenario = "timeout_total_prefill"
-        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": term["type"],
-                 "reason": term["reason"], "deadline_ms": deadline_ms,
-                 "server_over_ms": term["duration_ms"] - deadline_ms,
-                 "client_over_ms": (call.terminal_ns - call.sent_ns) / 1e6 - deadline_ms,
-                 "tokens_generated": term.get("tokens_generated"), "token_frames": len(call.tokens)}]
+        return [
+            {
+                "scenario": scenario,
+                "target": target.name,
+                "id": call.id,
+                "outcome": term["type"],
+                "reason": term["reason"],
+                "deadline_ms": deadline_ms,
+                "server_over_ms": term["duration_ms"] - deadline_ms,
+                "client_over_ms": (call.terminal_ns - call.sent_ns) / 1e6 - deadline_ms,
+                "tokens_generated": term.get("tokens_generated"),
+                "token_frames": len(call.tokens),
+            }
+        ]
 
     # Disconnect ----------------------------------------------------------------------------
 
-    async def _disconnect_sample(self, target: Target, _session, scenario: str = "disconnect",
-                                 others: int = 0) -> list[dict]:
+    async def _disconnect_sample(
+        self, target: Target, _session, scenario: str = "disconnect", others: int = 0
+    ) -> list[dict]:
         """Drop the socket mid-generation; time until /metrics shows only ``others`` active generations."""
         if not others:
             await self._wait_idle(target)
@@ -454,8 +563,7 @@ class Bench:
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
         jitter_ms = self.rng.uniform(0.0, target.step_ms)
         try:
-            call = await session.generate(scenario, **self._generate_fields(self.plan.short_tokens,
-                                                                            LONG_GENERATION))
+            call = await session.generate(scenario, **self._generate_fields(self.plan.short_tokens, LONG_GENERATION))
             await call.wait_tokens(frames)
             if call.ended:
                 return []
@@ -463,9 +571,19 @@ class Bench:
             dropped_ns = session.drop()
         finally:
             await session.close()
-        return [{"scenario": scenario, "target": target.name, "id": call.id, "outcome": Outcome.CANCELLED,
-                 "reason": Reason.CLIENT_DISCONNECTED, **await self._until_idle(target, dropped_ns, others),
-                 "cancel_after_frames": frames, "jitter_ms": jitter_ms, "token_frames": len(call.tokens)}]
+        return [
+            {
+                "scenario": scenario,
+                "target": target.name,
+                "id": call.id,
+                "outcome": Outcome.CANCELLED,
+                "reason": Reason.CLIENT_DISCONNECTED,
+                **await self._until_idle(target, dropped_ns, others),
+                "cancel_after_frames": frames,
+                "jitter_ms": jitter_ms,
+                "token_frames": len(call.tokens),
+            }
+        ]
 
     async def _until_idle(self, target: Target, since_ns: int, others: int = 0) -> dict:
         """Poll /metrics until only ``others`` generations are active; the times are from ``since_ns``."""
@@ -480,8 +598,7 @@ class Bench:
             # A short pause keeps the polling itself from loading the server it measures.
             await asyncio.sleep(0.001)
         # The generation stopped between this poll's request and its answer: report the answer (upper bound).
-        return {"client_ms": (seen_ns - since_ns) / 1e6, "lower_bound_ms": (sent_ns - since_ns) / 1e6,
-                "polls": polls}
+        return {"client_ms": (seen_ns - since_ns) / 1e6, "lower_bound_ms": (sent_ns - since_ns) / 1e6, "polls": polls}
 
     async def _wait_idle(self, target: Target, timeout: float = 120.0) -> None:
         async with asyncio.timeout(timeout):
@@ -520,9 +637,19 @@ class Bench:
             await stream.close()
         finally:
             await client.close()
-        return [{"scenario": "openai_stream_closed", "target": target.name, "id": chunk.id, "outcome": Outcome.CANCELLED,
-                 "reason": Reason.CLIENT_DISCONNECTED, **await self._until_idle(target, closed_ns),
-                 "cancel_after_frames": chunks, "jitter_ms": jitter_ms, "token_frames": len(arrivals)}]
+        return [
+            {
+                "scenario": "openai_stream_closed",
+                "target": target.name,
+                "id": chunk.id,
+                "outcome": Outcome.CANCELLED,
+                "reason": Reason.CLIENT_DISCONNECTED,
+                **await self._until_idle(target, closed_ns),
+                "cancel_after_frames": chunks,
+                "jitter_ms": jitter_ms,
+                "token_frames": len(arrivals),
+            }
+        ]
 
     async def _delete_prefill_sample(self, target: Target, _session) -> list[dict]:
         """A second client DELETEs a generation at a random point of its long prompt's prefill."""
@@ -545,8 +672,10 @@ class Bench:
                 if len(events) > 1:
                     return []  # a token or its end came first: not a prefill sample
                 cancel_ns = time.monotonic_ns()
-                async with other.delete(f"{api}/generations/{accepted['request_id']}",
-                                        headers={"Authorization": f"Bearer {accepted['cancel_token']}"}) as answer:
+                async with other.delete(
+                    f"{api}/generations/{accepted['request_id']}",
+                    headers={"Authorization": f"Bearer {accepted['cancel_token']}"},
+                ) as answer:
                     status = (await answer.json())["status"]
                 answered_ns = time.monotonic_ns()
                 await asyncio.wait_for(reader, 60)
@@ -557,12 +686,23 @@ class Bench:
         tokens = [ns for ns, event, _ in events if event == "token"]
         if kind != Outcome.CANCELLED or tokens or status != Status.CANCELLED:
             return []
-        return [{"scenario": "delete_prefill", "target": target.name, "id": accepted["request_id"],
-                 "outcome": kind, "reason": terminal["reason"], "client_ms": (terminal_ns - cancel_ns) / 1e6,
-                 "delete_answer_ms": (answered_ns - cancel_ns) / 1e6, "server_ms": terminal["cancel_latency_ms"],
-                 "tokens_after_cancel": terminal["tokens_after_cancel"],
-                 "tokens_generated": terminal["tokens_generated"],
-                 "delay_ms": delay_ms, "prefill_estimate_ms": estimate, "prompt_tokens": self.plan.long_tokens}]
+        return [
+            {
+                "scenario": "delete_prefill",
+                "target": target.name,
+                "id": accepted["request_id"],
+                "outcome": kind,
+                "reason": terminal["reason"],
+                "client_ms": (terminal_ns - cancel_ns) / 1e6,
+                "delete_answer_ms": (answered_ns - cancel_ns) / 1e6,
+                "server_ms": terminal["cancel_latency_ms"],
+                "tokens_after_cancel": terminal["tokens_after_cancel"],
+                "tokens_generated": terminal["tokens_generated"],
+                "delay_ms": delay_ms,
+                "prefill_estimate_ms": estimate,
+                "prompt_tokens": self.plan.long_tokens,
+            }
+        ]
 
 
 async def _read_sse(response: aiohttp.ClientResponse, events: list) -> None:
@@ -572,9 +712,9 @@ async def _read_sse(response: aiohttp.ClientResponse, events: list) -> None:
         now = time.monotonic_ns()
         line = raw.decode().rstrip("\r\n")
         if line.startswith("event: "):
-            event = line[len("event: "):]
+            event = line[len("event: ") :]
         elif line.startswith("data: ") and event is not None:
-            events.append((now, event, json.loads(line[len("data: "):])))
+            events.append((now, event, json.loads(line[len("data: ") :])))
             event = None
 
 
@@ -604,18 +744,21 @@ async def run_cancel_via_replica(bench: Bench, owner: Target, other: Target) -> 
     bench.runs.append(run)
 
 
-async def _cancel_via(bench: Bench, owner: Target, session: Session, http: aiohttp.ClientSession, api: str,
-                      via: str) -> list[dict]:
+async def _cancel_via(
+    bench: Bench, owner: Target, session: Session, http: aiohttp.ClientSession, api: str, via: str
+) -> list[dict]:
     frames = bench.rng.randint(1, 8)
-    call = await session.generate(CANCEL_VIA_REPLICA, **bench._generate_fields(bench.plan.short_tokens,
-                                                                               LONG_GENERATION))
+    call = await session.generate(
+        CANCEL_VIA_REPLICA, **bench._generate_fields(bench.plan.short_tokens, LONG_GENERATION)
+    )
     await call.wait_tokens(frames)
     if call.ended:
         return bench._discard(session, call)
     accepted = call.accepted
     sent_ns = time.monotonic_ns()
-    async with http.delete(f"{api}/generations/{accepted['request_id']}",
-                           headers={"Authorization": f"Bearer {accepted['cancel_token']}"}) as response:
+    async with http.delete(
+        f"{api}/generations/{accepted['request_id']}", headers={"Authorization": f"Bearer {accepted['cancel_token']}"}
+    ) as response:
         answer = await response.json()
         replica = response.headers.get("X-Stopline-Replica")
     answered_ns = time.monotonic_ns()
@@ -623,5 +766,15 @@ async def _cancel_via(bench: Bench, owner: Target, session: Session, http: aioht
     session.forget(call)
     if call.terminal["type"] != "cancelled" or answer.get("status") != "cancelled":
         return []
-    return [stop_record(CANCEL_VIA_REPLICA, owner, call, sent_ns, via=via, answered_by=replica,
-                        delete_ms=(answered_ns - sent_ns) / 1e6, cancel_after_frames=frames)]
+    return [
+        stop_record(
+            CANCEL_VIA_REPLICA,
+            owner,
+            call,
+            sent_ns,
+            via=via,
+            answered_by=replica,
+            delete_ms=(answered_ns - sent_ns) / 1e6,
+            cancel_after_frames=frames,
+        )
+    ]

@@ -28,10 +28,8 @@ from stopline.engine import Engine
 from stopline.observability import configure_logging
 from stopline.vocabulary import AbortMode
 
-
 # Engine name -> the abort mode its native engine is loaded with.
-ENGINES = {"ours": AbortMode.IN_STEP, "ours_between_steps": AbortMode.BETWEEN_STEPS,
-           "baseline": AbortMode.IN_STEP}
+ENGINES = {"ours": AbortMode.IN_STEP, "ours_between_steps": AbortMode.BETWEEN_STEPS, "baseline": AbortMode.IN_STEP}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,20 +58,31 @@ def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
     def wait():
         sys.stdin.buffer.read()
         loop.call_soon_threadsafe(stop.set)
+
     threading.Thread(target=wait, name="bench-stdin", daemon=True).start()
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False,
-                                     abort_mode=ENGINES[args.engine])
+    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False, abort_mode=ENGINES[args.engine])
     if args.engine == "baseline":
         from .baseline import BaselineEngine
+
         engine = BaselineEngine(engine)
     # The benchmark sets its own deadlines; a slow engine's long prompt must not hit the defaults.
-    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, workers=args.workers,
-                                                 default_timeout_s=3600, max_timeout_s=3600,
-                                                 default_ttft_timeout_s=3600, max_ttft_timeout_s=3600,
-                                                 redis_url=args.redis_url, replica_id=args.replica_id))
+    server = StoplineServer(
+        engine,
+        ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            workers=args.workers,
+            default_timeout_s=3600,
+            max_timeout_s=3600,
+            default_ttft_timeout_s=3600,
+            max_ttft_timeout_s=3600,
+            redis_url=args.redis_url,
+            replica_id=args.replica_id,
+        ),
+    )
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -82,9 +91,19 @@ async def serve(args: argparse.Namespace) -> None:
     _stop_on_stdin_eof(loop, stop)
     samples: list[tuple[int, int]] = []
     probe = asyncio.create_task(lag_probe(args.lag_interval_ms / 1000, samples))
-    print(json.dumps({"port": server.port, "engine": args.engine, "threads": engine.threads,
-                      "workers": args.workers, "prefill_chunk": engine.prefill_chunk,
-                      "abort_mode": str(engine.abort_mode)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "port": server.port,
+                "engine": args.engine,
+                "threads": engine.threads,
+                "workers": args.workers,
+                "prefill_chunk": engine.prefill_chunk,
+                "abort_mode": str(engine.abort_mode),
+            }
+        ),
+        flush=True,
+    )
     await stop.wait()
     probe.cancel()
     await server.shutdown()

@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class Target:
     """A server being measured, and what the benchmark learns about it on the way."""
+
     name: str
     ws_url: str
     http_url: str
     slots: int = 2
-    managed: "ManagedServer | None" = None
+    managed: ManagedServer | None = None
     # Calibration: prefill time (ms) by prompt length in tokens, and the decode step (ms).
     prefill_ms: dict[int, float] = field(default_factory=dict)
     step_ms: float = 15.0
@@ -37,7 +38,7 @@ class Target:
     windows: list[tuple[str, int, int]] = field(default_factory=list)
 
     @classmethod
-    async def from_url(cls, url: str) -> "Target":
+    async def from_url(cls, url: str) -> Target:
         parts = urlsplit(url if "://" in url else f"ws://{url}")
         secure = parts.scheme in ("wss", "https")
         host = parts.netloc
@@ -49,8 +50,15 @@ class Target:
 class ManagedServer:
     """One ``python -m bench.serve`` process: a server on the native engine or on the baseline."""
 
-    def __init__(self, engine: str, out_dir: Path, workers: int, threads: int, name: str | None = None,
-                 extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        engine: str,
+        out_dir: Path,
+        workers: int,
+        threads: int,
+        name: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.engine = engine
         # The target's name, and its files': the engine's unless several servers run the same engine.
         self.name = name or engine
@@ -69,15 +77,33 @@ class ManagedServer:
             path.unlink(missing_ok=True)
         with open(self.stderr_path, "wb") as stderr:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.serve", "--engine", self.engine, "--workers", str(self.workers),
-                "--threads", str(self.threads), "--lag-out", str(self.lag_path), "--log-file", str(self.log_path),
-                *self.extra_args, cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+                sys.executable,
+                "-m",
+                "bench.serve",
+                "--engine",
+                self.engine,
+                "--workers",
+                str(self.workers),
+                "--threads",
+                str(self.threads),
+                "--lag-out",
+                str(self.lag_path),
+                "--log-file",
+                str(self.log_path),
+                *self.extra_args,
+                cwd=ROOT,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+            )
         self.pid = self._process.pid
         line = await asyncio.wait_for(self._process.stdout.readline(), 300)
         if not line:
             await self._process.wait()
-            raise RuntimeError(f"the {self.name} server did not start; see {self.stderr_path}:\n"
-                               + self.stderr_path.read_text()[-2000:])
+            raise RuntimeError(
+                f"the {self.name} server did not start; see {self.stderr_path}:\n"
+                + self.stderr_path.read_text()[-2000:]
+            )
         self.info = json.loads(line)
         host = f"127.0.0.1:{self.info['port']}"
         return Target(self.name, f"ws://{host}/ws", f"http://{host}", slots=self.workers, managed=self)
@@ -130,13 +156,28 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
+    def start(self, timeout: float = 10.0) -> RedisServer:
         """Start it (again, on the same port) and return once it answers PING."""
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / "redis.log", "ab") as log:
             self.process = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    "redis-server",
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.directory),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as sock:
@@ -183,4 +224,9 @@ class CpuMeter:
         """Average cores busy since ``before``: in total, by our processes, by everything else."""
         wall, busy, ours = (now - then for now, then in zip(self.read(), before))
         wall = max(wall, 1e-9)
-        return {"wall_s": wall, "machine_cores": busy / wall, "bench_cores": ours / wall, "other_cores": max(0.0, busy - ours) / wall}
+        return {
+            "wall_s": wall,
+            "machine_cores": busy / wall,
+            "bench_cores": ours / wall,
+            "other_cores": max(0.0, busy - ours) / wall,
+        }

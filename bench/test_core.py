@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+
 from stopline import _core
 from stopline._core import ExitKind, Generation
 from stopline.engine import Engine, SamplingParams, sampling_args
@@ -71,17 +72,28 @@ def test_flag_poll(benchmark):
     iterations = 100_000
     per_poll = []
     benchmark.pedantic(lambda: per_poll.append(_core.measure_flag_poll(iterations)), rounds=20, iterations=1)
-    report(benchmark, iterations=iterations, ns_per_poll=round(statistics.median(per_poll), 2),
-           ns_per_poll_min=round(min(per_poll), 2))
+    report(
+        benchmark,
+        iterations=iterations,
+        ns_per_poll=round(statistics.median(per_poll), 2),
+        ns_per_poll_min=round(min(per_poll), 2),
+    )
 
 
 # --- (b) our loop against ctransformers' own Python generate() --------------------
 
 
 def _run_ours(slot, prompt):
-    generation = Generation(slot, prompt, **sampling_args(SamplingParams(max_tokens=DECODE_TOKENS, temperature=0,
-                                                                         top_k=40, top_p=0.95, repetition_penalty=1.1)),
-                            prefill_chunk=8, threads=1, window=DECODE_TOKENS)
+    generation = Generation(
+        slot,
+        prompt,
+        **sampling_args(
+            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, top_k=40, top_p=0.95, repetition_penalty=1.1)
+        ),
+        prefill_chunk=8,
+        threads=1,
+        window=DECODE_TOKENS,
+    )
     return generation.run(), generation.take()
 
 
@@ -96,8 +108,13 @@ def test_decode_ours(benchmark, slot, story_prompt):
     assert all(r.tokens_generated == DECODE_TOKENS for r in results)
     step_ms = statistics.median(_decode_step_ms(r) for r in results)
     total = statistics.median(r.tokens_generated * 1e9 / (r.end_ns - r.start_ns) for r in results)
-    report(benchmark, decode_tokens_per_s=round(1e3 / step_ms, 1), tokens_per_s_with_prefill=round(total, 1),
-           step_ms=round(step_ms, 2), prompt_tokens=len(story_prompt))
+    report(
+        benchmark,
+        decode_tokens_per_s=round(1e3 / step_ms, 1),
+        tokens_per_s_with_prefill=round(total, 1),
+        step_ms=round(step_ms, 2),
+        prompt_tokens=len(story_prompt),
+    )
 
 
 def test_decode_ctransformers(benchmark, engine, slot, story_prompt):
@@ -111,14 +128,18 @@ def test_decode_ctransformers(benchmark, engine, slot, story_prompt):
         ours.append(_run_ours(slot, story_prompt))
         # A new model per round: generate(reset=True) would otherwise reuse the
         # previous round's KV cache for the common prompt prefix and skip prefill.
-        llms[:] = [AutoModelForCausalLM.from_pretrained(str(engine.model_path), model_type="llama",
-                                                        context_length=2048, threads=1)]
+        llms[:] = [
+            AutoModelForCausalLM.from_pretrained(
+                str(engine.model_path), model_type="llama", context_length=2048, threads=1
+            )
+        ]
         return (), {}
 
     def run():
         stamps, tokens = [], []
-        generator = llms[0].generate(story_prompt, top_k=1, temperature=1.0, repetition_penalty=1.1, batch_size=8,
-                                     threads=1, reset=True)
+        generator = llms[0].generate(
+            story_prompt, top_k=1, temperature=1.0, repetition_penalty=1.1, batch_size=8, threads=1, reset=True
+        )
         start = time.perf_counter_ns()
         for token in itertools.islice(generator, DECODE_TOKENS):
             tokens.append(token)
@@ -128,17 +149,22 @@ def test_decode_ctransformers(benchmark, engine, slot, story_prompt):
     benchmark.pedantic(run, setup=setup, rounds=3, iterations=1, warmup_rounds=1)
     llms.clear()
     # The same greedy tokens, so the difference per step is the loops' own cost.
-    for (result, pieces), (_, stamps, tokens) in zip(ours, theirs):
+    for (result, pieces), (_, _stamps, tokens) in zip(ours, theirs):
         assert len(tokens) == DECODE_TOKENS == result.tokens_generated
         assert [slot.token_bytes(t) for t in tokens] == pieces
     their_steps = [(s[-1] - s[0]) / 1e6 / (len(s) - 1) for _, s, _ in theirs]
     our_steps = [_decode_step_ms(r) for r, _ in ours]
     total = statistics.median(len(s) * 1e9 / (s[-1] - start) for start, s, _ in theirs)
-    report(benchmark, decode_tokens_per_s=round(1e3 / statistics.median(their_steps), 1),
-           tokens_per_s_with_prefill=round(total, 1), step_ms=round(statistics.median(their_steps), 2),
-           paired_ours_decode_tokens_per_s=round(1e3 / statistics.median(our_steps), 1),
-           paired_ours_minus_theirs_ms_per_token=round(
-               statistics.median(o - t for o, t in zip(our_steps, their_steps)), 3))
+    report(
+        benchmark,
+        decode_tokens_per_s=round(1e3 / statistics.median(their_steps), 1),
+        tokens_per_s_with_prefill=round(total, 1),
+        step_ms=round(statistics.median(their_steps), 2),
+        paired_ours_decode_tokens_per_s=round(1e3 / statistics.median(our_steps), 1),
+        paired_ours_minus_theirs_ms_per_token=round(
+            statistics.median(o - t for o, t in zip(our_steps, their_steps)), 3
+        ),
+    )
 
 
 # --- (c) prefill speed by chunk size -------------------------------------------------
@@ -150,14 +176,25 @@ def test_prefill_by_chunk(benchmark, slot, long_prompt, chunk):
     results = []
 
     def run():
-        results.append(Generation(slot, prompt, **sampling_args(SamplingParams(max_tokens=1, temperature=0)),
-                                  prefill_chunk=chunk, threads=1).run())
+        results.append(
+            Generation(
+                slot,
+                prompt,
+                **sampling_args(SamplingParams(max_tokens=1, temperature=0)),
+                prefill_chunk=chunk,
+                threads=1,
+            ).run()
+        )
 
     benchmark.pedantic(run, rounds=3, iterations=1)
     assert all(r.prompt_tokens_evaluated == PREFILL_TOKENS for r in results)
     prefill_ns = statistics.median(r.first_token_ns - r.start_ns for r in results)
-    report(benchmark, chunk=chunk, prefill_tokens_per_s=round(PREFILL_TOKENS * 1e9 / prefill_ns, 1),
-           ms_per_chunk=round(prefill_ns / 1e6 / (PREFILL_TOKENS / chunk), 2))
+    report(
+        benchmark,
+        chunk=chunk,
+        prefill_tokens_per_s=round(PREFILL_TOKENS * 1e9 / prefill_ns, 1),
+        ms_per_chunk=round(prefill_ns / 1e6 / (PREFILL_TOKENS / chunk), 2),
+    )
 
 
 # --- (d) cancel-to-exit latency --------------------------------------------------------
@@ -183,11 +220,17 @@ def _latencies(benchmark, cycles: list[_Cycle], phase: str) -> None:
     assert all(r.exit is ExitKind.CANCELLED for r in results)
     exit_ms = [(r.end_ns - c.cancel_ns) / 1e6 for c, r in zip(cycles, results)]
     seen_ms = [(r.cancel_observed_ns - c.cancel_ns) / 1e6 for c, r in zip(cycles, results)]
-    report(benchmark, phase=phase, cancels=len(cycles),
-           exit_ms_p50=round(percentile(exit_ms, 0.5), 2), exit_ms_p99=round(percentile(exit_ms, 0.99), 2),
-           exit_ms_max=round(max(exit_ms), 2), observed_ms_p50=round(percentile(seen_ms, 0.5), 2),
-           observed_ms_p99=round(percentile(seen_ms, 0.99), 2),
-           max_tokens_after_cancel=max(r.tokens_after_cancel for r in results))
+    report(
+        benchmark,
+        phase=phase,
+        cancels=len(cycles),
+        exit_ms_p50=round(percentile(exit_ms, 0.5), 2),
+        exit_ms_p99=round(percentile(exit_ms, 0.99), 2),
+        exit_ms_max=round(max(exit_ms), 2),
+        observed_ms_p50=round(percentile(seen_ms, 0.5), 2),
+        observed_ms_p99=round(percentile(seen_ms, 0.99), 2),
+        max_tokens_after_cancel=max(r.tokens_after_cancel for r in results),
+    )
 
 
 def test_cancel_latency_during_decode(benchmark, engine, slot):
@@ -218,8 +261,15 @@ def test_cancel_latency_during_prefill(benchmark, slot, long_prompt, chunk):
     cycles: list[_Cycle] = []
 
     def setup():
-        cycle = _Cycle(Generation(slot, long_prompt, **sampling_args(SamplingParams(max_tokens=16, seed=0)),
-                                  prefill_chunk=chunk, threads=1))
+        cycle = _Cycle(
+            Generation(
+                slot,
+                long_prompt,
+                **sampling_args(SamplingParams(max_tokens=16, seed=0)),
+                prefill_chunk=chunk,
+                threads=1,
+            )
+        )
         time.sleep(rng.uniform(0.05, 0.3))
         cycles.append(cycle)
         return (), {}

@@ -40,8 +40,9 @@ class TrafficBench(Bench):
                 if background is None or background.ended:
                     if background is not None:
                         streamer.forget(background)
-                    background = await streamer.generate("background", **self._generate_fields(
-                        self.plan.short_tokens, LONG_GENERATION))
+                    background = await streamer.generate(
+                        "background", **self._generate_fields(self.plan.short_tokens, LONG_GENERATION)
+                    )
                     await background.wait_tokens(1)
                 records = await self._disconnect_sample(target, None, DISCONNECT_BUSY, others=1)
                 # Only samples during which the other client was streaming the whole time count.

@@ -21,9 +21,9 @@ from .origin import WILDCARD_HOSTS, OriginPolicy
 from .protocol import MAX_SECONDS
 from .vocabulary import AbortMode
 
-
 # Flag value types: each raises ArgumentTypeError with the reason, which argparse
 # prints as one line before exiting with status 2.
+
 
 def _integer(low: int, high: int | None = None):
     def parse(text: str) -> int:
@@ -32,9 +32,13 @@ def _integer(low: int, high: int | None = None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is out of range: give {low} to {high}" if high is not None
-                                             else f"{value} is too small: give at least {low}")
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range: give {low} to {high}"
+                if high is not None
+                else f"{value} is too small: give at least {low}"
+            )
         return value
+
     return parse
 
 
@@ -50,8 +54,9 @@ def _seconds(text: str) -> float:
 
 def _host(text: str) -> str:
     if not text.strip() or text.strip() == "*":
-        raise argparse.ArgumentTypeError(f"{text!r} is not a host; to listen on every interface, "
-                                         "give --host 0.0.0.0 explicitly")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a host; to listen on every interface, give --host 0.0.0.0 explicitly"
+        )
     return text.strip()
 
 
@@ -60,6 +65,7 @@ def _one_of(values: list[str]):
         if text not in values:
             raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
         return text
+
     return parse
 
 
@@ -71,11 +77,13 @@ def _list(validate):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return items
+
     return parse
 
 
 def _redis_url(text: str) -> str:
     from redis.asyncio.connection import parse_url  # only a deployment with a store needs it
+
     try:
         parse_url(text)
     except ValueError as exc:
@@ -104,33 +112,73 @@ SETTINGS = [
     ("--workers", _POSITIVE, ServerConfig.workers, "generation slots"),
     ("--threads", _POSITIVE, None, "compute threads per slot (default: cores / workers)"),
     ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
-    ("--abort-mode", _one_of([str(m) for m in AbortMode]), str(AbortMode.IN_STEP),
-     "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
-     "cannot); between_steps: stop only between evaluations"),
-    ("--prefill-chunk", _integer(1, 512), None,
-     "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)"),
+    (
+        "--abort-mode",
+        _one_of([str(m) for m in AbortMode]),
+        str(AbortMode.IN_STEP),
+        "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
+        "cannot); between_steps: stop only between evaluations",
+    ),
+    (
+        "--prefill-chunk",
+        _integer(1, 512),
+        None,
+        "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)",
+    ),
     ("--max-queue", _integer(0), ServerConfig.max_queue, "requests that may wait for a slot"),
-    ("--requests-per-connection", _POSITIVE, ServerConfig.requests_per_connection,
-     "live requests (running or queued) per connection"),
-    ("--requests-per-address", _POSITIVE, ServerConfig.requests_per_address,
-     "live requests of all connections from one client address"),
+    (
+        "--requests-per-connection",
+        _POSITIVE,
+        ServerConfig.requests_per_connection,
+        "live requests (running or queued) per connection",
+    ),
+    (
+        "--requests-per-address",
+        _POSITIVE,
+        ServerConfig.requests_per_address,
+        "live requests of all connections from one client address",
+    ),
     ("--max-connections", _POSITIVE, ServerConfig.max_connections, "open WebSocket connections"),
     ("--max-header-bytes", _integer(1024), ServerConfig.max_header_bytes, "bytes a handshake request may carry"),
-    ("--handshake-timeout", _seconds, ServerConfig.handshake_timeout_s,
-     "seconds a client has to complete its handshake request"),
-    ("--bytes-per-second", _integer(1024), ServerConfig.bytes_per_second,
-     "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)"),
-    ("--allowed-origins", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_origins=items)), "",
-     "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any"),
-    ("--allowed-hosts", _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_hosts=items)), "",
-     "comma-separated extra host names the server answers to (its address and localhost always are)"),
+    (
+        "--handshake-timeout",
+        _seconds,
+        ServerConfig.handshake_timeout_s,
+        "seconds a client has to complete its handshake request",
+    ),
+    (
+        "--bytes-per-second",
+        _integer(1024),
+        ServerConfig.bytes_per_second,
+        "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)",
+    ),
+    (
+        "--allowed-origins",
+        _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_origins=items)),
+        "",
+        "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any",
+    ),
+    (
+        "--allowed-hosts",
+        _list(lambda items: OriginPolicy.build("127.0.0.1", allowed_hosts=items)),
+        "",
+        "comma-separated extra host names the server answers to (its address and localhost always are)",
+    ),
     ("--timeout", _seconds, ServerConfig.default_timeout_s, "default total timeout, s"),
     ("--ttft-timeout", _seconds, ServerConfig.default_ttft_timeout_s, "default first-token timeout, s"),
-    ("--slow-consumer-grace", _seconds, ServerConfig.slow_consumer_grace_s,
-     "seconds a client may stop reading before its request is cancelled"),
-    ("--redis-url", _redis_url, None,
-     "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
-     "default: none, this process alone"),
+    (
+        "--slow-consumer-grace",
+        _seconds,
+        ServerConfig.slow_consumer_grace_s,
+        "seconds a client may stop reading before its request is cancelled",
+    ),
+    (
+        "--redis-url",
+        _redis_url,
+        None,
+        "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
+        "default: none, this process alone",
+    ),
     ("--status-ttl", _POSITIVE, ServerConfig.status_ttl_s, "seconds a generation's status stays in the shared store"),
     ("--replica-id", _replica_id, None, "this replica's name in the shared store (default: <hostname>-<port>)"),
     ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "JSON log level"),
@@ -142,8 +190,11 @@ def env_name(flag: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m stopline", description=__doc__,
-                                epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.")
+    p = argparse.ArgumentParser(
+        prog="python -m stopline",
+        description=__doc__,
+        epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.",
+    )
     for flag, kind, default, help_text in SETTINGS:
         raw = os.environ.get(env_name(flag))
         if raw is not None:
@@ -158,8 +209,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
     if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
-        p.error(f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
-                f"of {EMBEDDED_CONTEXT_LIMIT}")
+        p.error(
+            f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
+            f"of {EMBEDDED_CONTEXT_LIMIT}"
+        )
     if args.prefill_chunk and args.prefill_chunk > args.context_length:
         p.error(f"argument --prefill-chunk: {args.prefill_chunk} exceeds --context-length {args.context_length}")
     args.sock = _bind(p, args.host, args.port)
@@ -169,8 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
     """Take the port before the model loads, so that a port in use fails at once."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
         parser.error(f"argument --host: cannot resolve {host!r}: {exc.strerror}")
     sock = socket.socket(family, kind, proto)
@@ -193,6 +247,7 @@ async def serve(args: argparse.Namespace) -> int:
     def on_signal(sig: int) -> None:
         signalled.append(sig)
         stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
@@ -201,9 +256,17 @@ async def serve(args: argparse.Namespace) -> int:
     if "*" in args.allowed_origins:
         log.warning("any_origin_allowed", detail="any web page may drive this server")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    loaded = _in_daemon_thread(loop, lambda: Engine.load(
-        args.model, args.model_type, context_length=args.context_length, threads=threads,
-        prefill_chunk=args.prefill_chunk, abort_mode=args.abort_mode))
+    loaded = _in_daemon_thread(
+        loop,
+        lambda: Engine.load(
+            args.model,
+            args.model_type,
+            context_length=args.context_length,
+            threads=threads,
+            prefill_chunk=args.prefill_chunk,
+            abort_mode=args.abort_mode,
+        ),
+    )
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)
     if not loaded.done():
@@ -214,17 +277,28 @@ async def serve(args: argparse.Namespace) -> int:
     stopped.cancel()
     engine = loaded.result()
     config = ServerConfig(
-        host=args.host, port=args.sock.getsockname()[1], http_port=args.http_port, workers=args.workers,
+        host=args.host,
+        port=args.sock.getsockname()[1],
+        http_port=args.http_port,
+        workers=args.workers,
         max_queue=args.max_queue,
-        allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
-        requests_per_connection=args.requests_per_connection, requests_per_address=args.requests_per_address,
-        max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
-        handshake_timeout_s=args.handshake_timeout, bytes_per_second=args.bytes_per_second,
-        default_timeout_s=args.timeout, max_timeout_s=max(args.timeout, ServerConfig.max_timeout_s),
+        allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts,
+        requests_per_connection=args.requests_per_connection,
+        requests_per_address=args.requests_per_address,
+        max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes,
+        handshake_timeout_s=args.handshake_timeout,
+        bytes_per_second=args.bytes_per_second,
+        default_timeout_s=args.timeout,
+        max_timeout_s=max(args.timeout, ServerConfig.max_timeout_s),
         default_ttft_timeout_s=args.ttft_timeout,
         max_ttft_timeout_s=max(args.ttft_timeout, ServerConfig.max_ttft_timeout_s),
         slow_consumer_grace_s=args.slow_consumer_grace,
-        redis_url=args.redis_url, status_ttl_s=args.status_ttl, replica_id=args.replica_id)
+        redis_url=args.redis_url,
+        status_ttl_s=args.status_ttl,
+        replica_id=args.replica_id,
+    )
     server = StoplineServer(engine, config)
     await server.start(sock=args.sock)
     await stop.wait()
@@ -253,6 +327,7 @@ def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
             loop.call_soon_threadsafe(settle, outcome, exc)
         except RuntimeError:
             pass  # the loop has closed: startup was interrupted
+
     threading.Thread(target=run, name="stopline-load", daemon=True).start()
     return future
 

@@ -2,8 +2,9 @@
 
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
+from typing import Self
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import disjoint_base
 
 MAX_PREFILL_CHUNK: int
 CTRANSFORMERS_VERSION: str

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.http11 import Request as HTTPRequest, Response
+from websockets.http11 import Request as HTTPRequest
+from websockets.http11 import Response
 
 from .engine import Engine
 from .http_api import HttpApi
@@ -99,20 +100,25 @@ class StoplineServer:
         self.engine = engine
         self.config = config
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, config.workers, config.max_queue, window=config.window,
-                                   metrics=self.metrics)
+        self.scheduler = Scheduler(engine, config.workers, config.max_queue, window=config.window, metrics=self.metrics)
         self.metrics.slots.set(config.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
         self.origin_policy = OriginPolicy.build(config.host, config.allowed_origins, config.allowed_hosts)
         self.limits = Limits(
-            context_length=engine.context_length, vocab_size=engine.vocab_size,
+            context_length=engine.context_length,
+            vocab_size=engine.vocab_size,
             requests_per_connection=config.requests_per_connection,
             requests_per_address=config.requests_per_address,
             max_prompt_bytes=_max_prompt_bytes(engine, config.max_frame_bytes),
-            bytes_per_second=config.bytes_per_second, byte_burst=config.max_frame_bytes,
-            default_timeout_s=config.default_timeout_s, max_timeout_s=config.max_timeout_s,
-            default_ttft_timeout_s=config.default_ttft_timeout_s, max_ttft_timeout_s=config.max_ttft_timeout_s,
-            frames_per_second=config.frames_per_second, frame_burst=config.frame_burst)
+            bytes_per_second=config.bytes_per_second,
+            byte_burst=config.max_frame_bytes,
+            default_timeout_s=config.default_timeout_s,
+            max_timeout_s=config.max_timeout_s,
+            default_ttft_timeout_s=config.default_ttft_timeout_s,
+            max_ttft_timeout_s=config.max_ttft_timeout_s,
+            frames_per_second=config.frames_per_second,
+            frame_burst=config.frame_burst,
+        )
         self._server: Server | None = None
         self._sessions: set[ClientSession] = set()
         self.address_quota = AddressQuota(config.requests_per_address)
@@ -124,12 +130,15 @@ class StoplineServer:
         # the token loops.
         self.tokenizer_lanes = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-short"),
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-tokenize-long",
-                               initializer=_background_priority))
+            ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="stopline-tokenize-long", initializer=_background_priority
+            ),
+        )
         self.registry = Registry()
         self.cluster: Cluster | None = None
         if config.redis_url:
             from .cluster import Cluster
+
             self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)
             self.registry.listener = self.cluster
         self.http = HttpApi(self)
@@ -142,22 +151,33 @@ class StoplineServer:
         """Listen on ``config.host``/``config.port``, or on ``sock`` if the caller has bound one already."""
         where = {"sock": sock} if sock is not None else {"host": self.config.host, "port": self.config.port}
         self._server = await serve(
-            self._handle, **where,
-            process_request=self._process_request, max_size=self.config.max_frame_bytes,
-            write_limit=self.config.write_limit, server_header="Stopline",
+            self._handle,
+            **where,
+            process_request=self._process_request,
+            max_size=self.config.max_frame_bytes,
+            write_limit=self.config.write_limit,
+            server_header="Stopline",
             create_connection=self._create_connection,
             # The handshake deadline is enforced (and counted) by GuardedConnection; this is the backstop.
-            open_timeout=self.config.handshake_timeout_s + 5)
+            open_timeout=self.config.handshake_timeout_s + 5,
+        )
         http_port = self.config.http_port
         if http_port is None:
             http_port = self.config.port + 1 if self.config.port else 0
         await self.http.start(self.config.host, http_port)
         if self.cluster is not None:
             await self.cluster.start(self.config.replica_id or f"{socket.gethostname()}-{self.port}")
-        log.info("server_started", url=f"http://{self.config.host}:{self.port}/", model=self.engine.name,
-                 workers=self.config.workers, threads=self.engine.threads, context_length=self.engine.context_length,
-                 prefill_chunk=self.engine.prefill_chunk, abort_mode=str(self.engine.abort_mode),
-                 http_api=self.http.base_url)
+        log.info(
+            "server_started",
+            url=f"http://{self.config.host}:{self.port}/",
+            model=self.engine.name,
+            workers=self.config.workers,
+            threads=self.engine.threads,
+            context_length=self.engine.context_length,
+            prefill_chunk=self.engine.prefill_chunk,
+            abort_mode=str(self.engine.abort_mode),
+            http_api=self.http.base_url,
+        )
 
     async def shutdown(self) -> None:
         """Cancel every request with reason ``shutdown``, then close connections with 1001."""
@@ -181,7 +201,7 @@ class StoplineServer:
 
     # HTTP ----------------------------------------------------------------------
 
-    def _create_connection(self, *args, **kwargs) -> "GuardedConnection":
+    def _create_connection(self, *args, **kwargs) -> GuardedConnection:
         return GuardedConnection(self, *args, **kwargs)
 
     def refuse(self, connection: ServerConnection, code: Refusal, **details) -> None:
@@ -191,27 +211,45 @@ class StoplineServer:
 
     def _process_request(self, connection: ServerConnection, request: HTTPRequest) -> Response | None:
         path = urlsplit(request.path).path
-        refused = check_request(request.headers.get_all("Host"),
-                                request.headers.get_all("Origin") if path == "/ws" else None, self.origin_policy)
+        refused = check_request(
+            request.headers.get_all("Host"),
+            request.headers.get_all("Origin") if path == "/ws" else None,
+            self.origin_policy,
+        )
         if refused is not None:
             # Header values are the client's; log them shortened.
-            self.refuse(connection, refused.code, host=request.headers.get_all("Host")[:2],
-                        origin=request.headers.get_all("Origin")[:2] if path == "/ws" else None)
+            self.refuse(
+                connection,
+                refused.code,
+                host=request.headers.get_all("Host")[:2],
+                origin=request.headers.get_all("Origin")[:2] if path == "/ws" else None,
+            )
             return _response(refused.status, f"{refused.code}: {refused.message}\n".encode(), "text/plain")
         if path == "/ws":
             if self.websocket_connections >= self.config.max_connections:
                 self.refuse(connection, Refusal.TOO_MANY_CONNECTIONS)
-                return _response(HTTPStatus.SERVICE_UNAVAILABLE,
-                                 f"{Refusal.TOO_MANY_CONNECTIONS}: the server has its maximum of "
-                                 f"{self.config.max_connections} connections\n".encode(), "text/plain")
+                return _response(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    f"{Refusal.TOO_MANY_CONNECTIONS}: the server has its maximum of "
+                    f"{self.config.max_connections} connections\n".encode(),
+                    "text/plain",
+                )
             self.websocket_connections += 1
             connection.admitted = True
             return None
         if path == "/healthz":
-            body = json.dumps({"status": "ok", "model": self.engine.name, "slots": self.scheduler.workers,
-                               "active": self.scheduler.active, "queued": self.scheduler.queue_depth,
-                               "abort_mode": str(self.engine.abort_mode), "http_api": self.http.base_url,
-                               "store": self.cluster.health() if self.cluster is not None else {"type": "memory"}})
+            body = json.dumps(
+                {
+                    "status": "ok",
+                    "model": self.engine.name,
+                    "slots": self.scheduler.workers,
+                    "active": self.scheduler.active,
+                    "queued": self.scheduler.queue_depth,
+                    "abort_mode": str(self.engine.abort_mode),
+                    "http_api": self.http.base_url,
+                    "store": self.cluster.health() if self.cluster is not None else {"type": "memory"},
+                }
+            )
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
@@ -250,8 +288,7 @@ class GuardedConnection(ServerConnection):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._handshake_timer = self.loop.call_later(self.stopline.config.handshake_timeout_s,
-                                                     self._handshake_expired)
+        self._handshake_timer = self.loop.call_later(self.stopline.config.handshake_timeout_s, self._handshake_expired)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -259,8 +296,11 @@ class GuardedConnection(ServerConnection):
         if self.request is None:
             self._handshake_bytes += len(data)
             if self._handshake_bytes > self.stopline.config.max_header_bytes:
-                self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, Refusal.HEADERS_TOO_LARGE,
-                             f"the handshake may carry at most {self.stopline.config.max_header_bytes} bytes")
+                self._refuse(
+                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    Refusal.HEADERS_TOO_LARGE,
+                    f"the handshake may carry at most {self.stopline.config.max_header_bytes} bytes",
+                )
                 return
         super().data_received(data)
         if self.request is not None and self._handshake_timer is not None:
@@ -278,15 +318,21 @@ class GuardedConnection(ServerConnection):
     def _handshake_expired(self) -> None:
         self._handshake_timer = None
         if self.request is None and not self.transport.is_closing():
-            self._refuse(HTTPStatus.REQUEST_TIMEOUT, Refusal.HANDSHAKE_TIMEOUT,
-                         f"the handshake did not complete within {self.stopline.config.handshake_timeout_s:g} s")
+            self._refuse(
+                HTTPStatus.REQUEST_TIMEOUT,
+                Refusal.HANDSHAKE_TIMEOUT,
+                f"the handshake did not complete within {self.stopline.config.handshake_timeout_s:g} s",
+            )
 
     def _refuse(self, status: HTTPStatus, code: Refusal, message: str) -> None:
         self.stopline.refuse(self, code)
         body = f"{code}: {message}\n".encode()
         self._refused = True
-        self.transport.write(f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: text/plain\r\n"
-                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        self.transport.write(
+            f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         # Half-close, and keep reading for a moment: closing a socket with unread
         # data resets it, and the client would never see the answer.
         self.transport.write_eof()
@@ -311,14 +357,23 @@ def _background_priority() -> None:
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str, extra_headers=()) -> Response:
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"), *extra_headers])
+    headers = Headers(
+        [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+            *extra_headers,
+        ]
+    )
     return Response(status.value, status.phrase, headers, body)
 
 
 # The page renders model output: nothing inline, nothing from elsewhere may run or load.
-PAGE_SECURITY_POLICY = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
-                        "form-action 'none'; frame-ancestors 'none'")
+PAGE_SECURITY_POLICY = (
+    "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def _static(path: str) -> Response:

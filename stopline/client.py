@@ -69,8 +69,9 @@ class Session:
     """One server, one conversation: every question is a generate frame over a fresh
     connection, carrying the conversation so far."""
 
-    def __init__(self, url: str, max_tokens: int, temperature: float, system: str | None = None,
-                 out=sys.stdout, err=sys.stderr):
+    def __init__(
+        self, url: str, max_tokens: int, temperature: float, system: str | None = None, out=sys.stdout, err=sys.stderr
+    ):
         self.url = url
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -100,8 +101,17 @@ class Session:
         text = []
         try:
             async with self._connect() as ws:
-                await ws.send(json.dumps({"type": "generate", "id": request_id, "max_tokens": self.max_tokens,
-                                          "temperature": self.temperature, **body}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "generate",
+                            "id": request_id,
+                            "max_tokens": self.max_tokens,
+                            "temperature": self.temperature,
+                            **body,
+                        }
+                    )
+                )
                 cancel_sent = False
                 receive = asyncio.ensure_future(ws.recv())
                 stop_wait = asyncio.ensure_future(stop_requested.wait())
@@ -156,7 +166,7 @@ class _Connection:
     async def __aenter__(self):
         try:
             return await self._cm.__aenter__()
-        except (OSError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:
             raise ServerUnreachable(f"cannot connect to {self.url}: {_reason(exc)}") from None
 
     async def __aexit__(self, *exc_info):
@@ -175,18 +185,30 @@ def _reason(exc: BaseException) -> str:
 def summary(frame: dict) -> str:
     kind = frame["type"]
     if kind == Outcome.DONE:
-        return (f"[done: {frame['reason']}, {frame['tokens_generated']} tokens, "
-                f"first token {frame['ttft_ms']:.0f} ms, total {frame['duration_ms']:.0f} ms]")
+        return (
+            f"[done: {frame['reason']}, {frame['tokens_generated']} tokens, "
+            f"first token {frame['ttft_ms']:.0f} ms, total {frame['duration_ms']:.0f} ms]"
+        )
     if kind == Outcome.CANCELLED:
-        return (f"[cancelled: {frame['reason']}, {frame['tokens_generated']} tokens, "
-                f"{frame['tokens_after_cancel']} after the cancel, stopped in {frame['cancel_latency_ms']:.1f} ms]")
+        return (
+            f"[cancelled: {frame['reason']}, {frame['tokens_generated']} tokens, "
+            f"{frame['tokens_after_cancel']} after the cancel, stopped in {frame['cancel_latency_ms']:.1f} ms]"
+        )
     if kind == Outcome.TIMEOUT:
         return f"[timeout: {frame['reason']} after {frame['duration_ms']:.0f} ms, {frame['tokens_generated']} tokens]"
     return f"[error {frame['code']}: {frame['message']}]"
 
 
-async def run(url: str, prompt: str, max_tokens: int, temperature: float, raw: bool, out=sys.stdout,
-              err=sys.stderr, system: str | None = None) -> int:
+async def run(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    raw: bool,
+    out=sys.stdout,
+    err=sys.stderr,
+    system: str | None = None,
+) -> int:
     """One question, one answer: the exit code says how it ended."""
     session = Session(url, max_tokens, temperature, system, out, err)
     body = {"prompt": prompt} if raw else {"messages": session.messages(prompt)}
@@ -208,8 +230,10 @@ def chat(session: Session, read=input) -> int:
         except ServerUnreachable as exc:
             err.write(f"stopline: {exc}\n")
             return 1
-        err.write(f"Chatting with {session.model or 'Stopline'} at {session.url}. /help for commands, "
-                  f"Ctrl-C stops an answer, Ctrl-D leaves.\n")
+        err.write(
+            f"Chatting with {session.model or 'Stopline'} at {session.url}. /help for commands, "
+            f"Ctrl-C stops an answer, Ctrl-D leaves.\n"
+        )
         interrupted = False
         while True:
             try:
@@ -260,16 +284,21 @@ def command(session: Session, line: str) -> None:
     elif name == "/system":
         session.system = argument or None
         session.history = []
-        err.write("(system prompt set; conversation cleared)\n" if argument else
-                  "(system prompt removed; conversation cleared)\n")
+        err.write(
+            "(system prompt set; conversation cleared)\n"
+            if argument
+            else "(system prompt removed; conversation cleared)\n"
+        )
     else:
         err.write(f"unknown command {name}; /help lists the commands\n")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m stopline.client", description=__doc__.splitlines()[0],
-                                epilog="Without --url it connects to STOPLINE_HOST:STOPLINE_PORT "
-                                       "(default 127.0.0.1:8765).")
+    p = argparse.ArgumentParser(
+        prog="python -m stopline.client",
+        description=__doc__.splitlines()[0],
+        epilog="Without --url it connects to STOPLINE_HOST:STOPLINE_PORT (default 127.0.0.1:8765).",
+    )
     p.add_argument("prompt", nargs="?", help="ask this and exit; without it, chat interactively")
     p.add_argument("--url", default=None, help="ws(s):// or http(s):// address of the server, /ws optional")
     p.add_argument("--system", default=None, help="system prompt")
@@ -284,8 +313,9 @@ def main(argv=None) -> int:
         return 2
     if args.prompt is not None:
         if not args.prompt.strip():
-            print("stopline: the prompt is empty; ask something, or give no prompt to chat interactively",
-                  file=sys.stderr)
+            print(
+                "stopline: the prompt is empty; ask something, or give no prompt to chat interactively", file=sys.stderr
+            )
             return 2
         return asyncio.run(run(url, args.prompt, args.max_tokens, args.temperature, args.raw, system=args.system))
     if args.raw:

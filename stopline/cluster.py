@@ -74,8 +74,7 @@ RECONNECT_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # After shutdown's last writes: how long to wait for them to reach Redis.
 FLUSH_TIMEOUT_S = 2.0
 
-ENDED_STATUSES = frozenset(str(status) for status in (Status.FINISHED, Status.CANCELLED, Status.TIMEOUT,
-                                                      Status.ERROR))
+ENDED_STATUSES = frozenset(str(status) for status in (Status.FINISHED, Status.CANCELLED, Status.TIMEOUT, Status.ERROR))
 LOGGED_OUTCOMES = (Outcome.CANCELLED, Outcome.TIMEOUT)
 
 
@@ -98,12 +97,13 @@ def token_digest(token: str) -> str:
 
 
 def _iso(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass
 class Write:
     """One queued write: a generation's whole hash, or one cancellation-log record."""
+
     key: str
     fields: dict[str, str | int | float]
     attempts: int = field(default=0)
@@ -119,8 +119,15 @@ class Write:
 class Cluster:
     """This replica's side of the shared store. Hooked into the registry as its listener."""
 
-    def __init__(self, url: str, registry: Registry, metrics: Metrics, *, status_ttl_s: int = 86_400,
-                 queue_limit: int = WRITE_QUEUE_LIMIT):
+    def __init__(
+        self,
+        url: str,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        status_ttl_s: int = 86_400,
+        queue_limit: int = WRITE_QUEUE_LIMIT,
+    ):
         self.url = url
         self.registry = registry
         self.metrics = metrics
@@ -137,9 +144,14 @@ class Cluster:
         self.cancel_here: Callable[[str], Awaitable[Status | None]] | None = None
         # No retries inside the client: a failed command marks the store down at once,
         # and the supervisor below reconnects.
-        self._client = redis.from_url(url, decode_responses=True, socket_timeout=COMMAND_TIMEOUT_S,
-                                      socket_connect_timeout=COMMAND_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
-                                      health_check_interval=0)
+        self._client = redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=COMMAND_TIMEOUT_S,
+            socket_connect_timeout=COMMAND_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
         self._queue: deque[Write] = deque()
         self._queued = asyncio.Event()
         # Writes taken off the queue whose pipeline has not come back yet.
@@ -186,8 +198,13 @@ class Cluster:
         await self._client.aclose()
 
     def health(self) -> dict:
-        return {"type": "redis", "state": str(self.state), "replica_id": self.replica_id,
-                "queued_writes": len(self._queue), "dropped_writes": self._dropped}
+        return {
+            "type": "redis",
+            "state": str(self.state),
+            "replica_id": self.replica_id,
+            "queued_writes": len(self._queue),
+            "dropped_writes": self._dropped,
+        }
 
     async def _supervise(self) -> None:
         failures = 0
@@ -215,8 +232,11 @@ class Cluster:
             self._register_live()
             self._set_state(StoreState.UP)
             loop = asyncio.get_running_loop()
-            tasks = [loop.create_task(self._listen(pubsub)), loop.create_task(self._heartbeats()),
-                     loop.create_task(self._drain())]
+            tasks = [
+                loop.create_task(self._listen(pubsub)),
+                loop.create_task(self._heartbeats()),
+                loop.create_task(self._drain()),
+            ]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 task.result()  # raises what ended the session
@@ -254,18 +274,36 @@ class Cluster:
         self._write(self._hash(entry))
         ending = entry.ending
         if ending is not None and ending.outcome in LOGGED_OUTCOMES:
-            self._write(Write(CANCELLATIONS, _without_none({
-                "event": END_EVENTS[ending.outcome], "request_id": entry.request_id, "user_id": entry.user or "",
-                "reason": ending.reason, "tokens_generated": ending.tokens_generated,
-                "tokens_wasted": ending.tokens_wasted, "cancel_latency_ms": ending.cancel_latency_ms,
-                "timestamp": _iso(time.time()), "replica_id": self.replica_id})))
+            self._write(
+                Write(
+                    CANCELLATIONS,
+                    _without_none(
+                        {
+                            "event": END_EVENTS[ending.outcome],
+                            "request_id": entry.request_id,
+                            "user_id": entry.user or "",
+                            "reason": ending.reason,
+                            "tokens_generated": ending.tokens_generated,
+                            "tokens_wasted": ending.tokens_wasted,
+                            "cancel_latency_ms": ending.cancel_latency_ms,
+                            "timestamp": _iso(time.time()),
+                            "replica_id": self.replica_id,
+                        }
+                    ),
+                )
+            )
 
     def _hash(self, entry: Entry) -> Write:
         described = entry.describe()
-        fields = {**described, "owner": self.replica_id, "owner_incarnation": self.incarnation,
-                  "user_id": entry.user or "",
-                  "token_sha256": token_digest(entry.cancel_token), "created_at": _iso(entry.created),
-                  "updated_at": _iso(time.time())}
+        fields = {
+            **described,
+            "owner": self.replica_id,
+            "owner_incarnation": self.incarnation,
+            "user_id": entry.user or "",
+            "token_sha256": token_digest(entry.cancel_token),
+            "created_at": _iso(entry.created),
+            "updated_at": _iso(time.time()),
+        }
         if entry.ending is not None:
             fields["ended_at"] = fields["updated_at"]
         return Write(generation_key(entry.request_id), _without_none(fields))
@@ -286,8 +324,9 @@ class Cluster:
         now = time.monotonic()
         if now - self._drops_logged_at >= 1.0 or cause is DropCause.SHUTDOWN:
             self._drops_logged_at = now
-            log.warning(StoreEvent.WRITES_DROPPED, cause=cause, dropped_total=self._dropped,
-                        queue_limit=self.queue_limit)
+            log.warning(
+                StoreEvent.WRITES_DROPPED, cause=cause, dropped_total=self._dropped, queue_limit=self.queue_limit
+            )
 
     def _register_live(self) -> None:
         """Write every live generation again: Redis may have come back empty. These writes go
@@ -369,8 +408,12 @@ class Cluster:
         """Another replica's DELETE of a request held here: stop it, answer with the outcome that won."""
         request_id = body.get("request_id")
         status = await self.cancel_here(request_id) if self.cancel_here and isinstance(request_id, str) else None
-        log.info(StoreEvent.REMOTE_CANCEL, request_id=request_id, asked_by=body.get("from"),
-                 status=str(status) if status else None)
+        log.info(
+            StoreEvent.REMOTE_CANCEL,
+            request_id=request_id,
+            asked_by=body.get("from"),
+            status=str(status) if status else None,
+        )
         reply = {"op": "reply", "nonce": body.get("nonce"), "status": str(status or Status.OWNER_LOST)}
         try:
             await self._client.publish(body["reply_to"], json.dumps(reply))
@@ -385,9 +428,12 @@ class Cluster:
         status = record["status"]
         if status not in ENDED_STATUSES and not await self._owner_alive(record):
             status = str(Status.OWNER_LOST)
-        answer: dict = {"request_id": request_id, "status": status,
-                        "prompt_tokens": int(record.get("prompt_tokens", 0)),
-                        "tokens_generated": int(record.get("tokens_generated", 0))}
+        answer: dict = {
+            "request_id": request_id,
+            "status": status,
+            "prompt_tokens": int(record.get("prompt_tokens", 0)),
+            "tokens_generated": int(record.get("tokens_generated", 0)),
+        }
         if record["status"] in ENDED_STATUSES:
             answer["reason"] = record.get("reason")
             for name, kind in (("tokens_after_cancel", int), ("tokens_wasted", int), ("duration_ms", float)):
@@ -406,8 +452,15 @@ class Cluster:
         nonce = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._replies[nonce] = future
-        message = json.dumps({"op": "cancel", "request_id": request_id, "nonce": nonce, "from": self.replica_id,
-                              "reply_to": inbox_channel(self.replica_id)})
+        message = json.dumps(
+            {
+                "op": "cancel",
+                "request_id": request_id,
+                "nonce": nonce,
+                "from": self.replica_id,
+                "reply_to": inbox_channel(self.replica_id),
+            }
+        )
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         try:
             while True:
@@ -441,8 +494,9 @@ class Cluster:
         if not record or "owner" not in record:
             raise UnknownRequest(request_id)
         # As the registry does: compared in constant time, and here on digests, so the token is never stored.
-        if cancel_token is None or not hmac.compare_digest(token_digest(cancel_token),
-                                                           str(record.get("token_sha256", ""))):
+        if cancel_token is None or not hmac.compare_digest(
+            token_digest(cancel_token), str(record.get("token_sha256", ""))
+        ):
             raise InvalidCancelToken(request_id)
         return record
 
@@ -480,7 +534,7 @@ def _failed_writes(batch: list[Write], results: list) -> list[Write]:
     failed, position = [], 0
     for write in batch:
         count = 1 if write.key == CANCELLATIONS else 2
-        if any(isinstance(r, Exception) for r in results[position:position + count]):
+        if any(isinstance(r, Exception) for r in results[position : position + count]):
             failed.append(write)
         position += count
     return failed

@@ -26,8 +26,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypedDict
 
-from stopline import _core
 import structlog
+
+from stopline import _core
 from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
@@ -38,9 +39,19 @@ from .vocabulary import AbortMode, ErrorCode, Outcome, Reason
 
 log = structlog.get_logger("stopline")
 
-__all__ = ["Engine", "SamplingParams", "Stream", "EngineError", "ModelLoadError",
-           "ContextOverflowError", "GenerationResult", "DEFAULT_PREFILL_CHUNK", "AbortMode",
-           "EXIT_OUTCOMES", "sampling_args"]
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "Stream",
+    "EngineError",
+    "ModelLoadError",
+    "ContextOverflowError",
+    "GenerationResult",
+    "DEFAULT_PREFILL_CHUNK",
+    "AbortMode",
+    "EXIT_OUTCOMES",
+    "sampling_args",
+]
 
 # Prompt tokens per evaluation. When the step hook stops evaluations between
 # graph nodes, a chunk no longer bounds stop latency (its longest node does, a
@@ -53,6 +64,7 @@ DEFAULT_CONTEXT_LENGTH = 2048
 
 class SamplingArgs(TypedDict):
     """``_core.Generation``'s sampling arguments, which have no native defaults."""
+
     max_tokens: int
     temperature: float
     top_k: int
@@ -64,9 +76,14 @@ class SamplingArgs(TypedDict):
 def sampling_args(params: SamplingParams) -> SamplingArgs:
     """The native loop's sampling arguments, all from ``params``. A seed is drawn
     when ``params`` names none."""
-    return SamplingArgs(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
-                        top_p=params.top_p, repetition_penalty=params.repetition_penalty,
-                        seed=params.seed if params.seed is not None else random.randrange(2**31))
+    return SamplingArgs(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed if params.seed is not None else random.randrange(2**31),
+    )
 
 
 # What each way out of the native loop means in the vocabulary. A cancel's
@@ -88,6 +105,7 @@ EXIT_OUTCOMES: dict[ExitKind, tuple[Outcome, Reason | ErrorCode | None]] = {
 class GenerationResult:
     """How a generation ended, in the vocabulary, with the native loop's counts
     and CLOCK_MONOTONIC timestamps in ns (0: never)."""
+
     outcome: Outcome
     reason: Reason | ErrorCode
     prompt_tokens: int
@@ -115,10 +133,13 @@ def _ctransformers_library_path() -> str:
     # ctransformers_abi.h declares the binary interface of one release exactly.
     installed = importlib.metadata.version("ctransformers")
     if installed != _core.CTRANSFORMERS_VERSION:
-        raise EngineError(f"ctransformers {installed} is installed; the native loop is built for "
-                          f"{_core.CTRANSFORMERS_VERSION} exactly")
+        raise EngineError(
+            f"ctransformers {installed} is installed; the native loop is built for "
+            f"{_core.CTRANSFORMERS_VERSION} exactly"
+        )
     # The same CPU build (avx2, avx or basic) that ctransformers would load.
     from ctransformers.lib import find_library
+
     return find_library()
 
 
@@ -136,8 +157,17 @@ def _gguf_version(path: Path) -> int:
 class Engine:
     """A loaded model: its file, its tokenizer and the settings every slot shares."""
 
-    def __init__(self, model_path: Path, model_type: str, tokenizer: ChatTokenizer | None, name: str,
-                 context_length: int, threads: int, prefill_chunk: int | None, abort_mode: AbortMode):
+    def __init__(
+        self,
+        model_path: Path,
+        model_type: str,
+        tokenizer: ChatTokenizer | None,
+        name: str,
+        context_length: int,
+        threads: int,
+        prefill_chunk: int | None,
+        abort_mode: AbortMode,
+    ):
         self.model_path = model_path
         self.model_type = model_type
         self.name = name
@@ -164,20 +194,30 @@ class Engine:
         self._probe.forget()
         if not aborts:
             failure = _core.step_abort_failure()
-            log.warning("step_abort_unavailable", abort_mode=str(AbortMode.BETWEEN_STEPS),
-                        detail="this ctransformers build cannot stop inside an evaluation; "
-                               "generations stop between evaluations instead",
-                        cause=str(failure) if failure is not None else None)
+            log.warning(
+                "step_abort_unavailable",
+                abort_mode=str(AbortMode.BETWEEN_STEPS),
+                detail="this ctransformers build cannot stop inside an evaluation; "
+                "generations stop between evaluations instead",
+                cause=str(failure) if failure is not None else None,
+            )
             return AbortMode.BETWEEN_STEPS, False
         if not trim_exact:
             log.warning("output_trim_unavailable", detail="prompt chunks compute logits for every token")
         return AbortMode.IN_STEP, trim_exact
 
     @classmethod
-    def load(cls, model_path: str | os.PathLike | None = None, model_type: str | None = None, *,
-             context_length: int = DEFAULT_CONTEXT_LENGTH, threads: int | None = None,
-             prefill_chunk: int | None = None, abort_mode: AbortMode | str = AbortMode.IN_STEP,
-             progress: bool = True) -> "Engine":
+    def load(
+        cls,
+        model_path: str | os.PathLike | None = None,
+        model_type: str | None = None,
+        *,
+        context_length: int = DEFAULT_CONTEXT_LENGTH,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        abort_mode: AbortMode | str = AbortMode.IN_STEP,
+        progress: bool = True,
+    ) -> Engine:
         """Load ``model_path`` (default: the embedded SmolLM2 model, fetched and converted once).
 
         ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
@@ -187,8 +227,16 @@ class Engine:
         if model_path is None:
             path = embedded.embedded_model_path(progress)
             tokenizer = embedded.embedded_tokenizer(progress)
-            return cls(path, "llama", tokenizer, embedded.EMBEDDED_MODEL_NAME, context_length, threads, prefill_chunk,
-                       abort_mode)
+            return cls(
+                path,
+                "llama",
+                tokenizer,
+                embedded.EMBEDDED_MODEL_NAME,
+                context_length,
+                threads,
+                prefill_chunk,
+                abort_mode,
+            )
         path = Path(model_path)
         fields = _validate_model_file(path, model_type)
         tokenizer = None
@@ -202,12 +250,24 @@ class Engine:
                 raise ValueError(f"context_length {context_length} exceeds the model's limit of {limit}")
             if _gguf_version(path) >= 3:
                 # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
-                converted = embedded.cache_dir() / "converted" / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
+                converted = (
+                    embedded.cache_dir()
+                    / "converted"
+                    / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
+                )
                 if not converted.is_file():
                     embedded.convert_for_ctransformers(path, converted, progress=progress)
                 path = converted
-        return cls(path, model_type or "llama", tokenizer, Path(model_path).stem, context_length, threads, prefill_chunk,
-                   abort_mode)
+        return cls(
+            path,
+            model_type or "llama",
+            tokenizer,
+            Path(model_path).stem,
+            context_length,
+            threads,
+            prefill_chunk,
+            abort_mode,
+        )
 
     def open_slot(self) -> _core.Context:
         """A new native context for this model. Close it with ``slot.close()``."""
@@ -223,17 +283,32 @@ class Engine:
         text = prompt if prompt is not None else self.tokenizer.render_chat(messages)
         return self.tokenizer.encode(text)
 
-    def start(self, slot: _core.Context, prompt_tokens: list[int], params: SamplingParams,
-              *, window: int = 64, started_ns: int | None = None) -> "Stream":
+    def start(
+        self,
+        slot: _core.Context,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        window: int = 64,
+        started_ns: int | None = None,
+    ) -> Stream:
         """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         stop = tuple(s.encode("utf-8") for s in params.stop if s)
         generation = _core.Generation(
-            slot, prompt_tokens, **sampling_args(params),
-            stop=stop, prefill_chunk=self.prefill_chunk, threads=self.threads, window=window,
-            deadline_ns=_deadline(now, params.timeout_s), first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
-            step_abort=self.abort_mode is AbortMode.IN_STEP, trim_output=self.trim_output)
+            slot,
+            prompt_tokens,
+            **sampling_args(params),
+            stop=stop,
+            prefill_chunk=self.prefill_chunk,
+            threads=self.threads,
+            window=window,
+            deadline_ns=_deadline(now, params.timeout_s),
+            first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
+            step_abort=self.abort_mode is AbortMode.IN_STEP,
+            trim_output=self.trim_output,
+        )
         return Stream(generation, TextStream(list(stop)))
 
 

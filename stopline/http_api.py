@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .origin import check_request
 from .observability import log
+from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
-from .session import ClientSession
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
+from .session import ClientSession
 from .vocabulary import ErrorCode, Outcome, Reason, Status
 
 if TYPE_CHECKING:
@@ -46,8 +46,15 @@ _HTTP_STATUS = {
     ErrorCode.OWNER_UNREACHABLE: HTTPStatus.GATEWAY_TIMEOUT,
 }
 # OpenAI's error ``type`` for each HTTP status it uses.
-_OPENAI_ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
-                      429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
+_OPENAI_ERROR_TYPE = {
+    400: "invalid_request_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
 # How a done request's reason reads as an OpenAI finish_reason; a cancel or a
 # timeout is named by its own reason (user_cancelled, total_timeout, ...).
 _FINISH_REASON = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
@@ -63,8 +70,14 @@ def error_response(code: ErrorCode | str, message: str, *, openai: bool, status:
     """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints."""
     status = status or http_status(code)
     if openai:
-        body = {"error": {"message": message, "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
-                          "param": None, "code": str(code)}}
+        body = {
+            "error": {
+                "message": message,
+                "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
+                "param": None,
+                "code": str(code),
+            }
+        }
     else:
         body = error_frame(code, message)
     return web.json_response(body, status=status, headers=_NO_STORE)
@@ -157,16 +170,20 @@ class OpenAIReply:
             self.response = error_response(frame["code"], frame["message"], openai=True)
             self.response.headers.update(self._headers)
         elif kind == Outcome.ERROR:  # the stream had started: OpenAI's in-stream error, then the end marker
-            await self._event({"error": {"message": frame["message"], "type": "server_error", "param": None,
-                                         "code": frame["code"]}})
+            await self._event(
+                {"error": {"message": frame["message"], "type": "server_error", "param": None, "code": frame["code"]}}
+            )
             await self.response.write(b"data: [DONE]\n\n")
         else:
             await self._end(frame)
 
     async def _end(self, frame: dict) -> None:
         finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": frame["tokens_generated"],
-                 "total_tokens": self.prompt_tokens + frame["tokens_generated"]}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": frame["tokens_generated"],
+            "total_tokens": self.prompt_tokens + frame["tokens_generated"],
+        }
         if self.stream:
             # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
             await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
@@ -175,11 +192,20 @@ class OpenAIReply:
             await self.response.write(b"data: [DONE]\n\n")
             return
         text = "".join(self._texts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-                  if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
-        body = {"id": self._id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage,
-                "stopline": frame}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            if self.chat
+            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        )
+        body = {
+            "id": self._id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+            "stopline": frame,
+        }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
 
     def _choice(self, delta, finish_reason) -> list[dict]:
@@ -188,8 +214,16 @@ class OpenAIReply:
         return [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
 
     async def _chunk(self, choices: list[dict], **extra) -> None:
-        await self._event({"id": self._id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                           "created": self.created, "model": self.model, "choices": choices, **extra})
+        await self._event(
+            {
+                "id": self._id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     async def _event(self, body: dict) -> None:
         await self.response.write(f"data: {encode_frame(body)}\n\n".encode())
@@ -245,8 +279,7 @@ def _openai_message(message):
         return message
     content = message.get("content")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise BadBody(ErrorCode.INVALID_FIELD, "only text content parts are supported")
         content = "".join(p["text"] for p in content)
     return {"role": _OPENAI_ROLES.get(message.get("role"), message.get("role")), "content": content}
@@ -256,14 +289,16 @@ class HttpApi:
     def __init__(self, server: StoplineServer):
         self.server = server
         self.app = web.Application(middlewares=[self._guard], client_max_size=server.config.max_frame_bytes)
-        self.app.add_routes([
-            web.post("/v1/generations", self._post_generation),
-            web.get("/v1/generations/{request_id}", self._get_generation),
-            web.delete("/v1/generations/{request_id}", self._delete_generation),
-            web.post("/v1/chat/completions", self._chat_completions),
-            web.post("/v1/completions", self._completions),
-            web.get("/v1/models", self._models),
-        ])
+        self.app.add_routes(
+            [
+                web.post("/v1/generations", self._post_generation),
+                web.get("/v1/generations/{request_id}", self._get_generation),
+                web.delete("/v1/generations/{request_id}", self._delete_generation),
+                web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/v1/completions", self._completions),
+                web.get("/v1/models", self._models),
+            ]
+        )
         self.app.on_response_prepare.append(self._cors_headers)
         if server.cluster is not None:
             server.cluster.cancel_here = self._cancel_here
@@ -291,24 +326,32 @@ class HttpApi:
         origin = request.headers.get("Origin")
         # The same rules as /ws: the Host must be one this server answers to (no
         # DNS rebinding), and a browser page from elsewhere may not drive the model.
-        refused = check_request(request.headers.getall("Host", None), request.headers.getall("Origin", None),
-                                self.server.origin_policy)
+        refused = check_request(
+            request.headers.getall("Host", None), request.headers.getall("Origin", None), self.server.origin_policy
+        )
         if refused is not None:
             log.warning("request_refused", code=str(refused.code), origin=origin, peer=_peer(request))
             self.server.metrics.refused.labels(str(refused.code)).inc()
             return error_response(refused.code, refused.message, openai=True, status=refused.status)
         if request.method == "OPTIONS" and origin is not None:
-            return web.Response(status=HTTPStatus.NO_CONTENT, headers={
-                "Access-Control-Allow-Methods": "GET, POST, DELETE",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type",
-                "Access-Control-Max-Age": "600"})
+            return web.Response(
+                status=HTTPStatus.NO_CONTENT,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST, DELETE",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                    "Access-Control-Max-Age": "600",
+                },
+            )
         try:
             return await handler(request)
         except web.HTTPNotFound:
             return error_response(ErrorCode.NOT_FOUND, f"no such endpoint: {request.path}", openai=True)
         except web.HTTPMethodNotAllowed as exc:
-            return error_response(ErrorCode.NOT_FOUND, f"{request.method} is not allowed on {request.path}; "
-                                  f"allowed: {', '.join(sorted(exc.allowed_methods))}", openai=True)
+            return error_response(
+                ErrorCode.NOT_FOUND,
+                f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.allowed_methods))}",
+                openai=True,
+            )
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         origin = request.headers.get("Origin")
@@ -368,6 +411,7 @@ class HttpApi:
     async def _get_generation(self, request: web.Request) -> web.Response:
         async def here(entry: Entry) -> dict:
             return entry.describe()
+
         cluster = self.server.cluster
         return await self._by_id(request, here, cluster.describe if cluster is not None else None)
 
@@ -383,6 +427,7 @@ class HttpApi:
         async def elsewhere(request_id: str, token: str | None) -> dict:
             assert cluster is not None  # passed on only when there is one
             return {"request_id": request_id, "status": await cluster.cancel(request_id, token)}
+
         return await self._by_id(request, here, elsewhere if cluster is not None else None)
 
     async def _cancel(self, entry: Entry, now: int) -> Status:
@@ -414,11 +459,18 @@ class HttpApi:
         except UnknownRequest:
             return error_response(ErrorCode.UNKNOWN_REQUEST, f"no generation has id {request_id!r}", openai=False)
         except InvalidCancelToken:
-            return error_response(ErrorCode.INVALID_CANCEL_TOKEN,
-                                  "send the generation's cancel token as 'Authorization: Bearer <token>'", openai=False)
+            return error_response(
+                ErrorCode.INVALID_CANCEL_TOKEN,
+                "send the generation's cancel token as 'Authorization: Bearer <token>'",
+                openai=False,
+            )
         except StoreUnavailable:
-            return error_response(ErrorCode.STORE_UNAVAILABLE, "this generation is not on this replica, and the "
-                                  "shared store that would find it cannot be reached; try again", openai=False)
+            return error_response(
+                ErrorCode.STORE_UNAVAILABLE,
+                "this generation is not on this replica, and the "
+                "shared store that would find it cannot be reached; try again",
+                openai=False,
+            )
         except OwnerUnreachable as exc:
             return error_response(ErrorCode.OWNER_UNREACHABLE, str(exc), openai=False)
         return web.json_response(body, headers=_NO_STORE)

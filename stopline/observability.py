@@ -41,44 +41,67 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("stopline_requests", "Requests that ended, by outcome and reason.",
-                                ["outcome", "reason"], registry=r)
-        self.cancel_latency = Histogram("stopline_cancel_latency_seconds",
-                                        "From the cancel's arrival to the native loop's exit.",
-                                        ["reason"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "stopline_requests", "Requests that ended, by outcome and reason.", ["outcome", "reason"], registry=r
+        )
+        self.cancel_latency = Histogram(
+            "stopline_cancel_latency_seconds",
+            "From the cancel's arrival to the native loop's exit.",
+            ["reason"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tokens_generated = Counter("stopline_tokens_generated", "Tokens generated, all outcomes.", registry=r)
-        self.tokens_wasted = Counter("stopline_tokens_wasted",
-                                     "Tokens computed (prompt and generated) for requests that did not finish.",
-                                     ["outcome", "reason"], registry=r)
-        self.ttft = Histogram("stopline_ttft_seconds", "Time from the start of a generation to its first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tokens_wasted = Counter(
+            "stopline_tokens_wasted",
+            "Tokens computed (prompt and generated) for requests that did not finish.",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "stopline_ttft_seconds",
+            "Time from the start of a generation to its first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("stopline_queue_depth", "Requests waiting for a slot.", registry=r)
         self.active = Gauge("stopline_active_generations", "Generations running on a slot.", registry=r)
         self.slots = Gauge("stopline_slots", "Generation slots.", registry=r)
         self.connections = Gauge("stopline_connections", "Open WebSocket connections.", registry=r)
-        self.rejected = Counter("stopline_rejected_frames", "Frames answered with an error, by code.",
-                                ["code"], registry=r)
-        self.abort_mode = Gauge("stopline_abort_mode", "1 for the way running evaluations are stopped.",
-                                ["mode"], registry=r)
-        self.prompt_tokens_reused = Counter("stopline_prompt_tokens_reused",
-                                            "Prompt tokens served from a slot's KV cache instead of evaluated.",
-                                            registry=r)
-        self.prompt_tokens_evaluated = Counter("stopline_prompt_tokens_evaluated",
-                                               "Prompt tokens evaluated, all outcomes.", registry=r)
-        self.refused = Counter("stopline_refused_connections",
-                               "HTTP and WebSocket connections refused before the handshake completed, by code.",
-                               ["code"], registry=r)
+        self.rejected = Counter(
+            "stopline_rejected_frames", "Frames answered with an error, by code.", ["code"], registry=r
+        )
+        self.abort_mode = Gauge(
+            "stopline_abort_mode", "1 for the way running evaluations are stopped.", ["mode"], registry=r
+        )
+        self.prompt_tokens_reused = Counter(
+            "stopline_prompt_tokens_reused",
+            "Prompt tokens served from a slot's KV cache instead of evaluated.",
+            registry=r,
+        )
+        self.prompt_tokens_evaluated = Counter(
+            "stopline_prompt_tokens_evaluated", "Prompt tokens evaluated, all outcomes.", registry=r
+        )
+        self.refused = Counter(
+            "stopline_refused_connections",
+            "HTTP and WebSocket connections refused before the handshake completed, by code.",
+            ["code"],
+            registry=r,
+        )
 
     def add_store_metrics(self) -> None:
         """The shared store's metrics, exported only when there is one (``--redis-url``)."""
         r = self.registry
         self.redis_up = Gauge("stopline_redis_up", "1 while Redis (the shared store) answers, else 0.", registry=r)
-        self.store_writes_queued = Gauge("stopline_store_writes_queued",
-                                         "Status and cancellation-log writes waiting for Redis.", registry=r)
-        self.store_writes_dropped = Counter("stopline_store_writes_dropped",
-                                            "Status and cancellation-log writes given up: the queue was full, "
-                                            "Redis kept refusing them, or they were queued at shutdown.",
-                                            registry=r)
+        self.store_writes_queued = Gauge(
+            "stopline_store_writes_queued", "Status and cancellation-log writes waiting for Redis.", registry=r
+        )
+        self.store_writes_dropped = Counter(
+            "stopline_store_writes_dropped",
+            "Status and cancellation-log writes given up: the queue was full, "
+            "Redis kept refusing them, or they were queued at shutdown.",
+            registry=r,
+        )
 
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:
@@ -101,9 +124,16 @@ class Metrics:
 
 
 def log_accepted(request: Request, peer: str, queue_position: int) -> None:
-    log.info("generation_accepted", request_id=request.request_id, id=request.id, user_id=request.user, peer=peer,
-             prompt_tokens=len(request.prompt_tokens), max_tokens=request.params.max_tokens,
-             queue_position=queue_position)
+    log.info(
+        "generation_accepted",
+        request_id=request.request_id,
+        id=request.id,
+        user_id=request.user,
+        peer=peer,
+        prompt_tokens=len(request.prompt_tokens),
+        max_tokens=request.params.max_tokens,
+        queue_position=queue_position,
+    )
 
 
 def log_end(request: Request, ending: Ending, peer: str) -> None:
@@ -111,9 +141,20 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
     level = "warning" if ending.outcome is Outcome.ERROR else "info"
     getattr(log, level)(
         END_EVENTS[ending.outcome],
-        request_id=request.request_id, id=request.id, user_id=request.user, reason=ending.reason, peer=peer,
-        tokens_generated=ending.tokens_generated, tokens_wasted=ending.tokens_wasted,
-        cancel_latency_ms=ending.cancel_latency_ms, tokens_after_cancel=ending.tokens_after_cancel,
-        prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
-        prompt_tokens_evaluated=ending.prompt_tokens_evaluated, queue_ms=ending.queue_ms, ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms,
-        **({"message": ending.message} if ending.message else {}))
+        request_id=request.request_id,
+        id=request.id,
+        user_id=request.user,
+        reason=ending.reason,
+        peer=peer,
+        tokens_generated=ending.tokens_generated,
+        tokens_wasted=ending.tokens_wasted,
+        cancel_latency_ms=ending.cancel_latency_ms,
+        tokens_after_cancel=ending.tokens_after_cancel,
+        prompt_tokens=ending.prompt_tokens,
+        prompt_tokens_reused=ending.prompt_tokens_reused,
+        prompt_tokens_evaluated=ending.prompt_tokens_evaluated,
+        queue_ms=ending.queue_ms,
+        ttft_ms=ending.ttft_ms,
+        duration_ms=ending.duration_ms,
+        **({"message": ending.message} if ending.message else {}),
+    )

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Sequence, Union
 from urllib.parse import urlsplit
 
 from .vocabulary import Refusal
@@ -32,12 +32,13 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?")
 
-HeaderValue = Union[str, Sequence[str], None]
+HeaderValue = str | Sequence[str] | None
 
 
 @dataclass(frozen=True)
 class Refused:
     """Why a request was refused, as an HTTP status and a stable code."""
+
     status: HTTPStatus
     code: Refusal
     message: str
@@ -53,8 +54,9 @@ class OriginPolicy:
     allowed_hosts: frozenset[str] = frozenset()
 
     @classmethod
-    def build(cls, bind_host: str, allowed_origins: Sequence[str] = (),
-              allowed_hosts: Sequence[str] = ()) -> "OriginPolicy":
+    def build(
+        cls, bind_host: str, allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()
+    ) -> OriginPolicy:
         """Validate the settings; raises ValueError naming the first bad entry."""
         origins = set()
         for entry in allowed_origins:
@@ -95,8 +97,9 @@ def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: 
     if host is None:
         return Refused(HTTPStatus.BAD_REQUEST, Refusal.INVALID_HEADER, "the Host header is malformed")
     if not policy.serves(host[0]):
-        return Refused(HTTPStatus.FORBIDDEN, Refusal.HOST_NOT_ALLOWED,
-                       f"this server does not answer to the host {host[0]!r}")
+        return Refused(
+            HTTPStatus.FORBIDDEN, Refusal.HOST_NOT_ALLOWED, f"this server does not answer to the host {host[0]!r}"
+        )
     origin_value = _single("Origin", origin_header)
     if isinstance(origin_value, Refused):
         return origin_value
@@ -122,8 +125,15 @@ def normalize_origin(value: str) -> str:
         port = parts.port
     except ValueError:
         raise ValueError(f"{value!r} is not an origin: give scheme://host[:port]") from None
-    if (parts.scheme not in _DEFAULT_PORTS or not parts.hostname or parts.username is not None
-            or parts.path not in ("", "/") or parts.query or parts.fragment or "[" in parts.hostname):
+    if (
+        parts.scheme not in _DEFAULT_PORTS
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or "[" in parts.hostname
+    ):
         raise ValueError(f"{value!r} is not an origin: give scheme://host[:port], e.g. https://example.com")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}:{port or _DEFAULT_PORTS[parts.scheme]}"

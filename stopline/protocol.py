@@ -37,9 +37,10 @@ import math
 import secrets
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Protocol, Union
+from typing import Protocol
 
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, Reason, Status
 
@@ -56,6 +57,7 @@ class SamplingParams:
     These defaults are the only ones: a generate frame that leaves a field out
     gets the value here (the deadlines come from :class:`Limits` instead).
     """
+
     max_tokens: int = 256
     temperature: float = 0.7
     top_k: int = 40
@@ -91,6 +93,7 @@ _TRANSITIONS = {
 class Limits:
     """What one connection may ask for, and how fast. The defaults here are the server's
     (``ServerConfig`` and the command line take theirs from them)."""
+
     context_length: int
     vocab_size: int
     default_timeout_s: float = 300.0
@@ -157,19 +160,25 @@ class Request:
 def _first_deadline(request: Request) -> tuple[int, Reason] | None:
     """The request's earlier deadline and the reason it ends with: both count from the arrival."""
     params = request.params
-    deadlines = [(request.received_ns + int(seconds * 1e9), reason)
-                 for seconds, reason in ((params.timeout_s, Reason.TOTAL_TIMEOUT),
-                                         (params.ttft_timeout_s, Reason.FIRST_TOKEN_TIMEOUT)) if seconds]
+    deadlines = [
+        (request.received_ns + int(seconds * 1e9), reason)
+        for seconds, reason in (
+            (params.timeout_s, Reason.TOTAL_TIMEOUT),
+            (params.ttft_timeout_s, Reason.FIRST_TOKEN_TIMEOUT),
+        )
+        if seconds
+    ]
     return min(deadlines) if deadlines else None
 
 
 @dataclass(frozen=True)
 class Ending:
     """Everything known about how a request ended: the terminal frame and the end log line come from it."""
+
     outcome: Outcome
-    reason: Reason | ErrorCode        # an ErrorCode for errors
+    reason: Reason | ErrorCode  # an ErrorCode for errors
     prompt_tokens: int = 0
-    prompt_tokens_reused: int = 0     # served from the slot's KV cache
+    prompt_tokens_reused: int = 0  # served from the slot's KV cache
     prompt_tokens_evaluated: int = 0  # computed for this request
     tokens_generated: int = 0
     tokens_after_cancel: int = 0
@@ -191,8 +200,9 @@ class LoopResult(Protocol):
     """What the engine reports once a generation's native loop has exited
     (``stopline.engine.GenerationResult``), as far as the protocol reads it.
     Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
-    outcome: str                # an Outcome name
-    reason: str | None          # the Reason name of a done or timeout exit; not read otherwise
+
+    outcome: str  # an Outcome name
+    reason: str | None  # the Reason name of a done or timeout exit; not read otherwise
     prompt_tokens: int
     prompt_tokens_reused: int
     prompt_tokens_evaluated: int
@@ -205,6 +215,7 @@ class LoopResult(Protocol):
 @dataclass(eq=False)
 class Draft:
     """A validated generate frame whose prompt is still being tokenized."""
+
     id: str
     params: SamplingParams
     prompt: str | None
@@ -223,6 +234,7 @@ class Draft:
 class Send:
     """Write ``frame`` to the client. ``request`` is the request whose output it
     is (a token frame): a send that stalls is reported with ``Connection.stalled(request)``."""
+
     frame: dict
     request: Request | None = None
 
@@ -231,18 +243,21 @@ class Send:
 class Tokenize:
     """Run ``Connection.tokenize(draft)`` off the event loop (it costs CPU in
     proportion to the prompt), then hand its result to ``Connection.tokenized``."""
+
     draft: Draft
 
 
 @dataclass(frozen=True)
 class Submit:
     """Hand ``request`` to the scheduler; report what it said with ``accepted``, ``busy`` or ``failed``."""
+
     request: Request
 
 
 @dataclass(frozen=True)
 class Cancel:
     """Stop ``request`` wherever it is, queued or on a slot. The request remembers why and when."""
+
     request: Request
 
 
@@ -250,11 +265,12 @@ class Cancel:
 class Ended:
     """``request`` ended: record ``ending`` (the registry, the metrics, the end log line).
     It comes before the frames that tell the client."""
+
     request: Request
     ending: Ending
 
 
-Action = Union[Send, Tokenize, Submit, Cancel, Ended]
+Action = Send | Tokenize | Submit | Cancel | Ended
 
 
 class ProtocolError(Exception):
@@ -308,14 +324,15 @@ class AddressQuota:
             del self._used[address]
 
 
-TokenizeFn = Callable[[Union[str, None], Union[list, None]], list]
+TokenizeFn = Callable[[str | None, list | None], list]
 
 
 class Connection:
     """One client's protocol state. ``now_ns`` is always CLOCK_MONOTONIC ns."""
 
-    def __init__(self, limits: Limits, tokenize: TokenizeFn, now_ns: int, *,
-                 address: str = "", quota: AddressQuota | None = None):
+    def __init__(
+        self, limits: Limits, tokenize: TokenizeFn, now_ns: int, *, address: str = "", quota: AddressQuota | None = None
+    ):
         self.limits = limits
         self._tokenize = tokenize
         self.address = address
@@ -326,17 +343,28 @@ class Connection:
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._tokens = float(limits.frame_burst)
         self._tokens_at = now_ns
-        self._rate_limited_reported_ns = -10**18
+        self._rate_limited_reported_ns = -(10**18)
         self._bytes = float(limits.byte_burst)
 
     def hello(self, model: str) -> list[Action]:
         """The greeting, sent once as the connection opens."""
         lim = self.limits
-        return [Send({"type": "hello", "protocol": PROTOCOL_VERSION, "model": model,
-                      "context_length": lim.context_length,
-                      "limits": {"max_tokens": lim.context_length, "timeout_s": lim.max_timeout_s,
-                                 "ttft_timeout_s": lim.max_ttft_timeout_s,
-                                 "requests_per_connection": lim.requests_per_connection}})]
+        return [
+            Send(
+                {
+                    "type": "hello",
+                    "protocol": PROTOCOL_VERSION,
+                    "model": model,
+                    "context_length": lim.context_length,
+                    "limits": {
+                        "max_tokens": lim.context_length,
+                        "timeout_s": lim.max_timeout_s,
+                        "ttft_timeout_s": lim.max_ttft_timeout_s,
+                        "requests_per_connection": lim.requests_per_connection,
+                    },
+                }
+            )
+        ]
 
     # Incoming frames ------------------------------------------------------
 
@@ -356,8 +384,9 @@ class Connection:
                 return self._generate(frame, now_ns)
             if kind == "cancel":
                 return self._cancel(frame, now_ns)
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'",
-                                _id_of(frame))
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_TYPE, f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame)
+            )
         except ProtocolError as exc:
             return [Send(error_frame(exc.code, exc.message, exc.request_id))]
 
@@ -376,12 +405,21 @@ class Connection:
         params, prompt, messages, size = _validate_generate(frame, self.limits, request_id)
         user = frame.get("user")
         if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-            raise ProtocolError(ErrorCode.INVALID_FIELD,
-                                f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, f"user must be a string of at most {MAX_USER_CHARS} characters", request_id
+            )
         if user is not None:
             _text_bytes(user, "user", request_id)
-        draft = Draft(request_id, params, prompt, messages, received_ns=now_ns, size=size, user=user,
-                      id_chosen_by_server=chosen_by_server)
+        draft = Draft(
+            request_id,
+            params,
+            prompt,
+            messages,
+            received_ns=now_ns,
+            size=size,
+            user=user,
+            id_chosen_by_server=chosen_by_server,
+        )
         self.pending[request_id] = draft
         self.quota.take(self.address)
         return [Tokenize(draft)]
@@ -395,9 +433,12 @@ class Connection:
         if not tokens:
             return ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", draft.id)
         if len(tokens) >= self.limits.context_length:
-            return ProtocolError(ErrorCode.PROMPT_TOO_LONG,
-                                 f"the prompt has {len(tokens)} tokens; the context holds "
-                                 f"{self.limits.context_length}, including at least one generated token", draft.id)
+            return ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(tokens)} tokens; the context holds "
+                f"{self.limits.context_length}, including at least one generated token",
+                draft.id,
+            )
         return tokens
 
     def tokenized(self, draft: Draft, tokens: list[int] | ProtocolError) -> list[Action]:
@@ -408,7 +449,8 @@ class Connection:
         if isinstance(tokens, ProtocolError):
             self.quota.give_back(self.address)
             return [Send(error_frame(tokens.code, tokens.message, tokens.request_id))] + [
-                Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
+                Send(cancel_ack(draft.id, Outcome.ERROR))
+            ] * draft.cancels
         request = Request(draft.id, tokens, draft.params, received_ns=draft.received_ns, user=draft.user)
         if draft.id_chosen_by_server:
             request.request_id = draft.id  # one id is enough when the client gave none
@@ -425,22 +467,31 @@ class Connection:
 
     def _check_room(self, request_id: str) -> None:
         if request_id in self.live or request_id in self.pending:
-            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection",
-                                request_id)
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection", request_id
+            )
         count = len(self.live) + len(self.pending)
         if count >= self.limits.requests_per_connection:
-            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS,
-                                f"this connection already has {count} live requests "
-                                f"(the limit is {self.limits.requests_per_connection})", request_id)
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_REQUESTS,
+                f"this connection already has {count} live requests "
+                f"(the limit is {self.limits.requests_per_connection})",
+                request_id,
+            )
         if self.quota.used(self.address) >= self.quota.limit:
-            raise ProtocolError(ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS,
-                                f"this client address already has {self.quota.used(self.address)} live requests "
-                                f"(the limit is {self.quota.limit})", request_id)
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS,
+                f"this client address already has {self.quota.used(self.address)} live requests "
+                f"(the limit is {self.quota.limit})",
+                request_id,
+            )
 
     def _cancel(self, frame: dict, now_ns: int) -> list[Action]:
         request_id = frame.get("id")
         if not _is_id(request_id):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, "cancel needs the id of a request: a string of 1 to 128 characters")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, "cancel needs the id of a request: a string of 1 to 128 characters"
+            )
         draft = self.pending.get(request_id)
         if draft is not None:
             draft.cancels += 1
@@ -491,8 +542,17 @@ class Connection:
 
     def accepted(self, request: Request, queue_position: int) -> list[Action]:
         """The scheduler took ``request``: 0 if it started at once, else its place in the queue."""
-        return [Send({"type": "accepted", "id": request.id, "queue_position": queue_position,
-                      "request_id": request.request_id, "cancel_token": request.cancel_token})]
+        return [
+            Send(
+                {
+                    "type": "accepted",
+                    "id": request.id,
+                    "queue_position": queue_position,
+                    "request_id": request.request_id,
+                    "cancel_token": request.cancel_token,
+                }
+            )
+        ]
 
     def busy(self, request: Request, message: str) -> list[Action]:
         """The scheduler refused ``request``: every slot is busy and the queue is full."""
@@ -500,8 +560,10 @@ class Connection:
 
     def failed(self, request: Request, message: str) -> list[Action]:
         """Submitting, starting or running ``request`` raised (a bug): it ends with internal_error."""
-        return self.end(request, Ending(Outcome.ERROR, ErrorCode.INTERNAL_ERROR, message=message,
-                                        prompt_tokens=len(request.prompt_tokens)))
+        return self.end(
+            request,
+            Ending(Outcome.ERROR, ErrorCode.INTERNAL_ERROR, message=message, prompt_tokens=len(request.prompt_tokens)),
+        )
 
     def started(self, request: Request, now_ns: int) -> list[Action]:
         """``request`` took a slot. A stop asked for before there was a slot to stop is asked for again."""
@@ -531,10 +593,18 @@ class Connection:
         outcome = Outcome(result.outcome)
         duration_ms = _ms(request.received_ns, result.end_ns)
         if outcome is Outcome.ERROR:
-            return self.end(request, Ending(
-                outcome, ErrorCode.INTERNAL_ERROR, prompt_tokens=result.prompt_tokens,
-                prompt_tokens_evaluated=result.prompt_tokens_evaluated, tokens_generated=result.tokens_generated,
-                message="the model failed to evaluate a batch", duration_ms=duration_ms))
+            return self.end(
+                request,
+                Ending(
+                    outcome,
+                    ErrorCode.INTERNAL_ERROR,
+                    prompt_tokens=result.prompt_tokens,
+                    prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+                    tokens_generated=result.tokens_generated,
+                    message="the model failed to evaluate a batch",
+                    duration_ms=duration_ms,
+                ),
+            )
         cancelled = outcome is Outcome.CANCELLED
         if not cancelled:
             reason = Reason(str(result.reason))
@@ -542,15 +612,22 @@ class Connection:
             reason = request.cancel_reason
         else:
             return self.failed(request, "the generation stopped although no stop was asked for")
-        return self.end(request, Ending(
-            outcome, reason,
-            prompt_tokens=result.prompt_tokens, prompt_tokens_reused=result.prompt_tokens_reused,
-            prompt_tokens_evaluated=result.prompt_tokens_evaluated,
-            tokens_generated=result.tokens_generated, tokens_after_cancel=result.tokens_after_cancel,
-            queue_ms=_ms(request.received_ns, request.started_ns),
-            ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
-            duration_ms=duration_ms,
-            cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None))
+        return self.end(
+            request,
+            Ending(
+                outcome,
+                reason,
+                prompt_tokens=result.prompt_tokens,
+                prompt_tokens_reused=result.prompt_tokens_reused,
+                prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+                tokens_generated=result.tokens_generated,
+                tokens_after_cancel=result.tokens_after_cancel,
+                queue_ms=_ms(request.received_ns, request.started_ns),
+                ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
+                duration_ms=duration_ms,
+                cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None,
+            ),
+        )
 
     def cancelled_in_queue(self, request: Request, now_ns: int) -> list[Action]:
         """The scheduler took ``request``, stopped by a Cancel, out of its queue: it never reached a slot."""
@@ -567,9 +644,17 @@ class Connection:
     def _ended_in_queue(self, request: Request, outcome: Outcome, reason: Reason, now_ns: int) -> list[Action]:
         # Nothing was computed for it.
         waited_ms = _ms(request.received_ns, now_ns)
-        return self.end(request, Ending(
-            outcome, reason, prompt_tokens=len(request.prompt_tokens), queue_ms=waited_ms, duration_ms=waited_ms,
-            cancel_latency_ms=_ms(request.cancel_requested_ns, now_ns) if outcome is Outcome.CANCELLED else None))
+        return self.end(
+            request,
+            Ending(
+                outcome,
+                reason,
+                prompt_tokens=len(request.prompt_tokens),
+                queue_ms=waited_ms,
+                duration_ms=waited_ms,
+                cancel_latency_ms=_ms(request.cancel_requested_ns, now_ns) if outcome is Outcome.CANCELLED else None,
+            ),
+        )
 
     def end(self, request: Request, ending: Ending) -> list[Action]:
         """The one ending of ``request``: Ended, then its terminal frame (nothing if it already had one).
@@ -612,9 +697,15 @@ class Connection:
         if now_ns - self._rate_limited_reported_ns < 1_000_000_000:
             return []
         self._rate_limited_reported_ns = now_ns
-        return [Send(error_frame(ErrorCode.RATE_LIMITED,
-                                 f"too many frames; the limits are {self.limits.frames_per_second:g} frames and "
-                                 f"{self.limits.bytes_per_second:g} bytes a second, excess frames are dropped"))]
+        return [
+            Send(
+                error_frame(
+                    ErrorCode.RATE_LIMITED,
+                    f"too many frames; the limits are {self.limits.frames_per_second:g} frames and "
+                    f"{self.limits.bytes_per_second:g} bytes a second, excess frames are dropped",
+                )
+            )
+        ]
 
 
 def terminal_frame(request_id: str, ending: Ending) -> dict:
@@ -622,21 +713,36 @@ def terminal_frame(request_id: str, ending: Ending) -> dict:
     if ending.outcome is Outcome.ERROR:
         frame.update(code=str(ending.reason), message=ending.message)
     elif ending.outcome is Outcome.DONE:
-        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
-                     prompt_tokens=ending.prompt_tokens, prompt_tokens_reused=ending.prompt_tokens_reused,
-                     ttft_ms=ending.ttft_ms, duration_ms=ending.duration_ms)
+        frame.update(
+            reason=str(ending.reason),
+            tokens_generated=ending.tokens_generated,
+            prompt_tokens=ending.prompt_tokens,
+            prompt_tokens_reused=ending.prompt_tokens_reused,
+            ttft_ms=ending.ttft_ms,
+            duration_ms=ending.duration_ms,
+        )
     elif ending.outcome is Outcome.CANCELLED:
-        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
-                     tokens_after_cancel=ending.tokens_after_cancel, cancel_latency_ms=ending.cancel_latency_ms,
-                     tokens_wasted=ending.tokens_wasted, prompt_tokens_reused=ending.prompt_tokens_reused)
+        frame.update(
+            reason=str(ending.reason),
+            tokens_generated=ending.tokens_generated,
+            tokens_after_cancel=ending.tokens_after_cancel,
+            cancel_latency_ms=ending.cancel_latency_ms,
+            tokens_wasted=ending.tokens_wasted,
+            prompt_tokens_reused=ending.prompt_tokens_reused,
+        )
     else:
-        frame.update(reason=str(ending.reason), tokens_generated=ending.tokens_generated,
-                     duration_ms=ending.duration_ms, tokens_wasted=ending.tokens_wasted,
-                     prompt_tokens_reused=ending.prompt_tokens_reused)
+        frame.update(
+            reason=str(ending.reason),
+            tokens_generated=ending.tokens_generated,
+            duration_ms=ending.duration_ms,
+            tokens_wasted=ending.tokens_wasted,
+            prompt_tokens_reused=ending.prompt_tokens_reused,
+        )
     return frame
 
 
 # Validation ---------------------------------------------------------------
+
 
 def _parse(data: str) -> dict:
     try:
@@ -671,12 +777,15 @@ def _id_of(frame: dict) -> str | None:
 
 def _shown(value, limit: int = 40) -> str:
     """A short repr of a client's value for an error message."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**limit else f"an integer of {len(str(abs(value)))} digits"
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**limit
+        else f"an integer of {len(str(abs(value)))} digits"
+    )
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _number(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str,
-            low_open: bool = False):
+def _number(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str, low_open: bool = False):
     value = frame.get(name)
     if value is None:
         return default
@@ -685,11 +794,16 @@ def _number(frame: dict, name: str, default, low, high, *, integer: bool, reques
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be {kind}", request_id)
     # Integers are compared as integers: a 400-digit one does not fit a float.
-    if ((isinstance(value, float) and not math.isfinite(value)) or value < low or value > high
-            or (low_open and value == low)):
+    if (
+        (isinstance(value, float) and not math.isfinite(value))
+        or value < low
+        or value > high
+        or (low_open and value == low)
+    ):
         bound = f"({low:g}" if low_open else f"[{low:g}"
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {_shown(value)}",
-                            request_id)
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {_shown(value)}", request_id
+        )
     return value
 
 
@@ -698,8 +812,11 @@ def _text_bytes(value: str, name: str, request_id: str) -> int:
     try:
         return len(value.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff "
-                            "escape), which is not text", request_id) from None
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
+            request_id,
+        ) from None
 
 
 def _validate_generate(frame: dict, limits: Limits, request_id: str):
@@ -712,31 +829,46 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
         size = _text_bytes(prompt, "prompt", request_id)
     else:
         if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
-            raise ProtocolError(ErrorCode.INVALID_FIELD,
-                                f"messages must be a list of 1 to {limits.max_messages} messages", request_id)
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, f"messages must be a list of 1 to {limits.max_messages} messages", request_id
+            )
         size = 0
         for message in messages:
-            if (not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant")
-                    or not isinstance(message.get("content"), str)):
-                raise ProtocolError(ErrorCode.INVALID_FIELD,
-                                    "each message must be {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": string}",
-                                    request_id)
+            if (
+                not isinstance(message, dict)
+                or message.get("role") not in ("system", "user", "assistant")
+                or not isinstance(message.get("content"), str)
+            ):
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    'each message must be {"role": "system"|"user"|"assistant", "content": string}',
+                    request_id,
+                )
             size += _text_bytes(message["content"], "a message's content", request_id)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if size > limits.max_prompt_bytes:
-        raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
-                            f"the prompt has {size} bytes; no prompt over {limits.max_prompt_bytes} bytes fits "
-                            f"the context of {limits.context_length} tokens", request_id)
+        raise ProtocolError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"the prompt has {size} bytes; no prompt over {limits.max_prompt_bytes} bytes fits "
+            f"the context of {limits.context_length} tokens",
+            request_id,
+        )
 
     stop = frame.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
-    if (not isinstance(stop, list) or len(stop) > limits.max_stop_sequences
-            or not all(isinstance(s, str) and 1 <= _text_bytes(s, "stop", request_id) <= limits.max_stop_bytes
-                       for s in stop)):
-        raise ProtocolError(ErrorCode.INVALID_FIELD,
-                            f"stop must be a list of at most {limits.max_stop_sequences} strings of "
-                            f"1 to {limits.max_stop_bytes} bytes", request_id)
+    if (
+        not isinstance(stop, list)
+        or len(stop) > limits.max_stop_sequences
+        or not all(
+            isinstance(s, str) and 1 <= _text_bytes(s, "stop", request_id) <= limits.max_stop_bytes for s in stop
+        )
+    ):
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"stop must be a list of at most {limits.max_stop_sequences} strings of 1 to {limits.max_stop_bytes} bytes",
+            request_id,
+        )
 
     n = dict(request_id=request_id)
     d = DEFAULT_SAMPLING
@@ -745,14 +877,32 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
         temperature=float(_number(frame, "temperature", d.temperature, 0, 5, integer=False, **n)),
         top_k=_number(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, **n),
         top_p=float(_number(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, **n)),
-        repetition_penalty=float(_number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False,
-                                         **n)),
+        repetition_penalty=float(
+            _number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, **n)
+        ),
         seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, **n),
         stop=tuple(stop),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
-        timeout_s=min(limits.max_timeout_s, float(_number(
-            frame, "timeout_s", limits.default_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n))),
-        ttft_timeout_s=min(limits.max_ttft_timeout_s, float(_number(
-            frame, "ttft_timeout_s", limits.default_ttft_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n))),
+        timeout_s=min(
+            limits.max_timeout_s,
+            float(
+                _number(frame, "timeout_s", limits.default_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n)
+            ),
+        ),
+        ttft_timeout_s=min(
+            limits.max_ttft_timeout_s,
+            float(
+                _number(
+                    frame,
+                    "ttft_timeout_s",
+                    limits.default_ttft_timeout_s,
+                    0,
+                    MAX_SECONDS,
+                    integer=False,
+                    low_open=True,
+                    **n,
+                )
+            ),
+        ),
     )
     return params, prompt, messages, size

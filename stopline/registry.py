@@ -61,9 +61,14 @@ class Entry:
             answer.update(prompt_tokens=len(self.request.prompt_tokens), tokens_generated=self.request.next_index)
         else:
             ending = self.ending
-            answer.update(reason=ending.reason, prompt_tokens=ending.prompt_tokens,
-                          tokens_generated=ending.tokens_generated, tokens_after_cancel=ending.tokens_after_cancel,
-                          tokens_wasted=ending.tokens_wasted, duration_ms=ending.duration_ms)
+            answer.update(
+                reason=ending.reason,
+                prompt_tokens=ending.prompt_tokens,
+                tokens_generated=ending.tokens_generated,
+                tokens_after_cancel=ending.tokens_after_cancel,
+                tokens_wasted=ending.tokens_wasted,
+                duration_ms=ending.duration_ms,
+            )
         return answer
 
 

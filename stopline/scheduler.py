@@ -148,8 +148,9 @@ class Scheduler:
 
     def _start(self, request: Request, sink: Sink, slot) -> None:
         try:
-            stream = self.engine.start(slot, request.prompt_tokens, request.params, window=self.window,
-                                       started_ns=request.received_ns)
+            stream = self.engine.start(
+                slot, request.prompt_tokens, request.params, window=self.window, started_ns=request.received_ns
+            )
         except Exception:
             self._free.appendleft(slot)
             raise
@@ -208,8 +209,9 @@ class Scheduler:
         if deadline_ns is None:
             return
         # loop.time() is time.monotonic(), the clock received_ns was read from.
-        self._queue_timers[request] = asyncio.get_running_loop().call_at(deadline_ns / 1e9, self._expire_queued,
-                                                                         request)
+        self._queue_timers[request] = asyncio.get_running_loop().call_at(
+            deadline_ns / 1e9, self._expire_queued, request
+        )
 
     def _disarm_queue_deadline(self, request: Request) -> None:
         timer = self._queue_timers.pop(request, None)

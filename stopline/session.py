@@ -34,15 +34,21 @@ class ClientSession:
     reports about its requests (it is their Sink) to the protocol, and performs
     the actions the protocol returns."""
 
-    def __init__(self, server: StoplineServer, websocket: ServerConnection | None, peer: str | None = None,
-                 address: str | None = None):
+    def __init__(
+        self,
+        server: StoplineServer,
+        websocket: ServerConnection | None,
+        peer: str | None = None,
+        address: str | None = None,
+    ):
         self.server = server
         self.websocket = websocket
         self.peer = peer or peer_name(websocket)
         if address is None:
             address = websocket.remote_address[0] if websocket.remote_address else "unknown"
-        self.protocol = Connection(server.limits, self._encode, time.monotonic_ns(), address=address,
-                                   quota=server.address_quota)
+        self.protocol = Connection(
+            server.limits, self._encode, time.monotonic_ns(), address=address, quota=server.address_quota
+        )
         # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
         # (cancels, pings), and one connection never has more than one prompt in the works.
         self._drafts: asyncio.Queue[Draft] = asyncio.Queue()
@@ -108,14 +114,16 @@ class ClientSession:
             try:
                 lane = self.server.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
                 actions = self.protocol.tokenized(
-                    draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft))
+                    draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft)
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 # A bug preparing one request ends that request, not the connection.
                 log.exception("request_failed", request_id=draft.id, peer=self.peer)
                 actions = self.protocol.preparation_failed(
-                    draft, f"the server failed to read this prompt: {type(exc).__name__}")
+                    draft, f"the server failed to read this prompt: {type(exc).__name__}"
+                )
             await self.perform(actions)
 
     async def _submit(self, request: Request) -> None:

@@ -38,11 +38,11 @@ class ChatTokenizer:
     eos_token: str
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "ChatTokenizer":
+    def from_gguf(cls, path: str | Path) -> ChatTokenizer:
         return cls.from_fields(gguf.GGUFReader(str(path)).fields, str(path))
 
     @classmethod
-    def from_fields(cls, fields: dict, source: str) -> "ChatTokenizer":
+    def from_fields(cls, fields: dict, source: str) -> ChatTokenizer:
         """Build from the metadata of a GGUF already read (``GGUFReader.fields``)."""
         kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
         if kind != "gpt2":
@@ -52,19 +52,28 @@ class ChatTokenizer:
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
         pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
 
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                         fuse_unk=False, byte_fallback=False, ignore_merges=False)
+        bpe = models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
         tokenizer = Tokenizer(bpe)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in ("smollm", "starcoder", "refact", "codeshell"):
             # These vocabularies split every digit on its own before the GPT-2 regex.
             tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
         else:
             tokenizer.pre_tokenizer = byte_level
         tokenizer.decoder = decoders.ByteLevel()
-        special = [t for t, kind in zip(tokens, token_types)
-                   if kind in (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))]
+        special = [
+            t
+            for t, kind in zip(tokens, token_types)
+            if kind in (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))
+        ]
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
 
         def token(key: str) -> str:
@@ -76,12 +85,18 @@ class ChatTokenizer:
     def dumps(self, source_sha256: str) -> str:
         """Save this tokenizer, built from the GGUF whose sha256 is ``source_sha256``, as text
         that :meth:`loads` accepts only for that same file, format and ``tokenizers`` version."""
-        payload = json.dumps({"tokenizer": self.tokenizer.to_str(), "chat_template": self.chat_template,
-                              "bos_token": self.bos_token, "eos_token": self.eos_token})
+        payload = json.dumps(
+            {
+                "tokenizer": self.tokenizer.to_str(),
+                "chat_template": self.chat_template,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+            }
+        )
         return json.dumps({**_saved_key(source_sha256), "payload_sha256": _sha256(payload), "payload": payload})
 
     @classmethod
-    def loads(cls, text: str, source_sha256: str) -> "ChatTokenizer":
+    def loads(cls, text: str, source_sha256: str) -> ChatTokenizer:
         """The tokenizer :meth:`dumps` saved for the GGUF whose sha256 is ``source_sha256``.
 
         Raises ValueError for anything else: another file, format or ``tokenizers``
@@ -112,8 +127,10 @@ class ChatTokenizer:
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for: a text of n bytes has at least n / this many tokens."""
-        return max(len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
-                   for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)))
+        return max(
+            len(self.tokenizer.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+            for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        )
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -153,12 +170,19 @@ def render_chat(template: str | None, messages: list[dict], bos_token: str = "",
     prefix = ""
     if messages and messages[-1]["role"] == "assistant":
         messages, prefix = messages[:-1], messages[-1]["content"]
-    return _template_env().from_string(template or _CHATML).render(
-        messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token) + prefix
+    return (
+        _template_env()
+        .from_string(template or _CHATML)
+        .render(messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
+        + prefix
+    )
 
 
-_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def _raise(message: str):
@@ -201,7 +225,7 @@ class TextStream:
         return self._release(max(kept_bytes, self._released), final=True)
 
     def _release(self, end: int, final: bool) -> str:
-        text = self._decoder.decode(bytes(self._received[self._released:end]), final=final)
+        text = self._decoder.decode(bytes(self._received[self._released : end]), final=final)
         self._released = end
         return text
 

@@ -9,6 +9,7 @@ from enum import StrEnum
 
 class Outcome(StrEnum):
     """How a request ended: the ``type`` of its terminal message."""
+
     DONE = "done"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
@@ -17,6 +18,7 @@ class Outcome(StrEnum):
 
 class Reason(StrEnum):
     """Why it ended that way: the ``reason`` field and the ``reason`` label."""
+
     # done
     EOS = "eos"
     MAX_TOKENS = "max_tokens"
@@ -40,6 +42,7 @@ REASONS_BY_OUTCOME = {
 
 class AbortMode(StrEnum):
     """How a running evaluation is stopped: ``/healthz``, the ``mode`` label, ``--abort-mode``."""
+
     # Between ggml graph nodes, inside an evaluation (the step hook is live).
     IN_STEP = "in_step"
     # Only between evaluations: before each prompt chunk and each token.
@@ -48,6 +51,7 @@ class AbortMode(StrEnum):
 
 class ErrorCode(StrEnum):
     """The ``code`` of an ``error`` frame; also its ``reason`` label in metrics."""
+
     INVALID_JSON = "invalid_json"
     INVALID_FRAME = "invalid_frame"
     UNKNOWN_TYPE = "unknown_type"
@@ -72,6 +76,7 @@ class ErrorCode(StrEnum):
 class Status(StrEnum):
     """Where a request stands, as ``GET``/``DELETE /v1/generations/{request_id}`` report it;
     ``cancel_ack`` names the outcome of an ended request by the same words."""
+
     QUEUED = "queued"
     PREFILL = "prefill"
     DECODING = "decoding"
@@ -96,6 +101,7 @@ STATUS_BY_OUTCOME = {
 class Refusal(StrEnum):
     """Why a connection was refused before it became a WebSocket: the body of the
     HTTP answer and the ``code`` label of ``stopline_refused_connections_total``."""
+
     HOST_NOT_ALLOWED = "host_not_allowed"
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
     INVALID_HEADER = "invalid_header"
@@ -110,12 +116,14 @@ END_EVENTS = {outcome: f"generation_{outcome}" for outcome in Outcome}
 
 class StoreState(StrEnum):
     """Whether the shared store (``--redis-url``) can be reached: ``/healthz`` and ``stopline_redis_up``."""
+
     UP = "up"
     DOWN = "down"
 
 
 class StoreEvent(StrEnum):
     """The log events of the shared store."""
+
     UP = "store_up"
     DOWN = "store_down"
     WRITES_DROPPED = "store_writes_dropped"
@@ -126,6 +134,7 @@ class StoreEvent(StrEnum):
 
 class DropCause(StrEnum):
     """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
+
     # The queue of writes waiting for Redis was full: the oldest went.
     QUEUE_FULL = "queue_full"
     # Redis answered it with an error, every time it was tried.

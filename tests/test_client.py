@@ -35,8 +35,15 @@ async def in_thread(function, *args, **kwargs):
 
 
 def spawn(*args, **environ) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "stopline.client", *args], cwd=str(ROOT), env=env(**environ),
-                          encoding="utf-8", timeout=60 * UNIT, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "stopline.client", *args],
+        cwd=str(ROOT),
+        env=env(**environ),
+        encoding="utf-8",
+        timeout=60 * UNIT,
+        dimensions=(40, 200),
+    )
     return child
 
 
@@ -52,15 +59,19 @@ async def close(child) -> int:
 
 # ---------- URLs ----------
 
-@pytest.mark.parametrize("given, expected", [
-    ("ws://127.0.0.1:8765/ws", "ws://127.0.0.1:8765/ws"),
-    ("ws://127.0.0.1:8765", "ws://127.0.0.1:8765/ws"),
-    ("http://127.0.0.1:9000", "ws://127.0.0.1:9000/ws"),
-    ("http://127.0.0.1:9000/", "ws://127.0.0.1:9000/ws"),
-    ("https://chat.example.org/ws", "wss://chat.example.org/ws"),
-    ("wss://chat.example.org/", "wss://chat.example.org/ws"),
-    ("http://[::1]:9000", "ws://[::1]:9000/ws"),
-])
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("ws://127.0.0.1:8765/ws", "ws://127.0.0.1:8765/ws"),
+        ("ws://127.0.0.1:8765", "ws://127.0.0.1:8765/ws"),
+        ("http://127.0.0.1:9000", "ws://127.0.0.1:9000/ws"),
+        ("http://127.0.0.1:9000/", "ws://127.0.0.1:9000/ws"),
+        ("https://chat.example.org/ws", "wss://chat.example.org/ws"),
+        ("wss://chat.example.org/", "wss://chat.example.org/ws"),
+        ("http://[::1]:9000", "ws://[::1]:9000/ws"),
+    ],
+)
 def test_url_forms(given, expected):
     assert websocket_url(given) == expected
 
@@ -72,8 +83,9 @@ def test_bad_urls_are_refused(given):
 
 
 def test_the_summary_reads_the_fields_the_protocol_sends():
-    timeout = terminal_frame("r1", Ending(Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, tokens_generated=5,
-                                          duration_ms=1234.0))
+    timeout = terminal_frame(
+        "r1", Ending(Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, tokens_generated=5, duration_ms=1234.0)
+    )
     assert summary(timeout) == "[timeout: total_timeout after 1234 ms, 5 tokens]"
     done = terminal_frame("r2", Ending(Outcome.DONE, Reason.EOS, tokens_generated=3, ttft_ms=12.0, duration_ms=40.0))
     assert summary(done) == "[done: eos, 3 tokens, first token 12 ms, total 40 ms]"
@@ -87,18 +99,28 @@ def test_host_and_port_come_from_the_environment():
 
 # ---------- one-line failures ----------
 
+
 def run_client(*args, **environ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stopline.client", *args], cwd=ROOT, env=env(**environ),
-                          capture_output=True, text=True, timeout=60 * UNIT)
+    return subprocess.run(
+        [sys.executable, "-m", "stopline.client", *args],
+        cwd=ROOT,
+        env=env(**environ),
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+    )
 
 
-@pytest.mark.parametrize("args, code, says", [
-    ([""], 2, "the prompt is empty"),
-    (["   "], 2, "the prompt is empty"),
-    (["--url", "ftp://127.0.0.1/", "hi"], 2, "bad --url 'ftp://127.0.0.1/'"),
-    (["--url", "http://127.0.0.1:1", "hi"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
-    (["--url", "http://127.0.0.1:1"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
-])
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        ([""], 2, "the prompt is empty"),
+        (["   "], 2, "the prompt is empty"),
+        (["--url", "ftp://127.0.0.1/", "hi"], 2, "bad --url 'ftp://127.0.0.1/'"),
+        (["--url", "http://127.0.0.1:1", "hi"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
+        (["--url", "http://127.0.0.1:1"], 1, "cannot connect to ws://127.0.0.1:1/ws: connection refused"),
+    ],
+)
 def test_failures_are_one_line(args, code, says):
     result = run_client(*args)
     assert result.returncode == code, result
@@ -107,8 +129,16 @@ def test_failures_are_one_line(args, code, says):
 
 
 async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
-    result = await in_thread(run_client, "What is the capital of France?", "--temperature", "0",
-                             "--max-tokens", "32", STOPLINE_HOST="127.0.0.1", STOPLINE_PORT=str(server.port))
+    result = await in_thread(
+        run_client,
+        "What is the capital of France?",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "32",
+        STOPLINE_HOST="127.0.0.1",
+        STOPLINE_PORT=str(server.port),
+    )
     assert result.returncode == 0, result
     assert "Paris" in result.stdout
     [record] = logs.records("generation_done")
@@ -118,6 +148,7 @@ async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
 
 
 # ---------- the interactive chat ----------
+
 
 @pytest.mark.slow
 async def test_interactive_chat_keeps_history_and_ctrl_c_stops_the_answer(server, logs):

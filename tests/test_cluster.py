@@ -21,10 +21,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from conftest import LONG_ANSWER, TERMINAL_TYPES, UNIT, Client, metric_value, wait_for
 from websockets.asyncio.client import connect
 
 from bench.servers import RedisServer, free_port
+from conftest import LONG_ANSWER, TERMINAL_TYPES, UNIT, Client, metric_value, wait_for
 from stopline.cluster import (
     CANCELLATIONS,
     HEARTBEAT_PERIOD_S,
@@ -53,6 +53,7 @@ DEPLOY_LISTEN = 8080
 DEPLOY_REPLICAS = ((8765, 8766), (8775, 8776), (8785, 8786))
 REPLICA_IDS = ("a", "b", "c")
 
+
 def store_client(redis_server: RedisServer) -> aioredis.Redis:
     return aioredis.from_url(redis_server.url, decode_responses=True)
 
@@ -67,9 +68,28 @@ class Replica:
         self.stderr_path = directory / f"replica-{replica_id}.stderr"
         with open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "stopline", "--port", "0", "--http-port", "0", "--workers", "1",
-                 "--threads", "1", "--redis-url", redis_url, "--replica-id", replica_id],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    "stopline",
+                    "--port",
+                    "0",
+                    "--http-port",
+                    "0",
+                    "--workers",
+                    "1",
+                    "--threads",
+                    "1",
+                    "--redis-url",
+                    redis_url,
+                    "--replica-id",
+                    replica_id,
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+            )
         self._reader = threading.Thread(target=self._read, name=f"replica-{replica_id}-log", daemon=True)
         self._reader.start()
 
@@ -110,8 +130,10 @@ def render_nginx_conf(listen: int, replicas: list[Replica]) -> str:
     text = NGINX_CONF.read_text()
     swaps = [(f"listen 127.0.0.1:{DEPLOY_LISTEN};", f"listen 127.0.0.1:{listen};")]
     for (ws, api), replica in zip(DEPLOY_REPLICAS, replicas):
-        swaps += [(f"server 127.0.0.1:{ws};", f"server 127.0.0.1:{replica.ws_port};"),
-                  (f"server 127.0.0.1:{api};", f"server 127.0.0.1:{replica.http_port};")]
+        swaps += [
+            (f"server 127.0.0.1:{ws};", f"server 127.0.0.1:{replica.ws_port};"),
+            (f"server 127.0.0.1:{api};", f"server 127.0.0.1:{replica.http_port};"),
+        ]
     for old, new in swaps:
         assert text.count(old) == 1, old
         text = text.replace(old, new)
@@ -128,8 +150,11 @@ class Nginx:
         conf.write_text(render_nginx_conf(self.port, replicas))
         self.stderr_path = directory / "nginx.stderr"
         with open(self.stderr_path, "wb") as stderr:
-            self.process = subprocess.Popen(["nginx", "-p", str(directory), "-c", str(conf), "-e", "stderr",
-                                             "-g", "daemon off;"], stdout=stderr, stderr=stderr)
+            self.process = subprocess.Popen(
+                ["nginx", "-p", str(directory), "-c", str(conf), "-e", "stderr", "-g", "daemon off;"],
+                stdout=stderr,
+                stderr=stderr,
+            )
         deadline = time.monotonic() + 10 * UNIT
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
@@ -238,8 +263,14 @@ async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deploym
                 status, body, _ = await call(http, "GET", api, request_id, token)
                 assert status == 200 and body["status"] in (Status.PREFILL, Status.DECODING), body
                 assert (await call(http, "DELETE", api, request_id, "not-the-token"))[:2] == (
-                    403, {"type": "error", "id": None, "code": ErrorCode.INVALID_CANCEL_TOKEN,
-                          "message": "send the generation's cancel token as 'Authorization: Bearer <token>'"})
+                    403,
+                    {
+                        "type": "error",
+                        "id": None,
+                        "code": ErrorCode.INVALID_CANCEL_TOKEN,
+                        "message": "send the generation's cancel token as 'Authorization: Bearer <token>'",
+                    },
+                )
                 status, body, replica = await call(http, "DELETE", api, request_id, token)
                 assert (status, body) == (200, {"request_id": request_id, "status": Status.CANCELLED})
                 terminal = await client.terminal(name)
@@ -258,15 +289,19 @@ async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deploym
             [logged] = await wait_for(lambda request_id=request_id: stream_records(store, request_id), timeout=10)
             assert logged["event"] == "generation_cancelled" and logged["user_id"] == user
             assert logged["reason"] == Reason.USER_CANCELLED and int(logged["tokens_generated"]) >= 1
-            assert int(logged["tokens_wasted"]) >= int(logged["tokens_generated"]) and float(logged["cancel_latency_ms"]) >= 0
+            assert (
+                int(logged["tokens_wasted"]) >= int(logged["tokens_generated"])
+                and float(logged["cancel_latency_ms"]) >= 0
+            )
             answered_by.add(replica)
             relayed += replica != record["owner"]
             if answered_by == set(REPLICA_IDS) and relayed:
                 break
         assert answered_by == set(REPLICA_IDS) and relayed, (answered_by, relayed)
         # The relayed ones were stopped by their owner, which logged who asked.
-        remote = [r for replica in deployment.replicas for r in replica.records
-                  if r.get("event") == StoreEvent.REMOTE_CANCEL]
+        remote = [
+            r for replica in deployment.replicas for r in replica.records if r.get("event") == StoreEvent.REMOTE_CANCEL
+        ]
         assert len(remote) == relayed and all(r["status"] == Status.CANCELLED for r in remote)
         status, body, _ = await call(http, "DELETE", api, "no-such-generation", "x")
         assert status == 404 and body["code"] == ErrorCode.UNKNOWN_REQUEST
@@ -321,8 +356,9 @@ async def test_redis_down_then_back(deployment, http):
         assert (status, body) == (200, {"request_id": during["request_id"], "status": Status.CANCELLED})
         assert (await client.terminal("during"))["type"] == Outcome.CANCELLED
         # The writes queued while Redis was away reached it: the first generation's end, and its log record.
-        status, body, _ = await wait_for(lambda: _answered(call(http, "GET", b.api, first["request_id"],
-                                                                first["cancel_token"])), timeout=10)
+        status, body, _ = await wait_for(
+            lambda: _answered(call(http, "GET", b.api, first["request_id"], first["cancel_token"])), timeout=10
+        )
         assert body["status"] == Status.CANCELLED
         store = store_client(deployment.redis)
         try:
@@ -351,8 +387,9 @@ async def test_dead_owner_is_answered_at_once(deployment, http, tmp_path):
             accepted = await running_generation(client, "doomed")
             request_id, token = accepted["request_id"], accepted["cancel_token"]
             # Its progress reaches the store once a heartbeat period.
-            status, body, _ = await wait_for(lambda: _decoding(call(http, "GET", a.api, request_id, token)),
-                                             timeout=3 * HEARTBEAT_PERIOD_S)
+            status, body, _ = await wait_for(
+                lambda: _decoding(call(http, "GET", a.api, request_id, token)), timeout=3 * HEARTBEAT_PERIOD_S
+            )
             doomed.stop(signal.SIGKILL)
             started = time.monotonic()
             status, body, replica = await call(http, "DELETE", a.api, request_id, token)
@@ -369,17 +406,24 @@ async def test_dead_owner_is_answered_at_once(deployment, http, tmp_path):
         status, body, _ = await call(http, "GET", a.api, request_id, token)
         assert (status, body["status"]) == (200, Status.OWNER_LOST)
         assert (await call(http, "DELETE", a.api, request_id, token))[:2] == (
-            200, {"request_id": request_id, "status": Status.OWNER_LOST})
+            200,
+            {"request_id": request_id, "status": Status.OWNER_LOST},
+        )
     finally:
         doomed.stop(signal.SIGKILL)
 
 
 async def _decoding(response):
     answer = await response
-    return answer if answer[0] == 200 and answer[1]["status"] == Status.DECODING and answer[1]["tokens_generated"] else None
+    return (
+        answer
+        if answer[0] == 200 and answer[1]["status"] == Status.DECODING and answer[1]["tokens_generated"]
+        else None
+    )
 
 
 # The write queue, without the model: a Cluster over a registry, Redis absent and then present. -------------
+
 
 def _request(number: int) -> Request:
     return Request(f"r{number}", [1, 2, 3], SamplingParams(), received_ns=0, user=f"user-{number}")
@@ -397,8 +441,17 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
         for request in requests:
             registry.add(request, None)
         for request in requests[:3]:
-            registry.end(request, Ending(Outcome.CANCELLED, str(Reason.USER_CANCELLED), prompt_tokens=3,
-                                         prompt_tokens_evaluated=3, tokens_generated=2, cancel_latency_ms=0.5))
+            registry.end(
+                request,
+                Ending(
+                    Outcome.CANCELLED,
+                    str(Reason.USER_CANCELLED),
+                    prompt_tokens=3,
+                    prompt_tokens_evaluated=3,
+                    tokens_generated=2,
+                    cancel_latency_ms=0.5,
+                ),
+            )
         # 6 adds, then a hash and a log record for each of 3 ends: 12 writes, 6 places.
         assert cluster.state is StoreState.DOWN
         assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
@@ -410,7 +463,9 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
         try:
             # The ends (kept, the newest writes) and the live ones (registered again on connecting).
             for request in requests:
-                record = await wait_for(lambda request=request: store.hgetall(generation_key(request.request_id)), timeout=10)
+                record = await wait_for(
+                    lambda request=request: store.hgetall(generation_key(request.request_id)), timeout=10
+                )
                 assert record["owner"] == "solo" and record["user_id"] == request.user
                 assert record["status"] == (Status.CANCELLED if request in requests[:3] else Status.QUEUED)
                 assert 0 < await store.ttl(generation_key(request.request_id)) <= 86_400
@@ -484,10 +539,17 @@ async def test_the_log_records_cancels_and_timeouts_not_finished_ones(tmp_path):
     store = store_client(redis_server)
     try:
         await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
-        endings = [Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=5),
-                   Ending(Outcome.TIMEOUT, str(Reason.FIRST_TOKEN_TIMEOUT), prompt_tokens_evaluated=7),
-                   Ending(Outcome.CANCELLED, str(Reason.CLIENT_DISCONNECTED), prompt_tokens_evaluated=3,
-                          tokens_generated=2, cancel_latency_ms=1.5)]
+        endings = [
+            Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=5),
+            Ending(Outcome.TIMEOUT, str(Reason.FIRST_TOKEN_TIMEOUT), prompt_tokens_evaluated=7),
+            Ending(
+                Outcome.CANCELLED,
+                str(Reason.CLIENT_DISCONNECTED),
+                prompt_tokens_evaluated=3,
+                tokens_generated=2,
+                cancel_latency_ms=1.5,
+            ),
+        ]
         requests = [_request(n) for n in range(len(endings))]
         for request, ending in zip(requests, endings):
             registry.add(request, None)
@@ -495,7 +557,8 @@ async def test_the_log_records_cancels_and_timeouts_not_finished_ones(tmp_path):
         records = await wait_for(lambda: _stream_of(store, 2), timeout=10)
         assert [(r["event"], r["request_id"], r["reason"], r["user_id"]) for r in records] == [
             ("generation_timeout", requests[1].request_id, Reason.FIRST_TOKEN_TIMEOUT, "user-1"),
-            ("generation_cancelled", requests[2].request_id, Reason.CLIENT_DISCONNECTED, "user-2")]
+            ("generation_cancelled", requests[2].request_id, Reason.CLIENT_DISCONNECTED, "user-2"),
+        ]
         # A timeout has no cancel latency; a cancel has.
         assert "cancel_latency_ms" not in records[0] and float(records[1]["cancel_latency_ms"]) == 1.5
         assert [int(r["tokens_wasted"]) for r in records] == [7, 5]

@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def table_rows(path: Path) -> list[list[str]]:
     """The cells of every Markdown table row in ``path``."""
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in path.read_text().splitlines() if line.startswith("| `")]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in path.read_text().splitlines()
+        if line.startswith("| `")
+    ]
 
 
 def numbers(text: str) -> list[float]:
@@ -27,10 +30,15 @@ def numbers(text: str) -> list[float]:
 
 def test_the_generate_table_shows_the_protocol_defaults():
     documented = {row[0].strip("`"): row[2] for row in table_rows(ROOT / "docs" / "protocol.md") if len(row) == 4}
-    expected = {"max_tokens": DEFAULT_SAMPLING.max_tokens, "temperature": DEFAULT_SAMPLING.temperature,
-                "top_k": DEFAULT_SAMPLING.top_k, "top_p": DEFAULT_SAMPLING.top_p,
-                "repetition_penalty": DEFAULT_SAMPLING.repetition_penalty,
-                "timeout_s": Limits.default_timeout_s, "ttft_timeout_s": Limits.default_ttft_timeout_s}
+    expected = {
+        "max_tokens": DEFAULT_SAMPLING.max_tokens,
+        "temperature": DEFAULT_SAMPLING.temperature,
+        "top_k": DEFAULT_SAMPLING.top_k,
+        "top_p": DEFAULT_SAMPLING.top_p,
+        "repetition_penalty": DEFAULT_SAMPLING.repetition_penalty,
+        "timeout_s": Limits.default_timeout_s,
+        "ttft_timeout_s": Limits.default_ttft_timeout_s,
+    }
     for name, value in expected.items():
         assert numbers(documented[name]) == [value], (name, documented[name])
 
@@ -38,15 +46,29 @@ def test_the_generate_table_shows_the_protocol_defaults():
 def test_the_server_settings_default_to_the_protocol_limits():
     config = ServerConfig()
     limits = Limits(context_length=1, vocab_size=1)
-    for name in ("requests_per_connection", "requests_per_address", "default_timeout_s", "max_timeout_s",
-                 "default_ttft_timeout_s", "max_ttft_timeout_s", "frames_per_second", "frame_burst",
-                 "bytes_per_second"):
+    for name in (
+        "requests_per_connection",
+        "requests_per_address",
+        "default_timeout_s",
+        "max_timeout_s",
+        "default_ttft_timeout_s",
+        "max_ttft_timeout_s",
+        "frames_per_second",
+        "frame_burst",
+        "bytes_per_second",
+    ):
         assert getattr(config, name) == getattr(limits, name), name
     assert config.max_frame_bytes == limits.byte_burst
 
 
-@pytest.mark.parametrize("flag, default", [(flag, default) for flag, _, default, _ in SETTINGS
-                                           if isinstance(default, (int, float)) and not isinstance(default, bool)])
+@pytest.mark.parametrize(
+    "flag, default",
+    [
+        (flag, default)
+        for flag, _, default, _ in SETTINGS
+        if isinstance(default, (int, float)) and not isinstance(default, bool)
+    ],
+)
 def test_the_readme_shows_each_flag_default(flag, default):
     for row in table_rows(ROOT / "README.md"):
         flags = re.findall(r"`(--[a-z-]+)`", row[0])

@@ -23,12 +23,18 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-from stopline import _core
-from stopline._core import ExitKind, Generation, GenerationState
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation
+from stopline import _core
+from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine import (
-    EXIT_OUTCOMES, ContextOverflowError, Engine, EngineError, ModelLoadError, SamplingParams, sampling_args,
+    EXIT_OUTCOMES,
+    ContextOverflowError,
+    Engine,
+    EngineError,
+    ModelLoadError,
+    SamplingParams,
+    sampling_args,
 )
 from stopline.vocabulary import Outcome, Reason
 
@@ -92,23 +98,26 @@ def wait_for_tokens(generation: Generation, count: int, pieces: list[bytes]) -> 
 
 @dataclass(frozen=True)
 class Costs:
-    chunk_ns: float    # one prefill chunk of `chunk` tokens
+    chunk_ns: float  # one prefill chunk of `chunk` tokens
     prefill_ns: float  # the whole prompt
-    step_ns: float     # one decode step (sample + publish + one-token eval)
+    step_ns: float  # one decode step (sample + publish + one-token eval)
 
 
 def measure_costs(slot, prompt: list[int], chunk: int, decode_tokens: int = 8) -> Costs:
     """Time an uncancelled run on this machine, now, to scale the bounds of a test."""
     slot.forget()
-    generation = make_generation(slot, prompt, max_tokens=decode_tokens, temperature=0, prefill_chunk=chunk,
-                                 window=decode_tokens)
+    generation = make_generation(
+        slot, prompt, max_tokens=decode_tokens, temperature=0, prefill_chunk=chunk, window=decode_tokens
+    )
     result = generation.run()
     assert ended_done(result) and result.prompt_tokens_evaluated == len(prompt)
     chunks = math.ceil(result.prompt_tokens_evaluated / chunk)
     steps = max(1, result.tokens_generated - 1)
-    return Costs(chunk_ns=(result.first_token_ns - result.start_ns) / chunks,
-                 prefill_ns=result.first_token_ns - result.start_ns,
-                 step_ns=(result.end_ns - result.first_token_ns) / steps)
+    return Costs(
+        chunk_ns=(result.first_token_ns - result.start_ns) / chunks,
+        prefill_ns=result.first_token_ns - result.start_ns,
+        step_ns=(result.end_ns - result.first_token_ns) / steps,
+    )
 
 
 def stream_text(engine: Engine, slot, prompt: list[int], **params) -> tuple[str, object]:
@@ -188,8 +197,10 @@ def test_cancel_during_decode_via_stream(engine, slot):
     assert result.end_ns - cancel_ns <= costs.step_ns + SLACK_NS
 
 
-@pytest.mark.parametrize("chunk,step_abort", [pytest.param(1, False, marks=pytest.mark.slow),
-                                              pytest.param(8, False, marks=pytest.mark.slow), (64, True)])
+@pytest.mark.parametrize(
+    "chunk,step_abort",
+    [pytest.param(1, False, marks=pytest.mark.slow), pytest.param(8, False, marks=pytest.mark.slow), (64, True)],
+)
 def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_prompt, chunk, step_abort):
     assert slot.context_length == 2048
     # The cost of one chunk, from a short uncancelled run over the first tokens of the same prompt.
@@ -203,8 +214,9 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
         chunk_ns = ref.longest_prefill_node_ns
 
     slot.forget()
-    generation = make_generation(slot, long_prompt, max_tokens=16, temperature=0, prefill_chunk=chunk,
-                                 step_abort=step_abort)
+    generation = make_generation(
+        slot, long_prompt, max_tokens=16, temperature=0, prefill_chunk=chunk, step_abort=step_abort
+    )
     runner = start(generation)
     # Cancel about half-way through what the reference evaluated, well inside the prompt.
     time.sleep((ref.first_token_ns - ref.start_ns) / 2e9)
@@ -375,8 +387,9 @@ def test_total_deadline_fires_within_a_step(engine, slot):
     # Expire mid-decode: well after the prompt (twice its measured cost) plus about ten tokens.
     timeout_s = (2 * costs.prefill_ns + 10 * costs.step_ns) / 1e9
     started_ns = time.monotonic_ns()
-    stream = engine.start(slot, prompt, SamplingParams(max_tokens=1000, temperature=0, timeout_s=timeout_s),
-                          started_ns=started_ns)
+    stream = engine.start(
+        slot, prompt, SamplingParams(max_tokens=1000, temperature=0, timeout_s=timeout_s), started_ns=started_ns
+    )
     text = "".join(stream)
     result = stream.result
     deadline_ns = started_ns + int(timeout_s * 1e9)
@@ -391,8 +404,9 @@ def test_first_token_deadline_fires_during_prefill(engine, slot, long_prompt):
     costs = measure_costs(slot, long_prompt[:64], chunk=engine.prefill_chunk)
     slot.forget()
     started_ns = time.monotonic_ns()
-    stream = engine.start(slot, long_prompt, SamplingParams(max_tokens=16, ttft_timeout_s=0.3 * UNIT),
-                          started_ns=started_ns)
+    stream = engine.start(
+        slot, long_prompt, SamplingParams(max_tokens=16, ttft_timeout_s=0.3 * UNIT), started_ns=started_ns
+    )
     assert list(stream) == []
     result = stream.result
     deadline_ns = started_ns + int(0.3 * UNIT * 1e9)
@@ -425,8 +439,7 @@ def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
     # Generate for about twice as long as the first-token deadline.
     max_tokens = int(2 * ttft_ns / costs.step_ns) + 1
     started_ns = time.monotonic_ns()
-    _, result = stream_text(engine, slot, prompt, max_tokens=max_tokens, temperature=0,
-                            ttft_timeout_s=ttft_ns / 1e9)
+    _, result = stream_text(engine, slot, prompt, max_tokens=max_tokens, temperature=0, ttft_timeout_s=ttft_ns / 1e9)
     assert (result.outcome, result.reason) == ("done", "max_tokens")
     assert result.tokens_generated == max_tokens
     assert result.end_ns > started_ns + ttft_ns  # the deadline did pass during the run
@@ -437,7 +450,7 @@ def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
 
 @dataclass(frozen=True)
 class Counting:
-    rate: float     # iterations per second of wall time
+    rate: float  # iterations per second of wall time
     blocked: float  # fraction of wall time neither on a CPU nor waiting for one
 
 
@@ -485,8 +498,9 @@ def test_python_threads_keep_running_during_generation(engine, slot):
     ratios, blocked = [], []
     for _ in range(3):
         solo = _count(1.0)
-        generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=1000, temperature=0,
-                                     threads=1, window=1024)
+        generation = make_generation(
+            slot, engine.encode(messages=LONG_ANSWER), max_tokens=1000, temperature=0, threads=1, window=1024
+        )
         runner = start(generation)
         busy = _count(1.0)
         running = not generation.finished
@@ -497,8 +511,10 @@ def test_python_threads_keep_running_during_generation(engine, slot):
         blocked.append(busy.blocked)
         if ratios[-1] >= 0.8:
             break
-    print(f"\nGIL: during a generation the counter keeps {', '.join(f'{r:.2f}' for r in ratios)} of its solo "
-          f"rate, and is blocked {', '.join(f'{b:.1%}' for b in blocked)} of the time")
+    print(
+        f"\nGIL: during a generation the counter keeps {', '.join(f'{r:.2f}' for r in ratios)} of its solo "
+        f"rate, and is blocked {', '.join(f'{b:.1%}' for b in blocked)} of the time"
+    )
     if max(ratios) >= 0.8:
         return
     # A machine busy with other work: two runnable threads share less than two cores,
@@ -531,11 +547,18 @@ def test_same_tokens_as_ctransformers_own_generate(engine, slot, chunk):
 
     prompt = engine.encode(messages=CHAT_FRANCE)
     slot.forget()
-    llm = AutoModelForCausalLM.from_pretrained(str(engine.model_path), model_type="llama", context_length=256,
-                                               threads=1)
+    llm = AutoModelForCausalLM.from_pretrained(
+        str(engine.model_path), model_type="llama", context_length=256, threads=1
+    )
     try:
-        theirs = list(itertools.islice(llm.generate(prompt, top_k=1, temperature=1.0, repetition_penalty=1.1,
-                                                    batch_size=chunk, threads=1, reset=True), 24))
+        theirs = list(
+            itertools.islice(
+                llm.generate(
+                    prompt, top_k=1, temperature=1.0, repetition_penalty=1.1, batch_size=chunk, threads=1, reset=True
+                ),
+                24,
+            )
+        )
     finally:
         del llm
     generation = make_generation(slot, prompt, max_tokens=24, temperature=0, prefill_chunk=chunk)
@@ -549,9 +572,10 @@ def test_same_tokens_as_ctransformers_own_generate(engine, slot, chunk):
 def test_stop_sequence_ends_generation_and_is_not_streamed(engine, slot, france_answer, stop):
     # " Paris" is a whole token, "ari" sits inside one, "France is" spans two.
     assert stop in france_answer
-    expected = france_answer[:france_answer.index(stop)]
-    text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0,
-                               stop=("never-appears", stop))
+    expected = france_answer[: france_answer.index(stop)]
+    text, result = stream_text(
+        engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("never-appears", stop)
+    )
     assert (result.outcome, result.reason) == ("done", "stop_sequence")
     assert text == expected
     assert result.text_kept_bytes == len(expected.encode())
@@ -561,18 +585,20 @@ def test_stop_sequences_cut_at_the_earliest_match_whatever_their_order(engine, s
     # The longer stop starts three characters before "Paris", and both complete with the token " Paris".
     start = france_answer.index(" Paris") - 3
     assert start >= 0
-    longer = france_answer[start:start + 9]
+    longer = france_answer[start : start + 9]
     expected = france_answer[:start]
-    text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0,
-                               stop=("Paris", longer))
+    text, result = stream_text(
+        engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("Paris", longer)
+    )
     assert result.reason == "stop_sequence"
     assert text == expected
 
 
 @pytest.mark.slow
 def test_stop_sequence_that_never_appears(engine, slot, france_answer):
-    text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0,
-                               stop=("zebra",))
+    text, result = stream_text(
+        engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("zebra",)
+    )
     assert text == france_answer and result.reason != "stop_sequence"
 
 
@@ -612,8 +638,9 @@ def test_slow_reader_pauses_the_loop(engine, slot):
     costs = measure_costs(slot, prompt, chunk=engine.prefill_chunk)
     # Long enough for the prompt and twenty tokens, three times over.
     wait_s = 3 * (costs.prefill_ns + 20 * costs.step_ns) / 1e9
-    generation = make_generation(slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk,
-                                 window=4)
+    generation = make_generation(
+        slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk, window=4
+    )
     runner = start(generation)
     time.sleep(wait_s)
     assert len(generation.take()) == 4  # paused a full window ahead, not further
@@ -631,6 +658,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
 
 
 # --- Stream: every token reaches a slow consumer ------------------------------------
+
 
 @pytest.mark.slow
 def test_slow_consumer_gets_every_token(engine, slot):
@@ -671,8 +699,9 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
     # A window of one token holds the loop until the consumer reads, so a cancel at the
     # first chunk always lands long before the 16th token.
     window = 1 if mode in (1, 3) else 64
-    stream = engine.start(slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)),
-                          window=window)
+    stream = engine.start(
+        slot, prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=rng.randrange(1000)), window=window
+    )
     if mode == 0:  # cancelled before the loop starts
         assert stream.cancel() is True
         assert list(stream) == []
@@ -734,8 +763,10 @@ def test_start_cancel_cycles_leak_nothing(engine, slot):
 @pytest.mark.slow
 def test_two_slots_run_concurrently(engine, slot, second_slot, france_answer):
     prompt = engine.encode(messages=CHAT_FRANCE)
-    generations = [make_generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
-                   for s in (slot, second_slot)]
+    generations = [
+        make_generation(s, prompt, max_tokens=48, temperature=0, prefill_chunk=engine.prefill_chunk)
+        for s in (slot, second_slot)
+    ]
     runners = [start(g) for g in generations]
     results = [r.finish() for r in runners]
     texts = [b"".join(g.take()).decode() for g in generations]
@@ -843,10 +874,17 @@ try:
 except OSError as error:
     print(error.errno, error)
 """
-    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
-                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=JOIN_TIMEOUT_S,
+    )
     assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.strip() == f"{errno.EMFILE} [Errno {errno.EMFILE}] eventfd() failed: {os.strerror(errno.EMFILE)}"
+    assert (
+        child.stdout.strip() == f"{errno.EMFILE} [Errno {errno.EMFILE}] eventfd() failed: {os.strerror(errno.EMFILE)}"
+    )
 
 
 def test_a_library_that_cannot_be_loaded_says_why(tmp_path):
@@ -860,8 +898,13 @@ try:
 except _core.EngineError as error:
     print(error)
 """
-    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
-                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=JOIN_TIMEOUT_S,
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     # The loader's own explanation (dlerror()), after the path.
     assert child.stdout.startswith(f"cannot load {path}: ") and "invalid ELF header" in child.stdout
@@ -937,6 +980,11 @@ for bad in (lambda: _core.Generation(context, [1, 2], **args), lambda: _core.Gen
     except OSError:
         sys.exit(3)
 """
-    child = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
-                           capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=JOIN_TIMEOUT_S,
+    )
     assert child.returncode == 0, child.stderr[-2000:]

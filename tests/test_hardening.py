@@ -19,8 +19,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server,
-                      wait_for)
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server, wait_for
 
 # Each of these once closed the whole connection (1011, or 1006 with no close frame).
 KILLER_FRAMES = [
@@ -50,8 +49,10 @@ async def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
 
 def ws_request(port: int, host: str | None = None, extra: str = "") -> bytes:
     host_line = f"Host: {host or f'127.0.0.1:{port}'}\r\n" if host != "" else ""
-    return (f"GET /ws HTTP/1.1\r\n{host_line}Upgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n").encode()
+    return (
+        f"GET /ws HTTP/1.1\r\n{host_line}Upgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
+    ).encode()
 
 
 @pytest.fixture
@@ -63,6 +64,7 @@ def tracebacks():
         def emit(self, record):
             if record.exc_info or record.levelno >= logging.ERROR:
                 records.append(record)
+
     handler = Collect()
     logging.getLogger().addHandler(handler)
     yield records
@@ -70,6 +72,7 @@ def tracebacks():
 
 
 # Frames ----------------------------------------------------------------------
+
 
 @pytest.mark.slow
 async def test_no_frame_kills_the_connection_or_its_other_requests(server, logs, tracebacks):
@@ -94,6 +97,7 @@ async def test_a_server_bug_in_one_request_ends_only_that_request(server, logs, 
         if prompt == "trigger a bug":
             raise RuntimeError("injected fault")
         return real_encode(prompt=prompt, messages=messages)
+
     monkeypatch.setattr(server.engine, "encode", encode)
     async with client_for(server) as client:
         await client.generate("bystander", messages=LONG_ANSWER, max_tokens=40, temperature=0)
@@ -108,15 +112,31 @@ async def test_a_server_bug_in_one_request_ends_only_that_request(server, logs, 
 
 def random_frame(rng: random.Random) -> str | bytes:
     """One random or malformed frame: surrogates, huge numbers, wrong types, broken JSON."""
+
     def text() -> str:
-        alphabet = ["a", " ", "é", "\u4e00", "\U0001F600", "\x00", "\n", '"', "\\"]
+        alphabet = ["a", " ", "é", "\u4e00", "\U0001f600", "\x00", "\n", '"', "\\"]
         return "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
 
     def value():
-        return rng.choice([
-            None, True, False, rng.randrange(-5, 5), rng.random() * 10 - 2, text(), [text()], {"k": text()},
-            float("inf"), float("nan"), 10 ** rng.randrange(300, 420), -(10 ** rng.randrange(300, 420)),
-            [[[[[]]]]], "x" * rng.randrange(100, 300)])
+        return rng.choice(
+            [
+                None,
+                True,
+                False,
+                rng.randrange(-5, 5),
+                rng.random() * 10 - 2,
+                text(),
+                [text()],
+                {"k": text()},
+                float("inf"),
+                float("nan"),
+                10 ** rng.randrange(300, 420),
+                -(10 ** rng.randrange(300, 420)),
+                [[[[[]]]]],
+                "x" * rng.randrange(100, 300),
+            ]
+        )
+
     kind = rng.randrange(10)
     if kind == 0:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 20)))
@@ -129,11 +149,12 @@ def random_frame(rng: random.Random) -> str | bytes:
         if rng.random() < 0.5:
             frame["prompt"] = rng.choice([text(), "Say hi.", value()])
         else:
-            frame["messages"] = rng.choice([[{"role": rng.choice(["user", "wizard"]), "content": text()}],
-                                            value(), []])
+            frame["messages"] = rng.choice([[{"role": rng.choice(["user", "wizard"]), "content": text()}], value(), []])
         frame["max_tokens"] = rng.choice([1, 2, value()])
-    for field in rng.sample(["temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "timeout_s",
-                             "ttft_timeout_s", "extra"], rng.randrange(0, 3)):
+    for field in rng.sample(
+        ["temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "timeout_s", "ttft_timeout_s", "extra"],
+        rng.randrange(0, 3),
+    ):
         frame[field] = value()
     raw = json.dumps(frame, allow_nan=True)
     if rng.random() < 0.3:
@@ -148,9 +169,10 @@ def random_frame(rng: random.Random) -> str | bytes:
 async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
     """>= 10,000 random and malformed frames on 4 connections: no traceback, no connection closed."""
     frames_per_connection = 2500
-    async with running_server(engine, frames_per_second=1e6, frame_burst=10**6, bytes_per_second=1e9,
-                              requests_per_connection=4,
-                              max_queue=4) as server:
+    async with running_server(
+        engine, frames_per_second=1e6, frame_burst=10**6, bytes_per_second=1e9, requests_per_connection=4, max_queue=4
+    ) as server:
+
         async def one_connection(seed: int) -> tuple[int, int]:
             rng = random.Random(seed)
             async with connect(server.ws_url, max_queue=None) as ws:
@@ -164,6 +186,7 @@ async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
                         answers += 1
                         if frame.get("id") == "__probe__" and frame["type"] == "cancel_ack":
                             probe_seen.set()
+
                 reader = asyncio.create_task(read())
                 for _ in range(frames_per_connection):
                     await ws.send(random_frame(rng))
@@ -172,6 +195,7 @@ async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
                 reader.cancel()
                 assert ws.close_code is None  # never closed by the server
                 return frames_per_connection, answers
+
         results = await asyncio.gather(*(one_connection(seed) for seed in range(4)))
         sent = sum(r[0] for r in results)
         assert sent >= 10_000
@@ -182,6 +206,7 @@ async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
 
 
 # Prompt work -----------------------------------------------------------------
+
 
 async def test_an_oversized_prompt_is_refused_without_tokenizing(server):
     async with client_for(server) as client:
@@ -198,6 +223,7 @@ def engine_max_token_bytes(server) -> int:
 
 
 # Host and Origin --------------------------------------------------------------
+
 
 async def test_dns_rebinding_is_refused_on_every_path(server):
     port = server.port
@@ -239,9 +265,11 @@ async def test_allowed_origins_match_scheme_host_and_port(engine):
 
 # Fair share --------------------------------------------------------------------
 
+
 async def test_requests_are_capped_per_client_address(engine):
-    async with running_server(engine, workers=1, max_queue=8, requests_per_connection=2,
-                              requests_per_address=3) as server:
+    async with running_server(
+        engine, workers=1, max_queue=8, requests_per_connection=2, requests_per_address=3
+    ) as server:
         async with client_for(server) as first, client_for(server) as second, client_for(server) as third:
             await first.generate("a", messages=LONG_ANSWER, max_tokens=300)
             await first.generate("b", messages=LONG_ANSWER, max_tokens=300)
@@ -268,6 +296,7 @@ async def test_connections_are_capped(engine):
             assert refused.value.response.status_code == 503
             assert refused.value.response.body.startswith(b"too_many_connections")
             await second.ws.close()
+
             # A closed connection frees its place.
             async def third_connects():
                 try:
@@ -275,6 +304,7 @@ async def test_connections_are_capped(engine):
                         return True
                 except InvalidStatus:
                     return False
+
             await wait_for(third_connects)
         metrics = await fetch_metrics(server)
         assert metric_value(metrics, "stopline_refused_connections_total", code="too_many_connections") >= 1
@@ -298,6 +328,7 @@ async def test_handshake_headers_have_a_byte_budget(engine):
             data = await asyncio.wait_for(reader.read(), 30 * UNIT)
             writer.close()
             return data
+
         answers = await asyncio.gather(*(big_handshake() for _ in range(40)))
         assert all(a.startswith(b"HTTP/1.1 431") for a in answers), {a[:40] for a in answers}
         grown = psutil.Process().memory_info().rss - rss_before
@@ -324,6 +355,7 @@ async def test_an_unfinished_handshake_times_out(engine):
 
 
 # cancel_ack --------------------------------------------------------------------
+
 
 async def test_cancels_racing_a_finish_are_acknowledged_with_the_winner(server):
     """Forces the race: the event loop is held while the native loop finishes, so
@@ -360,8 +392,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 async def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stopline", *args, cwd=ROOT, env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "stopline",
+        *args,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
     finally:
@@ -372,22 +411,25 @@ async def run_server_process(*args: str, env: dict | None = None, timeout: float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, env, problem", [
-    (["--workers", "0"], {}, "argument --workers"),
-    (["--workers", "-3"], {}, "argument --workers"),
-    (["--prefill-chunk", "0"], {}, "argument --prefill-chunk"),
-    (["--timeout", "-5"], {}, "argument --timeout"),
-    (["--ttft-timeout", "nan"], {}, "argument --ttft-timeout"),
-    (["--context-length", "999999"], {}, "exceeds the embedded model's limit"),
-    (["--port", "70000"], {}, "argument --port"),
-    (["--allowed-origins", "example.com"], {}, "is not an origin"),
-    (["--allowed-hosts", "http://x"], {}, "is not a host name"),
-    (["--host", ""], {}, "give --host 0.0.0.0 explicitly"),
-    ([], {"STOPLINE_HOST": ""}, "STOPLINE_HOST=''"),
-    ([], {"STOPLINE_PORT": "abc"}, "STOPLINE_PORT='abc'"),
-    ([], {"STOPLINE_MAX_CONNECTIONS": "0"}, "STOPLINE_MAX_CONNECTIONS='0'"),
-    ([], {"STOPLINE_LOG_LEVEL": "loud"}, "STOPLINE_LOG_LEVEL='loud'"),
-])
+@pytest.mark.parametrize(
+    "args, env, problem",
+    [
+        (["--workers", "0"], {}, "argument --workers"),
+        (["--workers", "-3"], {}, "argument --workers"),
+        (["--prefill-chunk", "0"], {}, "argument --prefill-chunk"),
+        (["--timeout", "-5"], {}, "argument --timeout"),
+        (["--ttft-timeout", "nan"], {}, "argument --ttft-timeout"),
+        (["--context-length", "999999"], {}, "exceeds the embedded model's limit"),
+        (["--port", "70000"], {}, "argument --port"),
+        (["--allowed-origins", "example.com"], {}, "is not an origin"),
+        (["--allowed-hosts", "http://x"], {}, "is not a host name"),
+        (["--host", ""], {}, "give --host 0.0.0.0 explicitly"),
+        ([], {"STOPLINE_HOST": ""}, "STOPLINE_HOST=''"),
+        ([], {"STOPLINE_PORT": "abc"}, "STOPLINE_PORT='abc'"),
+        ([], {"STOPLINE_MAX_CONNECTIONS": "0"}, "STOPLINE_MAX_CONNECTIONS='0'"),
+        ([], {"STOPLINE_LOG_LEVEL": "loud"}, "STOPLINE_LOG_LEVEL='loud'"),
+    ],
+)
 async def test_bad_settings_fail_before_loading_with_one_line_and_status_2(args, env, problem):
     code, out, err = await run_server_process("--port", "0", *args, env=env)
     assert code == 2, (out, err)
@@ -406,12 +448,20 @@ async def test_a_port_in_use_fails_at_once():
 
 async def test_ctrl_c_while_loading_exits_cleanly():
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stopline", "--port", "0", cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "stopline",
+        "--port",
+        "0",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         # The port is taken before the model loads: wait until it listens, then interrupt.
         def listening():
             return any(c.status == psutil.CONN_LISTEN for c in psutil.Process(process.pid).net_connections())
+
         await wait_for(listening, timeout=30)
         process.send_signal(signal.SIGINT)
         out, err = await asyncio.wait_for(process.communicate(), 30 * UNIT)
@@ -427,6 +477,7 @@ async def test_ctrl_c_while_loading_exits_cleanly():
 
 # Fairness under a big-prompt flood -------------------------------------------------
 
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
@@ -439,6 +490,7 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
     without the flood, with 399,000-character prompts (refused from their size),
     and with 160,000-byte prompts (just under the bound, so each is tokenized)."""
     from test_server_process import start_process
+
     process, url, _ = await start_process()
     streamer = None
     gaps: list[tuple[float, float]] = []  # (arrival, gap) of consecutive tokens of one request
@@ -450,8 +502,11 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
             n = 0
             while not stop_streaming.is_set():
                 n += 1
-                await ws.send(json.dumps({"type": "generate", "id": f"s{n}", "messages": LONG_ANSWER,
-                                          "max_tokens": 1000, "seed": n}))
+                await ws.send(
+                    json.dumps(
+                        {"type": "generate", "id": f"s{n}", "messages": LONG_ANSWER, "max_tokens": 1000, "seed": n}
+                    )
+                )
                 last = None
                 while True:
                     frame = json.loads(await ws.recv())
@@ -475,6 +530,7 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
             async def read():
                 async for message in ws:
                     answers.append(json.loads(message).get("code"))
+
             reader = asyncio.create_task(read())
             while not stop.is_set():
                 await ws.send(frame)
@@ -515,18 +571,25 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
             streamer.cancel()
         process.kill()
         await process.wait()
-    rows = [("no flood", quiet, [], quiet_handshake), ("399,000-char prompts", refused, refused_answers,
-                                                          refused_handshake),
-            ("160,000-byte prompts", tokenized, tokenized_answers, tokenized_handshake)]
+    rows = [
+        ("no flood", quiet, [], quiet_handshake),
+        ("399,000-char prompts", refused, refused_answers, refused_handshake),
+        ("160,000-byte prompts", tokenized, tokenized_answers, tokenized_handshake),
+    ]
     for name, sample, answers, handshake in rows:
-        print(f"inter-token gap, {name:22}: p50 {1000 * percentile(sample, 50):6.1f} ms, "
-              f"p99 {1000 * percentile(sample, 99):6.1f} ms, max {1000 * max(sample):6.1f} ms "
-              f"({len(sample)} gaps, {len(answers)} flood answers, new handshake {handshake:.1f} ms)")
+        print(
+            f"inter-token gap, {name:22}: p50 {1000 * percentile(sample, 50):6.1f} ms, "
+            f"p99 {1000 * percentile(sample, 99):6.1f} ms, max {1000 * max(sample):6.1f} ms "
+            f"({len(sample)} gaps, {len(answers)} flood answers, new handshake {handshake:.1f} ms)"
+        )
     # Every big prompt was refused: from its size, after tokenizing, by the connection's byte
     # budget, or because this address (every client here is 127.0.0.1) had its share in the works.
     assert "prompt_too_long" in refused_answers and "prompt_too_long" in tokenized_answers
-    assert set(refused_answers + tokenized_answers) <= {"prompt_too_long", "rate_limited",
-                                                        "too_many_requests_from_address"}
+    assert set(refused_answers + tokenized_answers) <= {
+        "prompt_too_long",
+        "rate_limited",
+        "too_many_requests_from_address",
+    }
     # Bounded in decode steps (the quiet median gap is one step). Tokenizing on the
     # event loop stalled every stream for seconds under the same flood.
     step = percentile(quiet, 50)

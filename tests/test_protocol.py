@@ -10,8 +10,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from stopline.protocol import (DEFAULT_SAMPLING, AddressQuota, Cancel, Connection, Ended, Ending, Limits, Phase,
-                               Send, Submit, Tokenize, encode_frame)
+from stopline.protocol import (
+    DEFAULT_SAMPLING,
+    AddressQuota,
+    Cancel,
+    Connection,
+    Ended,
+    Ending,
+    Limits,
+    Phase,
+    Send,
+    Submit,
+    Tokenize,
+    encode_frame,
+)
 from stopline.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
@@ -46,10 +58,12 @@ def frames(actions) -> list[dict]:
 
 def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
     """What the engine reports when a loop exits (the fields the protocol reads)."""
-    fields = dict(prompt_tokens=3, prompt_tokens_reused=0, prompt_tokens_evaluated=3, tokens_generated=0,
-                  tokens_after_cancel=0)
-    return SimpleNamespace(outcome=str(outcome), reason=reason, end_ns=end_ns, first_token_ns=first_token_ns,
-                           **{**fields, **counts})
+    fields = dict(
+        prompt_tokens=3, prompt_tokens_reused=0, prompt_tokens_evaluated=3, tokens_generated=0, tokens_after_cancel=0
+    )
+    return SimpleNamespace(
+        outcome=str(outcome), reason=reason, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts}
+    )
 
 
 def test_generate_submits_a_queued_request():
@@ -60,8 +74,9 @@ def test_generate_submits_a_queued_request():
     assert conn.live == {"r1": submit.request}
     # A field left out gets the one default there is; the deadlines are the server's.
     limits = conn.limits
-    assert submit.request.params == replace(DEFAULT_SAMPLING, timeout_s=limits.default_timeout_s,
-                                            ttft_timeout_s=limits.default_ttft_timeout_s)
+    assert submit.request.params == replace(
+        DEFAULT_SAMPLING, timeout_s=limits.default_timeout_s, ttft_timeout_s=limits.default_ttft_timeout_s
+    )
 
 
 def test_the_transition_table_is_enforced():
@@ -111,9 +126,14 @@ def test_a_cancel_that_loses_to_a_finish_is_acknowledged_after_the_terminal():
     assert late.frame == {"type": "cancel_ack", "id": "r1", "status": "finished"}
 
 
-@pytest.mark.parametrize("outcome, reason, status", [
-    (Outcome.DONE, Reason.EOS, "finished"), (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, "timeout"),
-    (Outcome.CANCELLED, Reason.USER_CANCELLED, "cancelled")])
+@pytest.mark.parametrize(
+    "outcome, reason, status",
+    [
+        (Outcome.DONE, Reason.EOS, "finished"),
+        (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, "timeout"),
+        (Outcome.CANCELLED, Reason.USER_CANCELLED, "cancelled"),
+    ],
+)
 def test_every_cancel_racing_an_ending_is_acknowledged_with_the_outcome_that_won(outcome, reason, status):
     conn = connection()
     [submit] = generate(conn)
@@ -168,13 +188,16 @@ def test_every_reason_belongs_to_one_outcome():
 
 def test_tokens_wasted_counts_only_unfinished_work():
     assert Ending(Outcome.DONE, Reason.EOS, prompt_tokens_evaluated=10, tokens_generated=5).tokens_wasted == 0
-    assert Ending(Outcome.CANCELLED, Reason.USER_CANCELLED, prompt_tokens_evaluated=10,
-                  tokens_generated=5).tokens_wasted == 15
+    assert (
+        Ending(Outcome.CANCELLED, Reason.USER_CANCELLED, prompt_tokens_evaluated=10, tokens_generated=5).tokens_wasted
+        == 15
+    )
 
 
 def test_every_way_out_of_the_native_loop_has_an_outcome():
     from stopline._core import ExitKind
     from stopline.engine import EXIT_OUTCOMES
+
     # Every exit kind but "has not ended" is mapped, and to vocabulary values only.
     assert set(EXIT_OUTCOMES) == set(ExitKind) - {ExitKind.NONE}
     for outcome, reason in EXIT_OUTCOMES.values():
@@ -202,19 +225,20 @@ SURROGATE_FRAMES = [
 def test_lone_surrogates_are_refused_and_never_echoed(raw):
     conn = connection()
     [answer] = conn.receive_text(raw, 0)
-    assert answer.frame["type"] == "error" and answer.frame["code"] in (ErrorCode.INVALID_FIELD,
-                                                                          ErrorCode.UNKNOWN_TYPE)
+    assert answer.frame["type"] == "error" and answer.frame["code"] in (ErrorCode.INVALID_FIELD, ErrorCode.UNKNOWN_TYPE)
     # Whatever is sent back is UTF-8 text.
     encode_frame(answer.frame).encode("utf-8")
     assert conn.live == {}
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
-                                   "timeout_s", "ttft_timeout_s"])
+@pytest.mark.parametrize(
+    "field",
+    ["max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "timeout_s", "ttft_timeout_s"],
+)
 @pytest.mark.parametrize("number", ["1" + "0" * 400, "-1" + "0" * 400, "1e400", "-1e400"])
 def test_numbers_of_any_magnitude_are_range_checked(field, number):
     conn = connection()
-    raw = '{"type": "generate", "id": "n", "prompt": "a", "%s": %s}' % (field, number)
+    raw = f'{{"type": "generate", "id": "n", "prompt": "a", "{field}": {number}}}'
     [answer] = conn.receive_text(raw, 0)
     assert answer.frame["code"] == ErrorCode.INVALID_FIELD and answer.frame["id"] == "n"
     assert len(answer.frame["message"]) < 200
@@ -226,6 +250,7 @@ def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():
     def counting_tokenize(prompt, messages):
         calls.append(prompt)
         return fake_tokenize(prompt, messages)
+
     conn = Connection(Limits(context_length=16, vocab_size=100, max_prompt_bytes=64), counting_tokenize, now_ns=0)
     [error] = conn.receive_text(json.dumps({"type": "generate", "id": "big", "prompt": "é" * 33}), 0)
     assert error.frame["code"] == ErrorCode.PROMPT_TOO_LONG and calls == []
@@ -290,10 +315,12 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back
 
 
 def test_importing_the_protocol_loads_only_the_standard_library_and_the_vocabulary():
-    code = ("import json, sys\n"
-            "before = set(sys.modules)\n"
-            "import stopline.protocol\n"
-            "print(json.dumps(sorted(set(sys.modules) - before)))\n")
+    code = (
+        "import json, sys\n"
+        "before = set(sys.modules)\n"
+        "import stopline.protocol\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
     ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
@@ -314,18 +341,33 @@ def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
     request = started_request(conn)
     conn.stalled(request, 10 * MS)
     # The native side knows only that it was asked to stop; whatever it says about why is not read.
-    result = loop_result(Outcome.CANCELLED, "user_cancelled", end_ns=12 * MS, first_token_ns=5 * MS,
-                         tokens_generated=4, tokens_after_cancel=1)
+    result = loop_result(
+        Outcome.CANCELLED,
+        "user_cancelled",
+        end_ns=12 * MS,
+        first_token_ns=5 * MS,
+        tokens_generated=4,
+        tokens_after_cancel=1,
+    )
     ended, terminal = conn.finished(request, result)
     assert ended.ending.reason is Reason.SLOW_CONSUMER
-    assert terminal.frame == {"type": "cancelled", "id": "r1", "reason": "slow_consumer", "tokens_generated": 4,
-                              "tokens_after_cancel": 1, "cancel_latency_ms": 2.0, "tokens_wasted": 7,
-                              "prompt_tokens_reused": 0}
+    assert terminal.frame == {
+        "type": "cancelled",
+        "id": "r1",
+        "reason": "slow_consumer",
+        "tokens_generated": 4,
+        "tokens_after_cancel": 1,
+        "cancel_latency_ms": 2.0,
+        "tokens_wasted": 7,
+        "prompt_tokens_reused": 0,
+    }
     assert ended.ending.queue_ms == 1.0 and ended.ending.ttft_ms == 5.0 and ended.ending.duration_ms == 12.0
 
 
-@pytest.mark.parametrize("outcome, reason", [(Outcome.DONE, Reason.EOS), (Outcome.DONE, Reason.STOP_SEQUENCE),
-                                             (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT)])
+@pytest.mark.parametrize(
+    "outcome, reason",
+    [(Outcome.DONE, Reason.EOS), (Outcome.DONE, Reason.STOP_SEQUENCE), (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT)],
+)
 def test_done_and_timeout_take_the_reason_the_loop_reports(outcome, reason):
     conn = connection()
     request = started_request(conn)
@@ -360,8 +402,9 @@ def test_a_request_cancelled_while_queued_ends_without_a_slot():
     assert terminal.frame["tokens_wasted"] == 0 and conn.live == {}
 
 
-@pytest.mark.parametrize("timeout_s, ttft_timeout_s, reason", [(5, 2, Reason.FIRST_TOKEN_TIMEOUT),
-                                                                (1, 2, Reason.TOTAL_TIMEOUT)])
+@pytest.mark.parametrize(
+    "timeout_s, ttft_timeout_s, reason", [(5, 2, Reason.FIRST_TOKEN_TIMEOUT), (1, 2, Reason.TOTAL_TIMEOUT)]
+)
 def test_a_queued_request_times_out_at_its_earlier_deadline(timeout_s, ttft_timeout_s, reason):
     conn = connection()
     [submit] = generate(conn, now_ns=7 * MS, timeout_s=timeout_s, ttft_timeout_s=ttft_timeout_s)
@@ -410,9 +453,17 @@ def test_accepted_names_the_global_id_and_the_cancel_token():
     conn = connection()
     [submit] = generate(conn)
     request = submit.request
-    assert conn.accepted(request, 3) == [Send({"type": "accepted", "id": "r1", "queue_position": 3,
-                                               "request_id": request.request_id,
-                                               "cancel_token": request.cancel_token})]
+    assert conn.accepted(request, 3) == [
+        Send(
+            {
+                "type": "accepted",
+                "id": "r1",
+                "queue_position": 3,
+                "request_id": request.request_id,
+                "cancel_token": request.cancel_token,
+            }
+        )
+    ]
 
 
 def test_the_greeting_and_a_failed_frame_are_actions_too():
@@ -420,5 +471,9 @@ def test_the_greeting_and_a_failed_frame_are_actions_too():
     [hello] = frames(conn.hello("m"))
     assert hello["type"] == "hello" and hello["limits"]["max_tokens"] == 16
     [error] = frames(conn.frame_failed())
-    assert error == {"type": "error", "id": None, "code": "internal_error",
-                     "message": "the server failed to handle this frame"}
+    assert error == {
+        "type": "error",
+        "id": None,
+        "code": "internal_error",
+        "message": "the server failed to handle this frame",
+    }

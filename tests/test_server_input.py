@@ -7,14 +7,23 @@ import json
 import socket
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
-from websockets.uri import parse_uri
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
+from websockets.uri import parse_uri
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, client_for, fetch_metrics, http_get, metric_value, running_server,
-                      wait_for)
+from conftest import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    client_for,
+    fetch_metrics,
+    http_get,
+    metric_value,
+    running_server,
+    wait_for,
+)
 
 BAD_FRAMES = [
     ("not json", "invalid_json"),
@@ -175,8 +184,9 @@ async def test_http_routes(server):
 
 @pytest.mark.slow
 async def test_slow_consumer_is_cancelled_and_memory_stays_bounded(engine, logs):
-    async with running_server(engine, slow_consumer_grace_s=0.5, window=8, write_limit=1024,
-                              socket_send_buffer=4096) as server:
+    async with running_server(
+        engine, slow_consumer_grace_s=0.5, window=8, write_limit=1024, socket_send_buffer=4096
+    ) as server:
         loop = asyncio.get_running_loop()
         sock = socket.socket()
         sock.setblocking(False)
@@ -190,12 +200,22 @@ async def test_slow_consumer_is_cancelled_and_memory_stays_bounded(engine, logs)
             protocol.receive_data(await loop.sock_recv(sock, 1))
         try:
             for i in range(2):
-                protocol.send_text(json.dumps({"type": "generate", "id": f"slow{i}", "messages": LONG_ANSWER,
-                                               "max_tokens": 2000, "temperature": 1.0}).encode())
+                protocol.send_text(
+                    json.dumps(
+                        {
+                            "type": "generate",
+                            "id": f"slow{i}",
+                            "messages": LONG_ANSWER,
+                            "max_tokens": 2000,
+                            "temperature": 1.0,
+                        }
+                    ).encode()
+                )
             await loop.sock_sendall(sock, b"".join(protocol.data_to_send()))
 
             def both_cancelled():
                 return len(logs.records("generation_cancelled", reason="slow_consumer")) == 2
+
             await wait_for(both_cancelled, timeout=60)
             for end in logs.records("generation_cancelled", reason="slow_consumer"):
                 assert end["tokens_generated"] < 2000 and end["tokens_after_cancel"] <= 1
@@ -204,18 +224,49 @@ async def test_slow_consumer_is_cancelled_and_memory_stays_bounded(engine, logs)
             sock.close()
 
 
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True),
-                    st.text(max_size=30))
-FIELDS = st.sampled_from(["type", "id", "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p",
-                          "repetition_penalty", "seed", "stop", "timeout_s", "ttft_timeout_s"])
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.text(max_size=30)
+)
+FIELDS = st.sampled_from(
+    [
+        "type",
+        "id",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "timeout_s",
+        "ttft_timeout_s",
+    ]
+)
 FRAMES = st.one_of(
-    st.dictionaries(FIELDS, st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
-                                         | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8),
-                    max_size=6),
-    st.fixed_dictionaries({"type": st.sampled_from(["generate", "cancel"]), "id": st.text(min_size=1, max_size=6),
-                           "prompt": st.text(min_size=1, max_size=40)},
-                          optional={"max_tokens": st.integers(-5, 3), "temperature": SCALARS,
-                                    "timeout_s": st.floats(-1, 0.2), "stop": st.lists(st.text(max_size=3))}),
+    st.dictionaries(
+        FIELDS,
+        st.recursive(
+            SCALARS,
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=6,
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["generate", "cancel"]),
+            "id": st.text(min_size=1, max_size=6),
+            "prompt": st.text(min_size=1, max_size=40),
+        },
+        optional={
+            "max_tokens": st.integers(-5, 3),
+            "temperature": SCALARS,
+            "timeout_s": st.floats(-1, 0.2),
+            "stop": st.lists(st.text(max_size=3)),
+        },
+    ),
     st.text(max_size=50),
 )
 

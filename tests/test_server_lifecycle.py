@@ -6,8 +6,16 @@ import asyncio
 
 import pytest
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, client_for, decode_step_ms, fetch_metrics, metric_value,
-                      running_server, wait_for)
+from conftest import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    client_for,
+    decode_step_ms,
+    fetch_metrics,
+    metric_value,
+    running_server,
+    wait_for,
+)
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -57,8 +65,6 @@ async def test_cancel_during_prefill_stops_within_one_chunk(server, logs):
     assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
     metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
-
-
 
 
 async def test_cancel_while_queued_computes_nothing(server, logs):
@@ -178,8 +184,12 @@ async def test_cancel_racing_finish_gives_exactly_one_terminal_message(server):
             request_id = f"race{attempt}"
             await client.generate(request_id, prompt="Count: one, two, three,", max_tokens=3)
             # Cancel as the last tokens arrive: sometimes the cancel wins, sometimes the finish.
-            first = await client.recv_until(lambda f: f["id"] == request_id and (
-                f["type"] == "done" or (f["type"] == "token" and f["index"] >= attempt % 3)))
+            first = await client.recv_until(
+                lambda f: (
+                    f["id"] == request_id
+                    and (f["type"] == "done" or (f["type"] == "token" and f["index"] >= attempt % 3))
+                )
+            )
             await client.send({"type": "cancel", "id": request_id})
             terminal = first if first["type"] == "done" else await client.terminal(request_id)
             if terminal["type"] != "cancelled":
@@ -190,8 +200,11 @@ async def test_cancel_racing_finish_gives_exactly_one_terminal_message(server):
         await client.recv_until(lambda f: f["type"] == "cancel_ack" and f["id"] == "sentinel")
         for attempt in range(12):
             request_id = f"race{attempt}"
-            terminals = [f for f in client.frames if f.get("id") == request_id
-                         and f["type"] in ("done", "cancelled", "timeout", "error")]
+            terminals = [
+                f
+                for f in client.frames
+                if f.get("id") == request_id and f["type"] in ("done", "cancelled", "timeout", "error")
+            ]
             assert len(terminals) == 1, terminals
 
 
@@ -270,4 +283,5 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server, lo
 
 async def http_get_healthz(server):
     from conftest import http_get
+
     return await http_get(server, "/healthz")

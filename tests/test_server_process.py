@@ -13,8 +13,17 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import (CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, decode_step_ms, fetch_metrics, metric_value,
-                      running_server, wait_for)
+from conftest import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    UNIT,
+    client_for,
+    decode_step_ms,
+    fetch_metrics,
+    metric_value,
+    running_server,
+    wait_for,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,8 +31,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def start_process(*args: str):
     """``python -m stopline`` on port 0; returns the process and its URL once it listens."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stopline", "--port", "0", *args, cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "stopline",
+        "--port",
+        "0",
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     lines = []
     while True:
         line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
@@ -48,8 +65,9 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
         async with connect(url) as ws:
             await ws.recv()  # hello
             for request_id in ("running", "queued"):
-                await ws.send(json.dumps({"type": "generate", "id": request_id, "messages": LONG_ANSWER,
-                                          "max_tokens": 1000}))
+                await ws.send(
+                    json.dumps({"type": "generate", "id": request_id, "messages": LONG_ANSWER, "max_tokens": 1000})
+                )
             frames = []
             # A few tokens in, so that its end record measures a decode step.
             while len([f for f in frames if f["type"] == "token"]) < 3:
@@ -76,14 +94,25 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
             await process.wait()
 
 
-@pytest.mark.parametrize("args, problem", [
-    (["--model", "/nonexistent/model.gguf"], "not found"),
-    (["--model", "/etc/hostname"], "not a GGUF file"),
-])
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--model", "/nonexistent/model.gguf"], "not found"),
+        (["--model", "/etc/hostname"], "not a GGUF file"),
+    ],
+)
 async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stopline", "--port", "0", *args, cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "stopline",
+        "--port",
+        "0",
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
     assert process.returncode == 2
     assert len(err.decode().splitlines()) == 1 and problem in err.decode()
@@ -105,7 +134,10 @@ async def test_metrics_count_outcomes_and_give_a_cancellation_rate(server):
     total = metric_value(text, "stopline_requests_total")
     assert total == 2
     assert metric_value(text, "stopline_requests_total", outcome="cancelled") / total == 0.5
-    assert metric_value(text, "stopline_tokens_generated_total") == done["tokens_generated"] + cancelled["tokens_generated"]
+    assert (
+        metric_value(text, "stopline_tokens_generated_total")
+        == done["tokens_generated"] + cancelled["tokens_generated"]
+    )
     assert metric_value(text, "stopline_tokens_wasted_total", outcome="cancelled", reason="user_cancelled") > 0
     assert metric_value(text, "stopline_cancel_latency_seconds_count", reason="user_cancelled") == 1
     # The histogram resolves a single millisecond.
@@ -121,12 +153,14 @@ async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
     cycles = int(os.environ.get("STOPLINE_SOAK_CYCLES", "150"))
     rss = psutil.Process().memory_info
     async with running_server(engine) as server:
+
         async def one_cycle(i: int):
             async with client_for(server) as client:
                 await client.generate(f"s{i}", prompt="Hello", max_tokens=2)
                 if i % 2:
                     await client.terminal(f"s{i}")
             # Odd cycles wait for the end; even ones leave mid-generation.
+
         for i in range(20):
             await one_cycle(i)
         threads, fds, before = len(psutil.Process().threads()), len(os.listdir("/proc/self/fd")), rss().rss

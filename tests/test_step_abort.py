@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
-from stopline import _core
-from stopline._core import ExitKind, Generation
 
 from bench.native import abort_storm, storm_prompt
 from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, make_generation, metric_value
+from stopline import _core
+from stopline._core import ExitKind, Generation
 from stopline.engine import Engine
 from stopline.vocabulary import AbortMode
 
@@ -40,8 +40,9 @@ def run_in_thread(generation: Generation):
 
 
 def greedy(slot, prompt, max_tokens=8, chunk=16, threads=1):
-    generation = make_generation(slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=chunk,
-                                 threads=threads)
+    generation = make_generation(
+        slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=chunk, threads=threads
+    )
     result = generation.run()
     return result, b"".join(generation.take())
 
@@ -86,8 +87,9 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
     prompt = engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
     deadline_ns = time.monotonic_ns() + int(0.3e9 * UNIT)
-    result = make_generation(slot, prompt, max_tokens=4, prefill_chunk=_core.MAX_PREFILL_CHUNK,
-                             first_token_deadline_ns=deadline_ns).run()
+    result = make_generation(
+        slot, prompt, max_tokens=4, prefill_chunk=_core.MAX_PREFILL_CHUNK, first_token_deadline_ns=deadline_ns
+    ).run()
     assert result.exit is ExitKind.FIRST_TOKEN_DEADLINE
     assert result.prompt_tokens_evaluated == 0
     assert result.end_ns >= deadline_ns
@@ -112,8 +114,10 @@ def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
     slot.forget()
     first = engine.encode(messages=CHAT_FRANCE)
     r1, answer = greedy(slot, first, max_tokens=24, chunk=engine.prefill_chunk)
-    follow_up = engine.encode(messages=CHAT_FRANCE + [{"role": "assistant", "content": answer.decode()},
-                                                      {"role": "user", "content": "And of Italy?"}])
+    follow_up = engine.encode(
+        messages=CHAT_FRANCE
+        + [{"role": "assistant", "content": answer.decode()}, {"role": "user", "content": "And of Italy?"}]
+    )
     # The cache holds the prompt and every answer token that was evaluated: all
     # but the last, unless the answer ended with EOS (never evaluated, never counted).
     last_evaluated = 0 if r1.exit is ExitKind.EOS else 1
@@ -166,8 +170,10 @@ async def test_health_and_metrics_report_the_abort_mode(server):
 @pytest.mark.slow
 async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engine, logs):
     """Two conversations alternate on two slots; each turn finds its own history."""
-    conversations = {"a": [{"role": "user", "content": "Name a fruit. " + STORY * 3}],
-                     "b": [{"role": "user", "content": "Name a colour. " + STORY * 3}]}
+    conversations = {
+        "a": [{"role": "user", "content": "Name a fruit. " + STORY * 3}],
+        "b": [{"role": "user", "content": "Name a colour. " + STORY * 3}],
+    }
     ends = {"a": [], "b": []}
     async with client_for(server) as client:
         for turn in range(3):
@@ -178,9 +184,11 @@ async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engin
                 assert end["type"] == "done"
                 ends[name].append(end)
                 answer = "".join(f["text"] for f in client.tokens(request_id))
-                messages += [{"role": "assistant", "content": answer},
-                             {"role": "user", "content": "Another one, please."}]
-    for name, turns in ends.items():
+                messages += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "Another one, please."},
+                ]
+    for turns in ends.values():
         assert turns[0]["prompt_tokens_reused"] == 0
         for before, after in zip(turns, turns[1:]):
             # All of the previous turn's prompt came from the cache.

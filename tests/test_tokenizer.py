@@ -16,11 +16,11 @@ import unicodedata
 import gguf
 import pytest
 import regex
-from stopline import _core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
+from stopline import _core
 from stopline.tokenizer import ChatTokenizer, TextStream
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -49,7 +49,7 @@ CORPUS = [
     "zero\u200bwidth and nbsp\u00a0here and ideographic\u3000space",
     "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
     "for (int i = 0; i < n; ++i) { sum += a[i]; }",
-    "<html><body class=\"x\">&amp;</body></html>",
+    '<html><body class="x">&amp;</body></html>',
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "text<|im_end|>more<|im_start|><|im_start|>",
     "<|im_start|> spaced <|im_end|>",
@@ -108,7 +108,7 @@ class ReferenceBPE:
                     ids.extend(self.vocab[s] for s in self._bpe(word))
         return ids
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - one reference tokenizer lives for the whole session
     def _bpe(self, word: str) -> tuple[str, ...]:
         symbols = [self.byte_encoder[b] for b in word.encode("utf-8")]
         while len(symbols) > 1:
@@ -181,11 +181,40 @@ def _texts(excluded: str):
     # Random text rich in the things tokenizers get wrong: whitespace runs, digits,
     # contractions, multi-byte characters and special-token markup.
     assigned = {"codec": "utf-8", "exclude_categories": ("Cn",)}
-    chars = st.one_of(st.characters(max_codepoint=0x3FFFF, exclude_characters=excluded, **assigned),
-                      st.characters(min_codepoint=0xC0000, **assigned))
-    fragments = st.sampled_from([" ", "  ", "\n", "\n\n", "\r\n", "\t", " \t ", "'s", "'ll", "'T", "123", "0",
-                                 "🎉", "👩‍👩‍👧", "你好", "é", "e\u0301", "<|im_start|>", "<|im_end|>", "<|im_",
-                                 "|>", "Hello", " world", "!", "...", "٣"])
+    chars = st.one_of(
+        st.characters(max_codepoint=0x3FFFF, exclude_characters=excluded, **assigned),
+        st.characters(min_codepoint=0xC0000, **assigned),
+    )
+    fragments = st.sampled_from(
+        [
+            " ",
+            "  ",
+            "\n",
+            "\n\n",
+            "\r\n",
+            "\t",
+            " \t ",
+            "'s",
+            "'ll",
+            "'T",
+            "123",
+            "0",
+            "🎉",
+            "👩‍👩‍👧",
+            "你好",
+            "é",
+            "e\u0301",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|im_",
+            "|>",
+            "Hello",
+            " world",
+            "!",
+            "...",
+            "٣",
+        ]
+    )
     return st.lists(st.one_of(st.text(chars, max_size=12), fragments), max_size=12).map("".join)
 
 
@@ -214,8 +243,13 @@ def test_reference_agrees_on_known_ids(reference, tokenizer):
     assert len(reference.encode("Hello world")) == 2
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(text=TEXTS)
 def test_random_text_matches_reference_and_round_trips(tokenizer, reference, text):
     ids = tokenizer.encode(text)
@@ -251,8 +285,11 @@ def test_token_bytes_are_the_byte_level_vocab(reference, token_table):
     # The converted model detokenizes every token to the raw bytes its byte-level
     # string stands for; NUL is the one exception. Control tokens carry no text.
     specials = {reference.vocab[t] for t in reference.specials}
-    mismatched = [(i, reference.tokens[i]) for i, data in enumerate(token_table)
-                  if i not in specials and data != reference.token_bytes(i) and reference.token_bytes(i) != b"\x00"]
+    mismatched = [
+        (i, reference.tokens[i])
+        for i, data in enumerate(token_table)
+        if i not in specials and data != reference.token_bytes(i) and reference.token_bytes(i) != b"\x00"
+    ]
     assert mismatched == []
     assert [token_table[i] for i in sorted(specials)] == [b""] * len(specials)
     assert len(token_table) == len(reference.tokens)
@@ -285,8 +322,13 @@ def _is_complete_utf8(data: bytes) -> bool:
         return False
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(text=STREAMABLE_TEXTS)
 def test_random_text_streams_back_exactly(reference, token_table, text):
     chunks = stream_through(token_table, reference.encode(text))
@@ -296,8 +338,11 @@ def test_random_text_streams_back_exactly(reference, token_table, text):
         assert not any("\ufffd" in c for c in chunks)
 
 
-@pytest.mark.xfail(strict=True, reason="ctransformers' detokenize returns a C string, so the token for byte "
-                                       "0x00 comes back empty and the loop publishes it as b''")
+@pytest.mark.xfail(
+    strict=True,
+    reason="ctransformers' detokenize returns a C string, so the token for byte "
+    "0x00 comes back empty and the loop publishes it as b''",
+)
 def test_nul_byte_token_streams(reference, token_table):
     ids = reference.encode("a\x00b")
     assert "".join(stream_through(token_table, ids)) == "a\x00b"
@@ -308,11 +353,11 @@ def test_nul_byte_token_streams(reference, token_table):
 
 def test_text_stream_holds_back_a_possible_stop_prefix():
     stream = TextStream([b"STOP"])
-    assert stream.feed(b"Hello ST") == "Hello "   # "ST" could begin "STOP"
-    assert stream.feed(b"ART") == "START"          # it did not
+    assert stream.feed(b"Hello ST") == "Hello "  # "ST" could begin "STOP"
+    assert stream.feed(b"ART") == "START"  # it did not
     assert stream.feed(b" now S") == " now "
     assert stream.feed(b"TO") == ""
-    assert stream.feed(b"P and more") == ""        # the stop sequence is never released
+    assert stream.feed(b"P and more") == ""  # the stop sequence is never released
     assert stream.finish(len(b"Hello START now ")) == ""
 
 
@@ -340,8 +385,9 @@ def test_text_stream_multibyte_stop_sequence():
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(text=TEXTS, stop=st.text(min_size=1, max_size=4), cuts=st.lists(st.integers(0, 200), max_size=10),
-       data=st.data())
+@given(
+    text=TEXTS, stop=st.text(min_size=1, max_size=4), cuts=st.lists(st.integers(0, 200), max_size=10), data=st.data()
+)
 def test_text_stream_never_releases_a_stop_sequence(text, stop, cuts, data):
     # Optionally plant the stop sequence somewhere in the text.
     if data.draw(st.booleans()):
@@ -362,7 +408,7 @@ def test_text_stream_never_releases_a_stop_sequence(text, stop, cuts, data):
     kept = received.find(stop_bytes) if stop_bytes in received else len(received)
     released += stream.finish(kept)
 
-    expected = text[:text.index(stop)] if stop in text else text
+    expected = text[: text.index(stop)] if stop in text else text
     assert released == expected
 
 
@@ -375,8 +421,10 @@ def test_chat_template_renders_chatml_with_the_assistant_turn_open(tokenizer):
     assert rendered.startswith("<|im_start|>system\n")  # SmolLM's template adds its default system turn
     # An explicit system message replaces the default one.
     rendered = tokenizer.render_chat([{"role": "system", "content": "Be brief."}, *CHAT_FRANCE])
-    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_final_assistant_message_is_continued(tokenizer):
@@ -393,7 +441,8 @@ def test_a_final_assistant_message_is_continued(tokenizer):
 def test_fallback_template_is_chatml(tokenizer):
     plain = dataclasses.replace(tokenizer, chat_template=None)
     assert plain.render_chat(CHAT_FRANCE) == (
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_special_tokens_are_single_ids(engine, tokenizer, reference):
@@ -403,7 +452,7 @@ def test_special_tokens_are_single_ids(engine, tokenizer, reference):
     ids = engine.encode(messages=CHAT_FRANCE)
     assert ids == reference.encode(tokenizer.render_chat(CHAT_FRANCE))
     tail = [1] + tokenizer.encode("assistant\n")
-    assert ids[0] == 1 and ids[-len(tail):] == tail
+    assert ids[0] == 1 and ids[-len(tail) :] == tail
     assert ids.count(1) == 3 and ids.count(2) == 2  # system, user, assistant opened; two closed
     # The markup never reaches the BPE as text.
     assert not any(b"<|" in reference.token_bytes(i) for i in ids if i not in (1, 2))

@@ -29,8 +29,14 @@ from stopline.app import ServerConfig, StoplineServer
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--no-first-run", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
@@ -46,6 +52,7 @@ def ms(seconds: float) -> float:
 
 
 # ---------- fixtures ----------
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def browser():
@@ -89,6 +96,7 @@ async def page(browser, server):
 
 # ---------- helpers ----------
 
+
 async def open_app(page, url: str) -> None:
     await page.goto(url)
     await expect_connected(page)
@@ -125,8 +133,9 @@ async def send(page, text: str):
 async def wait_for_text(page, message, at_least: int, timeout: float = 60) -> int:
     """Wait until the message shows at least ``at_least`` characters; return how many it shows."""
     handle = await message.element_handle()
-    await page.wait_for_function("([el, n]) => el.querySelector('.text').textContent.length >= n",
-                                 arg=[handle, at_least], timeout=ms(timeout))
+    await page.wait_for_function(
+        "([el, n]) => el.querySelector('.text').textContent.length >= n", arg=[handle, at_least], timeout=ms(timeout)
+    )
     return await message.locator(".text").evaluate("el => el.textContent.length")
 
 
@@ -222,6 +231,7 @@ message => {
 
 # ---------- tests ----------
 
+
 async def test_stop_button_cancels_a_streaming_generation(page, server, logs):
     await settings(page, max_tokens=400)
     message, request_id = await send(page, LONG_STORY)
@@ -278,16 +288,24 @@ async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
         assert "Generation cancelled" in await meta(message), attempt
         record = await wait_for_record(logs, "generation_cancelled", id=request_id)
         assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] <= 1, record
-        samples.append({"request_id": request_id, "dom_ms": round(clock["dom_ms"], 2),
-                        "frame_ms": round(clock["frame_ms"], 2), "playwright_ms": round(outside_ms, 2),
-                        "server_cancel_latency_ms": record["cancel_latency_ms"],
-                        "tokens_generated": record["tokens_generated"],
-                        "tokens_after_cancel": record["tokens_after_cancel"]})
+        samples.append(
+            {
+                "request_id": request_id,
+                "dom_ms": round(clock["dom_ms"], 2),
+                "frame_ms": round(clock["frame_ms"], 2),
+                "playwright_ms": round(outside_ms, 2),
+                "server_cancel_latency_ms": record["cancel_latency_ms"],
+                "tokens_generated": record["tokens_generated"],
+                "tokens_after_cancel": record["tokens_after_cancel"],
+            }
+        )
 
     assert len(samples) == STOP_TRIES
     text_metrics = await metrics(server.port)
-    assert metric_value(text_metrics, "stopline_requests_total", outcome="cancelled",
-                        reason="user_cancelled") == STOP_TRIES
+    assert (
+        metric_value(text_metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled")
+        == STOP_TRIES
+    )
     assert metric_value(text_metrics, "stopline_requests_total") == STOP_TRIES
 
     def summary(key):
@@ -297,8 +315,8 @@ async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
     report = {
         "tries": STOP_TRIES,
         "what": "Stop clicked (click event in the page) to the assistant message's data-state turning "
-                "'cancelled' (dom_ms) and to the next animation frame (frame_ms); playwright_ms is the "
-                "test's own clock around the click and the wait.",
+        "'cancelled' (dom_ms) and to the next animation frame (frame_ms); playwright_ms is the "
+        "test's own clock around the click and the wait.",
         "dom_ms": summary("dom_ms"),
         "frame_ms": summary("frame_ms"),
         "playwright_ms": summary("playwright_ms"),
@@ -307,10 +325,12 @@ async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
     }
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "web_stop_latency.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nStop -> cancelled on screen over {STOP_TRIES} tries: "
-          f"p50 {report['dom_ms']['p50']} ms, max {report['dom_ms']['max']} ms "
-          f"(next frame: p50 {report['frame_ms']['p50']} ms, max {report['frame_ms']['max']} ms; "
-          f"server loop exit: p50 {report['server_cancel_latency_ms']['p50']} ms)")
+    print(
+        f"\nStop -> cancelled on screen over {STOP_TRIES} tries: "
+        f"p50 {report['dom_ms']['p50']} ms, max {report['dom_ms']['max']} ms "
+        f"(next frame: p50 {report['frame_ms']['p50']} ms, max {report['frame_ms']['max']} ms; "
+        f"server loop exit: p50 {report['server_cancel_latency_ms']['p50']} ms)"
+    )
 
 
 async def test_escape_stops_like_the_stop_button(page, server, logs):
@@ -358,11 +378,12 @@ async def test_reload_mid_generation_cancels_it_on_the_server(page, server, logs
     disconnected = [r for r in logs.records("client_disconnected") if r["peer"] == record["peer"]]
     assert len(disconnected) == 1 and disconnected[0]["live_requests"] == 1
     gap_ms = (_time(record) - _time(disconnected[0])).total_seconds() * 1000
-    print(f"\nclient_disconnected -> generation_cancelled: {gap_ms:.1f} ms, "
-          f"loop exit {record['cancel_latency_ms']} ms after the cancel")
+    print(
+        f"\nclient_disconnected -> generation_cancelled: {gap_ms:.1f} ms, "
+        f"loop exit {record['cancel_latency_ms']} ms after the cancel"
+    )
     text_metrics = await metrics(server.port)
-    assert metric_value(text_metrics, "stopline_requests_total", outcome="cancelled",
-                        reason="client_disconnected") == 1
+    assert metric_value(text_metrics, "stopline_requests_total", outcome="cancelled", reason="client_disconnected") == 1
     assert metric_value(text_metrics, "stopline_active_generations") == 0
 
 
@@ -421,8 +442,12 @@ async def test_page_reconnects_after_the_server_restarts(browser, engine, logs):
         assert "the server is shutting down" in await meta(message)
         record = await wait_for_record(logs, "generation_cancelled", id=request_id)
         assert record["reason"] == "shutdown" and record["tokens_after_cancel"] <= 1
-        assert metric_value(first.metrics.render().decode(), "stopline_requests_total",
-                            outcome="cancelled", reason="shutdown") == 1
+        assert (
+            metric_value(
+                first.metrics.render().decode(), "stopline_requests_total", outcome="cancelled", reason="shutdown"
+            )
+            == 1
+        )
         await screenshot(page, "disconnected")
 
         restarted = StoplineServer(engine, config)
@@ -456,6 +481,7 @@ async def test_page_reconnects_after_the_server_restarts(browser, engine, logs):
 async def test_narrow_viewport_stays_usable(browser, server, logs):
     page = await new_page(browser, server.http_url + "/", viewport={"width": 375, "height": 740})
     try:
+
         async def no_horizontal_scroll():
             width = await page.evaluate("() => document.documentElement.scrollWidth")
             assert width <= 375, width

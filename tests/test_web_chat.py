@@ -17,9 +17,20 @@ import re
 import pytest
 import pytest_asyncio
 from playwright.async_api import expect
-
-from test_web import (ROOT, browser, close_page, expect_connected, expect_state, meta, ms, new_page,  # noqa: F401
-                      open_app, screenshot, send, settings, wait_for_record, wait_for_text)
+from test_web import (
+    ROOT,
+    close_page,
+    expect_connected,
+    expect_state,
+    meta,
+    new_page,  # noqa: F401
+    open_app,
+    screenshot,
+    send,
+    settings,
+    wait_for_record,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -70,6 +81,7 @@ async def ask(page, text: str, state: str = "done", timeout: float = 60):
 
 # ---------- markdown ----------
 
+
 async def test_markdown_with_a_code_block_renders_highlighted(chat, server, logs):
     await settings(chat, max_tokens=120, temperature=0)
     message, request_id = await ask(chat, CODE)
@@ -103,16 +115,26 @@ async def test_markdown_with_a_code_block_renders_highlighted(chat, server, logs
 async def test_script_and_javascript_links_in_model_output_are_inert(chat, server, logs):
     # A stopped answer that already holds hostile markup, as a model could have written it.
     # Continue makes the real model write the rest of it: it closes the <script> itself.
-    hostile = ("Here is a page: <img src=x onerror=\"window.__pwned = 'img'\">\n\n"
-               "[click me](javascript:window.__pwned='link')\n\n"
-               "<!DOCTYPE html>\n<html>\n<body>\n<script>window.__pwned = 'script';")
-    stored = [{"id": "chat-hostile", "title": "A page", "updated": 1, "messages": [
-        {"role": "user", "content": "Write a small HTML page with JavaScript."},
-        {"role": "assistant", "content": hostile, "state": "cancelled", "meta": "Generation cancelled"},
-    ]}]
+    hostile = (
+        "Here is a page: <img src=x onerror=\"window.__pwned = 'img'\">\n\n"
+        "[click me](javascript:window.__pwned='link')\n\n"
+        "<!DOCTYPE html>\n<html>\n<body>\n<script>window.__pwned = 'script';"
+    )
+    stored = [
+        {
+            "id": "chat-hostile",
+            "title": "A page",
+            "updated": 1,
+            "messages": [
+                {"role": "user", "content": "Write a small HTML page with JavaScript."},
+                {"role": "assistant", "content": hostile, "state": "cancelled", "meta": "Generation cancelled"},
+            ],
+        }
+    ]
     await chat.context.add_init_script(
-        "localStorage.setItem('stopline.chats.v1', %s); localStorage.setItem('stopline.open-chat.v1', 'chat-hostile');"
-        % json.dumps(json.dumps(stored)))
+        f"localStorage.setItem('stopline.chats.v1', {json.dumps(json.dumps(stored))});"
+        " localStorage.setItem('stopline.open-chat.v1', 'chat-hostile');"
+    )
     await chat.reload()
     await expect_connected(chat)
     message = chat.locator(".msg.assistant")
@@ -143,6 +165,7 @@ async def test_script_and_javascript_links_in_model_output_are_inert(chat, serve
 
 # ---------- stop, continue, regenerate ----------
 
+
 async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, logs):
     await settings(chat, max_tokens=400, temperature=0)
     message, first_id = await send(chat, LONG_STORY)
@@ -169,9 +192,13 @@ async def test_a_stopped_answer_can_be_continued_and_regenerated(chat, server, l
     assert record["tokens_generated"] == 24
     first, cont = generates(chat.sent)
     assert cont["messages"][:-1] == first["messages"]
-    assert cont["messages"][-1]["role"] == "assistant" and cont["messages"][-1]["content"].startswith(partial.strip()[:20])
+    assert cont["messages"][-1]["role"] == "assistant" and cont["messages"][-1]["content"].startswith(
+        partial.strip()[:20]
+    )
     accepted = {r["id"]: r for r in logs.records("generation_accepted")}
-    assert accepted[continued_id]["prompt_tokens"] >= accepted[first_id]["prompt_tokens"] + stopped["tokens_generated"] - 1
+    assert (
+        accepted[continued_id]["prompt_tokens"] >= accepted[first_id]["prompt_tokens"] + stopped["tokens_generated"] - 1
+    )
 
     # A done answer offers Regenerate but not Continue.
     await expect(message.locator("button.continue")).to_be_hidden()
@@ -210,6 +237,7 @@ def wait_prompt_tokens(logs, request_id: str) -> int:
 
 
 # ---------- edit and resend ----------
+
 
 async def test_edit_and_resend_replaces_the_rest_of_the_chat(chat, server, logs):
     await settings(chat, max_tokens=32, temperature=0)
@@ -250,6 +278,7 @@ async def test_edit_and_resend_replaces_the_rest_of_the_chat(chat, server, logs)
 
 
 # ---------- system prompt, storage, chat list ----------
+
 
 async def test_system_prompt_is_sent_and_remembered(chat, server, logs):
     system = "You are a pirate. Answer every question like a pirate would."
@@ -364,6 +393,7 @@ async def test_on_a_narrow_screen_the_chat_list_is_a_panel(browser, server, logs
 
 # ---------- copy, theme ----------
 
+
 async def test_copy_buttons_copy_the_message_text(chat, server, logs):
     await settings(chat, max_tokens=32, temperature=0)
     answer, _ = await ask(chat, FRANCE)
@@ -416,6 +446,7 @@ async def test_auto_theme_follows_the_system(browser, server):  # noqa: F811
 
 # ---------- the shipped libraries ----------
 
+
 def test_vendored_libraries_match_their_integrity_attributes():
     html = (ROOT / "stopline" / "web" / "index.html").read_text()
     lock = json.loads((ROOT / "stopline" / "web" / "vendor" / "vendor.json").read_text())
@@ -451,7 +482,13 @@ async def test_the_page_has_a_content_security_policy_and_vendor_files_are_serve
     status, head, body = await raw_get(server.port, "/vendor/purify.min.js")
     assert status == 200 and "content-type: text/javascript; charset=utf-8" in head
     assert body == (ROOT / "stopline" / "web" / "vendor" / "purify.min.js").read_bytes()
-    for path in ("/vendor/", "/vendor/../README.md", "/vendor/x/../../README.md", "/vendor/.hidden",
-                 "/docs/protocol.md", "/vendor/%2e%2e/app.js"):
+    for path in (
+        "/vendor/",
+        "/vendor/../README.md",
+        "/vendor/x/../../README.md",
+        "/vendor/.hidden",
+        "/docs/protocol.md",
+        "/vendor/%2e%2e/app.js",
+    ):
         status, _, _ = await raw_get(server.port, path)
         assert status == 404, path

@@ -35,8 +35,9 @@ def fetch(record: bool) -> int:
     with tempfile.TemporaryDirectory() as temp:
         for package in lock["packages"]:
             spec = f"{package['name']}@{package['version']}"
-            packed = subprocess.run(["npm", "pack", spec, "--json", "--pack-destination", temp],
-                                    check=True, capture_output=True, text=True)
+            packed = subprocess.run(
+                ["npm", "pack", spec, "--json", "--pack-destination", temp], check=True, capture_output=True, text=True
+            )
             [info] = json.loads(packed.stdout)
             tarball = Path(temp) / info["filename"]
             integrity = sri(tarball.read_bytes(), "sha512")
@@ -55,7 +56,7 @@ def fetch(record: bool) -> int:
     for package in lock["packages"]:
         for shipped in package["files"].values():
             if shipped.endswith((".js", ".css")):
-                print(f"  {shipped}: integrity=\"{sri((HERE / shipped).read_bytes(), 'sha384')}\"")
+                print(f'  {shipped}: integrity="{sri((HERE / shipped).read_bytes(), "sha384")}"')
     return 0
 
 
