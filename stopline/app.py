@@ -119,7 +119,7 @@ class StoplineServer:
             frames_per_second=config.frames_per_second,
             frame_burst=config.frame_burst,
         )
-        self._server: Server | None = None
+        self._server: Server  # set by start()
         self._sessions: set[ClientSession] = set()
         self.address_quota = AddressQuota(config.requests_per_address)
         # WebSocket connections admitted by the handshake and not yet closed.
@@ -157,7 +157,8 @@ class StoplineServer:
             max_size=self.config.max_frame_bytes,
             write_limit=self.config.write_limit,
             server_header="Stopline",
-            create_connection=self._create_connection,
+            # websockets calls the class it is given; a factory binds this server to each connection.
+            create_connection=self._create_connection,  # type: ignore[arg-type]
             # The handshake deadline is enforced (and counted) by GuardedConnection; this is the backstop.
             open_timeout=self.config.handshake_timeout_s + 5,
         )
@@ -235,6 +236,7 @@ class StoplineServer:
                     "text/plain",
                 )
             self.websocket_connections += 1
+            assert isinstance(connection, GuardedConnection)
             connection.admitted = True
             return None
         if path == "/healthz":

@@ -174,24 +174,28 @@ class Engine:
         self.threads = threads
         _core.load_library(_ctransformers_library_path())
         # The first context proves the model loads and gives the real context length.
-        self._probe = _core.Context(str(model_path), model_type, context_length)
-        self.context_length = self._probe.context_length
-        self.vocab_size = self._probe.vocab_size
+        probe = _core.Context(str(model_path), model_type, context_length)
+        # Handed out as the first slot.
+        self._probe: _core.Context | None = probe
+        self.context_length = probe.context_length
+        self.vocab_size = probe.vocab_size
+        self.tokenizer: ChatTokenizer | NativeTokenizer
         if tokenizer is None:
             # A context of its own (with a tiny KV cache), so tokenizing never touches a busy slot.
             self._tokenizer_context = _core.Context(str(model_path), model_type, 8)
-            tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
-        self.tokenizer = tokenizer
-        self.abort_mode, self.trim_output = self._prove_step_abort(AbortMode(abort_mode))
+            self.tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
+        else:
+            self.tokenizer = tokenizer
+        self.abort_mode, self.trim_output = self._prove_step_abort(probe, abort_mode)
         self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
 
-    def _prove_step_abort(self, wanted: AbortMode) -> tuple[AbortMode, bool]:
+    def _prove_step_abort(self, probe: _core.Context, wanted: AbortMode) -> tuple[AbortMode, bool]:
         """Abort a real evaluation before relying on the step hook, and check that
         computing only the last token's logits changes no bit of them."""
         if wanted is AbortMode.BETWEEN_STEPS:
             return wanted, False
-        aborts, trim_exact = self._probe.probe_step_abort(self.tokenizer.encode("Stop means stop, right now."))
-        self._probe.forget()
+        aborts, trim_exact = probe.probe_step_abort(self.tokenizer.encode("Stop means stop, right now."))
+        probe.forget()
         if not aborts:
             failure = _core.step_abort_failure()
             log.warning(
@@ -224,6 +228,8 @@ class Engine:
         if context_length < 1:
             raise ValueError("context_length must be positive")
         threads = threads or max(1, (os.cpu_count() or 1) // 2)
+        abort_mode = AbortMode(abort_mode)
+        tokenizer: ChatTokenizer | None
         if model_path is None:
             path = embedded.embedded_model_path(progress)
             tokenizer = embedded.embedded_tokenizer(progress)
@@ -280,7 +286,8 @@ class Engine:
         """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        text = prompt if prompt is not None else self.tokenizer.render_chat(messages)
+        text = self.tokenizer.render_chat(messages) if messages is not None else prompt
+        assert text is not None
         return self.tokenizer.encode(text)
 
     def start(
@@ -382,7 +389,9 @@ class Stream:
         out = [t for t in (self._text.feed(p) for p in pieces) if t]
         if finished and not self.ended:
             self.ended = True
-            tail = self._text.finish(self.generation.result.text_kept_bytes)
+            loop = self.generation.result
+            assert loop is not None  # the loop publishes its result before it reads as finished
+            tail = self._text.finish(loop.text_kept_bytes)
             if tail:
                 out.append(tail)
         return out

@@ -27,7 +27,7 @@ from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .session import ClientSession
-from .vocabulary import ErrorCode, Outcome, Reason, Status
+from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 
 if TYPE_CHECKING:
     from .app import StoplineServer
@@ -62,13 +62,16 @@ _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no", **_NO_STORE}
 
 
-def http_status(code: str) -> int:
+def http_status(code: ErrorCode) -> int:
     return _HTTP_STATUS.get(code, HTTPStatus.BAD_REQUEST)
 
 
-def error_response(code: ErrorCode | str, message: str, *, openai: bool, status: int | None = None) -> web.Response:
-    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints."""
-    status = status or http_status(code)
+def error_response(code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None) -> web.Response:
+    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints.
+    A refusal (before any request is read) names its own ``status``."""
+    if status is None:
+        assert isinstance(code, ErrorCode)
+        status = http_status(code)
     if openai:
         body = {
             "error": {
@@ -125,7 +128,7 @@ class SseReply:
     async def emit(self, frame: dict) -> None:
         if self.response is None:
             if frame["type"] == Outcome.ERROR:  # refused before it started: a plain HTTP error
-                self.response = error_response(frame["code"], frame["message"], openai=False)
+                self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=False)
                 return
             self.response = web.StreamResponse(headers={**_SSE_HEADERS, **_request_headers(frame)})
             await self.response.prepare(self.http_request)
@@ -167,13 +170,13 @@ class OpenAIReply:
             else:
                 self._texts.append(frame["text"])
         elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
-            self.response = error_response(frame["code"], frame["message"], openai=True)
+            self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True)
             self.response.headers.update(self._headers)
         elif kind == Outcome.ERROR:  # the stream had started: OpenAI's in-stream error, then the end marker
             await self._event(
                 {"error": {"message": frame["message"], "type": "server_error", "param": None, "code": frame["code"]}}
             )
-            await self.response.write(b"data: [DONE]\n\n")
+            await self._write(b"data: [DONE]\n\n")
         else:
             await self._end(frame)
 
@@ -189,7 +192,7 @@ class OpenAIReply:
             await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
             if self.include_usage:
                 await self._chunk([], usage=usage)
-            await self.response.write(b"data: [DONE]\n\n")
+            await self._write(b"data: [DONE]\n\n")
             return
         text = "".join(self._texts)
         choice = (
@@ -226,7 +229,11 @@ class OpenAIReply:
         )
 
     async def _event(self, body: dict) -> None:
-        await self.response.write(f"data: {encode_frame(body)}\n\n".encode())
+        await self._write(f"data: {encode_frame(body)}\n\n".encode())
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None  # a stream's response is prepared before its first chunk
+        await self.response.write(data)
 
 
 class BadBody(ValueError):

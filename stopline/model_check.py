@@ -79,7 +79,8 @@ def check_model_file(path: Path, model_type: str | None) -> dict | None:
     with open(path, "rb") as f:
         header = f.read(8)
     if header[:4] != b"GGUF":
-        return _check_ggml(path, header, model_type)
+        _check_ggml(path, header, model_type)
+        return None
     version = int.from_bytes(header[4:8], "little")
     if version not in GGUF_VERSIONS:
         raise ModelFileError(path, f"GGUF version {version} is not supported")

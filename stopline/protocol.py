@@ -40,9 +40,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
-from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, Reason, Status
+from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, Reason, Refusal, Status
 
 PROTOCOL_VERSION = 1
 # Any deadline beyond a day is a mistake, not a wish.
@@ -201,15 +201,26 @@ class LoopResult(Protocol):
     (``stopline.engine.GenerationResult``), as far as the protocol reads it.
     Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
 
-    outcome: str  # an Outcome name
-    reason: str | None  # the Reason name of a done or timeout exit; not read otherwise
-    prompt_tokens: int
-    prompt_tokens_reused: int
-    prompt_tokens_evaluated: int
-    tokens_generated: int
-    tokens_after_cancel: int
-    first_token_ns: int
-    end_ns: int
+    # Read-only properties, as a frozen dataclass provides them.
+    @property
+    def outcome(self) -> Outcome: ...
+    @property
+    def reason(self) -> Reason | ErrorCode | None:  # read for a done or timeout exit only
+        ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def prompt_tokens_reused(self) -> int: ...
+    @property
+    def prompt_tokens_evaluated(self) -> int: ...
+    @property
+    def tokens_generated(self) -> int: ...
+    @property
+    def tokens_after_cancel(self) -> int: ...
+    @property
+    def first_token_ns(self) -> int: ...
+    @property
+    def end_ns(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -281,7 +292,7 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
-def error_frame(code: ErrorCode, message: str, request_id: str | None = None) -> dict:
+def error_frame(code: ErrorCode | Refusal, message: str, request_id: str | None = None) -> dict:
     return {"type": str(Outcome.ERROR), "id": request_id, "code": str(code), "message": message}
 
 
@@ -395,11 +406,13 @@ class Connection:
         return [Send(error_frame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
 
     def _generate(self, frame: dict, now_ns: int) -> list[Action]:
-        request_id = frame.get("id")
-        chosen_by_server = request_id is None
+        client_id = frame.get("id")
+        chosen_by_server = client_id is None
         if chosen_by_server:
             request_id = str(uuid.uuid4())
-        elif not _is_id(request_id):
+        elif _is_id(client_id):
+            request_id = client_id
+        else:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
         self._check_room(request_id)
         params, prompt, messages, size = _validate_generate(frame, self.limits, request_id)
@@ -448,9 +461,8 @@ class Connection:
             return []  # the client left meanwhile
         if isinstance(tokens, ProtocolError):
             self.quota.give_back(self.address)
-            return [Send(error_frame(tokens.code, tokens.message, tokens.request_id))] + [
-                Send(cancel_ack(draft.id, Outcome.ERROR))
-            ] * draft.cancels
+            refusal: list[Action] = [Send(error_frame(tokens.code, tokens.message, tokens.request_id))]
+            return refusal + [Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
         request = Request(draft.id, tokens, draft.params, received_ns=draft.received_ns, user=draft.user)
         if draft.id_chosen_by_server:
             request.request_id = draft.id  # one id is enough when the client gave none
@@ -765,7 +777,7 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _is_id(value) -> bool:
+def _is_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 1 <= len(value) <= 128 and _encodable(value)
 
 
@@ -870,23 +882,33 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
             request_id,
         )
 
-    n = dict(request_id=request_id)
     d = DEFAULT_SAMPLING
     params = SamplingParams(
-        max_tokens=_number(frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, **n),
-        temperature=float(_number(frame, "temperature", d.temperature, 0, 5, integer=False, **n)),
-        top_k=_number(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, **n),
-        top_p=float(_number(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, **n)),
-        repetition_penalty=float(
-            _number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, **n)
+        max_tokens=_number(
+            frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, request_id=request_id
         ),
-        seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, **n),
+        temperature=float(_number(frame, "temperature", d.temperature, 0, 5, integer=False, request_id=request_id)),
+        top_k=_number(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, request_id=request_id),
+        top_p=float(_number(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
+        repetition_penalty=float(
+            _number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id)
+        ),
+        seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
         stop=tuple(stop),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
         timeout_s=min(
             limits.max_timeout_s,
             float(
-                _number(frame, "timeout_s", limits.default_timeout_s, 0, MAX_SECONDS, integer=False, low_open=True, **n)
+                _number(
+                    frame,
+                    "timeout_s",
+                    limits.default_timeout_s,
+                    0,
+                    MAX_SECONDS,
+                    integer=False,
+                    low_open=True,
+                    request_id=request_id,
+                )
             ),
         ),
         ttft_timeout_s=min(
@@ -900,7 +922,7 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
                     MAX_SECONDS,
                     integer=False,
                     low_open=True,
-                    **n,
+                    request_id=request_id,
                 )
             ),
         ),

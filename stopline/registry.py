@@ -52,12 +52,14 @@ class Entry:
     def status(self) -> Status:
         if self.ending is not None:
             return STATUS_BY_OUTCOME[self.ending.outcome]
+        assert self.request is not None  # let go of only once it has ended
         return {Phase.QUEUED: Status.QUEUED, Phase.PREFILL: Status.PREFILL}.get(self.request.phase, Status.DECODING)
 
     def describe(self) -> dict:
         """The status and counts that GET reports."""
         answer: dict = {"request_id": self.request_id, "status": str(self.status)}
         if self.ending is None:
+            assert self.request is not None
             answer.update(prompt_tokens=len(self.request.prompt_tokens), tokens_generated=self.request.next_index)
         else:
             ending = self.ending

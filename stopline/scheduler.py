@@ -160,14 +160,13 @@ class Scheduler:
         self._spawn(self._run(request, sink, slot, stream))
 
     async def _run(self, request: Request, sink: Sink, slot, stream: Stream) -> None:
-        failure = None
+        result = None
+        failure = "the loop ended without a result"
         try:
             async with contextlib.aclosing(stream.batches(self._executor)) as batches:
                 async for texts in batches:
                     await sink.deliver(request, texts)
             result = stream.result
-            if result is None:
-                raise RuntimeError("the loop ended without a result")
         except Exception as exc:
             # Leaving the batches has already stopped the loop and waited for it.
             log.exception("generation_failed", request_id=request.request_id, id=request.id)
@@ -177,7 +176,7 @@ class Scheduler:
             stream.generation.close()
             # The slot is free the moment the loop has exited: start the next request first.
             self._release(slot)
-        if failure is None:
+        if result is not None:
             await sink.finished(request, result)
         else:
             await sink.failed(request, failure)

@@ -43,9 +43,12 @@ class ClientSession:
     ):
         self.server = server
         self.websocket = websocket
-        self.peer = peer or peer_name(websocket)
-        if address is None:
-            address = websocket.remote_address[0] if websocket.remote_address else "unknown"
+        # An HTTP session has no WebSocket and names its own peer and address.
+        if websocket is not None:
+            peer = peer or peer_name(websocket)
+            address = address or (websocket.remote_address[0] if websocket.remote_address else "unknown")
+        self.peer = peer or "unknown"
+        address = address or "unknown"
         self.protocol = Connection(
             server.limits, self._encode, time.monotonic_ns(), address=address, quota=server.address_quota
         )
@@ -58,6 +61,7 @@ class ClientSession:
         return self.server.engine.encode(prompt=prompt, messages=messages)
 
     async def run(self) -> None:
+        assert self.websocket is not None, "only a WebSocket session reads frames"
         await self.perform(self.protocol.hello(self.server.engine.name))
         try:
             async for message in self.websocket:
@@ -181,6 +185,8 @@ class ClientSession:
             await self.perform(self.protocol.stalled(request, time.monotonic_ns()))
 
     async def _write(self, frame: dict) -> None:
+        # An HTTP session overrides this with its own transport.
+        assert self.websocket is not None
         await self.websocket.send(encode_frame(frame))
 
 

@@ -13,6 +13,7 @@ import codecs
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,7 +205,7 @@ class TextStream:
     stop sequence actually matched and where the kept text ends.
     """
 
-    def __init__(self, stop: list[bytes] = ()):
+    def __init__(self, stop: Sequence[bytes] = ()):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = [s for s in stop if s]
         self._received = bytearray()

@@ -49,7 +49,10 @@ def fetch(record: bool) -> int:
                 sys.exit(f"{spec}: tarball hashes to {integrity}, vendor.json pins {package['integrity']}")
             with tarfile.open(tarball) as archive:
                 for member, shipped in package["files"].items():
-                    (HERE / shipped).write_bytes(archive.extractfile(member).read())
+                    extracted = archive.extractfile(member)
+                    if extracted is None:
+                        sys.exit(f"{spec}: {member} is not a file in the tarball")
+                    (HERE / shipped).write_bytes(extracted.read())
             print(f"{spec} {integrity}")
     if record:
         LOCK.write_text(json.dumps(lock, indent=2) + "\n")
