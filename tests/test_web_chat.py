@@ -17,13 +17,15 @@ import re
 import pytest
 import pytest_asyncio
 from playwright.async_api import expect
+
+import test_web
 from test_web import (
     ROOT,
     close_page,
     expect_connected,
     expect_state,
     meta,
-    new_page,  # noqa: F401
+    new_page,
     open_app,
     screenshot,
     send,
@@ -33,6 +35,9 @@ from test_web import (
 )
 
 pytestmark = pytest.mark.browser
+
+# The one headless Chromium of test_web.py, a fixture shared by name.
+browser = test_web.browser
 
 LONG_STORY = "Write a very long story about a dragon."
 FRANCE = "What is the capital of France?"
@@ -55,7 +60,7 @@ def generates(sent: list[dict]) -> list[dict]:
 
 
 @pytest_asyncio.fixture
-async def chat(browser, server):  # noqa: F811 - the browser fixture imported above
+async def chat(browser, server):
     page = await new_page(browser, permissions=["clipboard-read", "clipboard-write"])
     page.sent = record_frames(page)
     await open_app(page, server.http_url + "/")
@@ -361,7 +366,7 @@ async def test_deleting_a_chat_while_it_answers_stops_the_answer(chat, server, l
     assert await stored_chats(chat) == []
 
 
-async def test_on_a_narrow_screen_the_chat_list_is_a_panel(browser, server, logs):  # noqa: F811
+async def test_on_a_narrow_screen_the_chat_list_is_a_panel(browser, server, logs):
     page = await new_page(browser, server.http_url + "/", viewport={"width": 375, "height": 740})
     try:
         await settings(page, max_tokens=8, temperature=0)
@@ -434,7 +439,7 @@ async def test_theme_toggle_cycles_and_is_remembered(chat, server):
     await expect(theme).to_have_text("Theme: Auto")
 
 
-async def test_auto_theme_follows_the_system(browser, server):  # noqa: F811
+async def test_auto_theme_follows_the_system(browser, server):
     page = await new_page(browser, server.http_url + "/", color_scheme="dark")
     try:
         await expect(page.locator("html")).to_have_attribute("data-theme", "dark")
