@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from stopline._core import Generation
+from stopline._core import Generation, GenerationState
 from stopline.app import ServerConfig, StoplineServer
 from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.model import original_gguf_path
@@ -51,6 +51,16 @@ def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
     (``kwargs`` that name its fields; seed 0 unless given), the loop options as given."""
     options = {name: kwargs.pop(name) for name in LOOP_OPTIONS if name in kwargs}
     return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
+
+
+def started_running(generation: Generation, timeout_s: float = 60) -> None:
+    """Wait until ``generation``'s loop runs on its thread, so that a wait measured
+    from here is a wait into the loop's own work, whenever the thread got a core."""
+    deadline = time.monotonic() + timeout_s * UNIT
+    while generation.state is not GenerationState.RUNNING:
+        assert not generation.finished, "the loop ended before it was seen running"
+        assert time.monotonic() < deadline, "the loop never started"
+        time.sleep(0.001)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

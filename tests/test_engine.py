@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine import (
@@ -219,6 +219,7 @@ def test_cancel_during_long_prompt_exits_within_a_chunk(engine, slot, long_promp
     )
     runner = start(generation)
     # Cancel about half-way through what the reference evaluated, well inside the prompt.
+    started_running(generation)
     time.sleep((ref.first_token_ns - ref.start_ns) / 2e9)
     cancel_ns = time.monotonic_ns()
     assert generation.cancel() is True
@@ -642,6 +643,7 @@ def test_slow_reader_pauses_the_loop(engine, slot):
         slot, prompt, max_tokens=500, temperature=0, prefill_chunk=engine.prefill_chunk, window=4
     )
     runner = start(generation)
+    started_running(generation)
     time.sleep(wait_s)
     assert len(generation.take()) == 4  # paused a full window ahead, not further
     time.sleep(wait_s)

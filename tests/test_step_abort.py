@@ -14,7 +14,16 @@ import time
 import pytest
 
 from bench.native import abort_storm, storm_prompt
-from conftest import CHAT_FRANCE, UNIT, client_for, fetch_metrics, http_get, make_generation, metric_value
+from conftest import (
+    CHAT_FRANCE,
+    UNIT,
+    client_for,
+    fetch_metrics,
+    http_get,
+    make_generation,
+    metric_value,
+    started_running,
+)
 from stopline import _core
 from stopline._core import ExitKind, Generation
 from stopline.engine import Engine
@@ -68,6 +77,7 @@ def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
     generation = make_generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=_core.MAX_PREFILL_CHUNK)
     thread, box = run_in_thread(generation)
     # Let the evaluation get going (the hook measures nodes from its start).
+    started_running(generation)
     time.sleep(0.3 * UNIT)
     cancel_ns = time.monotonic_ns()
     assert generation.cancel() is True
@@ -101,6 +111,8 @@ def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
     slot.forget()
     generation = make_generation(slot, prompt, max_tokens=4, prefill_chunk=128, step_abort=False)
     thread, box = run_in_thread(generation)
+    # Well inside the first 128-token evaluation, which takes over a second.
+    started_running(generation)
     time.sleep(0.2 * UNIT)
     generation.cancel()
     thread.join(120 * UNIT)
