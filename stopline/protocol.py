@@ -720,36 +720,27 @@ class Connection:
         ]
 
 
+# What each terminal frame reports besides its reason, in frame order.
+_TERMINAL_FIELDS = {
+    Outcome.DONE: ("tokens_generated", "prompt_tokens", "prompt_tokens_reused", "ttft_ms", "duration_ms"),
+    Outcome.CANCELLED: (
+        "tokens_generated",
+        "tokens_after_cancel",
+        "cancel_latency_ms",
+        "tokens_wasted",
+        "prompt_tokens_reused",
+    ),
+    Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused"),
+}
+
+
 def terminal_frame(request_id: str, ending: Ending) -> dict:
     frame: dict = {"type": str(ending.outcome), "id": request_id}
     if ending.outcome is Outcome.ERROR:
         frame.update(code=str(ending.reason), message=ending.message)
-    elif ending.outcome is Outcome.DONE:
-        frame.update(
-            reason=str(ending.reason),
-            tokens_generated=ending.tokens_generated,
-            prompt_tokens=ending.prompt_tokens,
-            prompt_tokens_reused=ending.prompt_tokens_reused,
-            ttft_ms=ending.ttft_ms,
-            duration_ms=ending.duration_ms,
-        )
-    elif ending.outcome is Outcome.CANCELLED:
-        frame.update(
-            reason=str(ending.reason),
-            tokens_generated=ending.tokens_generated,
-            tokens_after_cancel=ending.tokens_after_cancel,
-            cancel_latency_ms=ending.cancel_latency_ms,
-            tokens_wasted=ending.tokens_wasted,
-            prompt_tokens_reused=ending.prompt_tokens_reused,
-        )
     else:
-        frame.update(
-            reason=str(ending.reason),
-            tokens_generated=ending.tokens_generated,
-            duration_ms=ending.duration_ms,
-            tokens_wasted=ending.tokens_wasted,
-            prompt_tokens_reused=ending.prompt_tokens_reused,
-        )
+        frame["reason"] = str(ending.reason)
+        frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])
     return frame
 
 

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import threading
 import time
 
@@ -51,6 +52,20 @@ def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
     (``kwargs`` that name its fields; seed 0 unless given), the loop options as given."""
     options = {name: kwargs.pop(name) for name in LOOP_OPTIONS if name in kwargs}
     return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
+
+
+async def spawn_stopline(*args: str, env: dict | None = None) -> asyncio.subprocess.Process:
+    """``python -m stopline *args`` from the checkout, its stdout and stderr piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "stopline",
+        *args,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
 
 
 def started_running(generation: Generation, timeout_s: float = 60) -> None:

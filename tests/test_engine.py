@@ -86,6 +86,19 @@ def start(generation: Generation) -> Runner:
     return runner
 
 
+def run_in_child(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python process from the checkout; it must exit with status 0."""
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=JOIN_TIMEOUT_S,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return child
+
+
 def wait_for_tokens(generation: Generation, count: int, pieces: list[bytes]) -> list[bytes]:
     """Read published tokens into ``pieces`` until there are ``count`` or the loop ended."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -876,14 +889,7 @@ try:
 except OSError as error:
     print(error.errno, error)
 """
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-        capture_output=True,
-        text=True,
-        timeout=JOIN_TIMEOUT_S,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
+    child = run_in_child(code)
     assert (
         child.stdout.strip() == f"{errno.EMFILE} [Errno {errno.EMFILE}] eventfd() failed: {os.strerror(errno.EMFILE)}"
     )
@@ -900,14 +906,7 @@ try:
 except _core.EngineError as error:
     print(error)
 """
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-        capture_output=True,
-        text=True,
-        timeout=JOIN_TIMEOUT_S,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
+    child = run_in_child(code)
     # The loader's own explanation (dlerror()), after the path.
     assert child.stdout.startswith(f"cannot load {path}: ") and "invalid ELF header" in child.stdout
 
@@ -982,11 +981,4 @@ for bad in (lambda: _core.Generation(context, [1, 2], **args), lambda: _core.Gen
     except OSError:
         sys.exit(3)
 """
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-        capture_output=True,
-        text=True,
-        timeout=JOIN_TIMEOUT_S,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
+    run_in_child(code)  # exit status 3 would mean the bug closed fd 0

@@ -7,11 +7,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
 import signal
 import socket
-import sys
 import time
 
 import psutil
@@ -19,7 +17,17 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, metric_value, running_server, wait_for
+from conftest import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    UNIT,
+    client_for,
+    fetch_metrics,
+    metric_value,
+    running_server,
+    spawn_stopline,
+    wait_for,
+)
 
 # Each of these once closed the whole connection (1011, or 1006 with no close frame).
 KILLER_FRAMES = [
@@ -387,20 +395,9 @@ async def test_cancels_racing_a_finish_are_acknowledged_with_the_winner(server):
 
 # Flags and settings --------------------------------------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 async def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        *args,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await spawn_stopline(*args, env=env)
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
     finally:
@@ -447,16 +444,7 @@ async def test_a_port_in_use_fails_at_once():
 
 
 async def test_ctrl_c_while_loading_exits_cleanly():
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        "--port",
-        "0",
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await spawn_stopline("--port", "0")
     try:
         # The port is taken before the model loads: wait until it listens, then interrupt.
         def listening():

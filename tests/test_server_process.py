@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 
 import psutil
 import pytest
@@ -22,25 +21,14 @@ from conftest import (
     fetch_metrics,
     metric_value,
     running_server,
+    spawn_stopline,
     wait_for,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 async def start_process(*args: str):
     """``python -m stopline`` on port 0; returns the process and its URL once it listens."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        "--port",
-        "0",
-        *args,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await spawn_stopline("--port", "0", *args)
     lines = []
     while True:
         line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
@@ -102,17 +90,7 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
     ],
 )
 async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        "--port",
-        "0",
-        *args,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await spawn_stopline("--port", "0", *args)
     out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
     assert process.returncode == 2
     assert len(err.decode().splitlines()) == 1 and problem in err.decode()
