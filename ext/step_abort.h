@@ -69,9 +69,9 @@ static inline sl_stop sl_check(const sl_watch *w) {
 static ggml_graph_compute_fn sl_real_graph_compute;
 static __thread sl_watch *sl_thread_watch;
 
-/* Called by every ggml worker thread between nodes. */
-static bool sl_abort_callback(void *data) {
-    sl_watch *w = (sl_watch *)data;
+/* The poll between two graph nodes, for both engines: it records the longest
+ * node and whether the evaluation must end. */
+static inline bool sl_poll_between_nodes(sl_watch *w) {
     int64_t now = sl_monotonic_ns();
     int64_t gap = now - __atomic_load_n(&w->last_poll_ns, __ATOMIC_RELAXED);
     if (gap > w->longest_gap_ns)
@@ -80,6 +80,18 @@ static bool sl_abort_callback(void *data) {
     if (sl_check(w) == SL_RUN)
         return false;
     __atomic_store_n(&w->aborted, 1, __ATOMIC_RELAXED);
+    return true;
+}
+
+/* llama.cpp's official abort callback: its CPU backend calls it after every
+ * graph node, on the thread that called llama_decode(). */
+static bool sl_node_abort_callback(void *data) { return sl_poll_between_nodes((sl_watch *)data); }
+
+/* The hook's callback, called by every ggml worker thread between nodes. */
+static bool sl_abort_callback(void *data) {
+    sl_watch *w = (sl_watch *)data;
+    if (!sl_poll_between_nodes(w))
+        return false;
     /* End the graph as well: after an abort this ggml would otherwise compute
      * the node it just finished a second time before returning. */
     __atomic_store_n(&w->graph->n_nodes, 0, __ATOMIC_RELAXED);

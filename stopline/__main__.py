@@ -19,7 +19,7 @@ from .model_check import ModelFileError
 from .observability import configure_logging, log
 from .origin import WILDCARD_HOSTS, OriginPolicy
 from .protocol import MAX_SECONDS
-from .vocabulary import AbortMode
+from .vocabulary import AbortMode, EngineName
 
 # Flag value types: each raises ArgumentTypeError with the reason, which argparse
 # prints as one line before exiting with status 2.
@@ -108,7 +108,14 @@ SETTINGS = [
     ("--port", _PORT, ServerConfig.port, "port to listen on (0: any free port)"),
     ("--http-port", _PORT, None, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
     ("--model", str, None, "model file (default: embedded SmolLM2-135M-Instruct)"),
-    ("--model-type", str, None, "ctransformers model type (default: llama)"),
+    ("--model-type", str, None, "ctransformers model type of a GGML file (default: llama)"),
+    (
+        "--engine",
+        _one_of([str(e) for e in EngineName]),
+        str(EngineName.CTRANSFORMERS),
+        "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
+        "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
+    ),
     ("--workers", _POSITIVE, ServerConfig.workers, "generation slots"),
     ("--threads", _POSITIVE, None, "compute threads per slot (default: cores / workers)"),
     ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
@@ -213,6 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
             f"of {EMBEDDED_CONTEXT_LIMIT}"
         )
+    if args.model_type is not None and args.engine != EngineName.CTRANSFORMERS:
+        p.error(f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads")
     if args.prefill_chunk and args.prefill_chunk > args.context_length:
         p.error(f"argument --prefill-chunk: {args.prefill_chunk} exceeds --context-length {args.context_length}")
     args.sock = _bind(p, args.host, args.port)
@@ -261,6 +270,7 @@ async def serve(args: argparse.Namespace) -> int:
         lambda: Engine.load(
             args.model,
             args.model_type,
+            engine=args.engine,
             context_length=args.context_length,
             threads=threads,
             prefill_chunk=args.prefill_chunk,

@@ -172,6 +172,7 @@ class StoplineServer:
             "server_started",
             url=f"http://{self.config.host}:{self.port}/",
             model=self.engine.name,
+            engine=str(self.engine.kind),
             workers=self.config.workers,
             threads=self.engine.threads,
             context_length=self.engine.context_length,
@@ -244,6 +245,7 @@ class StoplineServer:
                 {
                     "status": "ok",
                     "model": self.engine.name,
+                    "engine": str(self.engine.kind),
                     "slots": self.scheduler.workers,
                     "active": self.scheduler.active,
                     "queued": self.scheduler.queue_depth,

@@ -1,15 +1,19 @@
 """The Python face of the native loop: load a model, open slots, stream generations.
 
-    engine = Engine.load()                      # the embedded model
+    engine = Engine.load()                      # the embedded model, on ctransformers
+    engine = Engine.load(path, engine="llama.cpp")  # any GGUF llama.cpp runs
     slot = engine.open_slot()                   # one native context
     stream = engine.start(slot, engine.encode(messages=[...]), SamplingParams(max_tokens=64))
     async for text in stream:                   # or: for text in stream
         ...
     stream.result                               # outcome, reason, counts, timestamps
 
-Each slot is one ctransformers context. Contexts of one model share its
-weights through mmap; each adds its own KV cache and scratch buffers (see
-``docs/engine.md`` for the measured memory per slot).
+Each slot is one native context: a ctransformers model instance (contexts of
+one file share its weights through mmap), or a llama.cpp context over one
+loaded model. Each adds its own KV cache and scratch buffers (see
+``docs/engine.md`` for the measured memory per slot). Both engines run the same
+loop (``_core.Generation``); everything above :class:`Engine` cannot tell them
+apart.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from stopline import _core
 from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
-from .model_check import check_model_file
+from .model_check import check_llama_model_file, check_model_file
 from .protocol import SamplingParams
-from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
-from .vocabulary import AbortMode, ErrorCode, Outcome, Reason
+from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError
+from .vocabulary import AbortMode, EngineName, ErrorCode, Outcome, Reason
 
 log = structlog.get_logger("stopline")
 
 __all__ = [
     "Engine",
+    "EngineName",
     "SamplingParams",
     "Stream",
     "EngineError",
@@ -155,7 +160,105 @@ def _gguf_version(path: Path) -> int:
 
 
 class Engine:
-    """A loaded model: its file, its tokenizer and the settings every slot shares."""
+    """A loaded model: its file, its tokenizer and the settings every slot shares.
+
+    :meth:`load` returns one of the two engines; they differ only in how they load a
+    model and open a slot."""
+
+    kind: EngineName
+    name: str
+    model_path: Path
+    context_length: int
+    vocab_size: int
+    threads: int
+    abort_mode: AbortMode
+    prefill_chunk: int
+    trim_output: bool
+    tokenizer: ChatTokenizer | NativeTokenizer | LlamaTokenizer
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str | os.PathLike | None = None,
+        model_type: str | None = None,
+        *,
+        engine: EngineName | str = EngineName.CTRANSFORMERS,
+        context_length: int = DEFAULT_CONTEXT_LENGTH,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        abort_mode: AbortMode | str = AbortMode.IN_STEP,
+        progress: bool = True,
+    ) -> Engine:
+        """Load ``model_path`` (default: the embedded SmolLM2 model, fetched once) on ``engine``.
+
+        ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
+        if context_length < 1:
+            raise ValueError("context_length must be positive")
+        threads = threads or max(1, (os.cpu_count() or 1) // 2)
+        abort_mode = AbortMode(abort_mode)
+        if EngineName(engine) is EngineName.LLAMA_CPP:
+            if model_type is not None:
+                raise ValueError("--model-type names a GGML file's type, which only the ctransformers engine loads")
+            return LlamaEngine.from_file(model_path, context_length, threads, prefill_chunk, abort_mode, progress)
+        return CtransformersEngine.from_file(
+            model_path, model_type, context_length, threads, prefill_chunk, abort_mode, progress
+        )
+
+    def open_slot(self) -> _core.Slot:
+        """A new native context for this model. Close it with ``slot.close()``."""
+        raise NotImplementedError
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        text = self.tokenizer.render_chat(messages) if messages is not None else prompt
+        assert text is not None
+        return self.tokenizer.encode(text)
+
+    def start(
+        self,
+        slot: _core.Slot,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        window: int = 64,
+        started_ns: int | None = None,
+    ) -> Stream:
+        """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
+        # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
+        now = started_ns if started_ns is not None else time.monotonic_ns()
+        stop = tuple(s.encode("utf-8") for s in params.stop if s)
+        generation = _core.Generation(
+            slot,
+            prompt_tokens,
+            **sampling_args(params),
+            stop=stop,
+            prefill_chunk=self.prefill_chunk,
+            threads=self.threads,
+            window=window,
+            deadline_ns=_deadline(now, params.timeout_s),
+            first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
+            step_abort=self.abort_mode is AbortMode.IN_STEP,
+            trim_output=self.trim_output,
+        )
+        return Stream(generation, TextStream(list(stop)))
+
+
+def _step_abort_unavailable(detail: str, cause: object) -> None:
+    log.warning(
+        "step_abort_unavailable",
+        abort_mode=str(AbortMode.BETWEEN_STEPS),
+        detail=detail,
+        cause=str(cause) if cause is not None else None,
+    )
+
+
+class CtransformersEngine(Engine):
+    """ctransformers 0.2.27: each slot is one model instance, stopped inside an
+    evaluation by the step hook (ext/step_abort.h)."""
+
+    kind = EngineName.CTRANSFORMERS
 
     def __init__(
         self,
@@ -179,7 +282,6 @@ class Engine:
         self._probe: _core.Context | None = probe
         self.context_length = probe.context_length
         self.vocab_size = probe.vocab_size
-        self.tokenizer: ChatTokenizer | NativeTokenizer
         if tokenizer is None:
             # A context of its own (with a tiny KV cache), so tokenizing never touches a busy slot.
             self._tokenizer_context = _core.Context(str(model_path), model_type, 8)
@@ -197,13 +299,10 @@ class Engine:
         aborts, trim_exact = probe.probe_step_abort(self.tokenizer.encode("Stop means stop, right now."))
         probe.forget()
         if not aborts:
-            failure = _core.step_abort_failure()
-            log.warning(
-                "step_abort_unavailable",
-                abort_mode=str(AbortMode.BETWEEN_STEPS),
-                detail="this ctransformers build cannot stop inside an evaluation; "
+            _step_abort_unavailable(
+                "this ctransformers build cannot stop inside an evaluation; "
                 "generations stop between evaluations instead",
-                cause=str(failure) if failure is not None else None,
+                _core.step_abort_failure(),
             )
             return AbortMode.BETWEEN_STEPS, False
         if not trim_exact:
@@ -211,24 +310,17 @@ class Engine:
         return AbortMode.IN_STEP, trim_exact
 
     @classmethod
-    def load(
+    def from_file(
         cls,
-        model_path: str | os.PathLike | None = None,
-        model_type: str | None = None,
-        *,
-        context_length: int = DEFAULT_CONTEXT_LENGTH,
-        threads: int | None = None,
-        prefill_chunk: int | None = None,
-        abort_mode: AbortMode | str = AbortMode.IN_STEP,
-        progress: bool = True,
-    ) -> Engine:
-        """Load ``model_path`` (default: the embedded SmolLM2 model, fetched and converted once).
-
-        ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
-        if context_length < 1:
-            raise ValueError("context_length must be positive")
-        threads = threads or max(1, (os.cpu_count() or 1) // 2)
-        abort_mode = AbortMode(abort_mode)
+        model_path: str | os.PathLike | None,
+        model_type: str | None,
+        context_length: int,
+        threads: int,
+        prefill_chunk: int | None,
+        abort_mode: AbortMode,
+        progress: bool,
+    ) -> CtransformersEngine:
+        """The embedded model (fetched and converted once) when ``model_path`` is None."""
         tokenizer: ChatTokenizer | None
         if model_path is None:
             path = embedded.embedded_model_path(progress)
@@ -276,47 +368,94 @@ class Engine:
         )
 
     def open_slot(self) -> _core.Context:
-        """A new native context for this model. Close it with ``slot.close()``."""
         if self._probe is not None:
             slot, self._probe = self._probe, None
             return slot
         return _core.Context(str(self.model_path), self.model_type, self.context_length)
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        text = self.tokenizer.render_chat(messages) if messages is not None else prompt
-        assert text is not None
-        return self.tokenizer.encode(text)
 
-    def start(
+class LlamaEngine(Engine):
+    """Today's llama.cpp, through Stopline's shim (ext/llama_abi.h): one loaded
+    model, one llama.cpp context per slot, stopped inside an evaluation by
+    llama.cpp's official abort callback. Any GGUF the build knows loads as it is:
+    the model's own vocabulary tokenizes, and its chat template renders."""
+
+    kind = EngineName.LLAMA_CPP
+
+    def __init__(
         self,
-        slot: _core.Context,
-        prompt_tokens: list[int],
-        params: SamplingParams,
-        *,
-        window: int = 64,
-        started_ns: int | None = None,
-    ) -> Stream:
-        """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
-        # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
-        now = started_ns if started_ns is not None else time.monotonic_ns()
-        stop = tuple(s.encode("utf-8") for s in params.stop if s)
-        generation = _core.Generation(
-            slot,
-            prompt_tokens,
-            **sampling_args(params),
-            stop=stop,
-            prefill_chunk=self.prefill_chunk,
-            threads=self.threads,
-            window=window,
-            deadline_ns=_deadline(now, params.timeout_s),
-            first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
-            step_abort=self.abort_mode is AbortMode.IN_STEP,
-            trim_output=self.trim_output,
-        )
-        return Stream(generation, TextStream(list(stop)))
+        model: _core.LlamaModel,
+        model_path: Path,
+        name: str,
+        context_length: int,
+        threads: int,
+        prefill_chunk: int | None,
+        abort_mode: AbortMode,
+    ):
+        self.model = model
+        self.model_path = model_path
+        self.name = name
+        self.threads = threads
+        if model.context_limit and context_length > model.context_limit:
+            raise ValueError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
+        # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
+        self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[AbortMode.IN_STEP]
+        probe = _core.LlamaContext(model, context_length, self._batch, threads)
+        self._probe: _core.LlamaContext | None = probe
+        self.context_length = probe.context_length
+        self.vocab_size = model.vocab_size
+        self.tokenizer = LlamaTokenizer(model)
+        self.abort_mode = self._prove_abort(probe, abort_mode)
+        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
+        self.trim_output = False
+
+    def _prove_abort(self, probe: _core.LlamaContext, wanted: AbortMode) -> AbortMode:
+        """Abort a real evaluation through the callback before relying on it."""
+        if wanted is AbortMode.BETWEEN_STEPS:
+            return wanted
+        tokens = self.tokenizer.encode("Stop means stop, right now.")[: probe.max_batch]
+        aborts, _ = probe.probe_step_abort(tokens)
+        if not aborts:
+            _step_abort_unavailable(
+                "this llama.cpp build did not stop an evaluation through its abort callback; "
+                "generations stop between evaluations instead",
+                None,
+            )
+            return AbortMode.BETWEEN_STEPS
+        return AbortMode.IN_STEP
+
+    @classmethod
+    def from_file(
+        cls,
+        model_path: str | os.PathLike | None,
+        context_length: int,
+        threads: int,
+        prefill_chunk: int | None,
+        abort_mode: AbortMode,
+        progress: bool,
+    ) -> LlamaEngine:
+        """The embedded model's original GGUF when ``model_path`` is None. The engine's
+        library is built on first use (``python -m stopline.llama_build``)."""
+        from .llama_build import LlamaBuildError, ensure_llama_library
+
+        if model_path is None:
+            path, name = embedded.original_gguf_path(progress), embedded.EMBEDDED_MODEL_NAME
+        else:
+            path = Path(model_path)
+            check_llama_model_file(path)
+            name = path.stem
+        try:
+            _core.load_llama_library(str(ensure_llama_library(progress)))
+        except LlamaBuildError as exc:
+            raise EngineError(str(exc)) from None
+        model = _core.LlamaModel(str(path))
+        return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
+
+    def open_slot(self) -> _core.LlamaContext:
+        if self._probe is not None:
+            slot, self._probe = self._probe, None
+            return slot
+        return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads)
 
 
 def _gguf_context_limit(fields: dict) -> int | None:

@@ -58,11 +58,17 @@ WHAT_WORKS = (
 )
 
 
+LLAMA_WHAT_WORKS = (
+    f"The llama.cpp engine runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of any architecture "
+    "its llama.cpp knows (llama, qwen2, qwen3, gemma3, phi3, smollm3 and more)"
+)
+
+
 class ModelFileError(ModelLoadError):
     """The model file cannot work with this build; the message says why and what would."""
 
-    def __init__(self, path: Path, problem: str):
-        super().__init__(f"{path}: {problem}. {WHAT_WORKS}")
+    def __init__(self, path: Path, problem: str, what_works: str = WHAT_WORKS):
+        super().__init__(f"{path}: {problem}. {what_works}")
 
 
 def _normalized(model_type: str) -> str:
@@ -117,6 +123,24 @@ def check_model_file(path: Path, model_type: str | None) -> dict | None:
             f"(it computes {', '.join(LOADER_TENSOR_TYPES)})",
         )
     return fields
+
+
+def check_llama_model_file(path: Path) -> None:
+    """Raise ModelFileError, in the llama.cpp engine's terms, for a path that is not a
+    GGUF file of a version it reads. Everything inside the file (architecture,
+    tensors, vocabulary, bounds) llama.cpp's loader checks itself, and it refuses a
+    damaged file with an error rather than an assert."""
+    if not path.exists():
+        raise ModelFileError(path, "model file not found", LLAMA_WHAT_WORKS)
+    if not path.is_file():
+        raise ModelFileError(path, "model path is not a file", LLAMA_WHAT_WORKS)
+    with open(path, "rb") as f:
+        header = f.read(8)
+    if header[:4] != b"GGUF":
+        raise ModelFileError(path, "not a GGUF file", LLAMA_WHAT_WORKS)
+    version = int.from_bytes(header[4:8], "little")
+    if version not in GGUF_VERSIONS:
+        raise ModelFileError(path, f"GGUF version {version} is not supported", LLAMA_WHAT_WORKS)
 
 
 def _check_ggml(path: Path, header: bytes, model_type: str | None) -> None:

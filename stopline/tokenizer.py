@@ -163,6 +163,31 @@ class NativeTokenizer:
         return render_chat(None, messages)
 
 
+class LlamaTokenizer:
+    """llama.cpp's tokenizer for the model it loaded (special tokens written in the
+    text stay whole), with the file's own chat template (ChatML if it has none)."""
+
+    def __init__(self, model):
+        self._model = model
+        self.chat_template = model.metadata("tokenizer.chat_template")
+        self._bos, eos, self._add_bos = model.special_tokens
+        self.bos_token = self._token_text(self._bos)
+        self.eos_token = self._token_text(eos)
+
+    def _token_text(self, token: int) -> str:
+        return self._model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._model.tokenize(text)
+        # A template that writes the bos token itself already put it there.
+        if self._add_bos and self._bos >= 0 and ids[:1] != [self._bos]:
+            ids.insert(0, self._bos)
+        return ids
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+
+
 def render_chat(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
     """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn.
 

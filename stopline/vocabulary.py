@@ -49,6 +49,15 @@ class AbortMode(StrEnum):
     BETWEEN_STEPS = "between_steps"
 
 
+class EngineName(StrEnum):
+    """Which engine computes the model: ``--engine``, ``/healthz``, the ``engine`` label."""
+
+    # ctransformers 0.2.27 (a 2023 llama.cpp), the default.
+    CTRANSFORMERS = "ctransformers"
+    # Today's llama.cpp, through Stopline's own shim (ext/llama_abi.h).
+    LLAMA_CPP = "llama.cpp"
+
+
 class ErrorCode(StrEnum):
     """The ``code`` of an ``error`` frame; also its ``reason`` label in metrics."""
 

@@ -73,6 +73,9 @@ def test_the_install_holds_one_package_with_its_web_client(venv):
     assert (site / "stopline" / "web" / "index.html").is_file()
     assert (site / "stopline" / "web" / "app.js").is_file()
     assert list((site / "stopline").glob("_core*.so"))
+    # The llama.cpp engine's shim is compiled on first use from the sources the package carries.
+    for name in ("llama_shim.c", "llama_abi.h"):
+        assert (site / "stopline" / "_native" / name).read_bytes() == (ROOT / "ext" / name).read_bytes()
     assert not (venv / "bin" / "pip").exists()  # the venv really has no pip
     licenses = list(site.glob("stopline-*.dist-info/licenses/LICENSE"))
     assert licenses and "Apache License" in licenses[0].read_text()

@@ -1,16 +1,21 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Stopline's native token loop over ctransformers.
+"""Stopline's native token loop, over two engines.
 
-A :class:`Context` is one ctransformers model instance: its own KV cache and
-scratch buffers, with the weights memory-mapped and so shared between contexts
-of the same file. A context remembers which tokens its KV cache holds, so a
-generation whose prompt starts with them evaluates only the rest.
+A :class:`Slot` is one KV cache with the record of which tokens it holds, so a
+generation whose prompt starts with them evaluates only the rest. Its two
+kinds are the engines: a :class:`Context` is one ctransformers model instance
+(the weights memory-mapped and so shared between contexts of the same file),
+and a :class:`LlamaContext` is one llama.cpp context over a
+:class:`LlamaModel`, whose weights all its contexts share. The loop below is
+the same for both; only evaluating, sampling and turning a token into bytes
+differ, in three small functions that switch on the engine.
 
 A :class:`Generation` runs once on a context. Its loop runs with the GIL
 released and checks the stop conditions (the cancel flag, an atomic acquire
 load, and two deadlines against the monotonic clock) before every prompt chunk
 and every token; with the step hook installed (step_abort.h), ggml checks the
-same conditions between the graph nodes of every evaluation as well.
+same conditions between the graph nodes of every evaluation as well, and
+llama.cpp checks them through its official abort callback.
 
 Tokens are handed to Python through an append-only log: the loop writes each
 token's id and bytes, publishes the count with a release store and wakes an
@@ -22,20 +27,22 @@ The loop knows only whether it must stop, never why a caller wanted it to:
 :meth:`Generation.cancel` takes no reason, and a :class:`LoopResult` reports an
 :class:`ExitKind`. ``stopline.engine`` maps that to the service's vocabulary.
 
-C declarations come from two .pxd files, cimported qualified: ``ct`` (the
-ctransformers C API, ext/ctransformers_abi.h) and ``sl`` (Stopline's own C
-helpers). :func:`c_failure` is the one place where a failure reported by C
-becomes a Python exception.
+C declarations come from three .pxd files, cimported qualified: ``ct`` (the
+ctransformers C API, ext/ctransformers_abi.h), ``ll`` (Stopline's shim over
+llama.cpp, ext/llama_abi.h) and ``sl`` (Stopline's own C helpers).
+:func:`c_failure` is the one place where a failure reported by C becomes a
+Python exception.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc cimport errno
-from libc.stdint cimport int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset, strlen
 from posix cimport dlfcn, fcntl, unistd
 
 from stopline cimport _ctransformers as ct
+from stopline cimport _llama as ll
 from stopline cimport _loop_support as sl
 
 import os
@@ -52,12 +59,22 @@ cdef bint API_READY = False
 # and if not, why.
 cdef bint STEP_ABORT = False
 cdef object STEP_ABORT_FAILURE = None
+cdef ll.sll_api LLAMA
+cdef bint LLAMA_READY = False
+
+cdef enum Engine:
+    CTRANSFORMERS
+    LLAMA_CPP
 
 
 # The largest prefill chunk the library can evaluate at once.
 MAX_PREFILL_CHUNK = ct.CT_MAX_BATCH
 # The ctransformers release whose binary interface ctransformers_abi.h declares.
 CTRANSFORMERS_VERSION = ct.CT_ABI_VERSION.decode()
+# The llama.cpp commit whose shim ext/llama_abi.h declares, and the largest
+# batch its contexts take.
+LLAMA_COMMIT = ll.SLL_LLAMA_COMMIT.decode()
+LLAMA_MAX_BATCH = ll.SLL_MAX_BATCH
 
 
 class EngineError(RuntimeError):
@@ -110,6 +127,18 @@ def load_library(str path):
     STEP_ABORT = hook == sl.SL_HOOK_INSTALLED
 
 
+def load_llama_library(str path):
+    """Resolve the llama.cpp shim's C API from ``path`` (once per process). The
+    library is opened RTLD_LOCAL: its ggml stays its own."""
+    global LLAMA_READY
+    cdef char err[512]
+    if LLAMA_READY:
+        return
+    if ll.sll_api_open(&LLAMA, os.fsencode(path), err, sizeof(err)) != 0:
+        raise c_failure(EngineError, f"cannot load {path}", 0, err)
+    LLAMA_READY = True
+
+
 def step_abort_installed():
     """Whether the hook that stops an evaluation between graph nodes is in place.
     :meth:`Context.probe_step_abort` proves that it works."""
@@ -121,12 +150,15 @@ def step_abort_failure():
     return STEP_ABORT_FAILURE
 
 
-cdef class Context:
-    cdef ct.ct_llm *llm
+cdef class Slot:
+    """What both engines' contexts share: one KV cache, and the record of the
+    tokens it holds. Generations run on a slot one at a time."""
+    cdef Engine engine
     cdef readonly int context_length
     cdef readonly int vocab_size
     cdef readonly int max_token_bytes
-    cdef readonly str architecture
+    # The most tokens one evaluation takes.
+    cdef readonly int max_batch
     cdef int busy
     # The tokens whose keys and values the KV cache holds, from position 0,
     # and the prefill chunk they were evaluated with.
@@ -134,44 +166,15 @@ cdef class Context:
     cdef readonly int n_held
     cdef int held_chunk
 
-    def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
-        cdef ct.ct_config config
-        cdef int fd
-        if not API_READY:
-            raise EngineError("load_library() has not been called")
-        config.context_length = context_length
-        config.gpu_layers = 0
-        config.mmap = True
-        config.mlock = False
-        path_bytes = os.fsencode(model_path)
-        kind_bytes = model_type.encode()
-        cdef const char *path = path_bytes
-        cdef const char *kind = kind_bytes
-        # The library reports any failure as NULL; an unreadable file gets its errno here.
-        fd = fcntl.open(path, fcntl.O_RDONLY | fcntl.O_CLOEXEC)
-        if fd < 0:
-            raise c_failure(ModelLoadError, f"cannot open {model_path}", errno.errno)
-        unistd.close(fd)
-        with nogil:
-            self.llm = API.llm_create(path, kind, config)
-        if self.llm is NULL:
-            raise c_failure(ModelLoadError, f"ctransformers could not create a {model_type!r} model from {model_path}")
-        self.context_length = API.llm_context_length(self.llm)
-        self.vocab_size = API.llm_vocab_size(self.llm)
-        self.architecture = (<bytes>API.llm_architecture(self.llm)).decode("utf-8", "replace")
-        cdef int token, longest = 0, size
-        for token in range(self.vocab_size):
-            size = <int>strlen(API.llm_detokenize(self.llm, token))
-            if size > longest:
-                longest = size
-        self.max_token_bytes = longest
+    cdef int allocate_record(self) except -1:
         self.held = <int *>malloc(self.context_length * sizeof(int))
         if self.held is NULL:
             raise c_failure(MemoryError, "cannot allocate the KV cache's token record")
+        return 0
 
     def reusable_prefix(self, tokens, int chunk):
         """How many leading ``tokens`` a generation with prefill chunks of
-        ``chunk`` would take from this context's KV cache instead of evaluating them."""
+        ``chunk`` would take from this slot's KV cache instead of evaluating them."""
         cdef int i, n = len(tokens)
         cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
         if ids is NULL:
@@ -198,6 +201,58 @@ cdef class Context:
     def forget(self):
         """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
         self.n_held = 0
+
+    @property
+    def closed(self):
+        return True
+
+    cdef _check_open(self):
+        if self.closed:
+            raise EngineError("context is closed")
+
+    def __dealloc__(self):
+        free(self.held)
+
+
+cdef class Context(Slot):
+    """One ctransformers model instance."""
+    cdef ct.ct_llm *llm
+    cdef readonly str architecture
+
+    def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
+        cdef ct.ct_config config
+        cdef int fd
+        if not API_READY:
+            raise EngineError("load_library() has not been called")
+        config.context_length = context_length
+        config.gpu_layers = 0
+        config.mmap = True
+        config.mlock = False
+        path_bytes = os.fsencode(model_path)
+        kind_bytes = model_type.encode()
+        cdef const char *path = path_bytes
+        cdef const char *kind = kind_bytes
+        # The library reports any failure as NULL; an unreadable file gets its errno here.
+        fd = fcntl.open(path, fcntl.O_RDONLY | fcntl.O_CLOEXEC)
+        if fd < 0:
+            raise c_failure(ModelLoadError, f"cannot open {model_path}", errno.errno)
+        unistd.close(fd)
+        with nogil:
+            self.llm = API.llm_create(path, kind, config)
+        if self.llm is NULL:
+            raise c_failure(ModelLoadError, f"ctransformers could not create a {model_type!r} model from {model_path}")
+        self.engine = Engine.CTRANSFORMERS
+        self.max_batch = ct.CT_MAX_BATCH
+        self.context_length = API.llm_context_length(self.llm)
+        self.vocab_size = API.llm_vocab_size(self.llm)
+        self.architecture = (<bytes>API.llm_architecture(self.llm)).decode("utf-8", "replace")
+        cdef int token, longest = 0, size
+        for token in range(self.vocab_size):
+            size = <int>strlen(API.llm_detokenize(self.llm, token))
+            if size > longest:
+                longest = size
+        self.max_token_bytes = longest
+        self.allocate_record()
 
     def probe_step_abort(self, tokens):
         """Prove the step hook on a real evaluation of ``tokens`` (two or more).
@@ -279,15 +334,225 @@ cdef class Context:
         if self.llm is not NULL:
             API.llm_delete(self.llm)
             self.llm = NULL
-        free(self.held)
+
+
+cdef class LlamaModel:
+    """A GGUF model loaded by llama.cpp: its weights and vocabulary, shared by
+    every :class:`LlamaContext` made from it."""
+    cdef ll.sll_model *model
+    cdef readonly int vocab_size
+    # The context length the model was trained with.
+    cdef readonly int context_limit
+    cdef readonly int max_token_bytes
+    # Whether a context's cache can be cut back to a prefix (not for recurrent models).
+    cdef readonly bint can_truncate
+
+    def __cinit__(self, str model_path):
+        cdef char err[512]
+        cdef int fd, token, longest = 0, size
+        cdef char piece[256]
+        if not LLAMA_READY:
+            raise EngineError("load_llama_library() has not been called")
+        path_bytes = os.fsencode(model_path)
+        cdef const char *path = path_bytes
+        fd = fcntl.open(path, fcntl.O_RDONLY | fcntl.O_CLOEXEC)
+        if fd < 0:
+            raise c_failure(ModelLoadError, f"cannot open {model_path}", errno.errno)
+        unistd.close(fd)
+        err[0] = 0
+        with nogil:
+            self.model = LLAMA.model_load(path, err, sizeof(err))
+        if self.model is NULL:
+            raise c_failure(ModelLoadError, f"llama.cpp could not load {model_path}", 0, err)
+        self.vocab_size = LLAMA.model_n_vocab(self.model)
+        self.context_limit = LLAMA.model_n_ctx_train(self.model)
+        self.can_truncate = LLAMA.model_can_truncate(self.model)
+        with nogil:
+            for token in range(self.vocab_size):
+                size = LLAMA.token_piece(self.model, token, piece, sizeof(piece), False)
+                if size < 0:
+                    size = -size
+                if size > longest:
+                    longest = size
+        self.max_token_bytes = longest
+
+    def metadata(self, str key):
+        """The GGUF metadata value under ``key`` as text, or None."""
+        cdef int32_t size
+        cdef char small[256]
+        self._check_open()
+        key_bytes = key.encode()
+        size = LLAMA.model_meta(self.model, key_bytes, small, sizeof(small))
+        if size < 0:
+            return None
+        if size < <int32_t>sizeof(small):
+            return (<bytes>small[:size]).decode("utf-8", "replace")
+        buffer = bytearray(size + 1)
+        size = LLAMA.model_meta(self.model, key_bytes, <char *>buffer, size + 1)
+        return bytes(buffer[:size]).decode("utf-8", "replace")
+
+    def tokenize(self, str text, bint add_special=False):
+        """The model's own tokenizer; special tokens written in ``text`` stay whole."""
+        cdef int32_t n
+        cdef int32_t *ids
+        self._check_open()
+        data = text.encode("utf-8")
+        capacity = len(data) + 2
+        ids = <int32_t *>malloc(capacity * sizeof(int32_t))
+        if ids is NULL:
+            raise c_failure(MemoryError, "cannot allocate the token ids")
+        try:
+            n = LLAMA.tokenize(self.model, data, len(data), ids, capacity, add_special, True)
+            if n < 0:
+                raise c_failure(EngineError, f"llama.cpp could not tokenize {len(data)} bytes")
+            return [ids[i] for i in range(n)]
+        finally:
+            free(ids)
+
+    def token_bytes(self, int token, bint special=False):
+        """``token``'s bytes; a control token's own text only when ``special``."""
+        cdef char piece[256]
+        cdef int32_t size
+        self._check_open()
+        size = LLAMA.token_piece(self.model, token, piece, sizeof(piece), special)
+        return piece[:max(size, 0)]
+
+    def is_end(self, int token):
+        """Whether ``token`` ends a generation (llama.cpp's end-of-generation set)."""
+        self._check_open()
+        return bool(LLAMA.is_end(self.model, token))
+
+    @property
+    def special_tokens(self):
+        """``(bos, eos, add_bos)``: the beginning- and end-of-sequence tokens (-1: none),
+        and whether the model wants a prompt to start with bos."""
+        self._check_open()
+        return LLAMA.bos(self.model), LLAMA.eos(self.model), bool(LLAMA.add_bos(self.model))
 
     cdef _check_open(self):
-        if self.llm is NULL:
-            raise EngineError("context is closed")
+        if self.model is NULL:
+            raise EngineError("model is closed")
+
+    def close(self):
+        """Free the weights. Every context made from the model must be closed first."""
+        if self.model is not NULL:
+            LLAMA.model_free(self.model)
+            self.model = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
+cdef class LlamaContext(Slot):
+    """One llama.cpp context over a :class:`LlamaModel`: its own KV cache, one
+    sequence. ``batch`` is the most tokens one evaluation takes (the prefill chunk)."""
+    cdef ll.sll_context *ctx
+    cdef readonly LlamaModel model
+
+    def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1):
+        cdef char err[512]
+        model._check_open()
+        if not 1 <= batch <= ll.SLL_MAX_BATCH:
+            raise ValueError(f"batch is 1 to {ll.SLL_MAX_BATCH}")
+        if context_length < 2 or threads < 1:
+            raise ValueError("context_length must be at least 2 and threads positive")
+        err[0] = 0
+        with nogil:
+            self.ctx = LLAMA.context_new(model.model, context_length, batch, threads, err, sizeof(err))
+        if self.ctx is NULL:
+            raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
+        self.model = model
+        self.engine = Engine.LLAMA_CPP
+        self.max_batch = batch
+        self.context_length = LLAMA.context_n_ctx(self.ctx)
+        self.vocab_size = model.vocab_size
+        self.max_token_bytes = model.max_token_bytes
+        self.allocate_record()
+
+    @property
+    def kv_positions(self):
+        """How many positions the KV cache holds, as llama.cpp reports them."""
+        self._check_open()
+        return LLAMA.pos_max(self.ctx) + 1
+
+    def forget(self):
+        self.n_held = 0
+        if self.ctx is not NULL:
+            LLAMA.truncate(self.ctx, 0)
+
+    def probe_step_abort(self, tokens):
+        """Prove the abort callback on a real evaluation of ``tokens`` (two or
+        more): with the stop flag set, the evaluation must end part-way and
+        leave nothing in the cache; with it clear, it must complete.
+
+        Returns ``(aborts, True)``: a llama.cpp evaluation computes the output
+        projection only for the tokens it is asked for, so there is nothing to trim."""
+        cdef sl.sl_watch watch
+        cdef int n = len(tokens), i
+        cdef int32_t first, second, left
+        cdef int32_t *ids
+        self._check_open()
+        if self.busy:
+            raise EngineError("the context is busy")
+        if not 2 <= n <= self.max_batch:
+            raise ValueError(f"the probe evaluates 2 to {self.max_batch} tokens at once")
+        ids = <int32_t *>malloc(n * sizeof(int32_t))
+        if ids is NULL:
+            raise c_failure(MemoryError, "cannot allocate the token ids")
+        for i in range(n):
+            ids[i] = tokens[i]
+        self.n_held = 0
+        memset(&watch, 0, sizeof(watch))
+        try:
+            with nogil:
+                LLAMA.truncate(self.ctx, 0)
+                LLAMA.set_abort(self.ctx, sl.sl_node_abort_callback, &watch)
+                watch.cancel_flag = 1
+                watch.last_poll_ns = sl.sl_monotonic_ns()
+                first = LLAMA.decode(self.ctx, ids, n, 0, 1)
+                left = LLAMA.pos_max(self.ctx)
+                LLAMA.truncate(self.ctx, 0)
+                watch.cancel_flag = 0
+                watch.aborted = 0
+                second = LLAMA.decode(self.ctx, ids, n, 0, 1)
+                LLAMA.set_abort(self.ctx, NULL, NULL)
+                LLAMA.truncate(self.ctx, 0)
+            return first == ll.SLL_ABORTED and left == -1 and second == ll.SLL_OK, True
+        finally:
+            free(ids)
+
+    def tokenize(self, str text):
+        return self.model.tokenize(text)
+
+    def token_bytes(self, int token):
+        return self.model.token_bytes(token)
+
+    @property
+    def closed(self):
+        return self.ctx is NULL
+
+    def close(self):
+        if self.busy:
+            raise EngineError("cannot close a context while a generation runs on it")
+        if self.ctx is not NULL:
+            LLAMA.context_free(self.ctx)
+            self.ctx = NULL
+        self.n_held = 0
+
+    def __dealloc__(self):
+        if self.ctx is not NULL:
+            LLAMA.context_free(self.ctx)
+            self.ctx = NULL
 
 
 cdef struct LoopState:
     # Written by Python before the loop starts, read-only inside it.
+    Engine engine
+    ct.ct_llm *llm                 # the ctransformers engine's model instance
+    ll.sll_context *lctx           # the llama.cpp engine's context,
+    const ll.sll_model *lmodel     # its model,
+    ll.sll_sampler *sampler        # and this generation's sampler chain
+    int max_token_bytes
     int *tokens            # prompt, then generated tokens
     int n_prompt
     int n_reused           # leading prompt tokens the KV cache already holds
@@ -347,14 +612,27 @@ cdef inline bint should_stop(LoopState *s) noexcept nogil:
     return True
 
 
-cdef bint evaluate(LoopState *s, ct.ct_llm *llm, ct.ct_api *api, int count) noexcept nogil:
+cdef bint evaluate(LoopState *s, int count) noexcept nogil:
     """Evaluate the next ``count`` tokens into the KV cache. False when the loop
     must end instead (s.exit says why)."""
     cdef bint ok
+    cdef int32_t status
     s.watch.aborted = 0
     s.watch.longest_gap_ns = 0
-    s.watch.trim_output = s.trim_output
-    ok = api.llm_batch_eval(llm, s.tokens + s.n_past, count, s.n_past, count, s.threads)
+    if s.engine == Engine.LLAMA_CPP:
+        s.watch.last_poll_ns = sl.sl_monotonic_ns()
+        # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
+        status = LLAMA.decode(s.lctx, <const int32_t *>(s.tokens + s.n_past), count, s.n_past,
+                              s.n_past + count >= s.n_prompt)
+        ok = status == ll.SLL_OK
+        if not ok:
+            # One call is one physical batch, so an aborted or failed call
+            # leaves at most its own positions behind: drop them, so that the
+            # cache holds exactly the tokens evaluated before it.
+            LLAMA.truncate(s.lctx, s.n_past)
+    else:
+        s.watch.trim_output = s.trim_output
+        ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, s.threads)
     if s.n_generated == 0 and s.watch.longest_gap_ns > s.longest_prefill_node_ns:
         s.longest_prefill_node_ns = s.watch.longest_gap_ns
     elif s.n_generated and s.watch.longest_gap_ns > s.longest_decode_node_ns:
@@ -403,24 +681,61 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
     return True
 
 
-cdef void run_loop(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil:
-    s.start_ns = sl.sl_monotonic_ns()
-    s.n_past = s.n_reused
-    if s.step_abort:
-        sl.sl_watch_enter(&s.watch)
-    run_steps(s, llm, api)
-    sl.sl_watch_leave()
-
-
-cdef void run_steps(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil:
-    cdef int chunk, token, first_last, step, size, old_size
-    cdef int top_k = s.top_k
+cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
+    """The next token, drawn from the logits of the last evaluation."""
+    cdef int first_last, top_k = s.top_k
     cdef float temperature = s.temperature
-    cdef const char *piece
+    if s.engine == Engine.LLAMA_CPP:
+        return LLAMA.sample(s.sampler, s.lctx)
     if temperature <= 0:
         # Greedy: keep only the best candidate (the library divides by temperature).
         top_k = 1
         temperature = 1.0
+    first_last = s.n_past - LAST_N_TOKENS
+    if first_last < 0:
+        first_last = 0
+    return API.llm_sample(s.llm, s.tokens + first_last, s.n_past - first_last, top_k, s.top_p,
+                          temperature, s.repetition_penalty,
+                          <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
+
+
+cdef inline bint ends_generation(LoopState *s, int token) noexcept nogil:
+    if s.engine == Engine.LLAMA_CPP:
+        return LLAMA.is_end(s.lmodel, token)
+    return API.llm_is_eos_token(s.llm, token)
+
+
+cdef inline int write_piece(LoopState *s, int token, char *out) noexcept nogil:
+    """Write ``token``'s bytes to ``out`` (room for max_token_bytes); returns their count."""
+    cdef const char *piece
+    cdef int size
+    if s.engine == Engine.LLAMA_CPP:
+        # Control tokens write nothing: they belong to the template, not the text.
+        size = LLAMA.token_piece(s.lmodel, token, out, s.max_token_bytes, False)
+        return size if size > 0 else 0
+    piece = API.llm_detokenize(s.llm, token)
+    size = <int>strlen(piece)
+    memcpy(out, piece, size)
+    return size
+
+
+cdef void run_loop(LoopState *s) noexcept nogil:
+    cdef int i
+    s.start_ns = sl.sl_monotonic_ns()
+    s.n_past = s.n_reused
+    if s.engine == Engine.LLAMA_CPP:
+        # The repetition penalty looks at recent tokens, the prompt's included.
+        i = s.n_prompt - LAST_N_TOKENS
+        for i in range(i if i > 0 else 0, s.n_prompt):
+            LLAMA.sampler_accept(s.sampler, s.tokens[i])
+    elif s.step_abort:
+        sl.sl_watch_enter(&s.watch)
+    run_steps(s)
+    sl.sl_watch_leave()
+
+
+cdef void run_steps(LoopState *s) noexcept nogil:
+    cdef int chunk, token, step, size, old_size
 
     # Prefill in chunks so that a cancel or a deadline is seen between them
     # even when the hook cannot stop an evaluation part-way. Chunks end at
@@ -433,7 +748,7 @@ cdef void run_steps(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil
         chunk = s.prefill_chunk - s.n_past % s.prefill_chunk
         if chunk > s.n_prompt - s.n_past:
             chunk = s.n_prompt - s.n_past
-        if not evaluate(s, llm, api, chunk):
+        if not evaluate(s, chunk):
             return
         s.n_prompt_evaluated = s.n_past - s.n_reused
 
@@ -446,21 +761,14 @@ cdef void run_steps(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil
             if should_stop(s):
                 return
 
-        first_last = s.n_past - LAST_N_TOKENS
-        if first_last < 0:
-            first_last = 0
-        token = api.llm_sample(llm, s.tokens + first_last, s.n_past - first_last, top_k, s.top_p,
-                               temperature, s.repetition_penalty,
-                               <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
-        if api.llm_is_eos_token(llm, token):
+        token = sample_next(s, step)
+        if ends_generation(s, token):
             s.exit = ExitKind.EOS
             return
 
         # Publish: bytes and id first, then the count with release semantics.
-        piece = api.llm_detokenize(llm, token)
-        size = <int>strlen(piece)
         old_size = s.text_end[s.n_generated - 1] if s.n_generated else 0
-        memcpy(s.text + old_size, piece, size)
+        size = write_piece(s, token, s.text + old_size)
         s.text_end[s.n_generated] = old_size + size
         s.tokens[s.n_past] = token
         s.n_generated += 1
@@ -479,7 +787,7 @@ cdef void run_steps(LoopState *s, ct.ct_llm *llm, ct.ct_api *api) noexcept nogil
         # Don't start a decode step for a request that is already cancelled.
         if should_stop(s):
             return
-        if not evaluate(s, llm, api, 1):
+        if not evaluate(s, 1):
             return
     s.exit = ExitKind.CONTEXT_FULL if s.max_tokens_capped else ExitKind.MAX_TOKENS
 
@@ -556,7 +864,7 @@ cdef class Generation:
     is their one source (``stopline.engine.sampling_args`` turns it into them)."""
 
     cdef LoopState s
-    cdef Context context
+    cdef Slot context
     # A GenerationState, stored with release and read with acquire semantics.
     cdef int _state
     # Set only once eventfd() succeeded: __dealloc__ runs even when __cinit__ fails.
@@ -564,12 +872,13 @@ cdef class Generation:
     cdef LoopResult _result
     cdef readonly object stop_sequences
 
-    def __cinit__(self, Context context, prompt_tokens, *, int max_tokens, double temperature,
+    def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
                   int top_k, double top_p, double repetition_penalty, int seed,
                   stop=(), int prefill_chunk=1, int threads=1, int window=64,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
+        cdef ll.sll_sampling sampling
         context._check_open()
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
@@ -579,8 +888,8 @@ cdef class Generation:
                 "and needs room for at least one generated token")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
-        if prefill_chunk > ct.CT_MAX_BATCH:
-            raise ValueError(f"prefill_chunk is at most {ct.CT_MAX_BATCH}, the library's batch limit")
+        if prefill_chunk > context.max_batch:
+            raise ValueError(f"prefill_chunk is at most {context.max_batch}, the context's batch limit")
         # The context must hold the prompt and every generated token.
         self.s.max_tokens_capped = max_tokens > context.context_length - n_prompt
         max_tokens = min(max_tokens, context.context_length - n_prompt)
@@ -598,9 +907,28 @@ cdef class Generation:
         self.s.window = window
         self.s.watch.deadline_ns = deadline_ns
         self.s.watch.first_token_deadline_ns = first_token_deadline_ns
-        self.s.step_abort = step_abort and STEP_ABORT
-        # Trimming needs the hook, which only runs when step_abort is on.
-        self.s.trim_output = trim_output and self.s.step_abort
+        self.s.engine = context.engine
+        self.s.max_token_bytes = context.max_token_bytes
+        if context.engine == Engine.LLAMA_CPP:
+            # llama.cpp's abort callback is official, and it computes only the
+            # logits asked for: nothing to trim.
+            self.s.step_abort = step_abort
+            self.s.trim_output = False
+            sampling.temperature = temperature
+            sampling.top_k = top_k
+            sampling.top_p = top_p
+            sampling.repeat_penalty = repetition_penalty
+            sampling.frequency_penalty = 0
+            sampling.presence_penalty = 0
+            sampling.penalty_last_n = LAST_N_TOKENS
+            sampling.seed = <uint32_t>seed
+            self.s.sampler = LLAMA.sampler_new((<LlamaContext>context).model.model, &sampling)
+            if self.s.sampler is NULL:
+                raise c_failure(MemoryError, "cannot allocate the sampler")
+        else:
+            self.s.step_abort = step_abort and STEP_ABORT
+            # Trimming needs the hook, which only runs when step_abort is on.
+            self.s.trim_output = trim_output and self.s.step_abort
         self.s.tokens = <int *>malloc((n_prompt + max_tokens) * sizeof(int))
         self.s.text = <char *>malloc(<size_t>max_tokens * context.max_token_bytes + 1)
         self.s.text_end = <uint32_t *>calloc(max_tokens, sizeof(uint32_t))
@@ -624,6 +952,8 @@ cdef class Generation:
         self.owns_wake_fd = True
 
     def __dealloc__(self):
+        if self.s.sampler is not NULL:
+            LLAMA.sampler_free(self.s.sampler)
         free(self.s.tokens)
         free(self.s.text)
         free(self.s.text_end)
@@ -679,23 +1009,36 @@ cdef class Generation:
 
     def run(self):
         """Run the loop to its end and return the :class:`LoopResult`."""
-        cdef Context context = self.context
+        cdef Slot context = self.context
         if sl.sl_load_acquire(&self._state) != GenerationState.NEW:
             raise EngineError("a generation runs only once")
         if context.busy:
             raise EngineError("another generation is running on this context")
         context._check_open()
         self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
+        if context.engine == Engine.LLAMA_CPP:
+            self.s.lctx = (<LlamaContext>context).ctx
+            self.s.lmodel = (<LlamaContext>context).model.model
+            # Positions from n_reused on go: the cache must continue exactly where the record does.
+            LLAMA.truncate(self.s.lctx, self.s.n_reused)
+            LLAMA.set_threads(self.s.lctx, self.s.threads)
+            LLAMA.set_abort(self.s.lctx, sl.sl_node_abort_callback if self.s.step_abort else <ll.sll_abort_fn>NULL,
+                            &self.s.watch)
+        else:
+            self.s.llm = (<Context>context).llm
         sl.sl_store_release(&self._state, GenerationState.RUNNING)
         context.busy = 1
         # Positions from n_reused on are about to be overwritten.
         context.n_held = self.s.n_reused
         with nogil:
-            run_loop(&self.s, context.llm, &API)
+            run_loop(&self.s)
             self.s.end_ns = sl.sl_monotonic_ns()
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
         context.n_held = self.s.n_past
         context.held_chunk = self.s.prefill_chunk
+        if context.engine == Engine.LLAMA_CPP:
+            # The watch dies with this generation.
+            LLAMA.set_abort(self.s.lctx, NULL, NULL)
         context.busy = 0
         # Publish in this order: the result, then the finished state (a release
         # store), then the wake-up. A reader that sees "finished", or that was

@@ -33,9 +33,12 @@ cdef extern from "step_abort.h" nogil:
         int64_t first_token_deadline_ns
         int trim_output
         int aborted
+        int64_t last_poll_ns
         int64_t longest_gap_ns
 
     sl_stop sl_check(const sl_watch *w)
+    # llama.cpp's abort callback: polls the watch passed as its data.
+    bint sl_node_abort_callback(void *data) noexcept nogil
     sl_hook_status sl_step_abort_install(void *handle)
     void sl_watch_enter(sl_watch *w)
     void sl_watch_leave()

@@ -1,0 +1,156 @@
+/* The binary interface between the native loop and llama.cpp: the C API of
+ * Stopline's own shim library, libstopline-llama.so.
+ *
+ * The shim (ext/llama_shim.c) is compiled against llama.cpp commit 0c1e570
+ * (2026-10-01), as vendored by the llama-cpp-python 0.3.36 source
+ * distribution, and linked with that llama.cpp's static libraries into one
+ * shared object whose only exported symbols are the sll_* functions below
+ * (stopline/llama_build.py builds it). The loop loads it RTLD_LOCAL, so its
+ * ggml can never bind the ggml symbols of libctransformers.so, or the other
+ * way round. No other file of the project declares a llama.cpp type: the shim
+ * passes scalars and opaque handles only, and it includes this header, so
+ * the compiler checks both sides against the same prototypes. */
+#ifndef STOPLINE_LLAMA_ABI_H
+#define STOPLINE_LLAMA_ABI_H
+
+#include <dlfcn.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* The llama.cpp source this interface is built from. A shim reporting another
+ * version (sll_abi_version) is refused. */
+#define SLL_LLAMA_COMMIT "0c1e570"
+#define SLL_SDIST_VERSION "0.3.36"
+#define SLL_ABI_VERSION 1
+
+/* The largest batch one sll_decode() takes (the context's n_batch). */
+#define SLL_MAX_BATCH 512
+
+typedef struct sll_model sll_model;        /* a loaded model and its vocabulary */
+typedef struct sll_context sll_context;    /* one context: its KV cache, one sequence */
+typedef struct sll_sampler sll_sampler;    /* one generation's sampler chain */
+
+/* Called by the CPU backend after every graph node, on the thread that called
+ * sll_decode(); a true return ends the evaluation (sll_decode returns SLL_ABORTED). */
+typedef bool (*sll_abort_fn)(void *data);
+
+/* sll_decode()'s results: llama_decode()'s codes, plus the shim's own refusal
+ * of a batch that would reach one of llama.cpp's asserts. */
+enum {
+    SLL_OK = 0,
+    SLL_NO_KV_SLOT = 1,
+    SLL_ABORTED = 2,
+    SLL_INVALID_BATCH = -1,
+    SLL_REFUSED = -100,
+};
+
+/* Sampler settings. temperature <= 0 is greedy (the other fields are ignored). */
+typedef struct {
+    float temperature;
+    int32_t top_k;          /* <= 0: off */
+    float top_p;            /* >= 1: off */
+    float repeat_penalty;   /* 1: off */
+    float frequency_penalty;
+    float presence_penalty;
+    int32_t penalty_last_n;
+    uint32_t seed;
+} sll_sampling;
+
+typedef struct {
+    void *handle;
+    int (*abi_version)(void);
+    /* Models. Failures return NULL with llama.cpp's own explanation in err. */
+    sll_model *(*model_load)(const char *path, char *err, size_t err_size);
+    void (*model_free)(sll_model *model);
+    int32_t (*model_n_vocab)(const sll_model *model);
+    int32_t (*model_n_ctx_train)(const sll_model *model);
+    int32_t (*model_meta)(const sll_model *model, const char *key, char *buf, size_t buf_size);
+    int (*model_can_truncate)(const sll_model *model);
+    /* Tokens. tokenize() returns the count, or minus the room it needs. */
+    int32_t (*tokenize)(const sll_model *model, const char *text, int32_t text_len, int32_t *out,
+                        int32_t out_max, int add_special, int parse_special);
+    /* special: render control tokens as their text, not as nothing. */
+    int32_t (*token_piece)(const sll_model *model, int32_t token, char *buf, int32_t size, int special);
+    int (*is_end)(const sll_model *model, int32_t token);
+    int32_t (*bos)(const sll_model *model);
+    int32_t (*eos)(const sll_model *model);
+    int (*add_bos)(const sll_model *model);
+    /* Contexts. */
+    sll_context *(*context_new)(sll_model *model, int32_t n_ctx, int32_t n_batch, int32_t n_threads,
+                                char *err, size_t err_size);
+    void (*context_free)(sll_context *ctx);
+    int32_t (*context_n_ctx)(const sll_context *ctx);
+    void (*set_abort)(sll_context *ctx, sll_abort_fn fn, void *data);
+    void (*set_threads)(sll_context *ctx, int32_t n_threads);
+    /* Evaluate tokens[0..n) at positions pos0.., logits for the last one only
+     * when want_logits. Returns an SLL_* code. */
+    int32_t (*decode)(sll_context *ctx, const int32_t *tokens, int32_t n, int32_t pos0, int want_logits);
+    /* The highest position the KV cache holds (-1: none), and dropping every position from p0 on. */
+    int32_t (*pos_max)(sll_context *ctx);
+    int (*truncate)(sll_context *ctx, int32_t p0);
+    const float *(*logits)(sll_context *ctx);
+    /* Samplers. sample() draws from the last evaluation's logits and records the token. */
+    sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings);
+    void (*sampler_free)(sll_sampler *sampler);
+    void (*sampler_accept)(sll_sampler *sampler, int32_t token);
+    int32_t (*sample)(sll_sampler *sampler, sll_context *ctx);
+} sll_api;
+
+/* Resolve every function from the shim at `path`, opened RTLD_LOCAL.
+ * 0, or -1 with dlerror()'s text (or the version mismatch) in err. */
+static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_size) {
+    const char *why;
+    void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == NULL) {
+        snprintf(err, err_size, "%s", dlerror());
+        return -1;
+    }
+#define SLL_RESOLVE(field)                                                     \
+    dlerror();                                                                 \
+    *(void **)(&api->field) = dlsym(handle, "sll_" #field);                    \
+    if (api->field == NULL) {                                                  \
+        why = dlerror();                                                       \
+        snprintf(err, err_size, "%s", why ? why : "no symbol sll_" #field);   \
+        dlclose(handle);                                                       \
+        return -1;                                                             \
+    }
+    SLL_RESOLVE(abi_version)
+    if (api->abi_version() != SLL_ABI_VERSION) {
+        snprintf(err, err_size, "%s has interface version %d; this build needs %d", path, api->abi_version(),
+                 SLL_ABI_VERSION);
+        dlclose(handle);
+        return -1;
+    }
+    SLL_RESOLVE(model_load)
+    SLL_RESOLVE(model_free)
+    SLL_RESOLVE(model_n_vocab)
+    SLL_RESOLVE(model_n_ctx_train)
+    SLL_RESOLVE(model_meta)
+    SLL_RESOLVE(model_can_truncate)
+    SLL_RESOLVE(tokenize)
+    SLL_RESOLVE(token_piece)
+    SLL_RESOLVE(is_end)
+    SLL_RESOLVE(bos)
+    SLL_RESOLVE(eos)
+    SLL_RESOLVE(add_bos)
+    SLL_RESOLVE(context_new)
+    SLL_RESOLVE(context_free)
+    SLL_RESOLVE(context_n_ctx)
+    SLL_RESOLVE(set_abort)
+    SLL_RESOLVE(set_threads)
+    SLL_RESOLVE(decode)
+    SLL_RESOLVE(pos_max)
+    SLL_RESOLVE(truncate)
+    SLL_RESOLVE(logits)
+    SLL_RESOLVE(sampler_new)
+    SLL_RESOLVE(sampler_free)
+    SLL_RESOLVE(sampler_accept)
+    SLL_RESOLVE(sample)
+#undef SLL_RESOLVE
+    api->handle = handle;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,281 @@
+/* libstopline-llama.so: the narrow C API of ext/llama_abi.h over llama.cpp.
+ *
+ * Compiled against llama.cpp's own include/llama.h (commit SLL_LLAMA_COMMIT)
+ * and linked with its static libraries; only the sll_* functions are
+ * exported. Everything that could reach one of llama.cpp's asserts (which end
+ * the process) is checked here first: batch sizes, token ids, positions. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "llama.h"
+#include "llama_abi.h"
+
+#define SLL_EXPORT __attribute__((visibility("default")))
+
+struct sll_model {
+    struct llama_model *model;
+    const struct llama_vocab *vocab;
+    int32_t n_vocab;
+};
+
+struct sll_context {
+    struct llama_context *ctx;
+    const sll_model *model;
+    struct llama_batch batch;
+    int32_t n_batch;
+    int32_t n_ctx;
+};
+
+struct sll_sampler {
+    struct llama_sampler *chain;
+};
+
+/* llama.cpp logs through one process-wide callback. Errors are kept (the last
+ * one explains a failed load); everything else, such as the warning it logs
+ * on every aborted evaluation, is dropped. */
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static char last_error[512];
+
+static void sll_log(enum ggml_log_level level, const char *text, void *data) {
+    (void)data;
+    if (level != GGML_LOG_LEVEL_ERROR || text == NULL)
+        return;
+    pthread_mutex_lock(&log_lock);
+    snprintf(last_error, sizeof last_error, "%s", text);
+    size_t n = strlen(last_error);
+    while (n && (last_error[n - 1] == '\n' || last_error[n - 1] == ' '))
+        last_error[--n] = 0;
+    pthread_mutex_unlock(&log_lock);
+}
+
+static void take_error(char *err, size_t err_size, const char *fallback) {
+    pthread_mutex_lock(&log_lock);
+    snprintf(err, err_size, "%s", last_error[0] ? last_error : fallback);
+    last_error[0] = 0;
+    pthread_mutex_unlock(&log_lock);
+}
+
+static pthread_once_t backend_once = PTHREAD_ONCE_INIT;
+
+static void backend_init(void) {
+    llama_log_set(sll_log, NULL);
+    llama_backend_init();
+}
+
+SLL_EXPORT int sll_abi_version(void) { return SLL_ABI_VERSION; }
+
+SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_size) {
+    pthread_once(&backend_once, backend_init);
+    struct llama_model_params params = llama_model_default_params();
+    params.n_gpu_layers = 0;
+    sll_model *m = calloc(1, sizeof *m);
+    if (m == NULL) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    m->model = llama_model_load_from_file(path, params);
+    if (m->model == NULL) {
+        take_error(err, err_size, "llama.cpp could not load the model");
+        free(m);
+        return NULL;
+    }
+    m->vocab = llama_model_get_vocab(m->model);
+    m->n_vocab = llama_vocab_n_tokens(m->vocab);
+    return m;
+}
+
+SLL_EXPORT void sll_model_free(sll_model *m) {
+    if (m == NULL)
+        return;
+    llama_model_free(m->model);
+    free(m);
+}
+
+SLL_EXPORT int32_t sll_model_n_vocab(const sll_model *m) { return m->n_vocab; }
+
+SLL_EXPORT int32_t sll_model_n_ctx_train(const sll_model *m) { return llama_model_n_ctx_train(m->model); }
+
+SLL_EXPORT int32_t sll_model_meta(const sll_model *m, const char *key, char *buf, size_t buf_size) {
+    return llama_model_meta_val_str(m->model, key, buf, buf_size);
+}
+
+/* Recurrent and hybrid models keep one state per sequence, not one entry per
+ * position: a cache cannot be cut back to a prefix. */
+SLL_EXPORT int sll_model_can_truncate(const sll_model *m) {
+    return !llama_model_is_recurrent(m->model) && !llama_model_is_hybrid(m->model);
+}
+
+SLL_EXPORT int32_t sll_tokenize(const sll_model *m, const char *text, int32_t text_len, int32_t *out,
+                                int32_t out_max, int add_special, int parse_special) {
+    return llama_tokenize(m->vocab, text, text_len, out, out_max, add_special != 0, parse_special != 0);
+}
+
+SLL_EXPORT int32_t sll_token_piece(const sll_model *m, int32_t token, char *buf, int32_t size, int special) {
+    if (token < 0 || token >= m->n_vocab)
+        return 0;
+    return llama_token_to_piece(m->vocab, token, buf, size, 0, special != 0);
+}
+
+SLL_EXPORT int sll_is_end(const sll_model *m, int32_t token) { return llama_vocab_is_eog(m->vocab, token); }
+
+SLL_EXPORT int32_t sll_bos(const sll_model *m) { return llama_vocab_bos(m->vocab); }
+
+SLL_EXPORT int32_t sll_eos(const sll_model *m) { return llama_vocab_eos(m->vocab); }
+
+SLL_EXPORT int sll_add_bos(const sll_model *m) { return llama_vocab_get_add_bos(m->vocab); }
+
+SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx, int32_t n_batch, int32_t n_threads, char *err,
+                                        size_t err_size) {
+    if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx < 2 || n_threads < 1) {
+        snprintf(err, err_size, "invalid context sizes");
+        return NULL;
+    }
+    struct llama_context_params params = llama_context_default_params();
+    params.n_ctx = (uint32_t)n_ctx;
+    /* One physical batch per call: an aborted call then leaves no finished
+     * part of itself in the cache, and a prompt chunk is one evaluation. */
+    params.n_batch = (uint32_t)n_batch;
+    params.n_ubatch = (uint32_t)n_batch;
+    params.n_seq_max = 1;
+    params.n_threads = n_threads;
+    params.n_threads_batch = n_threads;
+    params.no_perf = true;
+    /* Sliding-window models (Gemma 3) keep every position, so that a
+     * conversation can resume from any prefix. */
+    params.swa_full = true;
+    sll_context *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    c->ctx = llama_init_from_model(m->model, params);
+    if (c->ctx == NULL) {
+        take_error(err, err_size, "llama.cpp could not create a context");
+        free(c);
+        return NULL;
+    }
+    c->model = m;
+    c->n_batch = n_batch;
+    c->n_ctx = (int32_t)llama_n_ctx(c->ctx);
+    c->batch = llama_batch_init(n_batch, 0, 1);
+    return c;
+}
+
+SLL_EXPORT void sll_context_free(sll_context *c) {
+    if (c == NULL)
+        return;
+    llama_batch_free(c->batch);
+    llama_free(c->ctx);
+    free(c);
+}
+
+SLL_EXPORT int32_t sll_context_n_ctx(const sll_context *c) { return c->n_ctx; }
+
+SLL_EXPORT void sll_set_abort(sll_context *c, sll_abort_fn fn, void *data) {
+    llama_set_abort_callback(c->ctx, fn, data);
+}
+
+SLL_EXPORT void sll_set_threads(sll_context *c, int32_t n_threads) {
+    if (n_threads > 0)
+        llama_set_n_threads(c->ctx, n_threads, n_threads);
+}
+
+SLL_EXPORT int32_t sll_pos_max(sll_context *c) { return llama_memory_seq_pos_max(llama_get_memory(c->ctx), 0); }
+
+SLL_EXPORT int sll_truncate(sll_context *c, int32_t p0) {
+    if (p0 < 0)
+        p0 = 0;
+    return llama_memory_seq_rm(llama_get_memory(c->ctx), 0, p0, -1);
+}
+
+SLL_EXPORT int32_t sll_decode(sll_context *c, const int32_t *tokens, int32_t n, int32_t pos0, int want_logits) {
+    int32_t i;
+    /* What llama.cpp asserts on, refused instead: an empty or oversized
+     * batch, a token outside the vocabulary, a gap in the positions, and a
+     * position beyond the context. */
+    if (n < 1 || n > c->n_batch || pos0 < 0 || pos0 + n > c->n_ctx)
+        return SLL_REFUSED;
+    if (pos0 != sll_pos_max(c) + 1)
+        return SLL_REFUSED;
+    for (i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= c->model->n_vocab)
+            return SLL_REFUSED;
+        c->batch.token[i] = tokens[i];
+        c->batch.pos[i] = pos0 + i;
+        c->batch.n_seq_id[i] = 1;
+        c->batch.seq_id[i][0] = 0;
+        c->batch.logits[i] = 0;
+    }
+    /* Only flagged tokens go through the output projection. */
+    c->batch.logits[n - 1] = want_logits ? 1 : 0;
+    c->batch.n_tokens = n;
+    return llama_decode(c->ctx, c->batch);
+}
+
+SLL_EXPORT const float *sll_logits(sll_context *c) { return llama_get_logits_ith(c->ctx, -1); }
+
+SLL_EXPORT sll_sampler *sll_sampler_new(const sll_model *m, const sll_sampling *s) {
+    sll_sampler *smp = calloc(1, sizeof *smp);
+    if (smp == NULL)
+        return NULL;
+    struct llama_sampler_chain_params params = llama_sampler_chain_default_params();
+    params.no_perf = true;
+    smp->chain = llama_sampler_chain_init(params);
+    if (s->repeat_penalty != 1.0f || s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f)
+        llama_sampler_chain_add(smp->chain,
+                                llama_sampler_init_penalties(m->n_vocab, s->penalty_last_n, s->repeat_penalty,
+                                                             s->frequency_penalty, s->presence_penalty));
+    if (s->temperature <= 0.0f) {
+        llama_sampler_chain_add(smp->chain, llama_sampler_init_greedy());
+        return smp;
+    }
+    if (s->top_k > 0)
+        llama_sampler_chain_add(smp->chain, llama_sampler_init_top_k(s->top_k));
+    if (s->top_p < 1.0f)
+        llama_sampler_chain_add(smp->chain, llama_sampler_init_top_p(s->top_p, 1));
+    llama_sampler_chain_add(smp->chain, llama_sampler_init_temp(s->temperature));
+    llama_sampler_chain_add(smp->chain, llama_sampler_init_dist(s->seed));
+    return smp;
+}
+
+SLL_EXPORT void sll_sampler_free(sll_sampler *smp) {
+    if (smp == NULL)
+        return;
+    llama_sampler_free(smp->chain);
+    free(smp);
+}
+
+SLL_EXPORT void sll_sampler_accept(sll_sampler *smp, int32_t token) { llama_sampler_accept(smp->chain, token); }
+
+SLL_EXPORT int32_t sll_sample(sll_sampler *smp, sll_context *c) { return llama_sampler_sample(smp->chain, c->ctx, -1); }
+
+/* The compiler checks every function above against ext/llama_abi.h's table. */
+static const sll_api sll_signatures __attribute__((unused)) = {
+    .abi_version = sll_abi_version,
+    .model_load = sll_model_load,
+    .model_free = sll_model_free,
+    .model_n_vocab = sll_model_n_vocab,
+    .model_n_ctx_train = sll_model_n_ctx_train,
+    .model_meta = sll_model_meta,
+    .model_can_truncate = sll_model_can_truncate,
+    .tokenize = sll_tokenize,
+    .token_piece = sll_token_piece,
+    .is_end = sll_is_end,
+    .bos = sll_bos,
+    .eos = sll_eos,
+    .add_bos = sll_add_bos,
+    .context_new = sll_context_new,
+    .context_free = sll_context_free,
+    .context_n_ctx = sll_context_n_ctx,
+    .set_abort = sll_set_abort,
+    .set_threads = sll_set_threads,
+    .decode = sll_decode,
+    .pos_max = sll_pos_max,
+    .truncate = sll_truncate,
+    .logits = sll_logits,
+    .sampler_new = sll_sampler_new,
+    .sampler_free = sll_sampler_free,
+    .sampler_accept = sll_sampler_accept,
+    .sample = sll_sample,
+};

@@ -1,0 +1,289 @@
+"""Build llama.cpp once, into the user cache: the llama.cpp engine's shim library, and
+``llama-server`` for the benchmark.
+
+    python -m stopline.llama_build            # the engine's library (what --engine llama.cpp needs)
+    python -m stopline.llama_build --server   # llama-server too, for python -m bench
+
+llama.cpp's source is taken from the ``llama-cpp-python`` source distribution on
+PyPI, which vendors llama.cpp (``vendor/llama.cpp``) at the commit pinned by that
+release; the archive is verified against a pinned sha256. One CMake build tree,
+for the CPU, with every optional network feature off, serves both: its static
+libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
+``libstopline-llama.so``, whose only exported symbols are the shim's, and its
+``llama-server`` target is the benchmark's peer, so both run the same ggml
+compiled the same way. Nothing of llama.cpp is part of this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from importlib import resources
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .model import ModelFetchError, _verify, cache_dir
+
+SDIST_VERSION = "0.3.36"
+SDIST_REQUIREMENT = f"llama-cpp-python=={SDIST_VERSION}"
+SDIST_FILENAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+VENDORED_SOURCE = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
+# What the peer is called in reports: the llama.cpp that release vendors.
+SOURCE_LABEL = f"llama.cpp as vendored by llama-cpp-python {SDIST_VERSION}"
+
+CMAKE_OPTIONS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    # The static libraries go into a shared object.
+    "-DCMAKE_POSITION_INDEPENDENT_CODE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    # No network at build or run time: no HTTPS client, no web UI (built or downloaded).
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_LLGUIDANCE=OFF",
+]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # AVX2, as the ctransformers build ours runs on. Not -march=native: that also turns on AMX, whose
+    # tile instructions fault where the kernel does not grant them (virtual machines, for one).
+    CMAKE_OPTIONS += [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+    ]
+# The static libraries the shim links, in link order, relative to the build tree.
+STATIC_LIBRARIES = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
+SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
+# A change of options builds a new binary (in the same build tree, so only what changed is rebuilt).
+BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
+
+
+class LlamaBuildError(RuntimeError):
+    """llama.cpp could not be fetched or built."""
+
+
+def build_root() -> Path:
+    return cache_dir() / "llama.cpp" / SDIST_VERSION
+
+
+def shim_source_dir() -> Path:
+    """Where ext/llama_shim.c and ext/llama_abi.h are: the checkout's ext/, or the
+    copy an installed package carries as ``stopline/_native``."""
+    checkout = Path(__file__).resolve().parent.parent / "ext"
+    if (checkout / SHIM_SOURCES[0]).is_file():
+        return checkout
+    return Path(str(resources.files("stopline") / "_native"))
+
+
+def _shim_key() -> str:
+    digest = hashlib.sha256(BUILD_KEY.encode())
+    for name in SHIM_SOURCES:
+        digest.update((shim_source_dir() / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cached_binary() -> Path:
+    return build_root() / "bin" / f"llama-server-{BUILD_KEY}"
+
+
+def cached_library() -> Path:
+    return build_root() / "lib" / f"libstopline-llama-{_shim_key()}.so"
+
+
+def ensure_llama_library(progress: bool = True, jobs: int | None = None) -> Path:
+    """Return the engine's shim library, fetching and building llama.cpp on first use."""
+    library = cached_library()
+    if library.is_file():
+        return library
+    build = _build_targets(["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    temp = library.with_name(f".{library.name}.part")
+    _link_shim(build, temp)
+    os.replace(temp, library)  # a library in place means a finished build
+    return library
+
+
+def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
+    """Return the cached llama-server binary, fetching and building it on first use."""
+    binary = cached_binary()
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    build = _build_targets(["llama-server"], progress, jobs, "building llama-server")
+    built = build / "bin" / "llama-server"
+    if not built.is_file():
+        raise LlamaBuildError(f"the build produced no {built}")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    temp = binary.with_name(f".{binary.name}.part")
+    shutil.copy2(built, temp)
+    os.replace(temp, binary)
+    return binary
+
+
+def _build_targets(targets: list[str], progress: bool, jobs: int | None, label: str) -> Path:
+    root = build_root()
+    source = _extract(_download_sdist(root), root)
+    build = root / "build"
+    _cmake_build(source, build, targets, progress, jobs or os.cpu_count() or 1, label)
+    return build
+
+
+def _download_sdist(root: Path) -> Path:
+    sdist = root / SDIST_FILENAME
+    if not sdist.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"fetching {SDIST_REQUIREMENT} (llama.cpp's source) ...", file=sys.stderr)
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(root),
+            SDIST_REQUIREMENT,
+        ]
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if result.returncode != 0 or not sdist.is_file():
+            raise LlamaBuildError(f"could not download {SDIST_REQUIREMENT}:\n{result.stdout[-2000:]}")
+    try:
+        _verify(sdist, SDIST_SHA256)
+    except ModelFetchError as e:
+        raise LlamaBuildError(str(e)) from None
+    return sdist
+
+
+def _extract(sdist: Path, root: Path) -> Path:
+    """Extract only the vendored llama.cpp tree; return its directory."""
+    source = root / "src"
+    marker = source / "CMakeLists.txt"
+    if marker.is_file():
+        return source
+    shutil.rmtree(source, ignore_errors=True)
+    prefix = VENDORED_SOURCE + "/"
+    with tarfile.open(sdist) as archive:
+        members = []
+        for member in archive.getmembers():
+            if not member.name.startswith(prefix) or not (member.isfile() or member.isdir()):
+                continue
+            member.name = member.name[len(prefix) :]
+            members.append(member)
+        archive.extractall(source, members=members, filter="data")
+    if not marker.is_file():
+        raise LlamaBuildError(f"{sdist.name} has no {VENDORED_SOURCE}")
+    return source
+
+
+def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, jobs: int, label: str) -> None:
+    log_path = build.parent / "build.log"
+    build.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        configure = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
+        print(f"configuring llama.cpp (log: {log_path}) ...", file=sys.stderr)
+        if subprocess.run(configure, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+            raise LlamaBuildError(f"cmake configure failed; see {log_path}")
+        command = ["cmake", "--build", str(build), "-j", str(jobs)]
+        for target in targets:
+            command += ["--target", target]
+        bar = tqdm(total=100, unit="%", desc=label, disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        done = 0
+        try:
+            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.write(line)
+                    # Make prints "[ 42%] Building ..."; Ninja prints "[12/345] ...".
+                    if m := re.match(r"\[\s*(\d+)%\]", line):
+                        percent = int(m.group(1))
+                    elif m := re.match(r"\[(\d+)/(\d+)\]", line):
+                        percent = 100 * int(m.group(1)) // int(m.group(2))
+                    else:
+                        continue
+                    if percent > done:
+                        bar.update(percent - done)
+                        done = percent
+        finally:
+            bar.close()
+        if proc.returncode != 0:
+            raise LlamaBuildError(f"building {', '.join(targets)} failed; see {log_path}")
+
+
+def _link_shim(build: Path, output: Path) -> None:
+    """Compile the shim against llama.cpp's headers and link it with the static
+    libraries, exporting nothing but the shim's own functions."""
+    source = build_root() / "src"
+    ext = shim_source_dir()
+    version_script = output.with_suffix(".map")
+    version_script.write_text("{ global: sll_*; local: *; };\n")
+    command = [
+        os.environ.get("CXX", "g++"),
+        "-shared",
+        "-fPIC",
+        "-O2",
+        "-fvisibility=hidden",
+        # The shim is C; g++ is the linker because llama.cpp is C++.
+        "-x",
+        "c",
+        str(ext / "llama_shim.c"),
+        "-x",
+        "none",
+        f"-I{source / 'include'}",
+        f"-I{source / 'ggml' / 'include'}",
+        f"-I{ext}",
+        # A mismatch between the shim and llama_abi.h is an error, not a warning.
+        "-Werror=incompatible-pointer-types",
+        "-o",
+        str(output),
+        *(str(build / lib) for lib in STATIC_LIBRARIES),
+        "-Wl,--exclude-libs,ALL",
+        f"-Wl,--version-script={version_script}",
+        "-Wl,--no-undefined",
+        "-fopenmp",
+        "-lpthread",
+        "-lm",
+        "-ldl",
+    ]
+    try:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        version_script.unlink(missing_ok=True)
+    if result.returncode != 0:
+        output.unlink(missing_ok=True)
+        raise LlamaBuildError(f"linking the llama.cpp shim failed:\n{result.stdout[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stopline.llama_build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", action="store_true", help="also build llama-server, the benchmark's peer")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    args = parser.parse_args(argv)
+    try:
+        print(ensure_llama_library(jobs=args.jobs))
+        if args.server:
+            print(ensure_llama_server(jobs=args.jobs))
+    except LlamaBuildError as exc:
+        print(f"stopline: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
