@@ -36,7 +36,7 @@ from stopline import _core
 from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
-from .model_check import check_llama_model_file, check_model_file
+from .model_check import LLAMA_WHAT_WORKS, ModelFileError, check_llama_model_file, check_model_file
 from .protocol import SamplingParams
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError
 from .vocabulary import AbortMode, EngineName, ErrorCode, Outcome, Reason
@@ -448,7 +448,11 @@ class LlamaEngine(Engine):
             _core.load_llama_library(str(ensure_llama_library(progress)))
         except LlamaBuildError as exc:
             raise EngineError(str(exc)) from None
-        model = _core.LlamaModel(str(path))
+        try:
+            model = _core.LlamaModel(str(path))
+        except ModelLoadError as exc:
+            # llama.cpp checked the file and said why it cannot run it: a usage error, in one line.
+            raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", LLAMA_WHAT_WORKS) from None
         return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
 
     def open_slot(self) -> _core.LlamaContext:

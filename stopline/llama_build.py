@@ -17,6 +17,8 @@ compiled the same way. Nothing of llama.cpp is part of this repository.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -112,11 +114,14 @@ def ensure_llama_library(progress: bool = True, jobs: int | None = None) -> Path
     library = cached_library()
     if library.is_file():
         return library
-    build = _build_targets(["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    temp = library.with_name(f".{library.name}.part")
-    _link_shim(build, temp)
-    os.replace(temp, library)  # a library in place means a finished build
+    with _build_lock():
+        if library.is_file():  # another process built it meanwhile
+            return library
+        build = _build_targets(["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
+        library.parent.mkdir(parents=True, exist_ok=True)
+        temp = library.with_name(f".{library.name}.part")
+        _link_shim(build, temp)
+        os.replace(temp, library)  # a library in place means a finished build
     return library
 
 
@@ -125,6 +130,26 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     binary = cached_binary()
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
+    with _build_lock():
+        if binary.is_file():
+            return binary
+        return _install_llama_server(binary, progress, jobs)
+
+
+@contextlib.contextmanager
+def _build_lock():
+    """One build at a time in the shared tree, across processes (test workers, replicas)."""
+    root = build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _install_llama_server(binary: Path, progress: bool, jobs: int | None) -> Path:
     build = _build_targets(["llama-server"], progress, jobs, "building llama-server")
     built = build / "bin" / "llama-server"
     if not built.is_file():

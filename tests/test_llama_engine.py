@@ -1,0 +1,315 @@
+"""The llama.cpp engine: the same loop contract over today's llama.cpp, with the
+real shim library, the real SmolLM2 and Gemma 3 270M files and real servers.
+
+The server-level tests of the ctransformers engine are imported below and run
+here again against this module's ``engine``: every stop path (cancel frame,
+DELETE, closed stream, disconnect, deadlines, shutdown) on the llama.cpp engine.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import UNIT, make_generation, started_running
+from stopline import _core
+from stopline.engine import Engine, SamplingParams
+from stopline.llama_build import cached_library
+from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.vocabulary import AbortMode, EngineName
+from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
+    http,
+    test_closing_an_openai_stream_stops_the_model,
+    test_delete_from_a_second_client,
+    test_openai_streaming_with_usage,
+    test_shutdown_ends_http_streams_with_cancelled_shutdown,
+    test_websocket_generation_cancelled_by_delete,
+)
+from test_server_lifecycle import (  # noqa: F401
+    test_cancel_during_decode,
+    test_cancel_during_prefill_stops_within_one_chunk,
+    test_cancel_racing_finish_gives_exactly_one_terminal_message,
+    test_cancel_while_queued_computes_nothing,
+    test_client_disconnect_stops_every_request_of_the_connection,
+    test_first_token_timeout_stops_prefill,
+    test_greedy_chat_streams_tokens_then_done,
+    test_total_timeout_default_override_and_cap,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    """The embedded SmolLM2, on the llama.cpp engine (overrides conftest's for this module)."""
+    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Engine:
+    return Engine.load(gemma_gguf_path(progress=False), engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+
+
+@pytest.fixture
+def slot(engine):
+    slot = engine.open_slot()
+    yield slot
+    slot.close()
+
+
+def greedy(engine: Engine, slot, prompt: list[int], max_tokens: int = 24) -> tuple[list[bytes], _core.LoopResult]:
+    generation = make_generation(slot, prompt, max_tokens=max_tokens, prefill_chunk=engine.prefill_chunk, **GREEDY)
+    result = generation.run()
+    return generation.take(), result
+
+
+def test_the_engine_proves_its_abort_and_names_itself(engine):
+    assert engine.kind is EngineName.LLAMA_CPP and engine.abort_mode is AbortMode.IN_STEP
+    assert engine.name == "SmolLM2-135M-Instruct" and engine.context_length == 2048
+    assert engine.prefill_chunk == 64 and engine.trim_output is False
+
+
+def test_the_shim_exports_only_its_own_functions():
+    # Loaded RTLD_LOCAL and exporting no ggml symbol, its ggml can never bind libctransformers' calls.
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    command = [nm, "-D", "--defined-only", str(cached_library())]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert exported and all(name.startswith("sll_") for name in exported), sorted(exported)[:20]
+
+
+def test_both_engines_in_one_process_keep_their_in_step_stop(engine):
+    # The ctransformers engine still proves its GOT hook with llama.cpp's ggml loaded beside it.
+    other = Engine.load(threads=1, progress=False)
+    assert other.kind is EngineName.CTRANSFORMERS and other.abort_mode is AbortMode.IN_STEP
+    slot = other.open_slot()
+    try:
+        generation = make_generation(slot, other.encode(messages=FRANCE), max_tokens=400, prefill_chunk=64)
+        worker = threading.Thread(target=generation.run)
+        worker.start()
+        started_running(generation)
+        generation.cancel()
+        worker.join()
+        assert generation.result.exit is _core.ExitKind.CANCELLED
+    finally:
+        slot.close()
+
+
+def test_greedy_answer_and_the_models_own_tokenizer(engine, slot):
+    prompt = engine.encode(messages=FRANCE)
+    # llama.cpp's tokenizer agrees with the byte-level BPE the ctransformers engine uses.
+    assert prompt == embedded_tokenizer(progress=False).encode(engine.tokenizer.render_chat(FRANCE))
+    pieces, result = greedy(engine, slot, prompt)
+    assert "Paris" in b"".join(pieces).decode()
+    assert result.tokens_generated == len(pieces)
+    # The last token was sampled, never evaluated.
+    assert slot.kv_positions == slot.n_held == result.prompt_tokens + result.tokens_generated - 1
+
+
+def test_detokenizing_keeps_nul_bytes(engine):
+    model = engine.model
+    nul = [t for t in range(model.vocab_size) if b"\x00" in model.token_bytes(t)]
+    assert nul, "the byte-level vocabulary has a token for the NUL byte"
+    assert model.token_bytes(nul[0]) == b"\x00"
+
+
+def test_a_follow_up_turn_evaluates_only_its_new_tokens(engine, slot):
+    first = engine.encode(messages=FRANCE)
+    pieces, _ = greedy(engine, slot, first)
+    answer = {"role": "assistant", "content": b"".join(pieces).decode()}
+    turn = [*FRANCE, answer, {"role": "user", "content": "And Spain?"}]
+    second = engine.encode(messages=turn)
+    reused_pieces, reused = greedy(engine, slot, second)
+    assert reused.prompt_tokens_reused > len(first) // 2
+    assert reused.prompt_tokens_evaluated == reused.prompt_tokens - reused.prompt_tokens_reused
+    fresh_slot = engine.open_slot()
+    try:
+        fresh_pieces, fresh = greedy(engine, fresh_slot, second)
+    finally:
+        fresh_slot.close()
+    assert fresh.prompt_tokens_reused == 0 and reused_pieces == fresh_pieces
+
+
+def test_invalid_input_is_refused_before_it_reaches_llama_cpp(engine, slot):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        make_generation(slot, [1, engine.vocab_size], max_tokens=4)
+    with pytest.raises(ValueError, match="batch limit"):
+        make_generation(slot, [1, 2], max_tokens=4, prefill_chunk=slot.max_batch + 1)
+    with pytest.raises(_core.ContextOverflowError):
+        make_generation(slot, [1] * slot.context_length, max_tokens=4)
+
+
+def random_aborts(engine: Engine, slot, control, count: int, seed: int, compare_every: int = 1) -> dict:
+    """Cancel ``count`` generations on ``slot`` at random moments (in the prompt or in
+    decode), and check after each one that the KV cache holds exactly the positions
+    the slot's record says; after every ``compare_every``-th one, also that:
+
+    - the next greedy generation, taking what it can from the cache, equals the one
+      a ``control`` slot gives after doing the same work without the aborted step
+      (the same generation, ended where the abort ended it);
+    - and, from an emptied cache, it equals a fresh context's.
+
+    The control, not a fresh context, is the reference with the cache reused: a
+    resumed prompt is evaluated in batches of other shapes than a fresh one, and
+    llama.cpp's kernels sum differently for different shapes."""
+    rng = random.Random(seed)
+    prompt = engine.encode(messages=[{"role": "user", "content": "Tell me about bread. " * 20}])
+    control.forget()
+    reference, _ = greedy(engine, control, prompt, max_tokens=16)
+    tally = {"cancelled": 0, "finished": 0, "mismatched_state": 0, "changed_continuations": 0}
+    for n in range(count):
+        head = prompt[: rng.randrange(2, len(prompt) + 1)]
+        options = {"prefill_chunk": engine.prefill_chunk, "seed": n}
+        slot.forget()
+        generation = make_generation(slot, head, max_tokens=64, **options)
+        worker = threading.Thread(target=generation.run)
+        worker.start()
+        started_running(generation)
+        time.sleep(rng.uniform(0, 0.2) * UNIT)
+        generation.cancel()
+        worker.join(60 * UNIT)
+        assert not worker.is_alive(), "the loop hung after a cancel"
+        result = generation.result
+        tally["cancelled" if result.exit is _core.ExitKind.CANCELLED else "finished"] += 1
+        tally["mismatched_state"] += slot.kv_positions != slot.n_held
+        if n % compare_every:
+            continue
+        # The same work on the control, without the aborted step.
+        control.forget()
+        if result.tokens_generated:
+            make_generation(control, head, max_tokens=result.tokens_generated, **options).run()
+        elif result.prompt_tokens_evaluated:
+            make_generation(control, head[: result.prompt_tokens_evaluated], max_tokens=1, **options).run()
+        tally["mismatched_state"] += control.n_held != slot.n_held
+        resumed, _ = greedy(engine, slot, prompt, max_tokens=16)
+        expected, _ = greedy(engine, control, prompt, max_tokens=16)
+        tally["changed_continuations"] += resumed != expected
+        slot.forget()
+        tally["changed_continuations"] += greedy(engine, slot, prompt, max_tokens=16)[0] != reference
+    return tally
+
+
+def test_aborts_at_random_moments_leave_a_consistent_cache(engine):
+    slot, control = engine.open_slot(), engine.open_slot()
+    try:
+        tally = random_aborts(engine, slot, control, 6, seed=1)
+    finally:
+        slot.close()
+        control.close()
+    assert tally["mismatched_state"] == 0 and tally["changed_continuations"] == 0, tally
+    assert tally["cancelled"] >= 4, tally
+
+
+@pytest.mark.slow
+def test_a_thousand_aborts_at_random_moments(engine):
+    pairs = [(engine.open_slot(), engine.open_slot()) for _ in range(2)]
+    try:
+        tallies: list[dict] = []
+        threads = [
+            threading.Thread(target=lambda p=p, i=i: tallies.append(random_aborts(engine, *p, 500, i, 10)))
+            for i, p in enumerate(pairs)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for pair in pairs:
+            for s in pair:
+                s.close()
+    assert len(tallies) == 2 and sum(t["cancelled"] for t in tallies) >= 900, tallies
+    assert sum(t["mismatched_state"] for t in tallies) == 0, tallies
+    assert sum(t["changed_continuations"] for t in tallies) == 0, tallies
+
+
+def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
+    prompt = engine.encode(prompt="The history of bread is long. " * 220)
+    generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=engine.prefill_chunk)
+    worker = threading.Thread(target=generation.run)
+    worker.start()
+    started_running(generation)
+    time.sleep(0.05 * UNIT)
+    generation.cancel()
+    worker.join()
+    result = generation.result
+    assert result.exit is _core.ExitKind.CANCELLED and result.tokens_generated == 0
+    assert result.prompt_tokens_evaluated < result.prompt_tokens
+    # The chunk under way was abandoned, and its positions dropped.
+    assert result.prompt_tokens_evaluated % engine.prefill_chunk == 0
+    assert slot.kv_positions == slot.n_held == result.prompt_tokens_evaluated
+
+
+def test_gemma_loads_generates_and_resumes_mid_conversation(gemma):
+    assert gemma.kind is EngineName.LLAMA_CPP and gemma.abort_mode is AbortMode.IN_STEP
+    assert gemma.vocab_size == 262144 and gemma.tokenizer.bos_token == "<bos>"
+    prompt = gemma.encode(prompt="The capital of France is")
+    assert prompt[0] == gemma.model.special_tokens[0]  # the model wants its bos
+    slot, control = gemma.open_slot(), gemma.open_slot()
+    try:
+        pieces, result = greedy(gemma, slot, prompt)
+        assert b"".join(pieces).startswith(b" the capital") and result.tokens_generated == 24
+        # A sliding-window model resumes from a prefix (its cache keeps every
+        # position), and computes what the same two steps compute on another context.
+        longer = gemma.encode(prompt="The capital of France is Paris. The capital of Italy is")
+        resumed, again = greedy(gemma, slot, longer)
+        greedy(gemma, control, prompt)
+        expected, _ = greedy(gemma, control, longer)
+        assert again.prompt_tokens_reused == len(prompt) and resumed == expected
+        assert slot.kv_positions == slot.n_held
+    finally:
+        slot.close()
+        control.close()
+
+
+def test_a_stream_on_the_llama_engine_reports_like_the_other(engine, slot):
+    stream = engine.start(slot, engine.encode(messages=FRANCE), SamplingParams(max_tokens=24, temperature=0))
+    text = "".join(stream)
+    assert "Paris" in text and stream.result.outcome == "done"
+
+
+def run_stopline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stopline", "--engine", "llama.cpp", "--port", "0", "--http-port", "0", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120 * UNIT,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda p: p.write_text("not a model"), "not a GGUF file"),
+        (lambda p: p.write_bytes(b"GGUF" + (1).to_bytes(4, "little")), "GGUF version 1 is not supported"),
+        (
+            lambda p: p.write_bytes(original_gguf_path(progress=False).read_bytes()[: 40 << 20]),
+            "llama.cpp cannot load it",
+        ),
+    ],
+    ids=["text", "gguf-v1", "truncated"],
+)
+def test_a_file_llama_cpp_cannot_load_is_one_line_and_status_2(tmp_path, make, problem):
+    path = tmp_path / "model.gguf"
+    make(path)
+    finished = run_stopline("--model", str(path))
+    assert finished.returncode == 2, finished.stderr
+    [line] = [line for line in finished.stderr.splitlines() if line.startswith("stopline:")]
+    assert problem in line and "Traceback" not in finished.stderr
+
+
+def test_model_type_is_refused_with_the_llama_engine():
+    finished = run_stopline("--model-type", "gpt2")
+    assert finished.returncode == 2 and "--model-type" in finished.stderr
