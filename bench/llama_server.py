@@ -152,7 +152,7 @@ class LlamaServer:
 
     async def _source(self) -> str:
         """Which llama.cpp this is: its --version line, and where the benchmark built it from."""
-        from .llama_build import SOURCE_LABEL, cached_binary
+        from stopline.llama_build import SOURCE_LABEL, cached_binary
 
         process = await asyncio.create_subprocess_exec(
             str(self.binary), "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -700,7 +700,7 @@ def peer_from_args(args, out_dir: Path, context_length: int, model: Path) -> Lla
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise SystemExit(f"--llama-server {binary}: not an executable file")
     else:
-        from .llama_build import ensure_llama_server
+        from stopline.llama_build import ensure_llama_server
 
         binary = ensure_llama_server()
     return LlamaServer(binary, model, out_dir, args.workers, args.threads, context_length)
