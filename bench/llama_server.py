@@ -1,7 +1,7 @@
 """llama.cpp's llama-server as a peer engine ("llama-server") in the benchmark.
 
 The benchmark starts the binary (``--llama-server PATH``, or one built by
-``--build-llama-server``, see ``bench/llama_build.py``) on the same GGUF file
+``--build-llama-server``, see ``stopline/llama_build.py``) on the same GGUF file
 the other engines load, with the same context per slot, slots, threads and
 sampling, and maps the scenarios onto its HTTP API (``POST /completion`` with
 the prompt as token ids, so every engine evaluates exactly the same tokens):

@@ -8,6 +8,7 @@ DELETE, closed stream, disconnect, deadlines, shutdown) on the llama.cpp engine.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import UNIT, make_generation, started_running
+from conftest import UNIT, http_get, make_generation, started_running
 from stopline import _core
 from stopline.engine import Engine, SamplingParams
 from stopline.llama_build import cached_library
@@ -76,6 +77,11 @@ def test_the_engine_proves_its_abort_and_names_itself(engine):
     assert engine.kind is EngineName.LLAMA_CPP and engine.abort_mode is AbortMode.IN_STEP
     assert engine.name == "SmolLM2-135M-Instruct" and engine.context_length == 2048
     assert engine.prefill_chunk == 64 and engine.trim_output is False
+
+
+async def test_healthz_names_the_engine(server):
+    status, body = await http_get(server, "/healthz")
+    assert status == 200 and json.loads(body)["engine"] == "llama.cpp"
 
 
 def test_the_shim_exports_only_its_own_functions():

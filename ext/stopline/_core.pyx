@@ -210,6 +210,15 @@ cdef class Slot:
         if self.closed:
             raise EngineError("context is closed")
 
+    cdef void free_native(self) noexcept:
+        """Free the engine's context (each engine's own); safe to call twice."""
+
+    def close(self):
+        if self.busy:
+            raise EngineError("cannot close a context while a generation runs on it")
+        self.free_native()
+        self.n_held = 0
+
     def __dealloc__(self):
         free(self.held)
 
@@ -322,18 +331,13 @@ cdef class Context(Slot):
     def closed(self):
         return self.llm is NULL
 
-    def close(self):
-        if self.busy:
-            raise EngineError("cannot close a context while a generation runs on it")
+    cdef void free_native(self) noexcept:
         if self.llm is not NULL:
             API.llm_delete(self.llm)
             self.llm = NULL
-        self.n_held = 0
 
     def __dealloc__(self):
-        if self.llm is not NULL:
-            API.llm_delete(self.llm)
-            self.llm = NULL
+        self.free_native()
 
 
 cdef class LlamaModel:
@@ -531,18 +535,13 @@ cdef class LlamaContext(Slot):
     def closed(self):
         return self.ctx is NULL
 
-    def close(self):
-        if self.busy:
-            raise EngineError("cannot close a context while a generation runs on it")
+    cdef void free_native(self) noexcept:
         if self.ctx is not NULL:
             LLAMA.context_free(self.ctx)
             self.ctx = NULL
-        self.n_held = 0
 
     def __dealloc__(self):
-        if self.ctx is not NULL:
-            LLAMA.context_free(self.ctx)
-            self.ctx = NULL
+        self.free_native()
 
 
 cdef struct LoopState:
