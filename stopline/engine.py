@@ -34,7 +34,7 @@ from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoa
 from . import model as embedded
 from .model_check import check_model_file
 from .protocol import SamplingParams
-from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError
+from .tokenizer import ChatTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 from .vocabulary import AbortMode, ErrorCode, Outcome, Reason
 
 log = structlog.get_logger("stopline")
@@ -257,14 +257,32 @@ class Engine:
             if _gguf_version(path) >= 3:
                 # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
                 converted = (
-                    embedded.cache_dir()
-                    / "converted"
+                    embedded.converted_dir()
                     / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
                 )
-                if not converted.is_file():
+                fresh = not converted.is_file()
+                if fresh:
                     embedded.convert_for_ctransformers(path, converted, progress=progress)
-                path = converted
-        return cls(
+                embedded.mark_used(converted)
+                try:
+                    loaded = cls(
+                        converted,
+                        model_type or "llama",
+                        tokenizer,
+                        path.stem,
+                        context_length,
+                        threads,
+                        prefill_chunk,
+                        abort_mode,
+                    )
+                except BaseException:
+                    # A copy the loader refuses is no use to the next start either.
+                    if fresh:
+                        converted.unlink(missing_ok=True)
+                    raise
+                embedded.prune_converted(spare=converted)
+                return _with_file_template(loaded, fields)
+        loaded = cls(
             path,
             model_type or "llama",
             tokenizer,
@@ -274,6 +292,7 @@ class Engine:
             prefill_chunk,
             abort_mode,
         )
+        return _with_file_template(loaded, fields)
 
     def open_slot(self) -> _core.Context:
         """A new native context for this model. Close it with ``slot.close()``."""
@@ -298,8 +317,10 @@ class Engine:
         *,
         window: int = 64,
         started_ns: int | None = None,
+        threads: int | None = None,
     ) -> Stream:
-        """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
+        """Prepare a generation on ``slot``, computing on ``threads`` (default: the engine's);
+        it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         stop = tuple(s.encode("utf-8") for s in params.stop if s)
@@ -309,7 +330,7 @@ class Engine:
             **sampling_args(params),
             stop=stop,
             prefill_chunk=self.prefill_chunk,
-            threads=self.threads,
+            threads=threads or self.threads,
             window=window,
             deadline_ns=_deadline(now, params.timeout_s),
             first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
@@ -317,6 +338,13 @@ class Engine:
             trim_output=self.trim_output,
         )
         return Stream(generation, TextStream(list(stop)))
+
+
+def _with_file_template(engine: Engine, fields: dict | None) -> Engine:
+    """ctransformers' tokenizer (a SentencePiece GGUF) renders chats through the file's own template too."""
+    if fields is not None and isinstance(engine.tokenizer, NativeTokenizer):
+        engine.tokenizer = engine.tokenizer.with_chat_template(*chat_template_of(fields))
+    return engine
 
 
 def _gguf_context_limit(fields: dict) -> int | None:

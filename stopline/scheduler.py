@@ -59,11 +59,23 @@ class Sink(Protocol):
         """It was still queued at its deadline, ``now_ns``."""
 
 
+# How long generations that ran together keep sharing the cores after the last overlap:
+# about one answer, so that two users taking turns do not each start on every core.
+SHARE_WINDOW_S = 30.0
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, workers: int, max_queue: int, window: int = 64, metrics=None):
+    def __init__(
+        self, engine: Engine, workers: int, max_queue: int, window: int = 64, metrics=None, threads: int | None = None
+    ):
         if workers < 1 or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
         self.engine = engine
+        # Compute threads per generation; None: the engine's threads (the cores), shared
+        # among the generations running together (threads_for_next).
+        self.threads = threads
+        self._recent_peak = 1
+        self._shared_until = 0.0
         self.window = window
         self.max_queue = max_queue
         self.metrics = metrics
@@ -88,6 +100,23 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self._running)
+
+    def threads_for_next(self) -> int:
+        """Threads for a generation starting now: the cores divided among the generations
+        running at once, counting the most seen together in the last SHARE_WINDOW_S. So a
+        user alone gets every core, and users taking turns get a share each: a generation
+        keeps its count until it ends (the native loop takes it once), and more threads
+        than cores make ggml's spinning threads slow every generation down."""
+        if self.threads is not None:
+            return self.threads
+        now = time.monotonic()
+        together = len(self._running) + 1
+        if now >= self._shared_until:
+            self._recent_peak = 1
+        if together > 1:
+            self._shared_until = now + SHARE_WINDOW_S
+            self._recent_peak = max(self._recent_peak, together)
+        return max(1, self.engine.threads // max(together, self._recent_peak))
 
     def submit(self, request: Request, sink: Sink) -> int:
         """Queue ``request``; returns its queue position (0: it starts now)."""
@@ -149,7 +178,12 @@ class Scheduler:
     def _start(self, request: Request, sink: Sink, slot) -> None:
         try:
             stream = self.engine.start(
-                slot, request.prompt_tokens, request.params, window=self.window, started_ns=request.received_ns
+                slot,
+                request.prompt_tokens,
+                request.params,
+                window=self.window,
+                started_ns=request.received_ns,
+                threads=self.threads_for_next(),
             )
         except Exception:
             self._free.appendleft(slot)
