@@ -138,8 +138,8 @@ SETTINGS = [
         "--threads",
         _POSITIVE,
         None,
-        "compute threads per generation (default: all cores for a generation that runs alone, "
-        "cores / generations running when it starts otherwise)",
+        "compute threads per generation (default: every core other processes leave idle for a "
+        "generation that runs alone; generations that run together share them)",
     ),
     ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
     (
@@ -316,7 +316,7 @@ async def serve(args: argparse.Namespace) -> int:
     if "*" in args.allowed_origins:
         log.warning("any_origin_allowed", detail="any web page may drive this server")
     # Without --threads, each generation takes the cores the others leave (Scheduler).
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or _usable_cores()
     loaded = _in_daemon_thread(
         loop,
         lambda: Engine.load(
@@ -326,7 +326,6 @@ async def serve(args: argparse.Namespace) -> int:
             threads=threads,
             prefill_chunk=args.prefill_chunk,
             abort_mode=args.abort_mode,
-            progress=sys.stderr.isatty(),
         ),
     )
     stopped = asyncio.ensure_future(stop.wait())
@@ -371,6 +370,13 @@ async def serve(args: argparse.Namespace) -> int:
     await stop.wait()
     await server.shutdown()
     return 0
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:

@@ -247,6 +247,8 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
         await client.terminal(request_id)
 
     monkeypatch.setattr(type(engine), "start", start)
+    # An otherwise idle machine; how busy this one is depends on who else uses it.
+    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 0.0)
     async with running_server(engine, workers=2) as server, client_for(server) as client:
         await ask(client, "alone")
         await client.generate("first", messages=CHAT_FRANCE, max_tokens=200, temperature=0)
@@ -260,8 +262,37 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
         await asyncio.sleep(3.2 * UNIT)
         await ask(client, "later")
     assert started == [2, 2, 1, 1, 2]
+    # A core kept busy by another process is left to it: more threads than free cores spin.
+    started.clear()
+    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 1.0)
+    async with running_server(engine, workers=2) as server, client_for(server) as client:
+        await ask(client, "beside another process")
+    assert started == [1]
     # With --threads, every generation gets that many.
     started.clear()
     async with running_server(engine, workers=2, threads=1) as server, client_for(server) as client:
         await ask(client, "fixed")
     assert started == [1]
+
+
+def test_the_load_of_other_processes_leaves_out_this_ones_own(monkeypatch):
+    clock = {"wall": 1000.0, "cpu": 0.0}
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(scheduler, "_cpu_seconds", lambda: clock["cpu"])
+    monkeypatch.setattr(scheduler, "_PROCESS_STARTED", 990.0)
+    machine = scheduler.MachineLoad()
+    # Five minutes of this process on two cores, under a load average of three: one is another's.
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    for _ in range(300):
+        clock["wall"] += 1.0
+        clock["cpu"] += 2.0
+        machine.others()
+    assert machine.others() == pytest.approx(1.0, abs=0.1)
+    # Then idle for ten minutes while another process keeps one core busy.
+    clock["wall"] += 600.0
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert machine.others() == pytest.approx(1.0, abs=0.2)
+    # An idle machine.
+    clock["wall"] += 600.0
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (0.05, 0.05, 0.05))
+    assert machine.others() == pytest.approx(0.05, abs=0.05)
