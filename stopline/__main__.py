@@ -435,6 +435,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:  # before the signal handlers were installed
         return 128 + signal.SIGINT
+    except Exception as exc:  # a bug: one event, with its traceback, and the process ends
+        log.exception("startup_failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
 
 
 def cache_command(argv: list[str]) -> int:
