@@ -273,13 +273,13 @@ def converted_files() -> list[Path]:
     if not folder.is_dir():
         return []
     files = [p for p in folder.iterdir() if p.is_file() and p.suffix == ".gguf" and not p.name.startswith(".")]
-    return sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    return sorted(files, key=lambda p: p.stat().st_atime_ns, reverse=True)
 
 
 def mark_used(path: Path) -> None:
-    """Record a use of a converted copy: the cache keeps the most recently used ones."""
-    now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    """Record a use of a converted copy in its access time (its modification time stays
+    the conversion's): the cache keeps the most recently used ones."""
+    os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
 
 
 def prune_converted(keep: int | None = None, spare: Path | None = None) -> list[Path]:

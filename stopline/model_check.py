@@ -97,7 +97,8 @@ _QUANT_SIZES = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
 
 class MetadataField:
     """One metadata value; a string array (a vocabulary, its merges) is decoded only
-    when :meth:`contents` is called. Shaped like ``gguf.ReaderField.contents()``."""
+    when :meth:`contents` is called, raising UnicodeDecodeError for bytes that are not
+    UTF-8. Shaped like ``gguf.ReaderField.contents()``."""
 
     def __init__(self, name: str, value_type: int, value=None, lazy: tuple | None = None):
         self.name = name
@@ -112,7 +113,8 @@ class MetadataField:
             items = []
             for _ in range(count):
                 (length,) = struct.unpack_from("<Q", data, offset)
-                items.append(bytes(data[offset + 8 : offset + 8 + length]).decode("utf-8", "replace"))
+                # Strict, as gguf's own reader: a vocabulary of raw bytes is not text.
+                items.append(bytes(data[offset + 8 : offset + 8 + length]).decode("utf-8"))
                 offset += 8 + length
             self._value, self._lazy = items, None
         return self._value

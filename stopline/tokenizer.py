@@ -144,7 +144,10 @@ class ChatTokenizer:
 def chat_template_of(fields: dict, tokens: list[str] | None = None) -> tuple[str | None, str, str]:
     """A GGUF's own chat template (None if it has none) and its BOS and EOS token texts."""
     if tokens is None:
-        tokens = fields["tokenizer.ggml.tokens"].contents() if "tokenizer.ggml.tokens" in fields else []
+        try:
+            tokens = fields["tokenizer.ggml.tokens"].contents() if "tokenizer.ggml.tokens" in fields else []
+        except ValueError:  # a vocabulary of raw bytes (a converted copy): no token texts to name
+            tokens = []
 
     def token(key: str) -> str:
         index = fields[key].contents() if key in fields else None
