@@ -1,4 +1,6 @@
-"""python -m stopline: run Stopline (by default on the embedded SmolLM2 model)."""
+"""python -m stopline: run Stopline (by default on the embedded SmolLM2 model).
+
+python -m stopline cache list|prune: the converted copies of models given with --model."""
 
 from __future__ import annotations
 
@@ -12,14 +14,21 @@ import sys
 import threading
 
 from . import __version__
+from . import model as embedded
 from .app import ServerConfig, StoplineServer
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
 from .model import EMBEDDED_CONTEXT_LIMIT, ModelFetchError
-from .model_check import ModelFileError
-from .observability import configure_logging, log
+from .model_check import WHAT_WORKS, ModelFileError
+from .observability import LOG_FORMATS, configure_logging, log
 from .origin import WILDCARD_HOSTS, OriginPolicy
 from .protocol import MAX_SECONDS
+from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
 from .vocabulary import AbortMode, EngineName
+
+
+class UsageError(Exception):
+    """A setting that cannot work, found before or while taking the ports: one line, exit 2."""
+
 
 # Flag value types: each raises ArgumentTypeError with the reason, which argparse
 # prints as one line before exiting with status 2.
@@ -91,6 +100,14 @@ def _redis_url(text: str) -> str:
     return text
 
 
+def _chat_template(text: str) -> str:
+    try:
+        load_chat_template(text)
+    except (OSError, TokenizerError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _replica_id(text: str) -> str:
     # It becomes part of Redis key and channel names, inside a {hash tag}.
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
@@ -107,8 +124,15 @@ SETTINGS = [
     ("--host", _host, ServerConfig.host, "address to listen on; 0.0.0.0 listens on every interface"),
     ("--port", _PORT, ServerConfig.port, "port to listen on (0: any free port)"),
     ("--http-port", _PORT, None, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
-    ("--model", str, None, "model file (default: embedded SmolLM2-135M-Instruct)"),
+    ("--model", str, None, "model file (default: the embedded SmolLM2-135M-Instruct); see below for what works"),
     ("--model-type", str, None, "ctransformers model type of a GGML file (default: llama)"),
+    (
+        "--chat-template",
+        _chat_template,
+        None,
+        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own, "
+        "else chatml)",
+    ),
     (
         "--engine",
         _one_of([str(e) for e in EngineName]),
@@ -116,8 +140,14 @@ SETTINGS = [
         "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
         "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
     ),
-    ("--workers", _POSITIVE, ServerConfig.workers, "generation slots"),
-    ("--threads", _POSITIVE, None, "compute threads per slot (default: cores / workers)"),
+    ("--workers", _POSITIVE, ServerConfig.workers, "generation slots: users served at once"),
+    (
+        "--threads",
+        _POSITIVE,
+        None,
+        "compute threads per generation (default: every core other processes leave idle for a "
+        "generation that runs alone; generations that run together share them)",
+    ),
     ("--context-length", _integer(2), DEFAULT_CONTEXT_LENGTH, "tokens per slot, up to the model's limit"),
     (
         "--abort-mode",
@@ -188,8 +218,17 @@ SETTINGS = [
     ),
     ("--status-ttl", _POSITIVE, ServerConfig.status_ttl_s, "seconds a generation's status stays in the shared store"),
     ("--replica-id", _replica_id, None, "this replica's name in the shared store (default: <hostname>-<port>)"),
-    ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "JSON log level"),
+    ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "log level"),
+    (
+        "--log-format",
+        _one_of(list(LOG_FORMATS)),
+        "auto",
+        "text: a short line per event; json: one JSON object per line; auto: text on a terminal, else json",
+    ),
 ]
+
+# Subcommands: `python -m stopline NAME ...` runs COMMANDS[NAME](argv) instead of the server.
+COMMANDS: dict = {}
 
 
 def env_name(flag: str) -> str:
@@ -200,7 +239,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m stopline",
         description=__doc__,
-        epilog="Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "Every flag also reads STOPLINE_<FLAG>, e.g. STOPLINE_PORT=9000.\n\n"
+            "Model files: " + WHAT_WORKS + ". A file that cannot work is refused before loading, "
+            "with one line that says why."
+        ),
     )
     for flag, kind, default, help_text in SETTINGS:
         raw = os.environ.get(env_name(flag))
@@ -212,7 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.error(f"{env_name(flag)}={raw!r}: {exc}")
         elif kind is not str and isinstance(default, str):
             default = kind(default)
-        p.add_argument(flag, type=kind, default=default, help=help_text)
+        shown = "" if default in (None, "") or "default:" in help_text else f" (default: {default})"
+        p.add_argument(flag, type=kind, default=default, help=help_text + shown)
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
     if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
@@ -224,18 +269,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads")
     if args.prefill_chunk and args.prefill_chunk > args.context_length:
         p.error(f"argument --prefill-chunk: {args.prefill_chunk} exceeds --context-length {args.context_length}")
-    args.sock = _bind(p, args.host, args.port)
     return args
 
 
-def _bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
-    """Take the port before the model loads, so that a port in use fails at once."""
+def bind_ports(args: argparse.Namespace) -> None:
+    """Take both ports before the model loads, so that a port in use fails at once.
+    Raises UsageError naming the flag."""
+    args.sock = _bind("--port", args.host, args.port)
+    http_port = args.http_port
+    flag = "--http-port"
+    if http_port is None:
+        http_port = args.port + 1 if args.port else 0
+        flag = "--http-port (by default --port + 1)"
+    try:
+        args.http_sock = _bind(flag, args.host, http_port)
+    except UsageError:
+        args.sock.close()
+        raise
+
+
+def _bind(flag: str, host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
     except socket.gaierror as exc:
-        parser.error(f"argument --host: cannot resolve {host!r}: {exc.strerror}")
+        raise UsageError(f"--host: cannot resolve {host!r}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -243,7 +302,8 @@ def _bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socke
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        parser.error(f"argument --port: cannot listen on {host}:{port}: {exc.strerror}")
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise UsageError(f"{flag}: cannot listen on {where}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
 
@@ -264,7 +324,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("listening_on_every_interface", host=args.host)
     if "*" in args.allowed_origins:
         log.warning("any_origin_allowed", detail="any web page may drive this server")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    # Without --threads, each generation takes the cores the others leave (Scheduler).
+    threads = args.threads or _usable_cores()
     loaded = _in_daemon_thread(
         loop,
         lambda: Engine.load(
@@ -280,17 +341,22 @@ async def serve(args: argparse.Namespace) -> int:
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)
     if not loaded.done():
-        # Loading runs in C and cannot be interrupted; the process ends without it.
+        # Loading runs in C and cannot be interrupted; the process ends without it, and
+        # without any partial download or conversion, whose progress bars stop here.
         stopped.cancel()
+        embedded.abandon()
         log.info("startup_interrupted", signal=signal.Signals(signalled[0]).name)
         return 128 + signalled[0]
     stopped.cancel()
     engine = loaded.result()
+    if args.chat_template is not None:
+        engine.tokenizer = engine.tokenizer.with_chat_template(load_chat_template(args.chat_template))
     config = ServerConfig(
         host=args.host,
         port=args.sock.getsockname()[1],
-        http_port=args.http_port,
+        http_port=args.http_sock.getsockname()[1],
         workers=args.workers,
+        threads=args.threads,
         max_queue=args.max_queue,
         allowed_origins=args.allowed_origins,
         allowed_hosts=args.allowed_hosts,
@@ -310,10 +376,17 @@ async def serve(args: argparse.Namespace) -> int:
         replica_id=args.replica_id,
     )
     server = StoplineServer(engine, config)
-    await server.start(sock=args.sock)
+    await server.start(sock=args.sock, http_sock=args.http_sock)
     await stop.wait()
     await server.shutdown()
     return 0
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
@@ -333,6 +406,10 @@ def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
             outcome, exc = work(), None
         except BaseException as error:  # handed to the event loop
             outcome, exc = None, error
+        if isinstance(exc, StopIteration):
+            # A Future cannot hold a StopIteration (set_exception raises TypeError, and the
+            # future would never settle): hand over a RuntimeError that says what it was.
+            exc = RuntimeError(f"StopIteration escaped while loading: {exc!r}")
         try:
             loop.call_soon_threadsafe(settle, outcome, exc)
         except RuntimeError:
@@ -343,13 +420,24 @@ def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    log_format = "json"
     try:
         args = parse_args(argv)
-        configure_logging(args.log_level)
+        log_format = configure_logging(args.log_level, args.log_format)
+        bind_ports(args)
         return asyncio.run(serve(args))
+    except UsageError as exc:
+        # Like a bad flag value: one line, before anything was loaded or logged.
+        print(f"stopline: {exc}", file=sys.stderr)
+        return 2
     except ModelFileError as exc:
-        # A file that cannot work is a usage error: one line that says why and what would work.
-        log.error("startup_failed", error=str(exc))
+        # A file that cannot work is a usage error: one line that says why and what would work
+        # (on a terminal, that line alone; a log reader gets it as an event too).
+        if log_format == "json":
+            log.error("startup_failed", error=str(exc))
         print(f"stopline: {exc}", file=sys.stderr)
         return 2
     except (EngineError, ModelFetchError, ValueError, OSError) as exc:
@@ -357,6 +445,38 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:  # before the signal handlers were installed
         return 128 + signal.SIGINT
+    except Exception as exc:  # a bug: one event, with its traceback, and the process ends
+        log.exception("startup_failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+def cache_command(argv: list[str]) -> int:
+    """``stopline cache list|prune [--keep N]``: the converted copies of models given with --model."""
+    p = argparse.ArgumentParser(
+        prog="python -m stopline cache",
+        description=(
+            f"Models given with --model are converted once into {embedded.converted_dir()}; the "
+            f"{embedded.converted_keep()} most recently used copies are kept (STOPLINE_CONVERTED_KEEP)."
+        ),
+    )
+    p.add_argument("action", choices=["list", "prune"], help="list the copies, or delete those beyond --keep")
+    p.add_argument(
+        "--keep", type=_integer(0), default=None, help="copies to keep when pruning (default: STOPLINE_CONVERTED_KEEP)"
+    )
+    args = p.parse_args(argv)
+    if args.action == "prune":
+        for path in embedded.prune_converted(args.keep):
+            print(f"deleted {path}")
+        return 0
+    files = embedded.converted_files()
+    for path in files:
+        print(f"{path.stat().st_size / 1e6:10.1f} MB  {path}")
+    total_mb = sum(p.stat().st_size for p in files) / 1e6
+    print(f"{len(files)} converted copies, {total_mb:.1f} MB in {embedded.converted_dir()}")
+    return 0
+
+
+COMMANDS["cache"] = cache_command
 
 
 def run() -> None:

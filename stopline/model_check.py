@@ -1,19 +1,34 @@
-"""Check a model file before any of it reaches C.
+"""Check a model file before any of it reaches C, from its metadata alone.
 
 The bundled loader (ctransformers 0.2.27, with a llama.cpp from 2023) does not
-survive every file: a GGUF of an architecture it does not know, or one without
-a vocabulary, ends in a crash or a long traceback. :func:`check_model_file`
-reads only the header and metadata and raises :class:`ModelFileError` with one
-line that says what is wrong and what would work.
+survive every file: a GGUF of an architecture it does not know, one without a
+vocabulary or without tensors, or one that needs Llama 3's frequency-dependent
+RoPE scaling, ends in a crash, a hang or a wrong model. :func:`check_model_file`
+reads the header, the metadata and the tensor list (skipping over the
+vocabulary, which it decodes only when asked) and raises :class:`ModelFileError`
+with one line that says what is wrong and what would work. The verdict takes
+milliseconds even for a 128k-token vocabulary.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+
+import gguf
+import numpy as np
 
 from stopline._core import ModelLoadError
 
-# What this build can run, as measured (README, "Models").
+from .vocabulary import EngineName
+
+# The engines a verdict can name; the default is the one this module's limits describe.
+CTRANSFORMERS = EngineName.CTRANSFORMERS
+LLAMA_CPP = EngineName.LLAMA_CPP
+
+# What the ctransformers engine can run, as measured (README, "Models").
 GGUF_ARCHITECTURES = ("llama",)
 GGUF_VERSIONS = (2, 3)
 # The vocabularies the bundled loader can build: SentencePiece-style and byte-level BPE.
@@ -50,12 +65,19 @@ LOADER_TENSOR_TYPES = (
     "Q6_K",
     "Q8_K",
 )
+# Llama 3.1/3.2's frequency-dependent RoPE scaling is stored as this tensor; the 2023
+# loader ignores it and would compute a different model.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# The architectures the llama.cpp engine knows: the gguf package is llama.cpp's own
+# description of the format (clip is a vision projector, not a model).
+LLAMA_CPP_ARCHITECTURES = frozenset(gguf.MODEL_ARCH_NAMES.values()) - {"clip"}
 
 WHAT_WORKS = (
-    f"Stopline runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of architecture "
+    f"The ctransformers engine runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of architecture "
     f"{', '.join(GGUF_ARCHITECTURES)} that carry their tokenizer, and GGML files of the "
     f"ctransformers types {', '.join(GGML_MODEL_TYPES)} (pass --model-type)"
 )
+OTHER_ENGINE = f"--engine {LLAMA_CPP} can run this file. "
 
 
 LLAMA_WHAT_WORKS = (
@@ -67,80 +89,232 @@ LLAMA_WHAT_WORKS = (
 class ModelFileError(ModelLoadError):
     """The model file cannot work with this build; the message says why and what would."""
 
-    def __init__(self, path: Path, problem: str, what_works: str = WHAT_WORKS):
-        super().__init__(f"{path}: {problem}. {what_works}")
+    def __init__(self, path: Path, problem: str, alternative: str = "", engine: str = CTRANSFORMERS):
+        what_works = LLAMA_WHAT_WORKS if engine == LLAMA_CPP else WHAT_WORKS
+        super().__init__(f"{path}: {problem}. {alternative}{what_works}")
 
 
 def _normalized(model_type: str) -> str:
     return model_type.lower().replace("-", "").replace("_", "")
 
 
-def check_model_file(path: Path, model_type: str | None) -> dict | None:
-    """Return a GGUF file's metadata fields, or None for a GGML file; raise ModelFileError
-    for anything the loader would refuse or crash on."""
+# GGUF value types: struct format of the fixed-size ones.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_QUANT_SIZES = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
+
+
+class MetadataField:
+    """One metadata value; a string array (a vocabulary, its merges) is decoded only
+    when :meth:`contents` is called, raising UnicodeDecodeError for bytes that are not
+    UTF-8. Shaped like ``gguf.ReaderField.contents()``."""
+
+    def __init__(self, name: str, value_type: int, value=None, lazy: tuple | None = None):
+        self.name = name
+        self.value_type = value_type
+        self._value = value
+        # (mapping, offset, count) of a string array not decoded yet.
+        self._lazy = lazy
+
+    def contents(self):
+        if self._lazy is not None:
+            data, offset, count = self._lazy
+            items = []
+            for _ in range(count):
+                (length,) = struct.unpack_from("<Q", data, offset)
+                # Strict, as gguf's own reader: a vocabulary of raw bytes is not text.
+                items.append(bytes(data[offset + 8 : offset + 8 + length]).decode("utf-8"))
+                offset += 8 + length
+            self._value, self._lazy = items, None
+        return self._value
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_id: int
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return gguf.GGMLQuantizationType(self.type_id).name
+        except ValueError:
+            return f"unknown ({self.type_id})"
+
+    @property
+    def n_bytes(self) -> int | None:
+        if self.type_id not in _QUANT_SIZES:
+            return None
+        block, size = _QUANT_SIZES[self.type_id]
+        elements = 1
+        for n in self.shape:
+            elements *= n
+        return elements // block * size
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    version: int
+    fields: dict[str, MetadataField]
+    tensors: list[TensorInfo]
+    # Where the tensor data begins (aligned after the tensor list).
+    data_offset: int
+
+
+class _Truncated(Exception):
+    pass
+
+
+def read_gguf_metadata(path: Path) -> GGUFMetadata:
+    """Parse a GGUF v2/v3 header, metadata and tensor list, skipping over string arrays.
+    Raises ValueError (or struct.error) on a damaged file."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    offset = 4
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, offset)
+    offset += 20
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", data, at)
+        if at + 8 + length > len(data):
+            raise _Truncated
+        return bytes(data[at + 8 : at + 8 + length]).decode("utf-8", "replace"), at + 8 + length
+
+    def value(kind: int, at: int):
+        if kind in _SCALARS:
+            fmt = "<" + _SCALARS[kind]
+            return struct.unpack_from(fmt, data, at)[0], at + struct.calcsize(fmt)
+        if kind == _STRING:
+            return string(at)
+        raise ValueError(f"unknown metadata value type {kind}")
+
+    fields: dict[str, MetadataField] = {}
+    for _ in range(kv_count):
+        name, offset = string(offset)
+        (kind,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if kind != _ARRAY:
+            item, offset = value(kind, offset)
+            fields[name] = MetadataField(name, kind, item)
+            continue
+        item_kind, count = struct.unpack_from("<IQ", data, offset)
+        offset += 12
+        if item_kind in _SCALARS:
+            width = struct.calcsize(_SCALARS[item_kind])
+            if offset + width * count > len(data):
+                raise _Truncated
+            items = np.frombuffer(data, dtype=np.dtype("<" + _SCALARS[item_kind]), count=count, offset=offset)
+            fields[name] = MetadataField(name, _ARRAY, items.tolist())
+            offset += width * count
+        elif item_kind == _STRING:
+            start = offset
+            for _ in range(count):
+                (length,) = struct.unpack_from("<Q", data, offset)
+                offset += 8 + length
+            if offset > len(data):
+                raise _Truncated
+            fields[name] = MetadataField(name, _ARRAY, lazy=(data, start, count))
+        else:
+            raise ValueError(f"unsupported metadata array of type {item_kind} in {name}")
+    tensors = []
+    for _ in range(tensor_count):
+        name, offset = string(offset)
+        (n_dims,) = struct.unpack_from("<I", data, offset)
+        shape = struct.unpack_from(f"<{n_dims}Q", data, offset + 4)
+        offset += 4 + 8 * n_dims
+        type_id, tensor_offset = struct.unpack_from("<IQ", data, offset)
+        offset += 12
+        tensors.append(TensorInfo(name, type_id, tuple(shape), tensor_offset))
+    alignment_field = fields.get("general.alignment")
+    alignment = int(alignment_field.contents()) if alignment_field is not None else 32
+    data_offset = (offset + alignment - 1) // alignment * alignment
+    return GGUFMetadata(version, fields, tensors, data_offset)
+
+
+def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFORMERS) -> dict | None:
+    """Return a GGUF file's metadata fields (``name -> field.contents()``-able), or None
+    for a GGML file; raise ModelFileError for anything ``engine`` would refuse or crash on.
+
+    The checks run cheapest first, and a string array (the vocabulary) is only
+    skipped over, so a verdict never waits for a large vocabulary to be decoded."""
     if not path.exists():
-        raise ModelFileError(path, "model file not found")
+        raise ModelFileError(path, "model file not found", engine=engine)
     if not path.is_file():
-        raise ModelFileError(path, "model path is not a file")
+        raise ModelFileError(path, "model path is not a file", engine=engine)
     with open(path, "rb") as f:
         header = f.read(8)
     if header[:4] != b"GGUF":
+        if engine == LLAMA_CPP:
+            raise ModelFileError(path, "not a GGUF file", engine=engine)
         _check_ggml(path, header, model_type)
         return None
     version = int.from_bytes(header[4:8], "little")
     if version not in GGUF_VERSIONS:
-        raise ModelFileError(path, f"GGUF version {version} is not supported")
-    import gguf
-
+        raise ModelFileError(path, f"GGUF version {version} is not supported", engine=engine)
     try:
-        reader = gguf.GGUFReader(str(path))
-        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    except Exception as exc:  # the reader raises many kinds on damaged files
+        metadata = read_gguf_metadata(path)
+    except Exception as exc:  # struct.error, ValueError, _Truncated, OverflowError on damaged files
         raise ModelFileError(
-            path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: {_one_line(exc)})"
+            path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: {_one_line(exc)})", engine=engine
         ) from None
-    size = path.stat().st_size
-    if end > size:
-        raise ModelFileError(path, f"the file is truncated: tensor data ends at byte {end}, the file has {size}")
-    fields = reader.fields
+    fields = metadata.fields
     architecture = _string(fields, "general.architecture")
     if architecture is None:
-        raise ModelFileError(path, "the GGUF file names no architecture (general.architecture)")
+        raise ModelFileError(path, "the GGUF file names no architecture (general.architecture)", engine=engine)
+    has_tokenizer = "tokenizer.ggml.tokens" in fields
+    # llama.cpp can run any file it knows the architecture of, with tensors and a tokenizer.
+    other_engine = OTHER_ENGINE if engine != LLAMA_CPP and architecture in LLAMA_CPP_ARCHITECTURES else ""
+    if not metadata.tensors:
+        raise ModelFileError(
+            path, "the GGUF file has no tensors (a vocabulary-only file holds no model)", engine=engine
+        )
+    if not has_tokenizer:
+        raise ModelFileError(path, "the GGUF file has no tokenizer (no tokenizer.ggml.tokens)", engine=engine)
+    unknown = sorted({t.type_id for t in metadata.tensors} - set(_QUANT_SIZES))
+    if unknown:
+        raise ModelFileError(
+            path, f"tensor type {', '.join(map(str, unknown))} is an unknown quantization type", engine=engine
+        )
+    size = path.stat().st_size
+    end = metadata.data_offset + max(t.offset + (t.n_bytes or 0) for t in metadata.tensors)
+    if end > size:
+        raise ModelFileError(
+            path, f"the file is truncated: tensor data ends at byte {end}, the file has {size}", engine=engine
+        )
+    if engine == LLAMA_CPP:
+        if architecture not in LLAMA_CPP_ARCHITECTURES:
+            raise ModelFileError(path, f"GGUF architecture {architecture!r} is not one llama.cpp knows", engine=engine)
+        return fields
     if architecture not in GGUF_ARCHITECTURES:
-        raise ModelFileError(path, f"GGUF architecture {architecture!r} is not supported")
-    if "tokenizer.ggml.tokens" not in fields:
-        raise ModelFileError(path, "the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+        raise ModelFileError(path, f"GGUF architecture {architecture!r} is not supported", other_engine, engine=engine)
     tokenizer = _string(fields, "tokenizer.ggml.model")
     if tokenizer not in GGUF_TOKENIZERS:
         raise ModelFileError(
-            path, f"tokenizer type {tokenizer!r} is not supported (supported: {', '.join(GGUF_TOKENIZERS)})"
+            path,
+            f"tokenizer type {tokenizer!r} is not supported (supported: {', '.join(GGUF_TOKENIZERS)})",
+            other_engine,
+            engine=engine,
         )
-    newer = sorted({t.tensor_type.name for t in reader.tensors} - set(LOADER_TENSOR_TYPES))
+    newer = sorted({t.type_name for t in metadata.tensors} - set(LOADER_TENSOR_TYPES))
     if newer:
         raise ModelFileError(
             path,
             f"tensor type {', '.join(newer)} is newer than the bundled loader "
             f"(it computes {', '.join(LOADER_TENSOR_TYPES)})",
+            other_engine,
+            engine=engine,
+        )
+    if any(t.name == ROPE_FREQS_TENSOR for t in metadata.tensors):
+        raise ModelFileError(
+            path,
+            f"the file has a {ROPE_FREQS_TENSOR} tensor: Llama 3.1-style frequency-dependent RoPE scaling, "
+            "which the bundled 2023 loader cannot apply",
+            other_engine,
+            engine=engine,
         )
     return fields
-
-
-def check_llama_model_file(path: Path) -> None:
-    """Raise ModelFileError, in the llama.cpp engine's terms, for a path that is not a
-    GGUF file of a version it reads. Everything inside the file (architecture,
-    tensors, vocabulary, bounds) llama.cpp's loader checks itself, and it refuses a
-    damaged file with an error rather than an assert."""
-    if not path.exists():
-        raise ModelFileError(path, "model file not found", LLAMA_WHAT_WORKS)
-    if not path.is_file():
-        raise ModelFileError(path, "model path is not a file", LLAMA_WHAT_WORKS)
-    with open(path, "rb") as f:
-        header = f.read(8)
-    if header[:4] != b"GGUF":
-        raise ModelFileError(path, "not a GGUF file", LLAMA_WHAT_WORKS)
-    version = int.from_bytes(header[4:8], "little")
-    if version not in GGUF_VERSIONS:
-        raise ModelFileError(path, f"GGUF version {version} is not supported", LLAMA_WHAT_WORKS)
 
 
 def _check_ggml(path: Path, header: bytes, model_type: str | None) -> None:
@@ -158,10 +332,7 @@ def _check_ggml(path: Path, header: bytes, model_type: str | None) -> None:
 def _string(fields: dict, key: str) -> str | None:
     if key not in fields:
         return None
-    try:
-        value = fields[key].contents()
-    except Exception:  # a field of the wrong type
-        return None
+    value = fields[key].contents()
     return value if isinstance(value, str) else None
 
 

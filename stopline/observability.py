@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -11,21 +12,80 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .protocol import Ending, Request
 from .vocabulary import END_EVENTS, AbortMode, Outcome
 
+LOG_FORMATS = ("auto", "text", "json")
 
-def configure_logging(level: str = "info", stream=None) -> None:
-    """JSON lines on stdout: one object per event, ISO 8601 UTC timestamps."""
+
+def configure_logging(level: str = "info", log_format: str = "json", stream=None) -> str:
+    """One line per event: a JSON object with an ISO 8601 UTC timestamp, or (``text``) a short
+    sentence for people. ``auto`` is text on a terminal and JSON otherwise (a pipe, a file).
+    Returns the format in force."""
+    out = stream or sys.stdout
+    if log_format == "auto":
+        log_format = "text" if out.isatty() else "json"
+    renderer: Any = ConsoleRenderer() if log_format == "text" else structlog.processors.JSONRenderer(ensure_ascii=False)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(ensure_ascii=False),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stdout),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
+    return log_format
+
+
+class ConsoleRenderer:
+    """Each event as one short line for a person at a terminal: the time, a sentence for
+    the events people look for, and the event name with its main fields for the rest."""
+
+    # Fields every line has, or that only a machine reads.
+    _QUIET = {"event", "level", "timestamp", "request_id", "user_id", "peer", "exception"}
+
+    def __call__(self, logger, method_name: str, event: dict) -> str:
+        clock = str(event.get("timestamp", ""))[11:19]
+        level = event.get("level", "info")
+        text = self._sentence(event) or self._fields(event)
+        mark = "" if level in ("info", "debug") else f"{level.upper()}: "
+        line = f"{clock} {mark}{text}"
+        if event.get("exception"):
+            line += "\n" + str(event["exception"])
+        return line
+
+    def _sentence(self, e: dict) -> str | None:
+        name = e.get("event")
+        if name == "server_started":
+            return (
+                f"Stopline is serving {e.get('model')} at {e.get('url')} (API: {e.get('http_api')}); "
+                f"{e.get('workers')} slots, context {e.get('context_length')} tokens. Ctrl-C stops it."
+            )
+        if name == "generation_accepted":
+            return f"request {e.get('id')} from {e.get('peer')}: {e.get('prompt_tokens')} prompt tokens"
+        if name in END_EVENTS.values():
+            took = e.get("duration_ms")
+            seconds = f" in {took / 1000:.1f} s" if isinstance(took, int | float) else ""
+            tokens = e.get("tokens_generated")
+            speed = ""
+            if isinstance(took, int | float) and isinstance(tokens, int) and took > 0 and tokens:
+                speed = f", {tokens / (took / 1000):.0f} tokens/s"
+            latency = e.get("cancel_latency_ms")
+            stop = f", stopped {latency:.1f} ms after the cancel" if isinstance(latency, int | float) else ""
+            outcome = str(name).removeprefix("generation_")
+            return f"request {e.get('id')} {outcome} ({e.get('reason')}): {tokens} tokens{seconds}{speed}{stop}"
+        if name == "server_stopping":
+            return "stopping: cancelling every request"
+        if name == "server_stopped":
+            return "stopped"
+        if name == "startup_failed":
+            return f"could not start: {e.get('error')}"
+        return None
+
+    def _fields(self, e: dict) -> str:
+        details = " ".join(f"{k}={v}" for k, v in e.items() if k not in self._QUIET and v is not None)
+        return f"{str(e.get('event', '')).replace('_', ' ')}" + (f": {details}" if details else "")
 
 
 log = structlog.get_logger("stopline")

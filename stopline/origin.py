@@ -52,10 +52,16 @@ class OriginPolicy:
     any_origin: bool = False
     # Extra names the server answers to (a LAN name when bound to 0.0.0.0, a proxy's name).
     allowed_hosts: frozenset[str] = frozenset()
+    # The machine's own names, answered to when listening on every interface.
+    own_names: frozenset[str] = frozenset()
 
     @classmethod
     def build(
-        cls, bind_host: str, allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()
+        cls,
+        bind_host: str,
+        allowed_origins: Sequence[str] = (),
+        allowed_hosts: Sequence[str] = (),
+        own_names: Sequence[str] = (),
     ) -> OriginPolicy:
         """Validate the settings; raises ValueError naming the first bad entry."""
         origins = set()
@@ -68,7 +74,13 @@ class OriginPolicy:
             if not (re.fullmatch(r"[a-z0-9._-]+", name) or _is_ip(name)):
                 raise ValueError(f"{entry!r} is not a host name (give it without scheme or port)")
             hosts.add(name)
-        return cls(_normal_host(bind_host), frozenset(origins), "*" in allowed_origins, frozenset(hosts))
+        return cls(
+            _normal_host(bind_host),
+            frozenset(origins),
+            "*" in allowed_origins,
+            frozenset(hosts),
+            frozenset(_normal_host(name) for name in own_names if name),
+        )
 
     def serves(self, hostname: str) -> bool:
         """Whether ``hostname`` (from a Host header) names this server."""
@@ -76,9 +88,10 @@ class OriginPolicy:
             return True
         if hostname in LOOPBACK_NAMES:
             return self.bind_host in LOOPBACK_NAMES or self.bind_host in WILDCARD_HOSTS
-        # Bound to every interface, the server answers to any of its addresses. A
-        # bare IP address cannot be rebound; only names can.
-        return self.bind_host in WILDCARD_HOSTS and _is_ip(hostname)
+        # Bound to every interface, the server answers to any of its addresses and to the
+        # machine's own names: a bare IP address cannot be rebound, and the machine's
+        # names are not an attacker's to point elsewhere.
+        return self.bind_host in WILDCARD_HOSTS and (_is_ip(hostname) or hostname in self.own_names)
 
 
 def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: OriginPolicy) -> Refused | None:
@@ -98,7 +111,10 @@ def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: 
         return Refused(HTTPStatus.BAD_REQUEST, Refusal.INVALID_HEADER, "the Host header is malformed")
     if not policy.serves(host[0]):
         return Refused(
-            HTTPStatus.FORBIDDEN, Refusal.HOST_NOT_ALLOWED, f"this server does not answer to the host {host[0]!r}"
+            HTTPStatus.FORBIDDEN,
+            Refusal.HOST_NOT_ALLOWED,
+            f"this server does not answer to the host {host[0]!r}; to allow it, start the server with "
+            f"--allowed-hosts {host[0]}",
         )
     origin_value = _single("Origin", origin_header)
     if isinstance(origin_value, Refused):
@@ -116,6 +132,13 @@ def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: 
     if same_host and parts.port == host[1]:
         return None
     return Refused(HTTPStatus.FORBIDDEN, Refusal.ORIGIN_NOT_ALLOWED, "origin not allowed")
+
+
+def advertised_host(bind_host: str, own_name: str) -> str:
+    """The host to put in a URL for clients: a wildcard address is no address to
+    connect to, so the machine's own name (``own_name``) stands for it."""
+    host = own_name if bind_host in WILDCARD_HOSTS else bind_host
+    return f"[{host}]" if ":" in host else host
 
 
 def normalize_origin(value: str) -> str:

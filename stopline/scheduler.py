@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -59,11 +61,54 @@ class Sink(Protocol):
         """It was still queued at its deadline, ``now_ns``."""
 
 
+class MachineLoad:
+    """How busy the other processes on this machine keep its cores: the load average
+    minus this process's own share of it, averaged the same way (over about a minute)
+    from the CPU time this process used. ggml's threads spin while they wait for each
+    other, so a generation given more threads than the cores left to it runs several
+    times slower than on one thread."""
+
+    def __init__(self) -> None:
+        now, cpu = time.monotonic(), _cpu_seconds()
+        # Until it is measured, count the start (loading, the step-abort proof) as busy.
+        self._own = min(1.0, cpu / max(1.0, now - _PROCESS_STARTED))
+        self._last = (now, cpu)
+
+    def others(self) -> float:
+        now, cpu = time.monotonic(), _cpu_seconds()
+        wall = now - self._last[0]
+        if wall > 0:
+            decay = math.exp(-wall / 60)
+            self._own = self._own * decay + (cpu - self._last[1]) / wall * (1 - decay)
+        self._last = (now, cpu)
+        return max(0.0, os.getloadavg()[0] - self._own)
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+_PROCESS_STARTED = time.monotonic()
+
+# How long generations that ran together keep sharing the cores after the last overlap:
+# about one answer, so that two users taking turns do not each start on every core.
+SHARE_WINDOW_S = 30.0
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, workers: int, max_queue: int, window: int = 64, metrics=None):
+    def __init__(
+        self, engine: Engine, workers: int, max_queue: int, window: int = 64, metrics=None, threads: int | None = None
+    ):
         if workers < 1 or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
         self.engine = engine
+        # Compute threads per generation; None: the engine's threads (the cores), shared
+        # among the generations running together (threads_for_next).
+        self.threads = threads
+        self._recent_peak = 1
+        self._shared_until = 0.0
+        self.machine = MachineLoad()
         self.window = window
         self.max_queue = max_queue
         self.metrics = metrics
@@ -88,6 +133,25 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self._running)
+
+    def threads_for_next(self) -> int:
+        """Threads for a generation starting now: the cores other processes leave, divided
+        among the generations running at once, counting the most seen together in the last
+        SHARE_WINDOW_S. So a user alone gets every idle core, and users taking turns get a
+        share each: a generation keeps its count until it ends (the native loop takes it
+        once), and more threads than cores make ggml's spinning threads slow every
+        generation down."""
+        if self.threads is not None:
+            return self.threads
+        now = time.monotonic()
+        together = len(self._running) + 1
+        if now >= self._shared_until:
+            self._recent_peak = 1
+        if together > 1:
+            self._shared_until = now + SHARE_WINDOW_S
+            self._recent_peak = max(self._recent_peak, together)
+        cores = max(1, self.engine.threads - round(self.machine.others()))
+        return max(1, cores // max(together, self._recent_peak))
 
     def submit(self, request: Request, sink: Sink) -> int:
         """Queue ``request``; returns its queue position (0: it starts now)."""
@@ -149,7 +213,12 @@ class Scheduler:
     def _start(self, request: Request, sink: Sink, slot) -> None:
         try:
             stream = self.engine.start(
-                slot, request.prompt_tokens, request.params, window=self.window, started_ns=request.received_ns
+                slot,
+                request.prompt_tokens,
+                request.params,
+                window=self.window,
+                started_ns=request.received_ns,
+                threads=self.threads_for_next(),
             )
         except Exception:
             self._free.appendleft(slot)

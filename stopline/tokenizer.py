@@ -10,6 +10,8 @@ whole UTF-8 text.
 from __future__ import annotations
 
 import codecs
+import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -77,11 +79,7 @@ class ChatTokenizer:
         ]
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
 
-        def token(key: str) -> str:
-            return tokens[fields[key].contents()] if key in fields else ""
-
-        template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
-        return cls(tokenizer, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id"))
+        return cls(tokenizer, *chat_template_of(fields, tokens))
 
     def dumps(self, source_sha256: str) -> str:
         """Save this tokenizer, built from the GGUF whose sha256 is ``source_sha256``, as text
@@ -140,6 +138,25 @@ class ChatTokenizer:
         """Render chat messages through the model's template, opening the assistant turn."""
         return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
 
+    def with_chat_template(self, template: str) -> ChatTokenizer:
+        return dataclasses.replace(self, chat_template=template)
+
+
+def chat_template_of(fields: dict, tokens: list[str] | None = None) -> tuple[str | None, str, str]:
+    """A GGUF's own chat template (None if it has none) and its BOS and EOS token texts."""
+    if tokens is None:
+        try:
+            tokens = fields["tokenizer.ggml.tokens"].contents() if "tokenizer.ggml.tokens" in fields else []
+        except ValueError:  # a vocabulary of raw bytes (a converted copy): no token texts to name
+            tokens = []
+
+    def token(key: str) -> str:
+        index = fields[key].contents() if key in fields else None
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else ""
+
+    template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+    return template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+
 
 def _saved_key(source_sha256: str) -> dict:
     return {"format": SAVED_FORMAT, "source_sha256": source_sha256, "tokenizers": tokenizers.__version__}
@@ -151,16 +168,28 @@ def _sha256(text: str) -> str:
 
 class NativeTokenizer:
     """ctransformers' own tokenizer, for models whose file has no byte-level BPE
-    vocab (SentencePiece GGUFs, GGML files). Chat messages go through ChatML."""
+    vocab (SentencePiece GGUFs, GGML files). Chat messages go through the file's
+    own template, else ChatML."""
 
-    def __init__(self, tokenize):
+    def __init__(self, tokenize, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
         self._tokenize = tokenize
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
 
     def encode(self, text: str) -> list[int]:
         return self._tokenize(text)
 
     def render_chat(self, messages: list[dict]) -> str:
-        return render_chat(None, messages)
+        return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+
+    def with_chat_template(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
+        return NativeTokenizer(
+            self._tokenize,
+            template,
+            self.bos_token if bos_token is None else bos_token,
+            self.eos_token if eos_token is None else eos_token,
+        )
 
 
 class LlamaTokenizer:
@@ -187,6 +216,11 @@ class LlamaTokenizer:
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
 
+    def with_chat_template(self, template: str) -> LlamaTokenizer:
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
+
 
 def render_chat(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
     """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn.
@@ -209,6 +243,38 @@ _CHATML = (
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+_LLAMA2 = (
+    "{% if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' }}"
+    "{% if loop.first and system %}{{ '<<SYS>>\n' + system + '\n<</SYS>>\n\n' }}{% endif %}"
+    "{{ message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+_ZEPHYR = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# Templates --chat-template can name instead of a file.
+CHAT_TEMPLATES = {"chatml": _CHATML, "llama2": _LLAMA2, "zephyr": _ZEPHYR}
+
+
+def load_chat_template(name_or_path: str) -> str:
+    """A template named in CHAT_TEMPLATES, or the Jinja text of a file; raises OSError or
+    TokenizerError (a template that does not compile) with one line."""
+    if name_or_path in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{name_or_path!r} is neither a template file nor one of {', '.join(CHAT_TEMPLATES)}")
+    template = path.read_text("utf-8")
+    try:
+        _template_env().from_string(template)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"{name_or_path}: not a Jinja template: {exc}") from None
+    return template
 
 
 def _raise(message: str):

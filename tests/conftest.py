@@ -145,7 +145,7 @@ def open_fds() -> set[str]:
 async def running_server(engine: Engine, **config):
     """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks."""
     threads_before = {t.ident for t in threading.enumerate()}
-    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0, **config))
+    server = StoplineServer(engine, ServerConfig(**{"host": "127.0.0.1", "port": 0, **config}))
     await server.start()
     server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
     server.http_url = f"http://127.0.0.1:{server.port}"

@@ -9,6 +9,7 @@ says why and what would work.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -21,26 +22,44 @@ import pytest
 from conftest import UNIT
 from stopline import model
 from stopline.engine import Engine, ModelLoadError, SamplingParams
-from stopline.model_check import GGML_MODEL_TYPES, GGUF_ARCHITECTURES, ModelFileError, check_model_file
+from stopline.model_check import (
+    GGML_MODEL_TYPES,
+    GGUF_ARCHITECTURES,
+    MetadataField,
+    ModelFileError,
+    check_model_file,
+    read_gguf_metadata,
+)
+from stopline.tokenizer import TokenizerError, load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_gguf(path: Path, arch: str, *, tokenizer: bool = True, tensor_type=None) -> Path:
-    """A small, well-formed GGUF v3 file: metadata, an optional vocab and one tensor."""
+def write_gguf(
+    path: Path,
+    arch: str,
+    *,
+    tokenizer: bool = True,
+    tensor_type=None,
+    tensors: bool = True,
+    rope_freqs: bool = False,
+    vocab_size: int = 4,
+) -> Path:
+    """A small, well-formed GGUF v3 file: metadata, an optional vocab and one tensor
+    (none with ``tensors=False``; and Llama 3.1's rope_freqs with ``rope_freqs``)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(128)
     writer.add_embedding_length(8)
     writer.add_block_count(1)
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(["<s>", "</s>", "a", "b"])
-        writer.add_token_types(
-            [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.NORMAL, gguf.TokenType.NORMAL]
-        )
-    if tensor_type is None:
+        writer.add_token_list(["<s>", "</s>"] + [f"t{i}" for i in range(vocab_size - 2)])
+        writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (vocab_size - 2))
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
+    if tensors and tensor_type is None:
         writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    else:
+    elif tensors:
         # Raw bytes of a quantized tensor: 256 weights in one block of the type.
         block, size = gguf.GGML_QUANT_SIZES[tensor_type]
         writer.add_tensor(
@@ -63,6 +82,14 @@ def bad_files(tmp_path_factory):
     text.write_text("These are my notes, not a model.\n" * 100)
     return {
         "non-llama GGUF v3": (write_gguf(folder / "qwen2.gguf", "qwen2"), "architecture 'qwen2' is not supported"),
+        "Llama 3.1 rope_freqs": (
+            write_gguf(folder / "llama31.gguf", "llama", rope_freqs=True),
+            "rope_freqs.weight tensor: Llama 3.1-style frequency-dependent RoPE scaling",
+        ),
+        "GGUF without tensors": (
+            write_gguf(folder / "ggml-vocab-llama-bpe.gguf", "llama", tensors=False),
+            "has no tensors",
+        ),
         "truncated GGUF": (truncated, "truncated"),
         "text file": (text, "not a GGUF file"),
         "GGUF without a tokenizer": (
@@ -76,6 +103,8 @@ def bad_files(tmp_path_factory):
     "case",
     [
         "non-llama GGUF v3",
+        "Llama 3.1 rope_freqs",
+        "GGUF without tensors",
         pytest.param("truncated GGUF", marks=pytest.mark.slow),
         "text file",
         "GGUF without a tokenizer",
@@ -101,6 +130,69 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
     assert "Traceback" not in result.stdout + result.stderr
     [failure] = [json.loads(x) for x in result.stdout.splitlines() if '"startup_failed"' in x]
     assert failure["error"] == line.removeprefix("stopline: ")
+    # Where the other engine can run the file, the line names it.
+    assert ("--engine llama.cpp can run this file" in line) == (case in ("non-llama GGUF v3", "Llama 3.1 rope_freqs"))
+    # Nothing was converted for a file that was refused.
+    assert not (
+        model.converted_dir() / f"{path.stem}.{path.stat().st_size}.ct-v{model.CONVERTER_VERSION}.gguf"
+    ).exists()
+
+
+def test_the_llama_cpp_engine_accepts_what_ctransformers_refuses_for_it(bad_files):
+    # The verdict depends on the engine: rope_freqs and other architectures are llama.cpp's to run.
+    for case in ("non-llama GGUF v3", "Llama 3.1 rope_freqs"):
+        assert check_model_file(bad_files[case][0], None, engine="llama.cpp") is not None
+    # A file with no tensors holds no model for any engine.
+    with pytest.raises(ModelFileError, match="has no tensors"):
+        check_model_file(bad_files["GGUF without tensors"][0], None, engine="llama.cpp")
+
+
+def test_the_verdict_reads_no_vocabulary(tmp_path, monkeypatch):
+    # A 262,144-token vocabulary (Gemma 3's size) is skipped over, never decoded, for a
+    # refusal and for a pass alike: the verdict depends on the metadata and tensor list only.
+    gemma = write_gguf(tmp_path / "gemma3.gguf", "gemma3", vocab_size=262_144)
+    llama = write_gguf(tmp_path / "llama.gguf", "llama", vocab_size=262_144)
+    decoded = []
+    real_contents = MetadataField.contents
+
+    def contents(self):
+        if self.name.startswith("tokenizer.ggml.tokens"):
+            decoded.append(self.name)
+        return real_contents(self)
+
+    monkeypatch.setattr(MetadataField, "contents", contents)
+    with pytest.raises(ModelFileError, match="architecture 'gemma3' is not supported"):
+        check_model_file(gemma, None)
+    fields = check_model_file(llama, None)
+    assert decoded == []
+    # Decoded on demand, it is the vocabulary the file holds.
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 262_144 and tokens[:3] == ["<s>", "</s>", "t0"]
+
+
+def test_the_metadata_reader_agrees_with_gguf(engine):
+    # Every field and tensor of the embedded model, as the gguf package reads them.
+    path = model.original_gguf_path(progress=False)
+    reference = gguf.GGUFReader(str(path))
+    metadata = read_gguf_metadata(path)
+    assert set(metadata.fields) == {name for name in reference.fields if not name.startswith("GGUF.")}
+    for name, field in metadata.fields.items():
+        assert field.contents() == reference.fields[name].contents(), name
+    assert [(t.name, t.type_id, metadata.data_offset + t.offset, t.n_bytes) for t in metadata.tensors] == [
+        (t.name, int(t.tensor_type), t.data_offset, t.n_bytes) for t in reference.tensors
+    ]
+
+
+def test_an_unknown_quantization_type_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "future.gguf", "llama")
+    data = bytearray(path.read_bytes())
+    # The tensor's type follows its name, its dimension count and two dimensions.
+    at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4 + 2 * 8
+    assert struct.unpack_from("<I", data, at)[0] == int(gguf.GGMLQuantizationType.F32)
+    struct.pack_into("<I", data, at, 250)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match="tensor type 250 is an unknown quantization type"):
+        check_model_file(path, None)
 
 
 @pytest.mark.slow
@@ -195,3 +287,151 @@ def test_a_ggml_gpt2_file_loads_streams_and_stops(tmp_path):
         assert stream.result.tokens_generated == 10 and text
     finally:
         slot.close()
+
+
+# --- converted copies, and a SentencePiece model that really runs ---------------------------
+
+
+def write_spm_llama(path: Path, chat_template: str | None = None, n_vocab: int = 300) -> Path:
+    """A tiny llama GGUF v3 with a SentencePiece vocabulary (Llama 2, Mistral and TinyLlama's
+    kind: byte tokens and scores) and random f32 weights, which ctransformers loads and runs."""
+    n_embd, n_ff, n_head = 32, 64, 2
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    words = ["▁", "▁the", "▁cat", "a", "c", "e", "h", "t", "s", "o", "n"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    tokens += [f"w{i}" for i in range(n_vocab - len(tokens))]
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(n_vocab - 259)])
+    writer.add_token_types(
+        [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+        + [gguf.TokenType.BYTE] * 256
+        + [gguf.TokenType.NORMAL] * (n_vocab - 259)
+    )
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    rng = np.random.default_rng(0)
+
+    def weights(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    weights("token_embd.weight", n_vocab, n_embd)
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    weights("output.weight", n_vocab, n_embd)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, np.float32))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        weights(f"blk.0.{name}.weight", n_embd, n_embd)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, np.float32))
+    weights("blk.0.ffn_gate.weight", n_ff, n_embd)
+    weights("blk.0.ffn_up.weight", n_ff, n_embd)
+    weights("blk.0.ffn_down.weight", n_embd, n_ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+BRACKETS = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}<<assistant>>"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]
+
+
+def test_a_sentencepiece_gguf_uses_its_own_chat_template(tmp_path, monkeypatch):
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = Engine.load(
+        write_spm_llama(tmp_path / "spm.gguf", BRACKETS), context_length=256, threads=1, progress=False
+    )
+    assert type(loaded.tokenizer).__name__ == "NativeTokenizer"
+    assert loaded.tokenizer.render_chat(CHAT) == "<<system>>Be brief.<<user>>the cat<<assistant>>"
+    assert loaded.encode(messages=CHAT) == loaded.encode(prompt="<<system>>Be brief.<<user>>the cat<<assistant>>")
+    # A named template overrides the file's, with the file's BOS and EOS tokens.
+    llama2 = loaded.tokenizer.with_chat_template(load_chat_template("llama2"))
+    assert llama2.render_chat(CHAT) == "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nthe cat [/INST]"
+    # And it runs: the template's prompt reaches the native loop.
+    slot = loaded.open_slot()
+    try:
+        stream = loaded.start(slot, loaded.encode(messages=CHAT), SamplingParams(max_tokens=4, temperature=0))
+        list(stream)
+        assert stream.result.tokens_generated == 4
+        assert stream.result.prompt_tokens == len(loaded.encode(messages=CHAT))
+    finally:
+        slot.close()
+    # Without a template in the file, ChatML.
+    plain = Engine.load(write_spm_llama(tmp_path / "plain.gguf"), context_length=256, threads=1, progress=False)
+    plain.open_slot().close()
+    assert plain.tokenizer.render_chat(CHAT).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+def test_chat_template_names_and_files(tmp_path):
+    assert load_chat_template("chatml").startswith("{% for message in messages %}")
+    custom = tmp_path / "t.jinja"
+    custom.write_text(BRACKETS)
+    assert load_chat_template(str(custom)) == BRACKETS
+    with pytest.raises(FileNotFoundError, match="neither a template file nor one of chatml, llama2, zephyr"):
+        load_chat_template("alpaca")
+    custom.write_text("{% for %}")
+    with pytest.raises(TokenizerError, match="not a Jinja template"):
+        load_chat_template(str(custom))
+
+
+def test_a_converted_copy_the_loader_refuses_is_deleted(tmp_path, monkeypatch):
+    # A llama file with a vocabulary and one tensor passes the check and converts, but holds no model.
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="could not create a 'llama' model"):
+        Engine.load(write_gguf(tmp_path / "hollow.gguf", "llama"), context_length=64, threads=1, progress=False)
+    assert list(model.converted_dir().iterdir()) == []
+
+
+def stopline_cache(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stopline", "cache", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+        env={**os.environ, "STOPLINE_CACHE_DIR": str(cache), **env},
+    )
+
+
+def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("STOPLINE_CONVERTED_KEEP", "2")
+    files = [write_spm_llama(tmp_path / f"m{i}.gguf") for i in range(3)]
+
+    def load(path: Path) -> Path:
+        loaded = Engine.load(path, context_length=256, threads=1, progress=False)
+        loaded.open_slot().close()
+        return loaded.model_path
+
+    copies = [load(path) for path in files]
+    # The third conversion evicted the least recently used copy, the first.
+    assert [p.name for p in model.converted_files()] == [copies[2].name, copies[1].name]
+    # Using a copy makes it the most recent: loading the second again, then a new one, evicts the third.
+    load(files[1])
+    load(files[0])
+    assert [p.name for p in model.converted_files()] == [copies[0].name, copies[1].name]
+    # A partial file left by a killed process is pruned too.
+    (model.converted_dir() / f".{copies[2].name}.abc.part").write_bytes(b"half")
+
+    listed = stopline_cache("list", cache=cache)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[-1] for line in listed.stdout.splitlines()[:-1]] == [str(copies[0]), str(copies[1])]
+    assert listed.stdout.splitlines()[-1].startswith("2 converted copies")
+    pruned = stopline_cache("prune", "--keep", "1", cache=cache)
+    assert pruned.returncode == 0, pruned.stderr
+    assert sorted(pruned.stdout.splitlines()) == sorted(
+        [f"deleted {copies[1]}", f"deleted {model.converted_dir() / f'.{copies[2].name}.abc.part'}"]
+    )
+    assert list(model.converted_dir().iterdir()) == [copies[0]]

@@ -16,9 +16,21 @@ const els = {
   status: $('status'), statusText: $('status-text'), statusRetry: $('status-retry'),
   model: $('model'), notice: $('notice'), announcer: $('announcer'),
   maxTokens: $('max-tokens'), temperature: $('temperature'), timeout: $('timeout'), system: $('system-prompt'),
+  topP: $('top-p'), topK: $('top-k'), repetitionPenalty: $('repetition-penalty'), seed: $('seed'),
   theme: $('theme'), chatList: $('chat-list'), noChats: $('no-chats'), chatsToggle: $('chats-toggle'),
-  sidebar: $('sidebar'),
+  sidebar: $('sidebar'), exportMd: $('export-md'), exportJson: $('export-json'),
 };
+
+// The numeric settings: the storage key, its input and the generate frame's field.
+const NUMBER_SETTINGS = [
+  ['maxTokens', els.maxTokens, 'max_tokens', Math.round],
+  ['temperature', els.temperature, 'temperature'],
+  ['topP', els.topP, 'top_p'],
+  ['topK', els.topK, 'top_k', Math.round],
+  ['repetitionPenalty', els.repetitionPenalty, 'repetition_penalty'],
+  ['seed', els.seed, 'seed', Math.round],
+  ['timeout', els.timeout, 'timeout_s'],
+];
 
 const DONE_REASONS = {
   eos: 'end of text',
@@ -69,7 +81,9 @@ let tickTimer = 0;
 let pageHidden = false;
 let counter = 0;
 
-// A chat is { id, title, updated, messages: [{ role, content, state?, meta? }] }; only this is stored.
+// A chat is { id, title, updated, trimmed?, messages: [{ role, content, state?, meta? }] }; only this
+// is stored. `trimmed` counts the oldest messages left out of what the model sees: they no longer
+// fit its context.
 let chats = loadChats();
 let chat = null;                  // the chat on screen, or null for a new, empty one
 const views = new Map();          // message -> its elements, for the chat on screen
@@ -77,6 +91,8 @@ const requests = new Map();       // request id -> req, for routing server frame
 let current = null;               // the req still running, or null
 let editing = null;               // the user message being edited, or null
 let unsaved = false;              // tokens arrived since the chats were last saved
+let pinned = true;                // the view follows the conversation: the reader has not scrolled up
+let contextLength = 0;            // the model's context in tokens, from the server's hello
 
 // ---------- markdown ----------
 
@@ -173,18 +189,14 @@ function loadSettings() {
   let s = {};
   try { s = JSON.parse(localStorage.getItem(SETTINGS_KEY) ?? '{}') ?? {}; } catch { /* defaults */ }
   if (typeof s.system === 'string') els.system.value = s.system;
-  for (const [key, input] of [['maxTokens', els.maxTokens], ['temperature', els.temperature], ['timeout', els.timeout]]) {
+  for (const [key, input] of NUMBER_SETTINGS) {
     if (typeof s[key] === 'number') input.value = String(s[key]);
   }
 }
 
 function saveSettings() {
-  const s = {
-    system: els.system.value,
-    maxTokens: readNumber(els.maxTokens),
-    temperature: readNumber(els.temperature),
-    timeout: readNumber(els.timeout),
-  };
+  const s = { system: els.system.value };
+  for (const [key, input] of NUMBER_SETTINGS) s[key] = readNumber(input);
   try { localStorage.setItem(SETTINGS_KEY, JSON.stringify(s)); } catch { /* storage off */ }
 }
 
@@ -271,7 +283,12 @@ function onFrame(msg) {
         els.model.textContent = msg.model;
         els.model.hidden = false;
       }
-      if (msg.limits?.max_tokens) els.maxTokens.max = msg.limits.max_tokens;
+      if (msg.limits?.max_tokens) {
+        // The longest answer the server accepts is its context length.
+        contextLength = msg.limits.max_tokens;
+        els.maxTokens.max = contextLength;
+        if (els.maxTokens.valueAsNumber > contextLength) els.maxTokens.value = String(contextLength);
+      }
       if (msg.limits?.timeout_s) els.timeout.max = msg.limits.timeout_s;
       break;
 
@@ -290,6 +307,7 @@ function onFrame(msg) {
       const parts = [countTokens(msg.tokens_generated), DONE_REASONS[msg.reason] ?? msg.reason];
       // A Stop that lost the race: say so, or the user wonders why it did not cancel.
       if (req.msg.state === 'stopping') parts.push('finished before the stop arrived');
+      parts.push(speed(msg));
       finish(req, 'done', join(parts));
       break;
     }
@@ -298,6 +316,7 @@ function onFrame(msg) {
       if (!req) break;
       const parts = [CANCEL_REASONS[msg.reason] ?? `Cancelled (${msg.reason})`, countTokens(msg.tokens_generated)];
       if (typeof msg.cancel_latency_ms === 'number') parts.push(`stopped in ${msg.cancel_latency_ms.toFixed(1)} ms`);
+      parts.push(speed(msg));
       finish(req, 'cancelled', join(parts));
       break;
     }
@@ -312,6 +331,11 @@ function onFrame(msg) {
     }
 
     case 'error': {
+      // A chat that outgrew the context: leave its oldest turn out and ask again.
+      if (req && !req.over && msg.code === 'prompt_too_long' && trimOldestTurn(req.chat)) {
+        retry(req);
+        break;
+      }
       let text = ERROR_TEXT[msg.code] ?? msg.message ?? 'Unknown error.';
       if (ERROR_DETAIL.has(msg.code) && msg.message) text += ` (${msg.message})`;
       if (req && !req.over) finish(req, 'error', `Error: ${text}`);
@@ -356,7 +380,7 @@ function scheduleRender(req) {
   req.frame = requestAnimationFrame(() => {
     req.frame = 0;
     const view = views.get(req.msg);
-    if (view) keepScrolled(() => renderText(view, req.msg.content));
+    if (view) renderText(view, req.msg.content);
   });
 }
 
@@ -369,7 +393,7 @@ function finish(req, state, text) {
   msg.meta = text;
   const view = views.get(msg);
   if (view) {
-    keepScrolled(() => renderText(view, msg.content));
+    renderText(view, msg.content);
     view.el.dataset.state = state;
     view.el.removeAttribute('aria-busy');
     view.metaEl.textContent = text;
@@ -393,7 +417,9 @@ function send() {
   }
   const user = { role: 'user', content };
   chat.messages.push(user);
-  keepScrolled(() => els.messages.append(messageView(user).el));
+  // Sending is reading on: the view follows the question and its answer.
+  pinned = true;
+  els.messages.append(messageView(user).el);
   answer();
   els.prompt.value = '';
   autosize();
@@ -407,7 +433,7 @@ function answer(partial = null) {
   if (!msg) {
     msg = { role: 'assistant', content: '', state: '', meta: '' };
     chat.messages.push(msg);
-    keepScrolled(() => els.messages.append(messageView(msg).el));
+    els.messages.append(messageView(msg).el);
   }
   const id = `c${++counter}-${Math.random().toString(36).slice(2, 8)}`;
   const req = { id, msg, chat, sock: ws, base: msg.content, text: '', next: 0, pending: new Map(), over: false, frame: 0 };
@@ -417,15 +443,10 @@ function answer(partial = null) {
   view.el.dataset.id = id;
   view.el.setAttribute('aria-busy', 'true'); // announce the answer once it is complete, not token by token
   setState(msg, 'streaming');
-  setMeta(msg, partial ? 'Continuing…' : 'Waiting…');
-  sendFrame({
-    type: 'generate',
-    id,
-    messages: history,
-    max_tokens: readNumber(els.maxTokens, Math.round),
-    temperature: readNumber(els.temperature),
-    timeout_s: readNumber(els.timeout),
-  });
+  setMeta(msg, partial?.content ? 'Continuing…' : 'Waiting…');
+  const frame = { type: 'generate', id, messages: history };
+  for (const [, input, field, round] of NUMBER_SETTINGS) frame[field] = readNumber(input, round);
+  sendFrame(frame);
   touch(chat);
   try { localStorage.setItem(OPEN_KEY, chat.id); } catch { /* storage off */ }
   refreshActions();
@@ -522,9 +543,47 @@ function startEdit(msg) {
   box.focus();
 }
 
+// Ask again for the same answer, once its conversation has been trimmed to fit.
+function retry(req) {
+  req.over = true;
+  requests.delete(req.id);
+  if (current === req) current = null;
+  answer(req.msg);
+}
+
+// Leave the oldest turn (a question and its answers) out of what the model sees; never the
+// system prompt, which is not a message of the chat, nor the question being answered.
+// False when nothing is left to leave out.
+function trimOldestTurn(c) {
+  const list = c.messages;
+  const lastQuestion = list.findLastIndex((m) => m.role === 'user');
+  let next = (c.trimmed ?? 0) + 1;
+  while (next < list.length && list[next].role !== 'user') next += 1;
+  if (next > lastQuestion) return false;
+  c.trimmed = next;
+  if (c === chat) showTrimmed();
+  announce('The oldest messages were left out to fit the model’s context');
+  return true;
+}
+
+// The chat says, where it happens, which messages the model no longer sees.
+function showTrimmed() {
+  els.messages.querySelector('.trim-note')?.remove();
+  const n = chat?.trimmed ?? 0;
+  for (const [m, view] of views) view.el.classList.toggle('trimmed', chat.messages.indexOf(m) < n);
+  if (!n) return;
+  const limit = contextLength ? ` of ${contextLength} tokens` : '';
+  const note = h('p', 'trim-note',
+    `The ${n} oldest message${n === 1 ? '' : 's'} above no longer fit the model’s context${limit}: `
+    + 'the model does not see them. The system prompt is always kept.');
+  note.setAttribute('role', 'note');
+  views.get(chat.messages[n])?.el.before(note);
+}
+
 // Edit-and-resend: the conversation after the edited message is dropped and answered anew.
 function resendFrom(msg, content) {
   const at = chat.messages.indexOf(msg);
+  chat.trimmed = Math.min(chat.trimmed ?? 0, at);
   for (const later of chat.messages.splice(at + 1)) {
     views.get(later)?.el.remove();
     views.delete(later);
@@ -560,7 +619,7 @@ function conversation() {
   const system = els.system.value.trim();
   if (system) out.push({ role: 'system', content: system });
   const list = chat.messages;
-  for (let i = 0; i < list.length; i += 1) {
+  for (let i = chat.trimmed ?? 0; i < list.length; i += 1) {
     const m = list[i];
     if (m.role === 'user' && list[i + 1]?.state === 'error') {
       i += 1;
@@ -606,10 +665,12 @@ function showChat(c) {
   try { localStorage.setItem(OPEN_KEY, c?.id ?? ''); } catch { /* storage off */ }
   views.clear();
   els.messages.replaceChildren(...(c ? c.messages.map((m) => messageView(m).el) : []));
+  showTrimmed();
   hideNotice();
   renderChatList();
   refreshActions();
   updateControls();
+  pinned = true;
   els.scroller.scrollTop = els.scroller.scrollHeight;
 }
 
@@ -698,6 +759,7 @@ function setMeta(msg, text) {
 
 function updateControls() {
   const running = current !== null;
+  els.exportMd.disabled = els.exportJson.disabled = !chat?.messages.length;
   els.send.disabled = running || !isOpen();
   els.stop.disabled = !running || current.msg.state !== 'streaming';
   for (const b of els.messages.querySelectorAll('.regenerate, .continue, .edit-send')) b.disabled = !isOpen();
@@ -722,12 +784,45 @@ function announce(text) {
   requestAnimationFrame(() => { els.announcer.textContent = text; });
 }
 
-// Follow the stream only if the reader is already at the bottom; never yank them back up.
-function keepScrolled(mutate) {
+// Follow the conversation while the reader is at the bottom; never yank them back up. Whether
+// they are is decided by their scrolling alone, not by the height of what was just added: an
+// answer's meta line and buttons appearing must not unpin the view.
+function atBottom() {
   const s = els.scroller;
-  const atBottom = s.scrollHeight - s.scrollTop - s.clientHeight < 40;
-  mutate();
-  if (atBottom) s.scrollTop = s.scrollHeight;
+  return s.scrollHeight - s.scrollTop - s.clientHeight < 40;
+}
+
+function follow() {
+  if (pinned) els.scroller.scrollTop = els.scroller.scrollHeight;
+}
+
+// ---------- export ----------
+
+function exportChat(kind) {
+  if (!chat?.messages.length) return;
+  const system = els.system.value.trim();
+  const messages = chat.messages.map((m) => ({ role: m.role, content: m.content, ...(m.meta ? { meta: m.meta } : {}) }));
+  let body;
+  if (kind === 'json') {
+    body = JSON.stringify({ title: chat.title, exported: new Date().toISOString(), system, messages }, null, 2);
+  } else {
+    const parts = [`# ${chat.title}`];
+    if (system) parts.push(`**System prompt:** ${system}`);
+    for (const m of messages) {
+      parts.push(`## ${m.role === 'user' ? 'You' : 'Assistant'}`, m.content);
+      if (m.meta) parts.push(`*${m.meta}*`);
+    }
+    body = `${parts.join('\n\n')}\n`;
+  }
+  const type = kind === 'json' ? 'application/json' : 'text/markdown';
+  const url = URL.createObjectURL(new Blob([body], { type: `${type};charset=utf-8` }));
+  const link = h('a', 'visually-hidden');
+  link.href = url;
+  link.download = `${(chat.title || 'chat').replace(/[^\w\- ]+/g, '').trim().slice(0, 60) || 'chat'}.${kind === 'json' ? 'json' : 'md'}`;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
 }
 
 function autosize() {
@@ -761,6 +856,11 @@ function h(tag, className, text) {
 }
 
 const countTokens = (n) => `${n ?? 0} token${n === 1 ? '' : 's'}`;
+// Decode speed: the tokens after the first, over the time after the first.
+const speed = (f) => {
+  const decoding = (f.duration_ms ?? 0) - (f.ttft_ms ?? 0);
+  return f.tokens_generated > 1 && decoding > 0 ? `${((f.tokens_generated - 1) / (decoding / 1000)).toFixed(1)} tokens/s` : '';
+};
 const seconds = (ms) => String(Math.round((ms ?? 0) / 100) / 10);
 const join = (parts) => parts.filter(Boolean).join(' · ');
 
@@ -787,9 +887,24 @@ els.theme.addEventListener('click', () => {
   showTheme(next);
 });
 els.chatsToggle.addEventListener('click', () => toggleSidebar(!document.body.classList.contains('sidebar-open')));
-for (const input of [els.system, els.maxTokens, els.temperature, els.timeout]) {
+for (const input of [els.system, ...NUMBER_SETTINGS.map(([, i]) => i)]) {
   input.addEventListener('change', saveSettings);
 }
+els.exportMd.addEventListener('click', () => exportChat('md'));
+els.exportJson.addEventListener('click', () => exportChat('json'));
+// Only a move up unpins the view: a scroll event can arrive after more of the answer was
+// added, and the distance to the bottom then says nothing about what the reader did.
+let lastScrollTop = 0;
+els.scroller.addEventListener('scroll', () => {
+  const top = els.scroller.scrollTop;
+  if (atBottom()) pinned = true;
+  else if (top < lastScrollTop) pinned = false;
+  lastScrollTop = top;
+}, { passive: true });
+// Whatever grows the conversation (tokens, a meta line, buttons, highlighting), the view follows.
+const growth = new ResizeObserver(follow);
+growth.observe(els.messages);
+growth.observe(els.scroller);
 els.system.addEventListener('input', saveSettings);
 
 document.addEventListener('keydown', (e) => {

@@ -1,0 +1,298 @@
+"""The first minutes of a new user: ports, host names, the console, Ctrl-C, the loading thread.
+
+Each startup case runs ``python -m stopline`` as a real process; the console
+cases run it in a pseudo-terminal, as a person at a terminal sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from conftest import CHAT_FRANCE, UNIT, client_for, running_server
+from stopline import model, scheduler
+from stopline.__main__ import _in_daemon_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stopline(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stopline", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout * UNIT,
+    )
+
+
+def in_terminal(*args: str, env: dict | None = None) -> pexpect.spawn:
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "stopline", *args],
+        cwd=str(ROOT),
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "120", **(env or {})},
+        encoding="utf-8",
+        timeout=120 * UNIT,
+        dimensions=(40, 120),
+    )
+
+
+# --- ports: both taken before loading, one line when one cannot be ------------------------
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_before(taken: int) -> int:
+    """A free port P whose P + 1 is ``taken``, or skip."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", taken - 1))
+        except OSError:
+            pytest.skip(f"port {taken - 1} is in use")
+    return taken - 1
+
+
+@pytest.mark.parametrize("case", ["--port taken", "--http-port taken", "same port twice", "default http port taken"])
+def test_a_port_that_cannot_be_taken_is_one_line_and_exit_2_before_loading(case, taken_port):
+    port = free_port()
+    args = {
+        "--port taken": ["--port", str(taken_port)],
+        "--http-port taken": ["--port", "0", "--http-port", str(taken_port)],
+        "same port twice": ["--port", str(port), "--http-port", str(port)],
+        "default http port taken": ["--port", str(free_port_before(taken_port))] if case.startswith("default") else [],
+    }[case]
+    flag = "--port" if case == "--port taken" else "--http-port"
+    result = stopline(*args, "--model", "/nonexistent/model.gguf")
+    assert result.returncode == 2, result
+    # One line that names the flag; no usage dump, and the model (here a missing file,
+    # which would be refused with another line) was never looked at.
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"stopline: {flag}") and "cannot listen on 127.0.0.1:" in line, line
+    assert "usage:" not in result.stderr and "not found" not in result.stderr
+
+
+# --- host names with --host 0.0.0.0 ----------------------------------------------------------
+
+
+async def get_as(server, host: str, path: str = "/") -> tuple[int, str]:
+    """A GET to the server's port over loopback, naming ``host`` in its Host header."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{server.port}\r\nConnection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.decode("utf-8", "replace").partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_listening_everywhere_answers_to_the_machines_own_names(engine):
+    async with running_server(engine, host="0.0.0.0") as server:
+        own = socket.gethostname()
+        status, _ = await get_as(server, own)
+        assert status == 200
+        status, body = await get_as(server, own, "/healthz")
+        assert status == 200
+        # The API is advertised at an address a client can use, not 0.0.0.0.
+        assert f'"http_api": "http://{own}:' in body and "0.0.0.0" not in body
+        assert server.url == f"http://{own}:{server.port}/"
+        # Another name is still refused, and the refusal says how to allow it.
+        status, body = await get_as(server, "rebound.example")
+        assert status == 403
+        assert "host_not_allowed" in body and "--allowed-hosts rebound.example" in body
+
+
+async def test_a_loopback_server_refuses_the_machines_name_and_names_the_flag(engine):
+    async with running_server(engine) as server:
+        own = socket.gethostname()
+        status, body = await get_as(server, own)
+        assert status == 403 and f"--allowed-hosts {own.lower()}" in body
+
+
+# --- the console -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_terminal_gets_plain_lines_and_a_serving_at_line():
+    child = in_terminal("--port", "0")
+    try:
+        child.expect(
+            r"Stopline is serving SmolLM2-135M-Instruct at http://127\.0\.0\.1:(\d+)/ \(API: http://127\.0\.0\.1:\d+/v1\)"
+        )
+        # Nothing before it was JSON.
+        assert "{" not in child.before
+        child.sendintr()
+        child.expect("stopped")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_json_logs_on_a_terminal_when_asked():
+    child = in_terminal("--port", "0", "--log-format", "json")
+    try:
+        child.expect(
+            r'\{"url": "http://127\.0\.0\.1:\d+/", "model": "SmolLM2-135M-Instruct"[^\n]*"event": "server_started"'
+        )
+        child.sendintr()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_help_shows_defaults_and_which_model_files_work():
+    result = stopline("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--port PORT port to listen on (0: any free port) (default: 8765)" in text
+    assert "--workers WORKERS generation slots: users served at once (default: 2)" in text
+    assert "Model files: The ctransformers engine runs GGUF v2-v3 files of architecture llama" in text
+    client = subprocess.run(
+        [sys.executable, "-m", "stopline.client", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    help_text = " ".join(client.stdout.split())
+    assert re.search(r"--max-tokens MAX_TOKENS \w+", help_text) and re.search(
+        r"--temperature TEMPERATURE \w+", help_text
+    )
+    assert "(default: " in help_text
+
+
+# --- Ctrl-C during the first start --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_first_start_leaves_no_partial_file_and_exits_130(tmp_path):
+    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    if not wheel.is_file():
+        pytest.skip("the downloaded wheel is not in the cache")
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    shutil.copyfile(wheel, cache / "wheels" / model.WHEEL_FILENAME)
+    child = in_terminal("--port", "0", env={"STOPLINE_CACHE_DIR": str(cache)})
+    try:
+        # Mid-way: the extraction, or the conversion that follows it.
+        child.expect(r"(Extracting|Converting) SmolLM2-135M-Instruct\.Q4_1\.gguf:\s+\d+%")
+        assert list(cache.rglob("*.part")), "interrupted too late: nothing was being written"
+        child.sendintr()
+        child.expect(r"startup interrupted: signal=SIGINT")
+        after = child.read()  # up to the end
+    finally:
+        child.close()
+    assert child.signalstatus is None and child.exitstatus == 130
+    assert list(cache.rglob("*.part")) == []
+    # The progress bar stopped with the interrupt.
+    assert "%|" not in after, after
+
+
+# --- the loading thread --------------------------------------------------------------------------
+
+
+async def test_every_failure_on_the_loading_thread_reaches_the_caller():
+    loop = asyncio.get_running_loop()
+
+    def raises(error: BaseException):
+        def work():
+            raise error
+
+        return work
+
+    # StopIteration cannot be set on a Future: it arrives as a RuntimeError instead of hanging.
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await asyncio.wait_for(_in_daemon_thread(loop, raises(StopIteration())), 10 * UNIT)
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(_in_daemon_thread(loop, raises(KeyError("x"))), 10 * UNIT)
+    assert await asyncio.wait_for(_in_daemon_thread(loop, lambda: 42), 10 * UNIT) == 42
+
+
+# --- the default threads ---------------------------------------------------------------------------
+
+
+async def test_a_generation_alone_gets_every_core_and_users_together_share_them(engine, monkeypatch):
+    # The engine's threads are the machine's cores here (the session engine has one).
+    monkeypatch.setattr(engine, "threads", 2)
+    monkeypatch.setattr(scheduler, "SHARE_WINDOW_S", 3.0 * UNIT)
+    started = []
+    real_start = type(engine).start
+
+    def start(self, *args, **kwargs):
+        started.append(kwargs["threads"])
+        return real_start(self, *args, **kwargs)
+
+    async def ask(client, request_id: str) -> None:
+        await client.generate(request_id, messages=CHAT_FRANCE, max_tokens=4, temperature=0)
+        await client.terminal(request_id)
+
+    monkeypatch.setattr(type(engine), "start", start)
+    # An otherwise idle machine; how busy this one is depends on who else uses it.
+    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 0.0)
+    async with running_server(engine, workers=2) as server, client_for(server) as client:
+        await ask(client, "alone")
+        await client.generate("first", messages=CHAT_FRANCE, max_tokens=200, temperature=0)
+        await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "first")
+        await ask(client, "second")
+        await client.send({"type": "cancel", "id": "first"})
+        await client.terminal("first")
+        # Right after two ran together, a turn still takes its share only...
+        await ask(client, "turn")
+        # ...and once the window has passed, a user alone has every core again.
+        await asyncio.sleep(3.2 * UNIT)
+        await ask(client, "later")
+    assert started == [2, 2, 1, 1, 2]
+    # A core kept busy by another process is left to it: more threads than free cores spin.
+    started.clear()
+    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 1.0)
+    async with running_server(engine, workers=2) as server, client_for(server) as client:
+        await ask(client, "beside another process")
+    assert started == [1]
+    # With --threads, every generation gets that many.
+    started.clear()
+    async with running_server(engine, workers=2, threads=1) as server, client_for(server) as client:
+        await ask(client, "fixed")
+    assert started == [1]
+
+
+def test_the_load_of_other_processes_leaves_out_this_ones_own(monkeypatch):
+    clock = {"wall": 1000.0, "cpu": 0.0}
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(scheduler, "_cpu_seconds", lambda: clock["cpu"])
+    monkeypatch.setattr(scheduler, "_PROCESS_STARTED", 990.0)
+    machine = scheduler.MachineLoad()
+    # Five minutes of this process on two cores, under a load average of three: one is another's.
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    for _ in range(300):
+        clock["wall"] += 1.0
+        clock["cpu"] += 2.0
+        machine.others()
+    assert machine.others() == pytest.approx(1.0, abs=0.1)
+    # Then idle for ten minutes while another process keeps one core busy.
+    clock["wall"] += 600.0
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert machine.others() == pytest.approx(1.0, abs=0.2)
+    # An idle machine.
+    clock["wall"] += 600.0
+    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (0.05, 0.05, 0.05))
+    assert machine.others() == pytest.approx(0.05, abs=0.05)
