@@ -61,9 +61,11 @@ def store_client(redis_server: RedisServer) -> aioredis.Redis:
 class Replica:
     """``python -m stopline`` with --redis-url: one slot, ports chosen by the system, read from its log."""
 
-    def __init__(self, replica_id: str, redis_url: str, directory: Path):
+    def __init__(self, replica_id: str, redis_url: str, directory: Path, extra_args: tuple[str, ...] = ()):
         self.replica_id = replica_id
         self.records: list[dict] = []
+        # Every line of its stdout, as written.
+        self.lines: list[str] = []
         self._started = threading.Event()
         self.stderr_path = directory / f"replica-{replica_id}.stderr"
         with open(self.stderr_path, "wb") as stderr:
@@ -84,6 +86,7 @@ class Replica:
                     redis_url,
                     "--replica-id",
                     replica_id,
+                    *extra_args,
                 ],
                 cwd=REPO,
                 stdout=subprocess.PIPE,
@@ -95,6 +98,7 @@ class Replica:
 
     def _read(self) -> None:
         for line in self.process.stdout:
+            self.lines.append(line.decode("utf-8", "replace"))
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
                 self.records.append(record)
