@@ -11,6 +11,7 @@ frames to :class:`protocol.Connection` and carries out the actions returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import mimetypes
 import os
@@ -28,11 +29,22 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as HTTPRequest
 from websockets.http11 import Response
 from websockets.typing import Subprotocol
 
-from .auth import SUBPROTOCOL, WWW_AUTHENTICATE, ApiKey, KeyFileError, Keyring, bearer, same_secret, subprotocol_key
+from .auth import (
+    FAILURE_DELAY_S,
+    SUBPROTOCOL,
+    WWW_AUTHENTICATE,
+    ApiKey,
+    KeyFileError,
+    Keyring,
+    bearer,
+    same_secret,
+    subprotocol_key,
+)
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
@@ -334,12 +346,14 @@ class StoplineServer:
         assert isinstance(websocket, GuardedConnection)
         if websocket.unauthorized:
             self.unauthorized(peer_name(websocket), "/ws")
+            await asyncio.sleep(FAILURE_DELAY_S)
             message = (
                 "this server needs an API key: send 'Authorization: Bearer <key>' with the handshake, "
                 f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'"
             )
-            await websocket.send(encode_frame(error_frame(ErrorCode.UNAUTHORIZED, message)))
-            await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
+            with contextlib.suppress(ConnectionClosed):
+                await websocket.send(encode_frame(error_frame(ErrorCode.UNAUTHORIZED, message)))
+                await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         session = ClientSession(self, websocket, key=websocket.api_key)
         self._sessions.add(session)

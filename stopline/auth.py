@@ -41,6 +41,9 @@ SUBPROTOCOL = "stopline"
 BEARER_SUBPROTOCOL = "stopline.bearer."
 # The challenge of every 401.
 WWW_AUTHENTICATE = 'Bearer realm="stopline"'
+# A refusal for a missing or wrong key is answered this much later: one connection can then try at most
+# 20 keys a second, and a flood of wrong keys is spread out instead of taking the event loop in one burst.
+FAILURE_DELAY_S = 0.05
 
 
 class KeyFileError(ValueError):
@@ -239,9 +242,10 @@ class Keyring:
             return None
         return found
 
-    def current(self, key: ApiKey) -> bool:
-        """Whether ``key`` is still in force (a reload may have revoked it since it was presented)."""
-        return self._by_id.get(key.key_id) == key
+    def current(self, key: ApiKey) -> ApiKey | None:
+        """``key`` as it is now, with its limits as last read; None if a reload has revoked it since."""
+        now = self._by_id.get(key.key_id)
+        return now if now is not None and now.sha256 == key.sha256 else None
 
 
 def bearer(header: str | None) -> str | None:

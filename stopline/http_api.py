@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .auth import WWW_AUTHENTICATE, ApiKey, bearer
+from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
 from .observability import log
 from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
@@ -374,6 +374,7 @@ class HttpApi:
             key = keyring.lookup(bearer(request.headers.get("Authorization")))
             if key is None:
                 self.server.unauthorized(_peer(request), request.path)
+                await asyncio.sleep(FAILURE_DELAY_S)
                 message = "this server needs an API key: send 'Authorization: Bearer <key>'"
                 return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
             request[API_KEY] = key

@@ -166,11 +166,13 @@ class ClientSession:
     async def _admitted(self, request: Request) -> bool:
         """Whether the key is still in force and its quota admits ``request``; if not, the request has ended."""
         assert self.key is not None
-        if not self.server.keyring.current(self.key):
+        # A reload since the handshake may have revoked the key, or changed its limits.
+        key = self.server.keyring.current(self.key)
+        if key is None:
             await self.perform(self.protocol.unauthorized(request, "this connection's API key has been revoked"))
             return False
         try:
-            refused = await self.server.quotas.admit(self.key, request.request_id, len(request.prompt_tokens))
+            refused = await self.server.quotas.admit(key, request.request_id, len(request.prompt_tokens))
         except asyncio.CancelledError:
             # An HTTP client left while Redis was asked: the request ends here, having never run,
             # and only the record of its end is kept (there is no one left to send frames to).

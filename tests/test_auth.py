@@ -366,3 +366,19 @@ async def test_a_client_that_leaves_frees_its_place(engine, tmp_path, logs, http
             await wait_for(lambda: len(logs.records("generation_cancelled", user_id="gus")) > attempt, timeout=60)
         assert not logs.records("generation_error", reason="quota_exceeded")
         assert not server.quotas.local.held()
+
+
+async def test_a_reload_that_changes_a_keys_limits_applies_to_open_connections(engine, tmp_path, logs):
+    async with keyed_server(engine, tmp_path) as server:
+        key = server.keys.add("hana", concurrent=1)
+        server.reload_keys()
+        async with ws_client(server, key) as client:
+            assert (await client.generate("a", messages=LONG_ANSWER, max_tokens=1500))["type"] == "accepted"
+            assert (await quota_refusal(client, "b"))["limit"] == QuotaLimit.CONCURRENT
+            path = server.keys.path
+            path.write_text(path.read_text().replace('"limits": {"concurrent": 1}', '"limits": {"concurrent": 2}'))
+            server.reload_keys()
+            # The same key, now allowed two: the connection opened before the reload may start a second.
+            assert (await client.generate("c", messages=CHAT_FRANCE, max_tokens=2))["type"] == "accepted"
+            await client.send({"type": "cancel", "id": "a"})
+            await client.terminal("a")
