@@ -499,8 +499,9 @@ class HttpApi:
         except InvalidCancelToken:
             return error_response(
                 ErrorCode.INVALID_CANCEL_TOKEN,
-                "send the generation's cancel token, or the API key that started it, "
-                "as 'Authorization: Bearer <token>'",
+                "send the generation's cancel token"
+                + (", or the API key that started it," if self.server.keyring.required else "")
+                + " as 'Authorization: Bearer <token>'",
                 openai=False,
             )
         except StoreUnavailable:
