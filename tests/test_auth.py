@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import stat
+import sys
 
 import aiohttp
 import pytest
@@ -382,3 +383,31 @@ async def test_a_reload_that_changes_a_keys_limits_applies_to_open_connections(e
             assert (await client.generate("c", messages=CHAT_FRANCE, max_tokens=2))["type"] == "accepted"
             await client.send({"type": "cancel", "id": "a"})
             await client.terminal("a")
+
+
+async def test_the_terminal_client_sends_stopline_api_key(engine, tmp_path, logs):
+    async with keyed_server(engine, tmp_path) as server:
+
+        async def client(**extra) -> tuple[int, str, str]:
+            environ = {k: v for k, v in os.environ.items() if not k.startswith("STOPLINE_")}
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "stopline.client",
+                "--url",
+                server.ws_url,
+                "--max-tokens",
+                "4",
+                "What is the capital of France?",
+                env={**environ, **extra},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
+            return process.returncode, out.decode(), err.decode()
+
+        code, _, err = await client()
+        assert code == 1 and "the server needs an API key: set STOPLINE_API_KEY" in err
+        code, out, err = await client(STOPLINE_API_KEY=server.keys.keys["bob"])
+        assert code == 0 and out.strip() and "[done" in err
+        assert logs.records("generation_done", user_id="bob")
