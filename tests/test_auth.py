@@ -385,6 +385,7 @@ async def test_a_reload_that_changes_a_keys_limits_applies_to_open_connections(e
             await client.terminal("a")
 
 
+@pytest.mark.slow
 async def test_the_terminal_client_sends_stopline_api_key(engine, tmp_path, logs):
     async with keyed_server(engine, tmp_path) as server:
 
