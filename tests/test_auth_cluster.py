@@ -181,22 +181,26 @@ class Attempts:
                 queue.put_nowait(frame)
 
     async def _worker(self, prefix: str) -> None:
-        n = 0
+        n = refused_in_a_row = 0
         while self.budget[0] > 0:
             self.budget[0] -= 1
             name, n = f"{prefix}-{n}", n + 1
             queue = self.waiting[name] = asyncio.Queue()
-            await self.client.send({"type": "generate", "id": name, "messages": CHAT_FRANCE, "max_tokens": 12})
+            # Short generations: many hand-overs of the two places, however loaded the machine is.
+            await self.client.send({"type": "generate", "id": name, "prompt": "Hello", "max_tokens": 4})
             while True:
                 frame = await asyncio.wait_for(queue.get(), 120 * UNIT)
                 if frame["type"] == "error":
                     assert frame["code"] == ErrorCode.QUOTA_EXCEEDED and frame["limit"] == "concurrent", frame
                     self.refused += 1
-                    # Back off a little, as Retry-After asks: the attempts then span many hand-overs.
-                    await asyncio.sleep(0.15)
+                    # Back off more after each refusal in a row, as clients do: the 200 attempts then
+                    # span many hand-overs whether a generation takes 50 ms or 5 s.
+                    refused_in_a_row += 1
+                    await asyncio.sleep(min(1.0, 0.025 * 2**refused_in_a_row))
                     break
                 if frame["type"] == "accepted":
                     self.accepted += 1
+                    refused_in_a_row = 0
                 if frame["type"] in ("done", "cancelled", "timeout"):
                     break
             del self.waiting[name]
