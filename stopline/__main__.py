@@ -16,6 +16,7 @@ import threading
 from . import __version__
 from . import model as embedded
 from .app import ServerConfig, StoplineServer
+from .auth import KeyFileError, Keyring, check_key
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
 from .model import EMBEDDED_CONTEXT_LIMIT, ModelFetchError
 from .model_check import WHAT_WORKS, ModelFileError
@@ -113,6 +114,13 @@ def _replica_id(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a replica id: give 1 to 64 letters, digits, '.', '_' or '-'")
     return text
+
+
+def _api_key(text: str) -> str:
+    try:
+        return check_key(text.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _PORT = _integer(0, 65535)
@@ -218,6 +226,14 @@ SETTINGS = [
     ),
     ("--status-ttl", _POSITIVE, ServerConfig.status_ttl_s, "seconds a generation's status stays in the shared store"),
     ("--replica-id", _replica_id, None, "this replica's name in the shared store (default: <hostname>-<port>)"),
+    (
+        "--api-keys-file",
+        str,
+        None,
+        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP; "
+        "see 'stopline keys add' (default: none)",
+    ),
+    ("--metrics-key", _api_key, None, "the key /metrics asks for as 'Authorization: Bearer' (default: open)"),
     ("--log-level", _one_of(["debug", "info", "warning", "error"]), "info", "log level"),
     (
         "--log-format",
@@ -258,8 +274,27 @@ def parse_args(argv=None) -> argparse.Namespace:
             default = kind(default)
         shown = "" if default in (None, "") or "default:" in help_text else f" (default: {default})"
         p.add_argument(flag, type=kind, default=default, help=help_text + shown)
+    # Repeatable, so outside SETTINGS; the environment variable holds a comma-separated list.
+    raw_keys = os.environ.get("STOPLINE_API_KEYS", "")
+    try:
+        env_keys = [_api_key(key) for key in raw_keys.split(",") if key.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"STOPLINE_API_KEYS: {exc}")  # the message never holds the value
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        metavar="KEY",
+        action="append",
+        type=_api_key,
+        default=env_keys,
+        help="an API key that may generate, without limits; repeatable (also STOPLINE_API_KEYS=k1,k2)",
+    )
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
+    try:
+        Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
+    except KeyFileError as exc:
+        p.error(f"argument --api-keys-file: {exc}")
     if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
         p.error(
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
@@ -319,6 +354,14 @@ async def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    servers: list[StoplineServer] = []
+
+    # SIGHUP reads the keys file again; one that comes while the model loads has nothing to reload yet.
+    def on_hangup() -> None:
+        for server in servers:
+            server.reload_keys()
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
 
     if args.host in WILDCARD_HOSTS:
         log.warning("listening_on_every_interface", host=args.host)
@@ -374,8 +417,12 @@ async def serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         status_ttl_s=args.status_ttl,
         replica_id=args.replica_id,
+        api_keys=tuple(args.api_keys),
+        api_keys_file=args.api_keys_file,
+        metrics_key=args.metrics_key,
     )
     server = StoplineServer(engine, config)
+    servers.append(server)
     await server.start(sock=args.sock, http_sock=args.http_sock)
     await stop.wait()
     await server.shutdown()
@@ -417,6 +464,16 @@ def _in_daemon_thread(loop: asyncio.AbstractEventLoop, work) -> asyncio.Future:
 
     threading.Thread(target=run, name="stopline-load", daemon=True).start()
     return future
+
+
+def _keys(argv: list[str]) -> int:
+    from .keys import main as keys_main
+
+    return keys_main(argv)
+
+
+# ``stopline NAME …``: commands beside the server, each its own parser.
+COMMANDS["keys"] = _keys
 
 
 def main(argv=None) -> int:

@@ -11,12 +11,14 @@ frames to :class:`protocol.Connection` and carries out the actions returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import mimetypes
 import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -27,18 +29,32 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as HTTPRequest
 from websockets.http11 import Response
+from websockets.typing import Subprotocol
 
+from .auth import (
+    FAILURE_DELAY_S,
+    SUBPROTOCOL,
+    WWW_AUTHENTICATE,
+    ApiKey,
+    KeyFileError,
+    Keyring,
+    bearer,
+    same_secret,
+    subprotocol_key,
+)
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
-from .origin import WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
-from .protocol import AddressQuota, Limits
+from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
+from .protocol import AddressQuota, Limits, encode_frame, error_frame
+from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, peer_name
-from .vocabulary import Reason, Refusal
+from .vocabulary import ErrorCode, KeyEvent, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -96,6 +112,16 @@ class ServerConfig:
     status_ttl_s: int = 86_400
     # This replica's name in the store; None: "<hostname>-<port>".
     replica_id: str | None = None
+    # API keys (docs/http.md#api-keys): keys without limits, and a file of keys with their users and limits.
+    # Neither: no key is asked for.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    # The key /metrics asks for; None: /metrics is open.
+    metrics_key: str | None = None
+
+
+# The WebSocket close code for a missing or wrong key: 4000 + the HTTP status, as HTTP would answer.
+CLOSE_UNAUTHORIZED = 4401
 
 
 class StoplineServer:
@@ -154,6 +180,10 @@ class StoplineServer:
 
             self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)
             self.registry.listener = self.cluster
+        self.keyring = Keyring(config.api_keys, config.api_keys_file)
+        self.quotas = Quotas(self.metrics, self.cluster)
+        self._unauthorized = 0
+        self._unauthorized_logged_at = 0.0
         self.http = HttpApi(self)
 
     @property
@@ -178,6 +208,8 @@ class StoplineServer:
             server_header="Stopline",
             # websockets calls the class it is given; a factory binds this server to each connection.
             create_connection=self._create_connection,  # type: ignore[arg-type]
+            # A browser sends its key as a second subprotocol (auth.BEARER_SUBPROTOCOL); only this one is echoed.
+            select_subprotocol=_select_subprotocol,
             # The handshake deadline is enforced (and counted) by GuardedConnection; this is the backstop.
             open_timeout=self.config.handshake_timeout_s + 5,
         )
@@ -187,6 +219,16 @@ class StoplineServer:
         await self.http.start(self.config.host, http_port, sock=http_sock, public_host=self.public_host)
         if self.cluster is not None:
             await self.cluster.start(self.config.replica_id or f"{socket.gethostname()}-{self.port}")
+        self.quotas.start()
+        if self.keyring.required:
+            log.info(KeyEvent.LOADED, keys=len(self.keyring), file=self.config.api_keys_file)
+        elif self.config.host not in LOOPBACK_NAMES:
+            log.warning(
+                KeyEvent.NONE_CONFIGURED,
+                host=self.config.host,
+                detail="no API key is configured: anyone who can reach this port may generate "
+                "(--api-key, --api-keys-file)",
+            )
         log.info(
             "server_started",
             url=self.url,
@@ -211,6 +253,7 @@ class StoplineServer:
         for session in list(self._sessions):
             await session.perform(session.protocol.stop_all(Reason.SHUTDOWN, now))
         await self.scheduler.shutdown()
+        await self.quotas.close()
         if self.cluster is not None:
             await self.cluster.close()
         self._server.close(close_connections=True)
@@ -219,6 +262,26 @@ class StoplineServer:
         for lane in self.tokenizer_lanes:
             await asyncio.get_running_loop().run_in_executor(None, lane.shutdown)
         log.info("server_stopped")
+
+    def reload_keys(self) -> None:
+        """SIGHUP: read the keys file again. A key removed from it is refused from now on,
+        on new connections and on the next request of an open one."""
+        try:
+            count = self.keyring.reload()
+        except KeyFileError as exc:
+            log.error(KeyEvent.RELOAD_FAILED, error=str(exc), keys=len(self.keyring))
+            return
+        log.info(KeyEvent.LOADED, keys=count, file=self.config.api_keys_file)
+
+    def unauthorized(self, peer: str, where: str) -> None:
+        """Count a request or connection refused for its key, and log it at most once a second."""
+        self.metrics.refused.labels(str(Refusal.UNAUTHORIZED)).inc()
+        self._unauthorized += 1
+        now = time.monotonic()
+        # A flood of wrong keys must not become a flood of log lines.
+        if now - self._unauthorized_logged_at >= 1.0:
+            self._unauthorized_logged_at = now
+            log.warning(KeyEvent.REFUSED, peer=peer, where=where, refused_total=self._unauthorized)
 
     # HTTP ----------------------------------------------------------------------
 
@@ -258,6 +321,14 @@ class StoplineServer:
             self.websocket_connections += 1
             assert isinstance(connection, GuardedConnection)
             connection.admitted = True
+            if self.keyring.required:
+                # The key from the Authorization header, or from the subprotocol a browser can set.
+                presented = bearer(request.headers.get("Authorization")) or subprotocol_key(
+                    request.headers.get_all("Sec-WebSocket-Protocol")
+                )
+                connection.api_key = self.keyring.lookup(presented)
+                # Refused once it is a WebSocket, where a browser can read why.
+                connection.unauthorized = connection.api_key is None
             return None
         if path == "/healthz":
             body = json.dumps(
@@ -275,6 +346,15 @@ class StoplineServer:
             )
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
+            key = self.config.metrics_key
+            if key is not None and not same_secret(bearer(request.headers.get("Authorization")), key):
+                self.unauthorized(peer_name(connection), path)
+                return _response(
+                    HTTPStatus.UNAUTHORIZED,
+                    f"{Refusal.UNAUTHORIZED}: /metrics needs its key as 'Authorization: Bearer <key>'\n".encode(),
+                    "text/plain",
+                    [("WWW-Authenticate", WWW_AUTHENTICATE)],
+                )
             return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE_LATEST)
         return _static(path)
 
@@ -284,7 +364,19 @@ class StoplineServer:
         sock = websocket.transport.get_extra_info("socket")
         if sock is not None and self.config.socket_send_buffer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
-        session = ClientSession(self, websocket)
+        assert isinstance(websocket, GuardedConnection)
+        if websocket.unauthorized:
+            self.unauthorized(peer_name(websocket), "/ws")
+            await asyncio.sleep(FAILURE_DELAY_S)
+            message = (
+                "this server needs an API key: send 'Authorization: Bearer <key>' with the handshake, "
+                f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'"
+            )
+            with contextlib.suppress(ConnectionClosed):
+                await websocket.send(encode_frame(error_frame(ErrorCode.UNAUTHORIZED, message)))
+                await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
+            return
+        session = ClientSession(self, websocket, key=websocket.api_key)
         self._sessions.add(session)
         self.metrics.connections.inc()
         try:
@@ -305,6 +397,9 @@ class GuardedConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self.stopline = stopline
         self.admitted = False
+        # The API key of the handshake, and whether a key was asked for and not given.
+        self.api_key: ApiKey | None = None
+        self.unauthorized = False
         self._refused = False
         self._handshake_bytes = 0
         self._handshake_timer: asyncio.TimerHandle | None = None
@@ -360,6 +455,10 @@ class GuardedConnection(ServerConnection):
         # data resets it, and the client would never see the answer.
         self.transport.write_eof()
         self.loop.call_later(1.0, self.transport.close)
+
+
+def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None
 
 
 def _max_prompt_bytes(engine: Engine, max_frame_bytes: int) -> int:

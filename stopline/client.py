@@ -89,6 +89,7 @@ class Session:
         """Connect once to learn who answers; raises ServerUnreachable."""
         async with self._connect() as ws:
             hello = json.loads(await ws.recv())
+        _check_key(hello)
         self.model = hello.get("model")
         return hello
 
@@ -125,6 +126,7 @@ class Session:
                             continue
                         frame = json.loads(receive.result())
                         receive = asyncio.ensure_future(ws.recv())
+                        _check_key(frame)
                         if frame.get("id") != request_id:
                             continue
                         if frame["type"] == "token":
@@ -161,7 +163,10 @@ class _Connection:
 
     def __init__(self, url: str):
         self.url = url
-        self._cm = connect(url, open_timeout=10, max_size=2**20)
+        # A server that asks for an API key reads it from the handshake (docs/protocol.md#api-keys).
+        key = os.environ.get("STOPLINE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._cm = connect(url, open_timeout=10, max_size=2**20, additional_headers=headers)
 
     async def __aenter__(self):
         try:
@@ -171,6 +176,11 @@ class _Connection:
 
     async def __aexit__(self, *exc_info):
         return await self._cm.__aexit__(*exc_info)
+
+
+def _check_key(frame: dict) -> None:
+    if frame.get("type") == Outcome.ERROR and frame.get("code") == ErrorCode.UNAUTHORIZED:
+        raise ServerUnreachable("the server needs an API key: set STOPLINE_API_KEY to one of its keys")
 
 
 def _reason(exc: BaseException) -> str:
@@ -297,7 +307,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m stopline.client",
         description=__doc__.splitlines()[0],
-        epilog="Without --url it connects to STOPLINE_HOST:STOPLINE_PORT (default 127.0.0.1:8765).",
+        epilog="Without --url it connects to STOPLINE_HOST:STOPLINE_PORT (default 127.0.0.1:8765). "
+        "STOPLINE_API_KEY is sent as the API key, for a server that asks for one.",
     )
     p.add_argument("prompt", nargs="?", help="ask this and exit; without it, chat interactively")
     p.add_argument("--url", default=None, help="ws(s):// or http(s):// address of the server, /ws optional")

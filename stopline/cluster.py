@@ -4,7 +4,8 @@ Every replica copies its generations into Redis, so that any replica can
 answer ``GET`` and ``DELETE /v1/generations/{request_id}`` for any of them:
 
 - ``stopline:generation:<request_id>``, a hash per generation: its owner
-  replica, status, ``user_id``, token counts, reason, timestamps and the
+  replica, status, ``user_id`` and ``key_id`` (of its API key), ``user`` (the
+  client's label), token counts, reason, timestamps and the
   SHA-256 of its cancel token (the token itself never leaves the owner); it
   expires ``--status-ttl`` seconds after its last write.
 - ``stopline:cancellations``, a stream capped with ``MAXLEN ~``: one record
@@ -197,6 +198,10 @@ class Cluster:
             self._queue.clear()
         await self._client.aclose()
 
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
     def health(self) -> dict:
         return {
             "type": "redis",
@@ -281,7 +286,9 @@ class Cluster:
                         {
                             "event": END_EVENTS[ending.outcome],
                             "request_id": entry.request_id,
-                            "user_id": entry.user or "",
+                            "user_id": entry.user_id or "",
+                            "key_id": entry.key_id or "",
+                            "user": entry.user or "",
                             "reason": ending.reason,
                             "tokens_generated": ending.tokens_generated,
                             "tokens_wasted": ending.tokens_wasted,
@@ -299,7 +306,9 @@ class Cluster:
             **described,
             "owner": self.replica_id,
             "owner_incarnation": self.incarnation,
-            "user_id": entry.user or "",
+            "user_id": entry.user_id or "",
+            "key_id": entry.key_id or "",
+            "user": entry.user or "",
             "token_sha256": token_digest(entry.cancel_token),
             "created_at": _iso(entry.created),
             "updated_at": _iso(time.time()),
@@ -422,9 +431,9 @@ class Cluster:
 
     # Requests held by other replicas ------------------------------------------------------------
 
-    async def describe(self, request_id: str, cancel_token: str | None) -> dict:
+    async def describe(self, request_id: str, cancel_token: str | None, key_id: str | None = None) -> dict:
         """GET for a request this replica does not hold: from its hash, as of the owner's last heartbeat."""
-        record = await self._authorized(request_id, cancel_token)
+        record = await self._authorized(request_id, cancel_token, key_id)
         status = record["status"]
         if status not in ENDED_STATUSES and not await self._owner_alive(record):
             status = str(Status.OWNER_LOST)
@@ -441,9 +450,9 @@ class Cluster:
                     answer[name] = kind(record[name])
         return answer
 
-    async def cancel(self, request_id: str, cancel_token: str | None) -> str:
+    async def cancel(self, request_id: str, cancel_token: str | None, key_id: str | None = None) -> str:
         """DELETE for a request this replica does not hold: its owner stops it and names the outcome that won."""
-        record = await self._authorized(request_id, cancel_token)
+        record = await self._authorized(request_id, cancel_token, key_id)
         if record["status"] in ENDED_STATUSES:
             return record["status"]
         owner = record["owner"]
@@ -488,15 +497,19 @@ class Cluster:
         finally:
             self._replies.pop(nonce, None)
 
-    async def _authorized(self, request_id: str, cancel_token: str | None) -> dict:
+    async def _authorized(self, request_id: str, cancel_token: str | None, key_id: str | None) -> dict:
+        """The generation's hash, if ``cancel_token`` is its cancel token or ``key_id`` the id of the API key
+        that started it (the caller has checked the key: every replica reads the same keys)."""
         async with self._store():
             record = await self._client.hgetall(generation_key(request_id))
         if not record or "owner" not in record:
             raise UnknownRequest(request_id)
         # As the registry does: compared in constant time, and here on digests, so the token is never stored.
-        if cancel_token is None or not hmac.compare_digest(
+        by_token = cancel_token is not None and hmac.compare_digest(
             token_digest(cancel_token), str(record.get("token_sha256", ""))
-        ):
+        )
+        by_key = key_id is not None and key_id == record.get("key_id")
+        if not (by_token or by_key):
             raise InvalidCancelToken(request_id)
         return record
 

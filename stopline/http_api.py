@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 from http import HTTPStatus
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
 from .observability import log
 from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
@@ -33,8 +35,12 @@ if TYPE_CHECKING:
     from .app import StoplineServer
 
 TERMINAL_TYPES = {str(outcome) for outcome in Outcome}
+# The API key a request was admitted with (when the server asks for keys).
+API_KEY = web.RequestKey("api_key", ApiKey)
 
 _HTTP_STATUS = {
+    ErrorCode.UNAUTHORIZED: HTTPStatus.UNAUTHORIZED,
+    ErrorCode.QUOTA_EXCEEDED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.BUSY: HTTPStatus.SERVICE_UNAVAILABLE,
     ErrorCode.TOO_MANY_REQUESTS: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.RATE_LIMITED: HTTPStatus.TOO_MANY_REQUESTS,
@@ -48,6 +54,7 @@ _HTTP_STATUS = {
 # OpenAI's error ``type`` for each HTTP status it uses.
 _OPENAI_ERROR_TYPE = {
     400: "invalid_request_error",
+    401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
@@ -66,12 +73,23 @@ def http_status(code: ErrorCode) -> int:
     return _HTTP_STATUS.get(code, HTTPStatus.BAD_REQUEST)
 
 
-def error_response(code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None) -> web.Response:
+def error_response(
+    code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None, frame: dict | None = None
+) -> web.Response:
     """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints.
-    A refusal (before any request is read) names its own ``status``."""
+    A refusal (before any request is read) names its own ``status``; ``frame`` is the error frame, if any."""
     if status is None:
         assert isinstance(code, ErrorCode)
         status = http_status(code)
+    headers = dict(_NO_STORE)
+    if status == HTTPStatus.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = WWW_AUTHENTICATE
+    if code == ErrorCode.QUOTA_EXCEEDED and frame is not None:
+        if frame.get("retry_after_s") is not None:
+            headers["Retry-After"] = str(math.ceil(frame["retry_after_s"]))
+        else:
+            # Waiting will not help (a prompt over the key's limit): SDKs that honour this do not retry.
+            headers["X-Should-Retry"] = "false"
     if openai:
         body = {
             "error": {
@@ -82,8 +100,8 @@ def error_response(code: ErrorCode | Refusal, message: str, *, openai: bool, sta
             }
         }
     else:
-        body = error_frame(code, message)
-    return web.json_response(body, status=status, headers=_NO_STORE)
+        body = frame if frame is not None else error_frame(code, message)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _request_headers(frame: dict) -> dict:
@@ -93,8 +111,8 @@ def _request_headers(frame: dict) -> dict:
 class HttpSession(ClientSession):
     """One HTTP request's generation. ``reply`` turns its frames into the HTTP answer."""
 
-    def __init__(self, server: StoplineServer, peer: str, reply, address: str):
-        super().__init__(server, None, peer=peer, address=address)
+    def __init__(self, server: StoplineServer, peer: str, reply, address: str, key: ApiKey | None = None):
+        super().__init__(server, None, peer=peer, address=address, key=key)
         self.reply = reply
         self.answered = asyncio.Event()
 
@@ -128,7 +146,7 @@ class SseReply:
     async def emit(self, frame: dict) -> None:
         if self.response is None:
             if frame["type"] == Outcome.ERROR:  # refused before it started: a plain HTTP error
-                self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=False)
+                self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=False, frame=frame)
                 return
             self.response = web.StreamResponse(headers={**_SSE_HEADERS, **_request_headers(frame)})
             await self.response.prepare(self.http_request)
@@ -170,7 +188,7 @@ class OpenAIReply:
             else:
                 self._texts.append(frame["text"])
         elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
-            self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True)
+            self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True, frame=frame)
             self.response.headers.update(self._headers)
         elif kind == Outcome.ERROR:  # the stream had started: OpenAI's in-stream error, then the end marker
             await self._event(
@@ -353,6 +371,17 @@ class HttpApi:
                     "Access-Control-Max-Age": "600",
                 },
             )
+        keyring = self.server.keyring
+        # GET and DELETE of a generation by id take its cancel token or its key, checked there.
+        by_id = request.method in ("GET", "DELETE") and request.path.startswith("/v1/generations/")
+        if keyring.required and not by_id:
+            key = keyring.lookup(bearer(request.headers.get("Authorization")))
+            if key is None:
+                self.server.unauthorized(_peer(request), request.path)
+                await asyncio.sleep(FAILURE_DELAY_S)
+                message = "this server needs an API key: send 'Authorization: Bearer <key>'"
+                return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
+            request[API_KEY] = key
         try:
             return await handler(request)
         except web.HTTPNotFound:
@@ -408,7 +437,7 @@ class HttpApi:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         if sock is not None and self.server.config.socket_send_buffer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.config.socket_send_buffer)
-        session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown")
+        session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown", request.get(API_KEY))
         self.server._sessions.add(session)
         try:
             await session.perform(session.protocol.receive_text(encode_frame(frame), time.monotonic_ns()))
@@ -435,9 +464,9 @@ class HttpApi:
 
         cluster = self.server.cluster
 
-        async def elsewhere(request_id: str, token: str | None) -> dict:
+        async def elsewhere(request_id: str, token: str | None, key_id: str | None) -> dict:
             assert cluster is not None  # passed on only when there is one
-            return {"request_id": request_id, "status": await cluster.cancel(request_id, token)}
+            return {"request_id": request_id, "status": await cluster.cancel(request_id, token, key_id)}
 
         return await self._by_id(request, here, elsewhere if cluster is not None else None)
 
@@ -458,21 +487,25 @@ class HttpApi:
         """Answer for the generation named in the path: from this replica's registry if it holds it,
         else (``--redis-url``) from the shared store, under the same authorization."""
         request_id = request.match_info["request_id"]
-        scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
-        token = credential.strip() if scheme.lower() == "bearer" else None
+        token = bearer(request.headers.get("Authorization"))
+        # The credential is the generation's cancel token, or the API key that started it.
+        key = self.server.keyring.lookup(token) if self.server.keyring.required else None
+        key_id = key.key_id if key is not None else None
         try:
             try:
-                body = await here(self.server.registry.authorize(request_id, token))
+                body = await here(self.server.registry.authorize(request_id, token, key_id))
             except UnknownRequest:
                 if elsewhere is None:
                     raise
-                body = await elsewhere(request_id, token)
+                body = await elsewhere(request_id, token, key_id)
         except UnknownRequest:
             return error_response(ErrorCode.UNKNOWN_REQUEST, f"no generation has id {request_id!r}", openai=False)
         except InvalidCancelToken:
             return error_response(
                 ErrorCode.INVALID_CANCEL_TOKEN,
-                "send the generation's cancel token as 'Authorization: Bearer <token>'",
+                "send the generation's cancel token"
+                + (", or the API key that started it," if self.server.keyring.required else "")
+                + " as 'Authorization: Bearer <token>'",
                 openai=False,
             )
         except StoreUnavailable:

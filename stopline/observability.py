@@ -148,6 +148,22 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        # Per API key: labelled by the key's id, never by the key.
+        self.key_requests = Counter(
+            "stopline_key_requests",
+            "Requests that ended, by API key id and outcome.",
+            ["key_id", "outcome"],
+            registry=r,
+        )
+        self.key_tokens_generated = Counter(
+            "stopline_key_tokens_generated", "Tokens generated, by API key id.", ["key_id"], registry=r
+        )
+        self.quota_refusals = Counter(
+            "stopline_quota_refusals",
+            "Requests refused with quota_exceeded, by API key id and the limit that refused them.",
+            ["key_id", "limit"],
+            registry=r,
+        )
 
     def add_store_metrics(self) -> None:
         """The shared store's metrics, exported only when there is one (``--redis-url``)."""
@@ -162,13 +178,21 @@ class Metrics:
             "Redis kept refusing them, or they were queued at shutdown.",
             registry=r,
         )
+        self.quota_local_decisions = Counter(
+            "stopline_quota_local_decisions",
+            "Quota admissions decided by this replica alone because Redis was down or slow.",
+            registry=r,
+        )
 
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:
             self.abort_mode.labels(str(each)).set(1 if each is mode else 0)
 
-    def record_end(self, ending: Ending) -> None:
+    def record_end(self, ending: Ending, key_id: str | None = None) -> None:
         self.requests.labels(str(ending.outcome), ending.reason).inc()
+        if key_id is not None:
+            self.key_requests.labels(key_id, str(ending.outcome)).inc()
+            self.key_tokens_generated.labels(key_id).inc(ending.tokens_generated)
         self.tokens_generated.inc(ending.tokens_generated)
         self.prompt_tokens_reused.inc(ending.prompt_tokens_reused)
         self.prompt_tokens_evaluated.inc(ending.prompt_tokens_evaluated)
@@ -188,7 +212,9 @@ def log_accepted(request: Request, peer: str, queue_position: int) -> None:
         "generation_accepted",
         request_id=request.request_id,
         id=request.id,
-        user_id=request.user,
+        user_id=request.user_id,
+        key_id=request.key_id,
+        user=request.user,
         peer=peer,
         prompt_tokens=len(request.prompt_tokens),
         max_tokens=request.params.max_tokens,
@@ -203,7 +229,9 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         END_EVENTS[ending.outcome],
         request_id=request.request_id,
         id=request.id,
-        user_id=request.user,
+        user_id=request.user_id,
+        key_id=request.key_id,
+        user=request.user,
         reason=ending.reason,
         peer=peer,
         tokens_generated=ending.tokens_generated,
@@ -217,4 +245,5 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         ttft_ms=ending.ttft_ms,
         duration_ms=ending.duration_ms,
         **({"message": ending.message} if ending.message else {}),
+        **({"limit": str(ending.limit), "retry_after_s": ending.retry_after_s} if ending.limit else {}),
     )

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeGuard
 
-from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, Reason, Refusal, Status
+from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Reason, Refusal, Status
 
 PROTOCOL_VERSION = 1
 # Any deadline beyond a day is a mistake, not a wish.
@@ -136,8 +136,11 @@ class Request:
     # The server-global id (any transport may cancel by it) and the secret that authorizes doing so.
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     cancel_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    # The optional ``user`` field of the request (the OpenAI name), logged as user_id.
+    # The optional ``user`` field of the request (the OpenAI name): the client's own label, untrusted.
     user: str | None = None
+    # Who the request is for: the user and the id of the API key that started it (None without keys).
+    user_id: str | None = None
+    key_id: str | None = None
     # Cancel frames still owed an answer; it names the outcome once the request has ended.
     unanswered_cancels: int = 0
 
@@ -187,6 +190,9 @@ class Ending:
     duration_ms: float = 0.0
     cancel_latency_ms: float | None = None
     message: str = ""
+    # A quota refusal: which limit, and when trying again may succeed (None: it will not).
+    limit: QuotaLimit | None = None
+    retry_after_s: float | None = None
 
     @property
     def tokens_wasted(self) -> int:
@@ -342,9 +348,20 @@ class Connection:
     """One client's protocol state. ``now_ns`` is always CLOCK_MONOTONIC ns."""
 
     def __init__(
-        self, limits: Limits, tokenize: TokenizeFn, now_ns: int, *, address: str = "", quota: AddressQuota | None = None
+        self,
+        limits: Limits,
+        tokenize: TokenizeFn,
+        now_ns: int,
+        *,
+        address: str = "",
+        quota: AddressQuota | None = None,
+        user_id: str | None = None,
+        key_id: str | None = None,
     ):
         self.limits = limits
+        # The API key this client authenticated with (None without keys): every request is theirs.
+        self.user_id = user_id
+        self.key_id = key_id
         self._tokenize = tokenize
         self.address = address
         self.quota = quota if quota is not None else AddressQuota(limits.requests_per_address)
@@ -463,7 +480,15 @@ class Connection:
             self.quota.give_back(self.address)
             refusal: list[Action] = [Send(error_frame(tokens.code, tokens.message, tokens.request_id))]
             return refusal + [Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
-        request = Request(draft.id, tokens, draft.params, received_ns=draft.received_ns, user=draft.user)
+        request = Request(
+            draft.id,
+            tokens,
+            draft.params,
+            received_ns=draft.received_ns,
+            user=draft.user,
+            user_id=self.user_id,
+            key_id=self.key_id,
+        )
         if draft.id_chosen_by_server:
             request.request_id = draft.id  # one id is enough when the client gave none
         self.live[draft.id] = request
@@ -569,6 +594,26 @@ class Connection:
     def busy(self, request: Request, message: str) -> list[Action]:
         """The scheduler refused ``request``: every slot is busy and the queue is full."""
         return self.end(request, Ending(Outcome.ERROR, ErrorCode.BUSY, message=message))
+
+    def over_quota(
+        self, request: Request, limit: QuotaLimit, retry_after_s: float | None, message: str
+    ) -> list[Action]:
+        """The key's quota refused ``request`` before it reached the scheduler."""
+        return self.end(
+            request,
+            Ending(
+                Outcome.ERROR,
+                ErrorCode.QUOTA_EXCEEDED,
+                message=message,
+                prompt_tokens=len(request.prompt_tokens),
+                limit=limit,
+                retry_after_s=retry_after_s,
+            ),
+        )
+
+    def unauthorized(self, request: Request, message: str) -> list[Action]:
+        """The key that opened this connection was revoked since: its new requests are refused."""
+        return self.end(request, Ending(Outcome.ERROR, ErrorCode.UNAUTHORIZED, message=message))
 
     def failed(self, request: Request, message: str) -> list[Action]:
         """Submitting, starting or running ``request`` raised (a bug): it ends with internal_error."""
@@ -738,6 +783,8 @@ def terminal_frame(request_id: str, ending: Ending) -> dict:
     frame: dict = {"type": str(ending.outcome), "id": request_id}
     if ending.outcome is Outcome.ERROR:
         frame.update(code=str(ending.reason), message=ending.message)
+        if ending.limit is not None:
+            frame.update(limit=str(ending.limit), retry_after_s=ending.retry_after_s)
     else:
         frame["reason"] = str(ending.reason)
         frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])

@@ -1,8 +1,8 @@
 """Every generation by its server-global ``request_id``, whatever transport started it.
 
 A live entry knows its session (the Sink that owns the request), so a DELETE
-from anyone holding the cancel token stops it exactly as the owner's own
-cancel would. An ended entry keeps only the outcome and the counts, so a
+from anyone holding the cancel token, or the API key that started the
+request, stops it exactly as the owner's own cancel would. An ended entry keeps only the outcome and the counts, so a
 repeated DELETE or GET gets the same answer after the request is gone.
 
 With a shared store (``--redis-url``) a listener hears of every entry added
@@ -42,6 +42,8 @@ class Entry:
         self.request_id = request.request_id
         self.cancel_token = request.cancel_token
         self.user = request.user
+        self.user_id = request.user_id
+        self.key_id = request.key_id
         self.created = time.time()
         self.request: Request | None = request
         self.session = session
@@ -113,11 +115,15 @@ class Registry:
         """The entry for ``request_id``, unchecked: for code in this process, never for a client."""
         return self._live.get(request_id) or self._ended.get(request_id)
 
-    def authorize(self, request_id: str, cancel_token: str | None) -> Entry:
+    def authorize(self, request_id: str, cancel_token: str | None, key_id: str | None = None) -> Entry:
+        """The entry, if ``cancel_token`` is its cancel token or ``key_id`` the id of the key that started it
+        (the caller has checked the key)."""
         entry = self.get(request_id)
         if entry is None:
             raise UnknownRequest(request_id)
         # Constant time: the comparison must not reveal how much of a guess was right.
-        if cancel_token is None or not hmac.compare_digest(cancel_token.encode(), entry.cancel_token.encode()):
+        by_token = cancel_token is not None and hmac.compare_digest(cancel_token.encode(), entry.cancel_token.encode())
+        by_key = key_id is not None and key_id == entry.key_id
+        if not (by_token or by_key):
             raise InvalidCancelToken(request_id)
         return entry

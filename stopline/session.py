@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from .auth import ApiKey
 from .engine import GenerationResult
 from .observability import log, log_accepted, log_end
 from .protocol import Action, Cancel, Connection, Draft, Ended, Request, Send, Submit, Tokenize, encode_frame
@@ -40,9 +41,12 @@ class ClientSession:
         websocket: ServerConnection | None,
         peer: str | None = None,
         address: str | None = None,
+        key: ApiKey | None = None,
     ):
         self.server = server
         self.websocket = websocket
+        # The API key the client presented (None when the server asks for none).
+        self.key = key
         # An HTTP session has no WebSocket and names its own peer and address.
         if websocket is not None:
             peer = peer or peer_name(websocket)
@@ -50,7 +54,13 @@ class ClientSession:
         self.peer = peer or "unknown"
         address = address or "unknown"
         self.protocol = Connection(
-            server.limits, self._encode, time.monotonic_ns(), address=address, quota=server.address_quota
+            server.limits,
+            self._encode,
+            time.monotonic_ns(),
+            address=address,
+            quota=server.address_quota,
+            user_id=key.user if key is not None else None,
+            key_id=key.key_id if key is not None else None,
         )
         # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
         # (cancels, pings), and one connection never has more than one prompt in the works.
@@ -106,8 +116,9 @@ class ClientSession:
             elif isinstance(action, Cancel):
                 self.server.scheduler.cancel(action.request)
             elif isinstance(action, Ended):
+                self.server.quotas.release(action.request.request_id, action.ending.tokens_generated)
                 self.server.registry.end(action.request, action.ending)
-                self.server.metrics.record_end(action.ending)
+                self.server.metrics.record_end(action.ending, action.request.key_id)
                 log_end(action.request, action.ending, self.peer)
 
     async def _prepare(self) -> None:
@@ -131,6 +142,8 @@ class ClientSession:
             await self.perform(actions)
 
     async def _submit(self, request: Request) -> None:
+        if self.key is not None and not await self._admitted(request):
+            return
         self.server.registry.add(request, self)
         try:
             position = self.server.scheduler.submit(request, self)
@@ -141,11 +154,36 @@ class ClientSession:
             log.exception("submit_failed", request_id=request.request_id, id=request.id)
             await self.perform(self.protocol.failed(request, str(exc)))
             return
+        if request.cancel_reason is not None:
+            # A stop asked for while the quota was being checked found nothing to stop then.
+            self.server.scheduler.cancel(request)
         # Logged first: an HTTP client that leaves now cancels this task at the send.
         log_accepted(request, self.peer, position)
         # A token needs the executor and another pass of the event loop to arrive,
         # so this frame is written before any token frame.
         await self.perform(self.protocol.accepted(request, position))
+
+    async def _admitted(self, request: Request) -> bool:
+        """Whether the key is still in force and its quota admits ``request``; if not, the request has ended."""
+        assert self.key is not None
+        # A reload since the handshake may have revoked the key, or changed its limits.
+        key = self.server.keyring.current(self.key)
+        if key is None:
+            await self.perform(self.protocol.unauthorized(request, "this connection's API key has been revoked"))
+            return False
+        try:
+            refused = await self.server.quotas.admit(key, request.request_id, len(request.prompt_tokens))
+        except asyncio.CancelledError:
+            # An HTTP client left while Redis was asked: the request ends here, having never run,
+            # and only the record of its end is kept (there is no one left to send frames to).
+            now = time.monotonic_ns()
+            self.protocol.request_cancel(request, Reason.CLIENT_DISCONNECTED, now)
+            await self.perform([a for a in self.protocol.cancelled_in_queue(request, now) if isinstance(a, Ended)])
+            raise
+        if refused is not None:
+            await self.perform(self.protocol.over_quota(request, refused.limit, refused.retry_after_s, refused.message))
+            return False
+        return True
 
     # Sink: what the scheduler reports, handed to the protocol ------------------------
 

@@ -80,6 +80,9 @@ class ErrorCode(StrEnum):
     # Cross-replica GET/DELETE with --redis-url (docs/deploy.md)
     STORE_UNAVAILABLE = "store_unavailable"
     OWNER_UNREACHABLE = "owner_unreachable"
+    # API keys and their quotas (docs/http.md#api-keys): HTTP 401 and 429
+    UNAUTHORIZED = "unauthorized"
+    QUOTA_EXCEEDED = "quota_exceeded"
 
 
 class Status(StrEnum):
@@ -117,6 +120,18 @@ class Refusal(StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections"
     HEADERS_TOO_LARGE = "headers_too_large"
     HANDSHAKE_TIMEOUT = "handshake_timeout"
+    # No API key, or not one of this server's (also ErrorCode.UNAUTHORIZED, the same word).
+    UNAUTHORIZED = "unauthorized"
+
+
+class QuotaLimit(StrEnum):
+    """Which of a key's limits refused a request: the ``limit`` of a ``quota_exceeded`` error,
+    the ``limit`` label of ``stopline_quota_refusals_total``, and a field of a keys-file entry."""
+
+    CONCURRENT = "concurrent"
+    REQUESTS_PER_MINUTE = "requests_per_minute"
+    TOKENS_PER_MINUTE = "tokens_per_minute"
+    MAX_PROMPT_TOKENS = "max_prompt_tokens"
 
 
 # The ``event`` of a request's end log line, and of its record in the cancellation log.
@@ -150,3 +165,18 @@ class DropCause(StrEnum):
     REJECTED = "rejected"
     # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
     SHUTDOWN = "shutdown"
+
+
+class KeyEvent(StrEnum):
+    """The log events of API keys (``--api-key``, ``--api-keys-file``)."""
+
+    # Startup, and every SIGHUP: how many keys are in force (never a key).
+    LOADED = "keys_loaded"
+    # A SIGHUP found the keys file unreadable or invalid: the keys already in force stay.
+    RELOAD_FAILED = "keys_reload_failed"
+    # Listening beyond loopback with no key: anyone who reaches the port may generate.
+    NONE_CONFIGURED = "no_api_keys"
+    # Requests and connections refused for a missing or wrong key, at most one line a second.
+    REFUSED = "unauthorized"
+    # With --redis-url, a quota decision was taken by this replica alone: Redis was down or slow.
+    QUOTA_LOCAL = "quota_decided_locally"

@@ -61,9 +61,11 @@ def store_client(redis_server: RedisServer) -> aioredis.Redis:
 class Replica:
     """``python -m stopline`` with --redis-url: one slot, ports chosen by the system, read from its log."""
 
-    def __init__(self, replica_id: str, redis_url: str, directory: Path):
+    def __init__(self, replica_id: str, redis_url: str, directory: Path, extra_args: tuple[str, ...] = ()):
         self.replica_id = replica_id
         self.records: list[dict] = []
+        # Every line of its stdout, as written.
+        self.lines: list[str] = []
         self._started = threading.Event()
         self.stderr_path = directory / f"replica-{replica_id}.stderr"
         with open(self.stderr_path, "wb") as stderr:
@@ -84,6 +86,7 @@ class Replica:
                     redis_url,
                     "--replica-id",
                     replica_id,
+                    *extra_args,
                 ],
                 cwd=REPO,
                 stdout=subprocess.PIPE,
@@ -95,6 +98,7 @@ class Replica:
 
     def _read(self) -> None:
         for line in self.process.stdout:
+            self.lines.append(line.decode("utf-8", "replace"))
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
                 self.records.append(record)
@@ -283,11 +287,11 @@ async def test_delete_through_nginx_reaches_the_owner_from_every_replica(deploym
             # A repeat from anywhere gets the same answer.
             assert (await call(http, "DELETE", api, request_id, token))[:2] == (200, body)
             record = await wait_for(lambda request_id=request_id: _ended_hash(store, request_id), timeout=10)
-            assert record["status"] == Status.CANCELLED and record["user_id"] == user
+            assert record["status"] == Status.CANCELLED and record["user"] == user and record["user_id"] == ""
             assert record["owner"] in deployment.by_id and record["reason"] == Reason.USER_CANCELLED
             assert "token_sha256" in record and token not in record.values()
             [logged] = await wait_for(lambda request_id=request_id: stream_records(store, request_id), timeout=10)
-            assert logged["event"] == "generation_cancelled" and logged["user_id"] == user
+            assert logged["event"] == "generation_cancelled" and logged["user"] == user
             assert logged["reason"] == Reason.USER_CANCELLED and int(logged["tokens_generated"]) >= 1
             assert (
                 int(logged["tokens_wasted"]) >= int(logged["tokens_generated"])
@@ -426,7 +430,15 @@ async def _decoding(response):
 
 
 def _request(number: int) -> Request:
-    return Request(f"r{number}", [1, 2, 3], SamplingParams(), received_ns=0, user=f"user-{number}")
+    return Request(
+        f"r{number}",
+        [1, 2, 3],
+        SamplingParams(),
+        received_ns=0,
+        user=f"label-{number}",
+        user_id=f"user-{number}",
+        key_id=f"key-{number}",
+    )
 
 
 async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
@@ -466,7 +478,8 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
                 record = await wait_for(
                     lambda request=request: store.hgetall(generation_key(request.request_id)), timeout=10
                 )
-                assert record["owner"] == "solo" and record["user_id"] == request.user
+                assert record["owner"] == "solo" and record["user_id"] == request.user_id
+                assert record["key_id"] == request.key_id and record["user"] == request.user
                 assert record["status"] == (Status.CANCELLED if request in requests[:3] else Status.QUEUED)
                 assert 0 < await store.ttl(generation_key(request.request_id)) <= 86_400
             logged = [fields["request_id"] for _, fields in await store.xrange(CANCELLATIONS)]

@@ -7,6 +7,9 @@ const RETRY_CAP_MS = 5000;
 const CHATS_KEY = 'stopline.chats.v1';
 const SETTINGS_KEY = 'stopline.settings.v1';
 const OPEN_KEY = 'stopline.open-chat.v1';
+const API_KEY_KEY = 'stopline.api-key.v1';
+// The server's close code for a missing or wrong API key (docs/protocol.md#api-keys).
+const CLOSE_UNAUTHORIZED = 4401;
 const MAX_CHATS = 100;
 
 const $ = (id) => document.getElementById(id);
@@ -18,7 +21,7 @@ const els = {
   maxTokens: $('max-tokens'), temperature: $('temperature'), timeout: $('timeout'), system: $('system-prompt'),
   topP: $('top-p'), topK: $('top-k'), repetitionPenalty: $('repetition-penalty'), seed: $('seed'),
   theme: $('theme'), chatList: $('chat-list'), noChats: $('no-chats'), chatsToggle: $('chats-toggle'),
-  sidebar: $('sidebar'), exportMd: $('export-md'), exportJson: $('export-json'),
+  sidebar: $('sidebar'), exportMd: $('export-md'), exportJson: $('export-json'), apiKey: $('api-key'),
 };
 
 // The numeric settings: the storage key, its input and the generate frame's field.
@@ -56,9 +59,11 @@ const ERROR_TEXT = {
   busy: 'The server is busy. Try again in a moment.',
   rate_limited: 'Too many messages too quickly. Slow down a little.',
   internal_error: 'The model failed.',
+  unauthorized: 'The API key was refused. Check it in Settings.',
+  quota_exceeded: 'This API key has reached a limit.',
 };
 // For these codes the server's message carries useful detail (which field, how many tokens, what failed).
-const ERROR_DETAIL = new Set(['invalid_field', 'prompt_too_long', 'internal_error']);
+const ERROR_DETAIL = new Set(['invalid_field', 'prompt_too_long', 'internal_error', 'quota_exceeded']);
 
 // What a cancel_ack status means for a message still showing "Stopping…".
 const ACK_OUTCOME = {
@@ -213,7 +218,7 @@ function touch(c) {
 function connect() {
   clearTimers();
   setStatus('connecting', 'Connecting…');
-  const sock = new WebSocket(WS_URL);
+  const sock = openSocket();
   ws = sock;
   sock.onopen = () => {
     retryDelay = RETRY_START_MS;
@@ -225,16 +230,50 @@ function connect() {
     if (msg && typeof msg === 'object') onFrame(msg);
   };
   // 'error' is always followed by 'close', so all the cleanup lives here.
-  sock.onclose = () => {
+  sock.onclose = (event) => {
     for (const req of requests.values()) {
       if (req.sock === sock && !req.over) finish(req, 'interrupted', 'Interrupted: connection lost');
     }
     if (ws !== sock) return; // a late close of a socket we already replaced
     ws = null;
-    if (pageHidden) setStatus('disconnected', 'Disconnected');
+    if (event.code === CLOSE_UNAUTHORIZED) askForKey();
+    else if (pageHidden) setStatus('disconnected', 'Disconnected');
     else scheduleReconnect();
   };
 }
+
+// ---------- API key: sent as a second subprotocol, since a page cannot set handshake headers ----------
+
+function openSocket() {
+  const key = els.apiKey.value.trim();
+  return key ? new WebSocket(WS_URL, ['stopline', `stopline.bearer.${key}`]) : new WebSocket(WS_URL);
+}
+
+// No retrying with a key the server refused: ask for one, and connect once it is given.
+function askForKey() {
+  clearTimers();
+  setStatus('disconnected', 'API key needed');
+  showNotice(els.apiKey.value
+    ? 'The server refused this API key. Enter another one in Settings.'
+    : 'This server needs an API key. Enter it in Settings.');
+  document.querySelector('details.settings').open = true;
+  els.apiKey.focus();
+}
+
+els.apiKey.addEventListener('change', () => {
+  const key = els.apiKey.value.trim();
+  try {
+    if (key) localStorage.setItem(API_KEY_KEY, key);
+    else localStorage.removeItem(API_KEY_KEY);
+  } catch { /* storage off: the key lasts until the page closes */ }
+  hideNotice();
+  if (ws) {
+    const old = ws;
+    ws = null; // its close must not schedule a reconnect of its own
+    old.close();
+  }
+  connect();
+});
 
 function scheduleReconnect() {
   const delay = retryDelay;
@@ -939,6 +978,7 @@ window.addEventListener('pageshow', (e) => {
 });
 
 loadSettings();
+try { els.apiKey.value = localStorage.getItem(API_KEY_KEY) ?? ''; } catch { /* storage off */ }
 showTheme(window.stoplineTheme.saved());
 // Open the chat that was on screen, so a reload keeps the conversation.
 showChat(openedBefore());

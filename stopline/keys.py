@@ -1,0 +1,74 @@
+"""``stopline keys add|list|revoke``: manage the API keys file (docs/http.md#api-keys).
+
+``add`` makes a key, prints it once on stdout and appends its entry (its hash,
+never the key) to the file. A running server reads the file again on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .auth import KeyFileError, Quota, add_key, read_keys_file, revoke_key
+from .vocabulary import QuotaLimit
+
+FILE_ENV = "STOPLINE_API_KEYS_FILE"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: give at least 1")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stopline keys", description=__doc__)
+    commands = p.add_subparsers(dest="command", required=True)
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--file",
+        default=os.environ.get(FILE_ENV),
+        required=FILE_ENV not in os.environ,
+        help=f"the keys file, as given to --api-keys-file (default: ${FILE_ENV})",
+    )
+    add = commands.add_parser("add", parents=[where], help="make a key for NAME, print it once, append its entry")
+    add.add_argument("name", metavar="NAME", help="the user the key stands for: user_id in logs and Redis")
+    add.add_argument("--id", help="the key's id in logs and metrics (default: NAME-<8 hex digits>)")
+    for limit in QuotaLimit:
+        add.add_argument(f"--{limit.replace('_', '-')}", dest=str(limit), type=_positive, help="default: no limit")
+    commands.add_parser("list", parents=[where], help="the keys' ids, users and limits")
+    revoke = commands.add_parser("revoke", parents=[where], help="remove a key's entry; send SIGHUP to servers")
+    revoke.add_argument("key_id", metavar="ID")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "add":
+            quota = Quota(**{str(limit): getattr(args, limit) for limit in QuotaLimit})
+            key, entry = add_key(args.file, args.name, quota, args.id)
+            print(key)
+            print(
+                f"key {entry.key_id} for user {entry.user!r} added to {args.file}. The key is shown only "
+                "this once; running servers take it on SIGHUP.",
+                file=sys.stderr,
+            )
+        elif args.command == "list":
+            for entry in read_keys_file(args.file):
+                limits = ", ".join(f"{name}={value}" for name, value in entry.quota.as_dict().items()) or "no limits"
+                print(f"{entry.key_id}\t{entry.user}\t{limits}")
+        elif not revoke_key(args.file, args.key_id):
+            print(f"stopline keys: {args.file} has no key {args.key_id!r}", file=sys.stderr)
+            return 1
+        else:
+            print(f"key {args.key_id} removed from {args.file}; send SIGHUP to running servers.", file=sys.stderr)
+    except (KeyFileError, OSError) as exc:
+        print(f"stopline keys: {exc}", file=sys.stderr)
+        return 2
+    return 0

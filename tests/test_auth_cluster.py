@@ -1,0 +1,346 @@
+"""API keys and quotas across replicas: real redis-server, real replicas, real nginx, the real openai package.
+
+One count per key in Redis, whichever replica a request lands on; Redis going
+away leaves each replica counting alone, never waiting for it; no key ever
+reaches a log line, a metric or Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+from websockets.asyncio.client import connect
+
+from bench.servers import RedisServer
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
+from stopline.app import ServerConfig, StoplineServer
+from stopline.auth import Quota, add_key, revoke_key
+from stopline.quota import ADMIT_TIMEOUT_S, quota_key
+from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, StoreState
+from test_cluster import REPLICA_IDS, Nginx, Replica
+
+METRICS_KEY = "metrics-key-for-the-cluster-0123"
+
+
+@contextlib.asynccontextmanager
+async def ws_client(url: str, key: str):
+    async with connect(url, additional_headers={"Authorization": f"Bearer {key}"}) as websocket:
+        client = Client(websocket)
+        client.hello = json.loads(await websocket.recv())
+        assert client.hello["type"] == "hello", client.hello
+        yield client
+
+
+async def generate(client: Client, name: str, **fields) -> dict:
+    return await client.generate(name, messages=fields.pop("messages", CHAT_FRANCE), **fields)
+
+
+# Two replicas in this process, sharing one redis-server ---------------------------------------------
+
+
+async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(engine, tmp_path, logs):
+    redis_server = RedisServer(tmp_path / "redis").start(10 * UNIT)
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "hal", Quota(concurrent=1))
+    common = {"workers": 1, "redis_url": redis_server.url, "api_keys_file": str(path)}
+    store = aioredis.from_url(redis_server.url, decode_responses=True)
+    # Both live until both end (running_server's leak check is for one server at a time).
+    a, b = (StoplineServer(engine, ServerConfig(port=0, replica_id=name, **common)) for name in "ab")
+    try:
+        for server in (a, b):
+            await server.start()
+            server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
+        for server in (a, b):
+            await wait_for(lambda server=server: server.cluster.state is StoreState.UP, timeout=10)
+        async with ws_client(a.ws_url, key) as on_a, ws_client(b.ws_url, key) as on_b:
+            assert (await generate(on_a, "long", messages=LONG_ANSWER, max_tokens=1500))["type"] == "accepted"
+            assert await store.zcard(quota_key(entry.key_id, "concurrent")) == 1
+            # b holds nothing of this key itself: the shared count refuses.
+            refused = await generate(on_b, "shared", max_tokens=2)
+            assert (refused["code"], refused["limit"]) == (ErrorCode.QUOTA_EXCEEDED, QuotaLimit.CONCURRENT)
+
+            # Redis hangs (stopped, not gone): b decides alone, without waiting for Redis's timeouts.
+            os.kill(redis_server.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                admitted = await generate(on_b, "alone", messages=LONG_ANSWER, max_tokens=1500)
+                waited = time.monotonic() - started
+                assert admitted["type"] == "accepted", admitted
+                assert waited < (ADMIT_TIMEOUT_S + 1.0) * UNIT, waited
+                # Its own limit still holds.
+                refused = await generate(on_b, "over", max_tokens=2)
+                assert (refused["code"], refused["limit"]) == (ErrorCode.QUOTA_EXCEEDED, QuotaLimit.CONCURRENT)
+                [local] = logs.records(KeyEvent.QUOTA_LOCAL)
+                assert local["cause"] == "TimeoutError"
+                # Once the store is marked down, decisions are local at once.
+                await wait_for(lambda: b.cluster.state is StoreState.DOWN, timeout=10)
+                await on_b.send({"type": "cancel", "id": "alone"})
+                await on_b.terminal("alone")
+                started = time.monotonic()
+                assert (await generate(on_b, "down", max_tokens=2))["type"] == "accepted"
+                assert time.monotonic() - started < (ADMIT_TIMEOUT_S + 1.0) * UNIT
+                await on_b.terminal("down")
+            finally:
+                os.kill(redis_server.process.pid, signal.SIGCONT)
+            assert metric_value(b.metrics.render().decode(), "stopline_quota_local_decisions_total") >= 2
+            await wait_for(lambda: b.cluster.state is StoreState.UP, timeout=10)
+            # Back to one count: a's generation holds the place again, for b too.
+            await wait_for(lambda: _zcard_is(store, entry.key_id, 1), timeout=10)
+            refused = await generate(on_b, "again", max_tokens=2)
+            assert refused["code"] == ErrorCode.QUOTA_EXCEEDED
+            await on_a.send({"type": "cancel", "id": "long"})
+            await on_a.terminal("long")
+            await wait_for(lambda: _zcard_is(store, entry.key_id, 0), timeout=10)
+            assert (await generate(on_b, "freed", max_tokens=2))["type"] == "accepted"
+            await on_b.terminal("freed")
+    finally:
+        for server in (a, b):
+            with contextlib.suppress(AttributeError):  # one that never started
+                await server.shutdown()
+        await store.aclose()
+        redis_server.kill()
+    assert a.scheduler.active == b.scheduler.active == 0
+
+
+async def _zcard_is(store: aioredis.Redis, key_id: str, count: int) -> bool:
+    return await store.zcard(quota_key(key_id, "concurrent")) == count
+
+
+# Three replicas behind nginx, as docs/deploy.md runs a keyed deployment --------------------------------
+
+
+class KeyedDeployment:
+    def __init__(self, directory):
+        self.keys_file = directory / "keys.jsonl"
+        self.pair, self.pair_entry = add_key(self.keys_file, "pair", Quota(concurrent=2))
+        self.sdk, self.sdk_entry = add_key(self.keys_file, "sdk-user", Quota())
+        # Every secret the tests present, right or wrong: none may show anywhere.
+        self.secrets = [self.pair, self.sdk, METRICS_KEY, "stopline_wrong-key-0123456789abcdef"]
+        self.redis = RedisServer(directory / "redis").start(10 * UNIT)
+        self.replicas: list[Replica] = []
+        self.nginx: Nginx | None = None
+        args = ("--api-keys-file", str(self.keys_file), "--metrics-key", METRICS_KEY)
+        self.replicas = [Replica(name, self.redis.url, directory, args) for name in REPLICA_IDS]
+        for replica in self.replicas:
+            replica.wait_started()
+        self.nginx = Nginx(directory / "nginx", self.replicas)
+
+    def close(self) -> None:
+        if self.nginx is not None:
+            self.nginx.stop()
+        for replica in self.replicas:
+            replica.stop()
+        self.redis.kill()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    deployment = None
+    try:
+        deployment = KeyedDeployment(tmp_path_factory.mktemp("keyed"))
+        yield deployment
+    finally:
+        if deployment is not None:
+            deployment.close()
+
+
+class Attempts:
+    """One WebSocket connection through nginx, keeping ``in_flight`` generations going until the shared
+    budget of attempts is spent; frames are dispatched by id from one reader."""
+
+    def __init__(self, client: Client, budget: list[int], in_flight: int):
+        self.client = client
+        self.budget = budget
+        self.in_flight = in_flight
+        self.waiting: dict[str, asyncio.Queue] = {}
+        self.accepted = 0
+        self.refused = 0
+
+    async def run(self, prefix: str) -> None:
+        reader = asyncio.create_task(self._read())
+        try:
+            await asyncio.gather(*(self._worker(f"{prefix}{n}") for n in range(self.in_flight)))
+        finally:
+            reader.cancel()
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.client.recv(timeout=120)
+            queue = self.waiting.get(frame.get("id"))
+            if queue is not None:
+                queue.put_nowait(frame)
+
+    async def _worker(self, prefix: str) -> None:
+        n = refused_in_a_row = 0
+        while self.budget[0] > 0:
+            self.budget[0] -= 1
+            name, n = f"{prefix}-{n}", n + 1
+            queue = self.waiting[name] = asyncio.Queue()
+            # Short generations: many hand-overs of the two places, however loaded the machine is.
+            await self.client.send({"type": "generate", "id": name, "prompt": "Hello", "max_tokens": 4})
+            while True:
+                frame = await asyncio.wait_for(queue.get(), 120 * UNIT)
+                if frame["type"] == "error":
+                    assert frame["code"] == ErrorCode.QUOTA_EXCEEDED and frame["limit"] == "concurrent", frame
+                    self.refused += 1
+                    # Back off more after each refusal in a row, as clients do: the 200 attempts then
+                    # span many hand-overs whether a generation takes 50 ms or 5 s.
+                    refused_in_a_row += 1
+                    await asyncio.sleep(min(1.0, 0.025 * 2**refused_in_a_row))
+                    break
+                if frame["type"] == "accepted":
+                    self.accepted += 1
+                    refused_in_a_row = 0
+                if frame["type"] in ("done", "cancelled", "timeout"):
+                    break
+            del self.waiting[name]
+
+
+def running_intervals(replicas: list[Replica], key_id: str) -> list[tuple[float, float]]:
+    """Each generation of ``key_id``, from its accepted line to its end line, as logged by its replica
+    (all replicas run on this machine's clock)."""
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    for replica in replicas:
+        for record in replica.records:
+            if record.get("key_id") != key_id:
+                continue
+            at = datetime.datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+            if record["event"] == "generation_accepted":
+                starts[record["request_id"]] = at
+            elif record["event"] in ("generation_done", "generation_cancelled", "generation_timeout"):
+                ends[record["request_id"]] = at
+    return [(starts[r], ends[r]) for r in starts if r in ends]
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    # An end at the same instant as a start counts first: the place was free by then.
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.slow
+async def test_a_key_of_two_never_runs_three_across_the_replicas(keyed):
+    """200 attempts from 3 connections through nginx (one per replica, round robin), two in flight on each:
+    at no moment do more than 2 of the key's generations run, across all replicas."""
+    budget = [200]
+    connections = []
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(3):
+            client = await stack.enter_async_context(ws_client(keyed.nginx.ws_url, keyed.pair))
+            connections.append(Attempts(client, budget, 2))
+        await asyncio.gather(*(c.run(f"c{i}-") for i, c in enumerate(connections)))
+    accepted = sum(c.accepted for c in connections)
+    refused = sum(c.refused for c in connections)
+    assert accepted + refused == 200
+    key_id = keyed.pair_entry.key_id
+    await wait_for(lambda: len(running_intervals(keyed.replicas, key_id)) == accepted, timeout=30)
+    intervals = running_intervals(keyed.replicas, key_id)
+    most = most_at_once(intervals)
+    owners = {r.replica_id for r in keyed.replicas for rec in r.records if rec.get("key_id") == key_id}
+    print(f"\n200 attempts: {accepted} ran, {refused} refused; at most {most} at once; overshoot {max(0, most - 2)}")
+    # The limit was reached (the test pressed on it), spread over every replica, and never passed.
+    assert most == 2 and refused > 0 and owners == set(REPLICA_IDS), (most, refused, owners)
+
+
+@pytest.mark.slow
+async def test_the_openai_package_through_nginx_and_a_revoked_key(keyed):
+    api = f"{keyed.nginx.http}/v1"
+    async with openai.AsyncOpenAI(base_url=api, api_key=keyed.sdk, max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client.chat.completions.create(
+                model="any", messages=CHAT_FRANCE, max_tokens=4, extra_headers={"Authorization": openai.omit}
+            )
+        assert refused.value.status_code == 401 and refused.value.code == ErrorCode.UNAUTHORIZED
+        assert refused.value.response.headers["WWW-Authenticate"] == 'Bearer realm="stopline"'
+        async with openai.AsyncOpenAI(base_url=api, api_key=keyed.secrets[-1], max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+        # A good key, on every replica (nginx goes round robin).
+        for _ in range(3):
+            chat = await client.chat.completions.create(model="any", messages=CHAT_FRANCE, max_tokens=4, user="me")
+            assert chat.choices[0].message.content
+        assert revoke_key(keyed.keys_file, keyed.sdk_entry.key_id)
+        for replica in keyed.replicas:
+            loaded = len([r for r in replica.records if r.get("event") == KeyEvent.LOADED])
+            replica.process.send_signal(signal.SIGHUP)
+            await wait_for(
+                lambda replica=replica, loaded=loaded: (
+                    len([r for r in replica.records if r.get("event") == KeyEvent.LOADED]) > loaded
+                ),
+                timeout=10,
+            )
+            assert [r for r in replica.records if r.get("event") == KeyEvent.LOADED][-1]["keys"] == 1
+        for _ in range(3):
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="any", messages=CHAT_FRANCE, max_tokens=4)
+    # The user of the key was the requests' user_id; "me" only their label.
+    done = [r for replica in keyed.replicas for r in replica.records if r.get("event") == "generation_done"]
+    mine = [r for r in done if r.get("key_id") == keyed.sdk_entry.key_id]
+    assert len(mine) == 3 and all(r["user_id"] == "sdk-user" and r["user"] == "me" for r in mine)
+
+
+@pytest.mark.slow
+async def test_no_key_appears_in_any_log_line_metric_or_redis_value(keyed):
+    """Runs after the others: every secret they presented, right or wrong, is looked for everywhere."""
+    # At least one generation of its own, so that its key id shows whichever tests ran before.
+    async with ws_client(keyed.nginx.ws_url, keyed.pair) as client:
+        assert (await generate(client, "own", max_tokens=2))["type"] == "accepted"
+        assert (await client.terminal("own"))["type"] == "done"
+    async with aiohttp.ClientSession() as http:
+        # A few more wrong ones, on the WebSocket and /metrics, so that refusals are logged too.
+        async with connect(keyed.nginx.ws_url, subprotocols=["stopline", f"stopline.bearer.{keyed.secrets[-1]}"]) as ws:
+            assert json.loads(await ws.recv())["code"] == ErrorCode.UNAUTHORIZED
+        metrics = []
+        for replica in keyed.replicas:
+            base = f"http://127.0.0.1:{replica.ws_port}/metrics"
+            async with http.get(base, headers={"Authorization": f"Bearer {keyed.pair}"}) as response:
+                assert response.status == 401
+            async with http.get(base, headers={"Authorization": f"Bearer {METRICS_KEY}"}) as response:
+                assert response.status == 200
+                metrics.append(await response.text())
+    # The per-key metrics are there, labelled by key id.
+    assert any(f'key_id="{keyed.pair_entry.key_id}"' in text for text in metrics), metrics
+    assert sum(metric_value(t, "stopline_refused_connections_total", code="unauthorized") for t in metrics) >= 4
+    store = aioredis.from_url(keyed.redis.url, decode_responses=True)
+    values: list[str] = []
+    try:
+        async for name in store.scan_iter():
+            kind = await store.type(name)
+            if kind == "string":
+                values.append(str(await store.get(name)))
+            elif kind == "hash":
+                values.append(json.dumps(await store.hgetall(name)))
+            elif kind == "zset":
+                values.append(json.dumps(await store.zrange(name, 0, -1, withscores=True)))
+            elif kind == "stream":
+                values.append(json.dumps(await store.xrange(name)))
+            values.append(name)
+        # The generations' hashes name their key by id (the quota places, all released, are gone).
+        assert any(keyed.pair_entry.key_id in value for value in values)
+    finally:
+        await store.aclose()
+    texts = {
+        "logs": "".join(line for replica in keyed.replicas for line in replica.lines),
+        "stderr": "".join(replica.stderr_path.read_text() for replica in keyed.replicas),
+        "nginx": keyed.nginx.stderr_path.read_text(),
+        "metrics": "".join(metrics),
+        "redis": "\n".join(values),
+    }
+    assert "generation_done" in texts["logs"] and "unauthorized" in texts["logs"]
+    for secret in keyed.secrets:
+        assert not [where for where, text in texts.items() if secret in text]
