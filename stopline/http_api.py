@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .observability import log
+from .openai_fields import Refused, openai_generate_frame
 from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
@@ -41,6 +42,7 @@ _HTTP_STATUS = {
     ErrorCode.INTERNAL_ERROR: HTTPStatus.INTERNAL_SERVER_ERROR,
     ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    ErrorCode.MODEL_NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
     ErrorCode.STORE_UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
     ErrorCode.OWNER_UNREACHABLE: HTTPStatus.GATEWAY_TIMEOUT,
@@ -66,9 +68,12 @@ def http_status(code: ErrorCode) -> int:
     return _HTTP_STATUS.get(code, HTTPStatus.BAD_REQUEST)
 
 
-def error_response(code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None) -> web.Response:
-    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints.
-    A refusal (before any request is read) names its own ``status``."""
+def error_response(
+    code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None, param: str | None = None
+) -> web.Response:
+    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints
+    (``param``: the request field it is about). A refusal (before any request is read)
+    names its own ``status``."""
     if status is None:
         assert isinstance(code, ErrorCode)
         status = http_status(code)
@@ -77,7 +82,7 @@ def error_response(code: ErrorCode | Refusal, message: str, *, openai: bool, sta
             "error": {
                 "message": message,
                 "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
-                "param": None,
+                "param": param,
                 "code": str(code),
             }
         }
@@ -250,48 +255,6 @@ def _json_object(text: str) -> dict:
     return body
 
 
-_OPENAI_ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
-# The OpenAI fields Stopline honours as they are; the others are accepted and ignored.
-_OPENAI_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "user")
-
-
-def openai_generate_frame(body: dict, *, chat: bool) -> dict:
-    """The generate frame an OpenAI request body asks for."""
-    frame: dict = {"type": "generate"}
-    if chat:
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            messages = [_openai_message(m) for m in messages]
-        frame["messages"] = messages
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadBody(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)")
-        frame["prompt"] = prompt
-    for name in _OPENAI_SAMPLING:
-        if body.get(name) is not None:
-            frame[name] = body[name]
-    if body.get("max_completion_tokens") is not None:
-        frame["max_tokens"] = body["max_completion_tokens"]
-    if body.get("n", 1) != 1:
-        raise BadBody(ErrorCode.INVALID_FIELD, "n must be 1")
-    return frame
-
-
-def _openai_message(message):
-    """A chat message in the protocol's shape: text parts are joined, developer means system."""
-    if not isinstance(message, dict):
-        return message
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise BadBody(ErrorCode.INVALID_FIELD, "only text content parts are supported")
-        content = "".join(p["text"] for p in content)
-    return {"role": _OPENAI_ROLES.get(message.get("role"), message.get("role")), "content": content}
-
-
 class HttpApi:
     def __init__(self, server: StoplineServer):
         self.server = server
@@ -304,6 +267,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.get("/v1/models", self._models),
+                web.get("/v1/models/{model}", self._model),
             ]
         )
         self.app.on_response_prepare.append(self._cors_headers)
@@ -390,9 +354,11 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = _json_object(await request.text())
-            frame = openai_generate_frame(body, chat=chat)
+            frame = openai_generate_frame(body, chat=chat, model=self.server.engine.name)
         except BadBody as exc:
             return error_response(*exc.args, openai=True)
+        except Refused as exc:
+            return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
@@ -482,9 +448,22 @@ class HttpApi:
             return error_response(ErrorCode.OWNER_UNREACHABLE, str(exc), openai=False)
         return web.json_response(body, headers=_NO_STORE)
 
+    def _model_object(self) -> dict:
+        return {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
+
     async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
-        return web.json_response({"object": "list", "data": [model]}, headers=_NO_STORE)
+        return web.json_response({"object": "list", "data": [self._model_object()]}, headers=_NO_STORE)
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.server.engine.name:
+            return error_response(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"the model {name!r} is not served here; this server runs {self.server.engine.name!r}",
+                openai=True,
+                param="model",
+            )
+        return web.json_response(self._model_object(), headers=_NO_STORE)
 
 
 def _peer(request: web.Request) -> str:
