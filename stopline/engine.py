@@ -75,6 +75,8 @@ class SamplingArgs(TypedDict):
     top_k: int
     top_p: float
     repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
     seed: int
 
 
@@ -87,6 +89,8 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
         top_k=params.top_k,
         top_p=params.top_p,
         repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
         seed=params.seed if params.seed is not None else random.randrange(2**31),
     )
 

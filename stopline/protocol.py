@@ -63,6 +63,9 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     repetition_penalty: float = 1.1
+    # OpenAI's: subtracted from a token's logit per time it was generated, and once if it was.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # Seconds from the start time given to Engine.start (the server passes the
@@ -883,6 +886,12 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
         top_p=float(_number(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
         repetition_penalty=float(
             _number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id)
+        ),
+        frequency_penalty=float(
+            _number(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
+        ),
+        presence_penalty=float(
+            _number(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
         ),
         seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
         stop=tuple(stop),

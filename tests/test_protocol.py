@@ -233,7 +233,18 @@ def test_lone_surrogates_are_refused_and_never_echoed(raw):
 
 @pytest.mark.parametrize(
     "field",
-    ["max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "timeout_s", "ttft_timeout_s"],
+    [
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "timeout_s",
+        "ttft_timeout_s",
+    ],
 )
 @pytest.mark.parametrize("number", ["1" + "0" * 400, "-1" + "0" * 400, "1e400", "-1e400"])
 def test_numbers_of_any_magnitude_are_range_checked(field, number):

@@ -202,6 +202,21 @@ cdef class Slot:
         """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
         self.n_held = 0
 
+    def last_logits(self):
+        """A copy of the logits the last token was sampled from (as float32 bytes, one per
+        vocabulary id), with the penalties that sampling applied to them; None before any."""
+        cdef const float *logits
+        self._check_open()
+        if self.busy:
+            raise EngineError("the context is busy")
+        logits = self.logits_pointer()
+        if logits is NULL:
+            return None
+        return PyBytes_FromStringAndSize(<const char *>logits, self.vocab_size * sizeof(float))
+
+    cdef const float *logits_pointer(self) noexcept:
+        return NULL
+
     @property
     def closed(self):
         return True
@@ -317,6 +332,11 @@ cdef class Context(Slot):
     def token_bytes(self, int token):
         self._check_open()
         return <bytes>API.llm_detokenize(self.llm, token)
+
+    cdef const float *logits_pointer(self) noexcept:
+        if API.llm_logits_size(self.llm) < self.vocab_size:
+            return NULL
+        return API.llm_logits_data(self.llm) + API.llm_logits_size(self.llm) - self.vocab_size
 
     @property
     def closed(self):
@@ -527,6 +547,9 @@ cdef class LlamaContext(Slot):
     def token_bytes(self, int token):
         return self.model.token_bytes(token)
 
+    cdef const float *logits_pointer(self) noexcept:
+        return LLAMA.logits(self.ctx) if self.n_held else NULL
+
     @property
     def closed(self):
         return self.ctx is NULL
@@ -562,6 +585,14 @@ cdef struct LoopState:
     float top_p
     float temperature
     float repetition_penalty
+    # OpenAI's penalties: logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty,
+    # count[t] being how often t was generated so far. counts is NULL when both are 0.
+    float frequency_penalty
+    float presence_penalty
+    int *counts            # occurrences of each token id among the generated tokens
+    int *seen              # the distinct ids generated, in order of first appearance
+    int n_seen
+    int vocab_size
     int seed
     int prefill_chunk
     int threads
@@ -681,10 +712,40 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
     return True
 
 
+cdef inline float *last_logits(LoopState *s) noexcept nogil:
+    """The logits of the last evaluation's sampled position (NULL: none), which sampling reads."""
+    if s.engine == Engine.LLAMA_CPP:
+        return <float *>LLAMA.logits(s.lctx)
+    return API.llm_logits_data(s.llm) + API.llm_logits_size(s.llm) - s.vocab_size
+
+
+cdef inline void apply_penalties(LoopState *s) noexcept nogil:
+    """OpenAI's frequency and presence penalties, on the logits in place: only the
+    ids generated so far change, so a step costs as many subtractions as there are."""
+    cdef int i, token
+    cdef float *logits = last_logits(s)
+    if logits is NULL:
+        return
+    for i in range(s.n_seen):
+        token = s.seen[i]
+        logits[token] -= s.counts[token] * s.frequency_penalty + s.presence_penalty
+
+
+cdef inline void count_token(LoopState *s, int token) noexcept nogil:
+    if s.counts is NULL:
+        return
+    if s.counts[token] == 0:
+        s.seen[s.n_seen] = token
+        s.n_seen += 1
+    s.counts[token] += 1
+
+
 cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
     """The next token, drawn from the logits of the last evaluation."""
     cdef int first_last, top_k = s.top_k
     cdef float temperature = s.temperature
+    if s.counts is not NULL:
+        apply_penalties(s)
     if s.engine == Engine.LLAMA_CPP:
         return LLAMA.sample(s.sampler, s.lctx)
     if temperature <= 0:
@@ -772,6 +833,7 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         s.text_end[s.n_generated] = old_size + size
         s.tokens[s.n_past] = token
         s.n_generated += 1
+        count_token(s, token)
         if s.n_generated == 1:
             s.first_token_ns = sl.sl_monotonic_ns()
             # The first-token deadline has been met.
@@ -873,8 +935,8 @@ cdef class Generation:
     cdef readonly object stop_sequences
 
     def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
-                  int top_k, double top_p, double repetition_penalty, int seed,
-                  stop=(), int prefill_chunk=1, int threads=1, int window=64,
+                  int top_k, double top_p, double repetition_penalty, double frequency_penalty,
+                  double presence_penalty, int seed, stop=(), int prefill_chunk=1, int threads=1, int window=64,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
@@ -901,6 +963,9 @@ cdef class Generation:
         self.s.top_k = top_k
         self.s.top_p = top_p
         self.s.repetition_penalty = repetition_penalty
+        self.s.frequency_penalty = frequency_penalty
+        self.s.presence_penalty = presence_penalty
+        self.s.vocab_size = context.vocab_size
         self.s.seed = seed
         self.s.prefill_chunk = prefill_chunk
         self.s.threads = threads
@@ -937,6 +1002,11 @@ cdef class Generation:
         self.s.stops = <char *>malloc(sum(len(x) for x in self.stop_sequences) + 1)
         if not (self.s.tokens and self.s.text and self.s.text_end and self.s.stop_sizes and self.s.stops):
             raise c_failure(MemoryError, "cannot allocate the token log")
+        if frequency_penalty != 0 or presence_penalty != 0:
+            self.s.counts = <int *>calloc(context.vocab_size, sizeof(int))
+            self.s.seen = <int *>malloc(max_tokens * sizeof(int))
+            if not (self.s.counts and self.s.seen):
+                raise c_failure(MemoryError, "cannot allocate the penalty counts")
         for i in range(n_prompt):
             token = prompt_tokens[i]
             if not 0 <= token < context.vocab_size:
@@ -955,6 +1025,8 @@ cdef class Generation:
         if self.s.sampler is not NULL:
             LLAMA.sampler_free(self.s.sampler)
         free(self.s.tokens)
+        free(self.s.counts)
+        free(self.s.seen)
         free(self.s.text)
         free(self.s.text_end)
         free(self.s.stops)
@@ -1052,6 +1124,11 @@ cdef class Generation:
     def result(self):
         """The :class:`LoopResult` once the loop has ended, else None."""
         return self._result
+
+    def token_ids(self):
+        """The ids of every token published so far (the end of generation is not one)."""
+        cdef int i, end = sl.sl_load_acquire(&self.s.published)
+        return [self.s.tokens[self.s.n_prompt + i] for i in range(end)]
 
     def take(self):
         """Return the bytes of each token published since the last call, as a list,
