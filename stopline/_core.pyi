@@ -139,6 +139,8 @@ class Generation:
         frequency_penalty: float,
         presence_penalty: float,
         seed: int,
+        grammar: str | None,
+        logprobs: int,
         stop: Iterable[bytes] = (),
         prefill_chunk: int = 1,
         threads: int = 1,
@@ -163,4 +165,5 @@ class Generation:
     @property
     def result(self) -> LoopResult | None: ...
     def token_ids(self) -> list[int]: ...
+    def logprobs(self, start: int, end: int) -> list[tuple[float, list[tuple[int, float]]]] | None: ...
     def take(self) -> list[bytes]: ...

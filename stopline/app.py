@@ -38,7 +38,7 @@ from .protocol import AddressQuota, Limits
 from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, peer_name
-from .vocabulary import Reason, Refusal
+from .vocabulary import EngineName, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -118,6 +118,7 @@ class StoplineServer:
             max_ttft_timeout_s=config.max_ttft_timeout_s,
             frames_per_second=config.frames_per_second,
             frame_burst=config.frame_burst,
+            grammars=engine.kind is EngineName.LLAMA_CPP,
         )
         self._server: Server  # set by start()
         self._sessions: set[ClientSession] = set()

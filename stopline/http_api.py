@@ -155,9 +155,14 @@ class OpenAIReply:
         self._id = ""
         self._headers: dict = {}
         self._texts: list[str] = []
+        # Log probabilities, when asked for (the generate frame's logprobs); None: not asked for.
+        self._logprobs: list[dict] | None = None
+        self._streamed_chars = 0
 
     def submitted(self, request) -> None:
         self.prompt_tokens = len(request.prompt_tokens)
+        if request.params.logprobs is not None:
+            self._logprobs = []
 
     async def emit(self, frame: dict) -> None:
         kind = frame["type"]
@@ -170,10 +175,17 @@ class OpenAIReply:
                 if self.chat:
                     await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
         elif kind == "token":
+            entries = frame.get("logprobs")
             if self.stream:
-                await self._chunk(self._choice({"content": frame["text"]} if self.chat else frame["text"], None))
+                choice = self._choice({"content": frame["text"]} if self.chat else frame["text"], None)
+                if entries is not None:
+                    choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
+                    self._streamed_chars += sum(len(e["token"]) for e in entries)
+                await self._chunk(choice)
             else:
                 self._texts.append(frame["text"])
+                if entries is not None and self._logprobs is not None:
+                    self._logprobs += entries
         elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
             self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True)
             self.response.headers.update(self._headers)
@@ -200,10 +212,16 @@ class OpenAIReply:
             await self._write(b"data: [DONE]\n\n")
             return
         text = "".join(self._texts)
+        logprobs = None if self._logprobs is None else self._logprobs_field(self._logprobs, 0)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             if self.chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         )
         body = {
             "id": self._id,
@@ -215,6 +233,22 @@ class OpenAIReply:
             "stopline": frame,
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+
+    def _logprobs_field(self, entries: list[dict], offset: int) -> dict:
+        """A choice's ``logprobs``: chat's ``content`` list, or the completions API's older
+        columns, whose ``text_offset`` counts from ``offset`` characters into the text."""
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _choice(self, delta, finish_reason) -> list[dict]:
         if self.chat:
@@ -354,7 +388,9 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = _json_object(await request.text())
-            frame = openai_generate_frame(body, chat=chat, model=self.server.engine.name)
+            frame = openai_generate_frame(
+                body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars
+            )
         except BadBody as exc:
             return error_response(*exc.args, openai=True)
         except Refused as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .protocol import GRAMMARS_NEED_LLAMA_CPP
 from .vocabulary import ErrorCode
 
 
@@ -74,12 +75,10 @@ FIELDS: tuple[Field, ...] = (
     Field("frequency_penalty", BOTH, Treatment.HONOURED, frame_name="frequency_penalty", example=0.5),
     Field("presence_penalty", BOTH, Treatment.HONOURED, frame_name="presence_penalty", example=0.5),
     Field("logit_bias", BOTH, Treatment.DEFAULT_ONLY, neutral=({},), example={"50256": -100}),
-    Field("logprobs", CHAT, Treatment.DEFAULT_ONLY, neutral=(False,), example=True),
-    Field("logprobs", COMPLETIONS, Treatment.REFUSED, example=2),
-    Field("top_logprobs", CHAT, Treatment.DEFAULT_ONLY, neutral=(0,), example=2),
-    Field(
-        "response_format", CHAT, Treatment.DEFAULT_ONLY, neutral=({"type": "text"},), example={"type": "json_object"}
-    ),
+    Field("logprobs", CHAT, Treatment.HONOURED, example=True),
+    Field("logprobs", COMPLETIONS, Treatment.HONOURED, frame_name="logprobs", example=2),
+    Field("top_logprobs", CHAT, Treatment.HONOURED, example=2),
+    Field("response_format", CHAT, Treatment.HONOURED, example={"type": "json_object"}),
     Field(
         "tools", CHAT, Treatment.DEFAULT_ONLY, neutral=([],), example=[{"type": "function", "function": {"name": "f"}}]
     ),
@@ -130,9 +129,10 @@ def _same(value: object, neutral: object) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
-def openai_generate_frame(body: dict, *, chat: bool, model: str) -> dict:
+def openai_generate_frame(body: dict, *, chat: bool, model: str, grammars: bool) -> dict:
     """The generate frame an OpenAI request body asks for, or :class:`Refused`.
-    ``model`` is the one model this server serves."""
+    ``model`` is the one model this server serves; ``grammars``, whether its engine
+    can constrain output to a grammar (``Limits.grammars``)."""
     table = _BY_ENDPOINT[Endpoint.CHAT if chat else Endpoint.COMPLETIONS]
     for name, value in body.items():
         field = table.get(name)
@@ -168,6 +168,10 @@ def openai_generate_frame(body: dict, *, chat: bool, model: str) -> dict:
         if not isinstance(prompt, str):
             raise Refused(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)", "prompt")
         frame["prompt"] = prompt
+    if body.get("response_format") is not None:
+        frame.update(_response_format(body["response_format"], grammars))
+    if chat:
+        frame.update(_chat_logprobs(body.get("logprobs"), body.get("top_logprobs")))
     # max_completion_tokens (OpenAI's newer name) wins over max_tokens, safety_identifier yields to user.
     preferred = ("max_completion_tokens", "user")
     for name in (*preferred, *table):
@@ -175,6 +179,44 @@ def openai_generate_frame(body: dict, *, chat: bool, model: str) -> dict:
         if field is not None and field.frame_name is not None and body.get(name) is not None:
             frame.setdefault(field.frame_name, body[name])
     return frame
+
+
+def _chat_logprobs(logprobs: object, top: object) -> dict:
+    """The generate frame's ``logprobs`` (how many alternatives) for chat's two fields."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise Refused(ErrorCode.INVALID_FIELD, "logprobs must be true or false", "logprobs")
+    if not logprobs:
+        if top not in (None, 0):
+            raise Refused(ErrorCode.INVALID_FIELD, "top_logprobs needs logprobs: true", "top_logprobs")
+        return {}
+    # The protocol checks the count (0 to 20).
+    return {"logprobs": 0 if top is None else top}
+
+
+def _response_format(value: object, grammars: bool) -> dict:
+    """The generate frame's fields for ``response_format``: none for text, else the JSON constraint."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind not in ("json_object", "json_schema"):
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "response_format.type must be text, json_object or json_schema",
+            "response_format",
+        )
+    if not grammars:
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER, f"response_format {kind}: {GRAMMARS_NEED_LLAMA_CPP}", "response_format"
+        )
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema") if isinstance(value, dict) else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise Refused(
+            ErrorCode.INVALID_FIELD, "response_format.json_schema.schema must be an object", "response_format"
+        )
+    # strict or not, the schema is enforced.
+    return {"json_schema": spec["schema"]}
 
 
 def _message(message, index: int):

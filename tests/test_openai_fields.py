@@ -16,6 +16,8 @@ from stopline.openai_fields import FIELDS, Endpoint, Treatment, fields_of
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
 # The fields whose value the test sets itself, around the one it sends.
 BASE = {"messages", "prompt", "model"}
+# Fields that are read together with another one.
+COMPANIONS = {"top_logprobs": {"logprobs": True}}
 
 
 @pytest.fixture
@@ -68,9 +70,13 @@ async def test_every_field_is_honoured_or_refused_by_name(server, http):
         for field in fields_of(endpoint).values():
             if field.name in BASE:
                 continue
-            body = {**base_body(server, endpoint), field.name: field.example}
+            body = {**base_body(server, endpoint), **COMPANIONS.get(field.name, {}), field.name: field.example}
             status, answer = await post(http, server, endpoint, body)
-            if field.treatment is Treatment.HONOURED:
+            # Structured output needs an engine that constrains sampling to a grammar.
+            honoured = field.treatment is Treatment.HONOURED and (
+                field.name != "response_format" or server.limits.grammars
+            )
+            if honoured:
                 assert status == 200, (endpoint, field.name, answer)
             else:
                 assert status == 400, (endpoint, field.name, answer)
@@ -96,6 +102,23 @@ async def test_honoured_fields_take_effect(server, http, logs):
     assert status == 200
     [end] = logs.records("generation_done", request_id=answer["id"])
     assert end["user_id"] == "bob"
+
+
+async def test_structured_output_names_the_engine_that_has_it(server):
+    if server.limits.grammars:
+        pytest.skip("this engine constrains output to a grammar")
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    for response_format in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.engine.name, messages=CHAT_FRANCE, response_format=response_format
+            )
+        assert caught.value.code == "unsupported_parameter" and caught.value.param == "response_format"
+        assert "--engine llama.cpp" in caught.value.message
+    await client.close()
 
 
 async def test_a_field_not_in_the_table_is_refused_by_name(server, http):
@@ -144,4 +167,47 @@ async def test_a_model_not_served_is_not_found(server):
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, max_tokens=10**6)
     assert caught.value.code == "invalid_field" and "max_tokens" in caught.value.message
+    await client.close()
+
+
+async def test_logprobs_with_the_openai_package_streaming_or_not(server):
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    # Greedy, and with no penalty: the token drawn is the model's most likely one.
+    fields = dict(
+        model=server.engine.name,
+        messages=CHAT_FRANCE,
+        temperature=0,
+        max_tokens=12,
+        extra_body={"repetition_penalty": 1.0},
+    )
+    answer = await client.chat.completions.create(logprobs=True, top_logprobs=3, **fields)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.token == entry.top_logprobs[0].token and abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-6
+    assert "".join(e.token for e in content) == answer.choices[0].message.content
+    stream = await client.chat.completions.create(logprobs=True, stream=True, **fields)
+    streamed = [
+        e
+        for c in [c async for c in stream]
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+    plain = await client.chat.completions.create(**fields)
+    assert plain.choices[0].logprobs is None
+    completion = await client.completions.create(
+        model=server.engine.name, prompt="The capital of France is", temperature=0, max_tokens=4, logprobs=2
+    )
+    columns = completion.choices[0].logprobs
+    assert len(columns.tokens) == len(columns.token_logprobs) == completion.usage.completion_tokens
+    assert all(1 <= len(top) <= 2 for top in columns.top_logprobs) and columns.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(logprobs=True, top_logprobs=21, **fields)
+    assert caught.value.code == "invalid_field" and "logprobs" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(top_logprobs=2, **fields)
+    assert caught.value.param == "top_logprobs"
     await client.close()

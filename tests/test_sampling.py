@@ -75,3 +75,38 @@ def test_a_frequency_penalty_changes_what_greedy_decoding_says(any_engine, slot)
     penalized, _, _ = greedy_run(slot, prompt, 12, repetition_penalty=1.0, frequency_penalty=2.0)
     # Unpenalized, the model repeats itself; penalized, no token is drawn as often.
     assert max(penalized.count(t) for t in penalized) < max(plain.count(t) for t in plain)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max()
+    return logits - (top + np.log(np.exp(logits - top).sum()))
+
+
+def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(any_engine, slot):
+    prompt = any_engine.encode(prompt=COUNTING)
+    generation = make_generation(
+        slot, prompt, max_tokens=4, temperature=0.9, seed=3, repetition_penalty=1.0, logprobs=20
+    )
+    result = generation.run()
+    tokens = generation.token_ids()
+    found = generation.logprobs(0, len(tokens))
+    assert found is not None and len(found) == len(tokens) == result.tokens_generated
+    if result.exit == ExitKind.EOS:
+        pytest.skip("the last draw was the end of generation, which has no entry")
+    # The slot still holds the logits the last token was drawn from.
+    expected = log_softmax(logits_of(slot))
+    chosen, top = found[-1]
+    assert abs(chosen - expected[tokens[-1]]) < 1e-4
+    assert len(top) == 20
+    values = [value for _, value in top]
+    assert values == sorted(values, reverse=True)
+    for token, value in top:
+        assert abs(value - expected[token]) < 1e-4
+    # They are the 20 best: none left out is better than the last one in.
+    assert np.sort(expected)[-20] <= values[-1] + 1e-4
+    # Asked for no alternatives, each token still has its own.
+    slot.forget()
+    generation = make_generation(slot, prompt, max_tokens=2, temperature=0, logprobs=0)
+    generation.run()
+    assert all(top == [] and value <= 0 for value, top in generation.logprobs(0, len(generation.token_ids())))
+    assert make_generation(slot, prompt, max_tokens=2).logprobs(0, 0) is None

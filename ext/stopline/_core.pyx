@@ -38,6 +38,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc cimport errno
 from libc.stdint cimport int32_t, int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.math cimport exp, log
 from libc.string cimport memcpy, memset, strlen
 from posix cimport dlfcn, fcntl, unistd
 
@@ -48,6 +49,8 @@ from stopline cimport _loop_support as sl
 import os
 
 cdef enum:
+    # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
+    MAX_TOP_LOGPROBS = 20
     # How many recent tokens the repetition penalty looks at (ctransformers' default).
     LAST_N_TOKENS = 64
     # While paused for a slow reader, re-check the flag and deadlines this often.
@@ -593,6 +596,15 @@ cdef struct LoopState:
     int *seen              # the distinct ids generated, in order of first appearance
     int n_seen
     int vocab_size
+    # Log probabilities (n_top < 0: off): the log-softmax of the model's logits at each
+    # draw, before penalties, temperature, truncation and grammar. For generated token
+    # i: chosen_logprob[i], and its n_top best alternatives in top_ids/top_logprobs[i * n_top ...].
+    int n_top
+    float *scratch         # the raw logits of the current draw
+    float log_sum          # their log-sum-exp
+    float *chosen_logprob
+    int *top_ids
+    float *top_logprobs
     int seed
     int prefill_chunk
     int threads
@@ -740,10 +752,47 @@ cdef inline void count_token(LoopState *s, int token) noexcept nogil:
     s.counts[token] += 1
 
 
+cdef void record_distribution(LoopState *s) noexcept nogil:
+    """Keep the draw's raw logits, their log-sum-exp and the n_top best ids, for the token
+    about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary) as a rule."""
+    cdef int i, j, n = s.vocab_size, k = s.n_top
+    cdef float *logits = last_logits(s)
+    cdef double best = -1e300, total = 0
+    cdef int *ids = s.top_ids + s.n_generated * k
+    cdef float *values = s.top_logprobs + s.n_generated * k
+    cdef int filled = 0
+    if logits is NULL:
+        return
+    memcpy(s.scratch, logits, n * sizeof(float))
+    for i in range(n):
+        if s.scratch[i] > best:
+            best = s.scratch[i]
+    for i in range(n):
+        total += exp(s.scratch[i] - best)
+    s.log_sum = <float>(best + log(total))
+    # Insertion into a sorted list of k: most candidates fail the first comparison.
+    for i in range(n):
+        if filled == k and (k == 0 or s.scratch[i] <= values[k - 1]):
+            continue
+        j = filled if filled < k else k - 1
+        while j > 0 and values[j - 1] < s.scratch[i]:
+            values[j] = values[j - 1]
+            ids[j] = ids[j - 1]
+            j -= 1
+        values[j] = s.scratch[i]
+        ids[j] = i
+        if filled < k:
+            filled += 1
+    for j in range(k):
+        values[j] -= s.log_sum
+
+
 cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
     """The next token, drawn from the logits of the last evaluation."""
     cdef int first_last, top_k = s.top_k
     cdef float temperature = s.temperature
+    if s.n_top >= 0:
+        record_distribution(s)
     if s.counts is not NULL:
         apply_penalties(s)
     if s.engine == Engine.LLAMA_CPP:
@@ -832,6 +881,8 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         size = write_piece(s, token, s.text + old_size)
         s.text_end[s.n_generated] = old_size + size
         s.tokens[s.n_past] = token
+        if s.n_top >= 0:
+            s.chosen_logprob[s.n_generated] = s.scratch[token] - s.log_sum
         s.n_generated += 1
         count_token(s, token)
         if s.n_generated == 1:
@@ -936,11 +987,13 @@ cdef class Generation:
 
     def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
                   int top_k, double top_p, double repetition_penalty, double frequency_penalty,
-                  double presence_penalty, int seed, stop=(), int prefill_chunk=1, int threads=1, int window=64,
+                  double presence_penalty, int seed, grammar, int logprobs,
+                  stop=(), int prefill_chunk=1, int threads=1, int window=64,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
         cdef ll.sll_sampling sampling
+        cdef bytes grammar_text = None if grammar is None else str(grammar).encode("utf-8")
         context._check_open()
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
@@ -948,6 +1001,8 @@ cdef class Generation:
             raise ContextOverflowError(
                 f"the prompt has {n_prompt} tokens; the context holds {context.context_length} "
                 "and needs room for at least one generated token")
+        if grammar_text is not None and context.engine != Engine.LLAMA_CPP:
+            raise ValueError("a grammar needs the llama.cpp engine")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
         if prefill_chunk > context.max_batch:
@@ -987,7 +1042,10 @@ cdef class Generation:
             sampling.presence_penalty = 0
             sampling.penalty_last_n = LAST_N_TOKENS
             sampling.seed = <uint32_t>seed
+            sampling.grammar = NULL if grammar_text is None else <const char *>grammar_text
             self.s.sampler = LLAMA.sampler_new((<LlamaContext>context).model.model, &sampling)
+            if self.s.sampler is NULL and grammar_text is not None:
+                raise ValueError("llama.cpp cannot parse the grammar")
             if self.s.sampler is NULL:
                 raise c_failure(MemoryError, "cannot allocate the sampler")
         else:
@@ -1002,6 +1060,16 @@ cdef class Generation:
         self.s.stops = <char *>malloc(sum(len(x) for x in self.stop_sequences) + 1)
         if not (self.s.tokens and self.s.text and self.s.text_end and self.s.stop_sizes and self.s.stops):
             raise c_failure(MemoryError, "cannot allocate the token log")
+        if not -1 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs is -1 (off) to {MAX_TOP_LOGPROBS}")
+        self.s.n_top = logprobs
+        if logprobs >= 0:
+            self.s.scratch = <float *>malloc(context.vocab_size * sizeof(float))
+            self.s.chosen_logprob = <float *>malloc(max_tokens * sizeof(float))
+            self.s.top_ids = <int *>malloc((max_tokens * logprobs + 1) * sizeof(int))
+            self.s.top_logprobs = <float *>malloc((max_tokens * logprobs + 1) * sizeof(float))
+            if not (self.s.scratch and self.s.chosen_logprob and self.s.top_ids and self.s.top_logprobs):
+                raise c_failure(MemoryError, "cannot allocate the log probabilities")
         if frequency_penalty != 0 or presence_penalty != 0:
             self.s.counts = <int *>calloc(context.vocab_size, sizeof(int))
             self.s.seen = <int *>malloc(max_tokens * sizeof(int))
@@ -1027,6 +1095,10 @@ cdef class Generation:
         free(self.s.tokens)
         free(self.s.counts)
         free(self.s.seen)
+        free(self.s.scratch)
+        free(self.s.chosen_logprob)
+        free(self.s.top_ids)
+        free(self.s.top_logprobs)
         free(self.s.text)
         free(self.s.text_end)
         free(self.s.stops)
@@ -1124,6 +1196,19 @@ cdef class Generation:
     def result(self):
         """The :class:`LoopResult` once the loop has ended, else None."""
         return self._result
+
+    def logprobs(self, int start, int end):
+        """The log probabilities of published tokens start..end-1: for each, its own and its
+        best alternatives', as ``(logprob, [(token_id, logprob), ...])``; None when not asked for."""
+        cdef int i, j, k = self.s.n_top
+        if k < 0:
+            return None
+        if not 0 <= start <= end <= sl.sl_load_acquire(&self.s.published):
+            raise ValueError("only published tokens have log probabilities")
+        return [
+            (self.s.chosen_logprob[i], [(self.s.top_ids[i * k + j], self.s.top_logprobs[i * k + j]) for j in range(k)])
+            for i in range(start, end)
+        ]
 
     def token_ids(self):
         """The ids of every token published so far (the end of generation is not one)."""
