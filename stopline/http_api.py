@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .observability import log
-from .openai_fields import Refused, openai_generate_frame
+from .openai_fields import Refused, openai_request
 from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
@@ -143,8 +143,19 @@ class SseReply:
 class OpenAIReply:
     """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end."""
 
-    def __init__(self, http_request: web.Request, model: str, *, chat: bool, stream: bool, include_usage: bool):
+    def __init__(
+        self,
+        http_request: web.Request,
+        model: str,
+        *,
+        chat: bool,
+        stream: bool,
+        include_usage: bool,
+        tool_call: bool = False,
+    ):
         self.http_request = http_request
+        # The text is a function call's JSON: it is read whole, and answered as tool_calls.
+        self.tool_call = tool_call
         self.model = model
         self.chat = chat
         self.stream = stream
@@ -176,7 +187,7 @@ class OpenAIReply:
                     await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
         elif kind == "token":
             entries = frame.get("logprobs")
-            if self.stream:
+            if self.stream and not self.tool_call:
                 choice = self._choice({"content": frame["text"]} if self.chat else frame["text"], None)
                 if entries is not None:
                     choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
@@ -199,12 +210,24 @@ class OpenAIReply:
 
     async def _end(self, frame: dict) -> None:
         finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
+        call = self._call(frame)
+        if call is not None:
+            finish_reason = "tool_calls"
         usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": frame["tokens_generated"],
             "total_tokens": self.prompt_tokens + frame["tokens_generated"],
         }
         if self.stream:
+            if self.tool_call:
+                # The call in one delta, as a client adds deltas up; or the text, if no call was finished.
+                delta = (
+                    {"tool_calls": [{"index": 0, **call}]} if call is not None else {"content": "".join(self._texts)}
+                )
+                chunk = self._choice(delta, None)
+                if self._logprobs is not None:
+                    chunk[0]["logprobs"] = self._logprobs_field(self._logprobs, 0)
+                await self._chunk(chunk)
             # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
             await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
             if self.include_usage:
@@ -216,7 +239,9 @@ class OpenAIReply:
         choice = (
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": None, "tool_calls": [call]}
+                if call is not None
+                else {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
@@ -233,6 +258,23 @@ class OpenAIReply:
             "stopline": frame,
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+
+    def _call(self, frame: dict) -> dict | None:
+        """The function call the text holds, once the generation ended by itself; else None."""
+        if not self.tool_call or frame["type"] != Outcome.DONE or frame["reason"] != Reason.EOS:
+            return None
+        try:
+            written = json.loads("".join(self._texts))
+        except ValueError:
+            return None
+        if not isinstance(written, dict) or not isinstance(written.get("name"), str) or "arguments" not in written:
+            return None
+        # The grammar made it {"name": ..., "arguments": ...}; the arguments go back as JSON text.
+        return {
+            "id": f"call_{self._id.replace('-', '')[:24]}",
+            "type": "function",
+            "function": {"name": written["name"], "arguments": json.dumps(written["arguments"], ensure_ascii=False)},
+        }
 
     def _logprobs_field(self, entries: list[dict], offset: int) -> dict:
         """A choice's ``logprobs``: chat's ``content`` list, or the completions API's older
@@ -388,9 +430,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = _json_object(await request.text())
-            frame = openai_generate_frame(
-                body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars
-            )
+            asked = openai_request(body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars)
         except BadBody as exc:
             return error_response(*exc.args, openai=True)
         except Refused as exc:
@@ -398,8 +438,15 @@ class HttpApi:
         stream = body.get("stream") is True
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
-        reply = OpenAIReply(request, self.server.engine.name, chat=chat, stream=stream, include_usage=include_usage)
-        return await self._generate(request, frame, reply)
+        reply = OpenAIReply(
+            request,
+            self.server.engine.name,
+            chat=chat,
+            stream=stream,
+            include_usage=include_usage,
+            tool_call=asked.tool_call,
+        )
+        return await self._generate(request, asked.frame, reply)
 
     async def _generate(self, request: web.Request, frame: dict, reply) -> web.StreamResponse:
         """Run one generation for this HTTP request; a lost connection cancels it."""

@@ -11,7 +11,10 @@ validate. :data:`JSON_OBJECT_GRAMMAR` is any JSON object.
 
 Every object's properties come in the schema's order, and whitespace is at
 most one space between tokens: the output is compact JSON. Numbers have at
-most 15 digits before and after the point. Pure functions, no I/O.
+most 15 digits before and after the point. Where the schema leaves a value
+free (json_object, a schema of ``{}``), its strings hold at most 256
+characters, so that a model cannot write one string until max_tokens. Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ integer ::= "-"? ("0" | [1-9] [0-9]{0,14})
 number ::= integer ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})?
 boolean ::= "true" | "false"
 null ::= "null"
-value ::= object | array | string | number | boolean | null
+value ::= object | array | short-string | number | boolean | null
 object ::= "{" ws (member ("," ws member)*)? "}" ws
-member ::= string ws ":" ws value ws
+member ::= short-string ws ":" ws value ws
+short-string ::= "\"" char{0,256} "\""
 array ::= "[" ws (value ws ("," ws value ws)*)? "]" ws
 """
 

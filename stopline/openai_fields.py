@@ -7,12 +7,15 @@ table for readers, and a test checks that the two agree. Nothing is ignored in
 silence: a field that is not honoured is refused with 400
 ``unsupported_parameter`` naming it, and so is a field that is not in the table.
 
-No I/O here: :func:`openai_generate_frame` turns a parsed body into a
-``generate`` frame, which the protocol then validates like any other.
+No I/O here: :func:`openai_request` turns a parsed body into a ``generate``
+frame, which the protocol then validates like any other, and says whether the
+answer is a function call for the reply to read.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -79,10 +82,8 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", COMPLETIONS, Treatment.HONOURED, frame_name="logprobs", example=2),
     Field("top_logprobs", CHAT, Treatment.HONOURED, example=2),
     Field("response_format", CHAT, Treatment.HONOURED, example={"type": "json_object"}),
-    Field(
-        "tools", CHAT, Treatment.DEFAULT_ONLY, neutral=([],), example=[{"type": "function", "function": {"name": "f"}}]
-    ),
-    Field("tool_choice", CHAT, Treatment.DEFAULT_ONLY, neutral=("none",), example="required"),
+    Field("tools", CHAT, Treatment.HONOURED, example=[{"type": "function", "function": {"name": "f"}}]),
+    Field("tool_choice", CHAT, Treatment.HONOURED, example="none"),
     Field("parallel_tool_calls", CHAT, Treatment.REFUSED, example=False),
     Field("functions", CHAT, Treatment.DEFAULT_ONLY, neutral=([],), example=[{"name": "f"}]),
     Field("function_call", CHAT, Treatment.DEFAULT_ONLY, neutral=("none",), example="auto"),
@@ -129,7 +130,14 @@ def _same(value: object, neutral: object) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
-def openai_generate_frame(body: dict, *, chat: bool, model: str, grammars: bool) -> dict:
+@dataclass(frozen=True)
+class OpenAIRequest:
+    frame: dict
+    # The answer is one function call (tool_choice required or a named function), as JSON.
+    tool_call: bool = False
+
+
+def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> OpenAIRequest:
     """The generate frame an OpenAI request body asks for, or :class:`Refused`.
     ``model`` is the one model this server serves; ``grammars``, whether its engine
     can constrain output to a grammar (``Limits.grammars``)."""
@@ -156,10 +164,16 @@ def openai_generate_frame(body: dict, *, chat: bool, model: str, grammars: bool)
             "model",
         )
     frame: dict = {"type": "generate"}
+    call = None
     if chat:
         messages = body.get("messages")
         if isinstance(messages, list):
-            messages = [_message(m, i) for i, m in enumerate(messages)]
+            messages = [_message(m, i, _call_names(messages)) for i, m in enumerate(messages)]
+        call = _tool_call(body.get("tools"), body.get("tool_choice"), grammars)
+        if call is not None and isinstance(messages, list):
+            schema, instructions = call
+            frame["json_schema"] = schema
+            messages = _with_system(messages, instructions)
         frame["messages"] = messages
     else:
         prompt = body.get("prompt")
@@ -178,7 +192,105 @@ def openai_generate_frame(body: dict, *, chat: bool, model: str, grammars: bool)
         field = table[name] if name in table else None
         if field is not None and field.frame_name is not None and body.get(name) is not None:
             frame.setdefault(field.frame_name, body[name])
-    return frame
+    if call is not None and "json_schema" in frame and body.get("response_format") not in (None, {"type": "text"}):
+        raise Refused(
+            ErrorCode.INVALID_FIELD, "give response_format or a tool_choice that calls, not both", "tool_choice"
+        )
+    return OpenAIRequest(frame, tool_call=call is not None)
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# How the model is told about the functions (through its chat template, as a system message).
+TOOLS_INSTRUCTIONS = (
+    'Call one of these functions. Answer with only a JSON object {{"name": <the function\'s name>, '
+    '"arguments": <its arguments>}}.\nFunctions: {functions}'
+)
+
+
+def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[dict, str] | None:
+    """The schema of the call that ``tool_choice`` asks for and the instructions that show the
+    functions to the model; None when the answer is text."""
+    tools = [] if tools is None else tools
+    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+        raise Refused(
+            ErrorCode.INVALID_FIELD,
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            "tools",
+        )
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if choice == "auto":
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            'tool_choice "auto" is not supported: Stopline calls a function when tool_choice is "required" '
+            'or names one ({"type": "function", "function": {"name": ...}}), and answers in text with "none"',
+            "tool_choice",
+        )
+    functions = [t["function"] for t in tools]
+    if choice == "required":
+        chosen = functions
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        chosen = [f for f in functions if f["name"] == choice["function"].get("name")]
+        if not chosen:
+            raise Refused(
+                ErrorCode.INVALID_FIELD, "tool_choice names a function that tools does not list", "tool_choice"
+            )
+    else:
+        raise Refused(
+            ErrorCode.INVALID_FIELD,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if not chosen:
+        raise Refused(ErrorCode.INVALID_FIELD, "tool_choice required needs tools", "tool_choice")
+    if not grammars:
+        raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"tool_choice: {GRAMMARS_NEED_LLAMA_CPP}", "tool_choice")
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    shown = [{k: f[k] for k in ("name", "description", "parameters") if k in f} for f in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return schema, TOOLS_INSTRUCTIONS.format(functions=json.dumps(shown, ensure_ascii=False))
+
+
+def _is_tool(tool: object) -> bool:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        return False
+    function = tool["function"]
+    name, parameters = function.get("name"), function.get("parameters")
+    return (
+        isinstance(name, str)
+        and _FUNCTION_NAME.fullmatch(name) is not None
+        and (parameters is None or isinstance(parameters, dict))
+        and set(function) <= {"name", "description", "parameters", "strict"}
+    )
+
+
+def _with_system(messages: list, instructions: str) -> list:
+    """``messages`` with ``instructions`` added to their system message (one is put first if none)."""
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") == "system" and isinstance(first.get("content"), str):
+        return [{"role": "system", "content": f"{first['content']}\n\n{instructions}"}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def _call_names(messages: list) -> dict[str, str]:
+    """The function name of every tool call id in the assistant messages."""
+    names = {}
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            for call in message["tool_calls"]:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                    names[str(call.get("id"))] = str(call["function"].get("name"))
+    return names
 
 
 def _chat_logprobs(logprobs: object, top: object) -> dict:
@@ -219,25 +331,54 @@ def _response_format(value: object, grammars: bool) -> dict:
     return {"json_schema": spec["schema"]}
 
 
-def _message(message, index: int):
-    """A chat message in the protocol's shape: text parts are joined, developer means system."""
+# The keys a message of each role may have besides role and content.
+_MESSAGE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _message(message, index: int, call_names: dict[str, str]):
+    """A chat message in the protocol's shape: text parts are joined, developer means system. An
+    assistant's tool calls become the JSON it would have written; a tool's result, a user message."""
     if not isinstance(message, dict):
         return message
     where = f"messages[{index}]"
     role = message.get("role")
-    # Only role and content are read; any other key with a value is refused (null counts as absent).
-    for key, value in message.items():
-        if key not in ("role", "content") and value is not None:
-            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{where}.{key} is not supported", f"{where}.{key}")
-    if role not in _ROLES:
+    if role not in (*_ROLES, "tool"):
         raise Refused(
             ErrorCode.UNSUPPORTED_PARAMETER,
-            f"{where}.role {role!r} is not supported; use system, developer, user or assistant",
+            f"{where}.role {role!r} is not supported; use system, developer, user, assistant or tool",
             f"{where}.role",
         )
+    # Only these keys are read; any other key with a value is refused (null counts as absent).
+    for key, value in message.items():
+        if key not in ("role", "content", *_MESSAGE_KEYS.get(role, ())) and value is not None:
+            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{where}.{key} is not supported", f"{where}.{key}")
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, "only text content parts are supported", f"{where}.content")
         content = "".join(p["text"] for p in content)
+    if role == "tool":
+        name = call_names.get(str(message.get("tool_call_id")), "the function")
+        return {"role": "user", "content": f"{name} returned: {content}"}
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls
+        ):
+            raise Refused(
+                ErrorCode.INVALID_FIELD, f"{where}.tool_calls must list function calls", f"{where}.tool_calls"
+            )
+        written = [_call_text(c["function"]) for c in calls]
+        content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
     return {"role": _ROLES[role], "content": content}
+
+
+def _call_text(function: dict) -> str:
+    """A call as the model writes one: {"name": ..., "arguments": {...}}."""
+    arguments = function.get("arguments")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)

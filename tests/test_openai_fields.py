@@ -17,7 +17,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
 # The fields whose value the test sets itself, around the one it sends.
 BASE = {"messages", "prompt", "model"}
 # Fields that are read together with another one.
-COMPANIONS = {"top_logprobs": {"logprobs": True}}
+COMPANIONS = {"top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "none"}}
 
 
 @pytest.fixture
@@ -118,6 +118,12 @@ async def test_structured_output_names_the_engine_that_has_it(server):
             )
         assert caught.value.code == "unsupported_parameter" and caught.value.param == "response_format"
         assert "--engine llama.cpp" in caught.value.message
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model=server.engine.name, messages=CHAT_FRANCE, tools=tools, tool_choice="required"
+        )
+    assert caught.value.param == "tool_choice" and "--engine llama.cpp" in caught.value.message
     await client.close()
 
 
@@ -131,7 +137,7 @@ async def test_a_field_not_in_the_table_is_refused_by_name(server, http):
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[1].tool_call_id"),
+        ({"role": "tool", "content": "42", "name": "f"}, "messages[1].name"),
         ({"role": "function", "content": "42"}, "messages[1].role"),
         ({"role": "user", "content": "Hi", "name": "ann"}, "messages[1].name"),
         (

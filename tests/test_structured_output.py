@@ -280,3 +280,138 @@ async def _ended(logs, request_id: str) -> list[dict]:
             return records
         await asyncio.sleep(0.05)
     raise AssertionError(f"{request_id} did not end")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Today's weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, ADD_TOOL]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+async def call_tool(client, server, messages: list, tool_choice, *, stream: bool):
+    """(name, arguments, id, finish_reason) of a tool-calling completion."""
+    fields = dict(
+        model=server.engine.name, messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=200, seed=1
+    )
+    if not stream:
+        answer = await client.chat.completions.create(**fields)
+        choice = answer.choices[0]
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls
+        return call.function.name, call.function.arguments, call.id, choice.finish_reason
+    chunks = [c async for c in await client.chat.completions.create(stream=True, **fields)]
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return deltas[0].function.name, deltas[0].function.arguments, deltas[0].id, finish[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_calling_loop_with_the_openai_package(server, stream):
+    client = openai_client(server)
+    messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+    name, arguments, call_id, finish_reason = await call_tool(client, server, messages, "required", stream=stream)
+    assert finish_reason == "tool_calls" and name in PARAMETERS
+    jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "22 degrees and sunny"},
+    ]
+    final = await client.chat.completions.create(
+        model=server.engine.name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=60, seed=1
+    )
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
+    # A named function is the one called, with arguments valid against its parameters.
+    choice = {"type": "function", "function": {"name": "add"}}
+    name, arguments, _, finish_reason = await call_tool(
+        client, server, [{"role": "user", "content": "Add 2 and 3."}], choice, stream=stream
+    )
+    assert (name, finish_reason) == ("add", "tool_calls")
+    jsonschema.validate(json.loads(arguments), PARAMETERS["add"])
+    await client.close()
+
+
+async def test_tool_choice_auto_and_bad_tools_are_refused_by_name(server):
+    client = openai_client(server)
+    for tools, tool_choice, param in [
+        (TOOLS, None, "tool_choice"),
+        (TOOLS, "auto", "tool_choice"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools"),
+    ]:
+        fields = {"tools": tools} | ({"tool_choice": tool_choice} if tool_choice is not None else {})
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.engine.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, **fields
+            )
+        assert caught.value.param == param, caught.value.message
+    await client.close()
+
+
+# A function whose arguments cannot end soon: at least 500 integers.
+SLOW_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "store",
+        "parameters": {
+            "type": "object",
+            "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 500}},
+            "required": ["values"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server, logs, http):  # noqa: F811
+    client = openai_client(server)
+    for how in ("close", "delete"):
+        stream = await client.chat.completions.create(
+            model=server.engine.name,
+            messages=[{"role": "user", "content": "Store many numbers."}],
+            tools=[SLOW_TOOL],
+            tool_choice="required",
+            max_tokens=1500,
+            stream=True,
+        )
+        first = await anext(aiter(stream))
+        if how == "close":
+            await stream.close()
+            [record] = await _ended(logs, first.id)
+            assert record["reason"] == "client_disconnected"
+            continue
+        token = stream.response.headers["X-Cancel-Token"]
+        status, answer = await delete(http, server, first.id, token)
+        assert status == 200 and answer["status"] == "cancelled"
+        rest = [c async for c in stream]
+        finals = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+        assert finals == ["user_cancelled"]
+    await client.close()
