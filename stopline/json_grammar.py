@@ -12,8 +12,8 @@ validate. :data:`JSON_OBJECT_GRAMMAR` is any JSON object.
 Every object's properties come in the schema's order, and whitespace is at
 most one space between tokens: the output is compact JSON. Numbers have at
 most 15 digits before and after the point. Where the schema leaves a value
-free (json_object, a schema of ``{}``), its strings hold at most 256
-characters, so that a model cannot write one string until max_tokens. Pure
+free (json_object, a schema of ``{}``), it is bounded (see ``FREE_DEPTH``), so
+that a model cannot write one string or one list until max_tokens. Pure
 functions, no I/O.
 """
 
@@ -57,13 +57,34 @@ integer ::= "-"? ("0" | [1-9] [0-9]{0,14})
 number ::= integer ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})?
 boolean ::= "true" | "false"
 null ::= "null"
-value ::= object | array | short-string | number | boolean | null
-object ::= "{" ws (member ("," ws member)*)? "}" ws
-member ::= short-string ws ":" ws value ws
-short-string ::= "\"" char{0,256} "\""
-array ::= "[" ws (value ws ("," ws value ws)*)? "]" ws
+short-string ::= "\"" char{0,{FREE_STRING}} "\""
 """
+# A free value (json_object, a schema of {}) nests at most this deep, with at most this many
+# members or items per object or array, and strings of at most this many characters: a small
+# model then cannot spend max_tokens inside one string or one list.
+FREE_DEPTH = 2
+FREE_ITEMS = 8
+FREE_STRING = 48
 
+
+def _free_values() -> str:
+    """``value``, ``object`` and ``array``: any JSON value within the bounds above."""
+    rules = []
+    for depth in range(FREE_DEPTH):
+        inner = f"value-{depth + 1}" if depth + 1 < FREE_DEPTH else "scalar"
+        suffix = "" if depth == 0 else f"-{depth}"
+        more = f"{{0,{FREE_ITEMS - 1}}}"
+        member = f'short-string ws ":" ws {inner} ws'
+        rules += [
+            f"value{suffix} ::= object{suffix} | array{suffix} | scalar",
+            f'object{suffix} ::= "{{" ws ({member} ("," ws {member}){more})? "}}" ws',
+            f'array{suffix} ::= "[" ws ({inner} ws ("," ws {inner} ws){more})? "]" ws',
+        ]
+    rules.append("scalar ::= short-string | number | boolean | null")
+    return "\n".join(rules) + "\n"
+
+
+_PRIMITIVES = _PRIMITIVES.replace("{FREE_STRING}", str(FREE_STRING)) + _free_values()
 JSON_OBJECT_GRAMMAR = "root ::= object\n" + _PRIMITIVES.strip() + "\n"
 
 
@@ -88,7 +109,8 @@ class _Writer:
         self.refs: dict[str, str] = {}
 
     def add(self, body: str, hint: str = "r") -> str:
-        name = f"{re.sub(r'[^a-zA-Z0-9]+', '-', hint).strip('-') or 'r'}-{len(self.rules)}"
+        # "-r<n>": never the name of one of the fixed rules (value-1, array-2, ...).
+        name = f"{re.sub(r'[^a-zA-Z0-9]+', '-', hint).strip('-') or 'rule'}-r{len(self.rules)}"
         self.rules[name] = body
         return name
 
