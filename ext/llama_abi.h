@@ -23,7 +23,7 @@
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
 #define SLL_SDIST_VERSION "0.3.36"
-#define SLL_ABI_VERSION 1
+#define SLL_ABI_VERSION 2
 
 /* The largest batch one sll_decode() takes (the context's n_batch). */
 #define SLL_MAX_BATCH 512
@@ -56,6 +56,8 @@ typedef struct {
     float presence_penalty;
     int32_t penalty_last_n;
     uint32_t seed;
+    /* A GBNF grammar (root rule "root") every generated token must follow; NULL: none. */
+    const char *grammar;
 } sll_sampling;
 
 typedef struct {
@@ -91,7 +93,8 @@ typedef struct {
     int32_t (*pos_max)(sll_context *ctx);
     int (*truncate)(sll_context *ctx, int32_t p0);
     const float *(*logits)(sll_context *ctx);
-    /* Samplers. sample() draws from the last evaluation's logits and records the token. */
+    /* Samplers. sample() draws from the last evaluation's logits and records the token.
+     * sampler_new() returns NULL when it cannot allocate, or when llama.cpp cannot parse the grammar. */
     sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings);
     void (*sampler_free)(sll_sampler *sampler);
     void (*sampler_accept)(sll_sampler *sampler, int32_t token);

@@ -4,6 +4,7 @@
  * and linked with its static libraries; only the sll_* functions are
  * exported. Everything that could reach one of llama.cpp's asserts (which end
  * the process) is checked here first: batch sizes, token ids, positions. */
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,11 @@ struct sll_context {
 
 struct sll_sampler {
     struct llama_sampler *chain;
+    /* Kept out of the chain: it sees only generated tokens, and is applied to all
+     * candidates only when the token drawn without it breaks it. NULL: no grammar. */
+    struct llama_sampler *grammar;
+    llama_token_data *candidates;
+    int32_t n_vocab;
 };
 
 /* llama.cpp logs through one process-wide callback. Errors are kept (the last
@@ -221,6 +227,18 @@ SLL_EXPORT sll_sampler *sll_sampler_new(const sll_model *m, const sll_sampling *
         return NULL;
     struct llama_sampler_chain_params params = llama_sampler_chain_default_params();
     params.no_perf = true;
+    if (s->grammar != NULL) {
+        smp->n_vocab = m->n_vocab;
+        smp->candidates = malloc((size_t)m->n_vocab * sizeof *smp->candidates);
+        smp->grammar = llama_sampler_init_grammar(m->vocab, s->grammar, "root");
+        if (smp->candidates == NULL || smp->grammar == NULL) {
+            if (smp->grammar != NULL)
+                llama_sampler_free(smp->grammar);
+            free(smp->candidates);
+            free(smp);
+            return NULL;
+        }
+    }
     smp->chain = llama_sampler_chain_init(params);
     if (s->repeat_penalty != 1.0f || s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f)
         llama_sampler_chain_add(smp->chain,
@@ -243,12 +261,52 @@ SLL_EXPORT void sll_sampler_free(sll_sampler *smp) {
     if (smp == NULL)
         return;
     llama_sampler_free(smp->chain);
+    if (smp->grammar != NULL)
+        llama_sampler_free(smp->grammar);
+    free(smp->candidates);
     free(smp);
 }
 
 SLL_EXPORT void sll_sampler_accept(sll_sampler *smp, int32_t token) { llama_sampler_accept(smp->chain, token); }
 
-SLL_EXPORT int32_t sll_sample(sll_sampler *smp, sll_context *c) { return llama_sampler_sample(smp->chain, c->ctx, -1); }
+/* Draw through the chain from all candidates, after the grammar when it is given. */
+static llama_token draw(sll_sampler *smp, const float *logits, int with_grammar) {
+    llama_token_data_array all = {smp->candidates, (size_t)smp->n_vocab, -1, false};
+    for (int32_t i = 0; i < smp->n_vocab; i++)
+        smp->candidates[i] = (llama_token_data){i, logits[i], 0.0f};
+    if (with_grammar)
+        llama_sampler_apply(smp->grammar, &all);
+    llama_sampler_apply(smp->chain, &all);
+    return all.data[all.selected].id;
+}
+
+static int grammar_allows(sll_sampler *smp, llama_token token) {
+    llama_token_data single = {token, 1.0f, 0.0f};
+    llama_token_data_array one = {&single, 1, -1, false};
+    llama_sampler_apply(smp->grammar, &one);
+    return single.logit != -INFINITY;
+}
+
+SLL_EXPORT int32_t sll_sample(sll_sampler *smp, sll_context *c) {
+    if (smp->grammar == NULL)
+        return llama_sampler_sample(smp->chain, c->ctx, -1);
+    const float *logits = llama_get_logits_ith(c->ctx, -1);
+    /* As llama.cpp's common sampler does: draw without the grammar, and check
+     * only that token against it; most tokens pass, and checking one token is
+     * far cheaper than masking the vocabulary. Only a token that breaks the
+     * grammar costs a second draw from the masked candidates. */
+    llama_token token = draw(smp, logits, 0);
+    if (!grammar_allows(smp, token)) {
+        token = draw(smp, logits, 1);
+        /* Accepting a token the grammar refuses ends the process inside
+         * llama.cpp: a grammar with no way on ends the generation instead. */
+        if (!grammar_allows(smp, token))
+            return llama_vocab_eos(c->model->vocab);
+    }
+    llama_sampler_accept(smp->grammar, token);
+    llama_sampler_accept(smp->chain, token);
+    return token;
+}
 
 /* The compiler checks every function above against ext/llama_abi.h's table. */
 static const sll_api sll_signatures __attribute__((unused)) = {

@@ -54,7 +54,7 @@ from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, peer_name
-from .vocabulary import ErrorCode, KeyEvent, Reason, Refusal
+from .vocabulary import EngineName, ErrorCode, KeyEvent, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -157,6 +157,7 @@ class StoplineServer:
             max_ttft_timeout_s=config.max_ttft_timeout_s,
             frames_per_second=config.frames_per_second,
             frame_burst=config.frame_burst,
+            grammars=engine.kind is EngineName.LLAMA_CPP,
         )
         self._server: Server  # set by start()
         self._sessions: set[ClientSession] = set()

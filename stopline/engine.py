@@ -75,7 +75,11 @@ class SamplingArgs(TypedDict):
     top_k: int
     top_p: float
     repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
     seed: int
+    grammar: str | None
+    logprobs: int
 
 
 def sampling_args(params: SamplingParams) -> SamplingArgs:
@@ -87,6 +91,10 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
         top_k=params.top_k,
         top_p=params.top_p,
         repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        grammar=params.grammar,
+        logprobs=-1 if params.logprobs is None else params.logprobs,
         seed=params.seed if params.seed is not None else random.randrange(2**31),
     )
 
@@ -244,7 +252,11 @@ class Engine:
             step_abort=self.abort_mode is AbortMode.IN_STEP,
             trim_output=self.trim_output,
         )
-        return Stream(generation, TextStream(list(stop)))
+        return Stream(generation, TextStream(list(stop)), slot.token_bytes)
+
+
+def _logprob_entry(piece: bytes, logprob: float) -> dict:
+    return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
 
 
 def _step_abort_unavailable(detail: str, cause: object) -> None:
@@ -511,9 +523,12 @@ class Stream:
     given and reports it in :attr:`result`.
     """
 
-    def __init__(self, generation: _core.Generation, text: TextStream):
+    def __init__(self, generation: _core.Generation, text: TextStream, token_bytes=None):
         self.generation = generation
         self._text = text
+        self._token_bytes = token_bytes
+        # Log probabilities of tokens read and not yet taken (with logprobs asked for).
+        self._logprobs: list[dict] = []
         self.tokens_read = 0
         self.ended = False
         # Held while a cancel records its reason, so that a result read at the
@@ -556,6 +571,8 @@ class Stream:
         # Check before taking: a loop that had ended has published everything.
         finished = self.generation.finished
         pieces = self.generation.take()
+        if pieces and self._token_bytes is not None:
+            self._read_logprobs(pieces)
         self.tokens_read += len(pieces)
         out = [t for t in (self._text.feed(p) for p in pieces) if t]
         if finished and not self.ended:
@@ -566,6 +583,24 @@ class Stream:
             if tail:
                 out.append(tail)
         return out
+
+    def _read_logprobs(self, pieces: list[bytes]) -> None:
+        start = self.tokens_read
+        found = self.generation.logprobs(start, start + len(pieces))
+        if found is None:
+            return
+        for piece, (logprob, top) in zip(pieces, found, strict=True):
+            entry = _logprob_entry(piece, logprob)
+            entry["top_logprobs"] = [_logprob_entry(self._token_bytes(token), value) for token, value in top]
+            self._logprobs.append(entry)
+
+    def take_logprobs(self) -> list[dict] | None:
+        """The log probabilities of the tokens read since the last call, in OpenAI's
+        shape (``token``, ``logprob``, ``bytes``, ``top_logprobs``); None when not asked for."""
+        if self.generation.logprobs(0, 0) is None:
+            return None
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     # asyncio -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
 from .observability import log
+from .openai_fields import Refused, openai_request
 from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
@@ -47,6 +48,7 @@ _HTTP_STATUS = {
     ErrorCode.INTERNAL_ERROR: HTTPStatus.INTERNAL_SERVER_ERROR,
     ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    ErrorCode.MODEL_NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
     ErrorCode.STORE_UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
     ErrorCode.OWNER_UNREACHABLE: HTTPStatus.GATEWAY_TIMEOUT,
@@ -74,10 +76,17 @@ def http_status(code: ErrorCode) -> int:
 
 
 def error_response(
-    code: ErrorCode | Refusal, message: str, *, openai: bool, status: int | None = None, frame: dict | None = None
+    code: ErrorCode | Refusal,
+    message: str,
+    *,
+    openai: bool,
+    status: int | None = None,
+    frame: dict | None = None,
+    param: str | None = None,
 ) -> web.Response:
-    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints.
-    A refusal (before any request is read) names its own ``status``; ``frame`` is the error frame, if any."""
+    """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints
+    (``param``: the request field it is about). A refusal (before any request is read)
+    names its own ``status``; ``frame`` is the error frame, if any."""
     if status is None:
         assert isinstance(code, ErrorCode)
         status = http_status(code)
@@ -95,7 +104,7 @@ def error_response(
             "error": {
                 "message": message,
                 "type": _OPENAI_ERROR_TYPE.get(status, "invalid_request_error"),
-                "param": None,
+                "param": param,
                 "code": str(code),
             }
         }
@@ -156,8 +165,19 @@ class SseReply:
 class OpenAIReply:
     """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end."""
 
-    def __init__(self, http_request: web.Request, model: str, *, chat: bool, stream: bool, include_usage: bool):
+    def __init__(
+        self,
+        http_request: web.Request,
+        model: str,
+        *,
+        chat: bool,
+        stream: bool,
+        include_usage: bool,
+        tool_call: bool = False,
+    ):
         self.http_request = http_request
+        # The text is a function call's JSON: it is read whole, and answered as tool_calls.
+        self.tool_call = tool_call
         self.model = model
         self.chat = chat
         self.stream = stream
@@ -168,9 +188,14 @@ class OpenAIReply:
         self._id = ""
         self._headers: dict = {}
         self._texts: list[str] = []
+        # Log probabilities, when asked for (the generate frame's logprobs); None: not asked for.
+        self._logprobs: list[dict] | None = None
+        self._streamed_chars = 0
 
     def submitted(self, request) -> None:
         self.prompt_tokens = len(request.prompt_tokens)
+        if request.params.logprobs is not None:
+            self._logprobs = []
 
     async def emit(self, frame: dict) -> None:
         kind = frame["type"]
@@ -183,10 +208,17 @@ class OpenAIReply:
                 if self.chat:
                     await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
         elif kind == "token":
-            if self.stream:
-                await self._chunk(self._choice({"content": frame["text"]} if self.chat else frame["text"], None))
+            entries = frame.get("logprobs")
+            if self.stream and not self.tool_call:
+                choice = self._choice({"content": frame["text"]} if self.chat else frame["text"], None)
+                if entries is not None:
+                    choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
+                    self._streamed_chars += sum(len(e["token"]) for e in entries)
+                await self._chunk(choice)
             else:
                 self._texts.append(frame["text"])
+                if entries is not None and self._logprobs is not None:
+                    self._logprobs += entries
         elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
             self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True, frame=frame)
             self.response.headers.update(self._headers)
@@ -200,12 +232,24 @@ class OpenAIReply:
 
     async def _end(self, frame: dict) -> None:
         finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
+        call = self._call(frame)
+        if call is not None:
+            finish_reason = "tool_calls"
         usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": frame["tokens_generated"],
             "total_tokens": self.prompt_tokens + frame["tokens_generated"],
         }
         if self.stream:
+            if self.tool_call:
+                # The call in one delta, as a client adds deltas up; or the text, if no call was finished.
+                delta = (
+                    {"tool_calls": [{"index": 0, **call}]} if call is not None else {"content": "".join(self._texts)}
+                )
+                chunk = self._choice(delta, None)
+                if self._logprobs is not None:
+                    chunk[0]["logprobs"] = self._logprobs_field(self._logprobs, 0)
+                await self._chunk(chunk)
             # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
             await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
             if self.include_usage:
@@ -213,10 +257,18 @@ class OpenAIReply:
             await self._write(b"data: [DONE]\n\n")
             return
         text = "".join(self._texts)
+        logprobs = None if self._logprobs is None else self._logprobs_field(self._logprobs, 0)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": [call]}
+                if call is not None
+                else {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             if self.chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         )
         body = {
             "id": self._id,
@@ -228,6 +280,39 @@ class OpenAIReply:
             "stopline": frame,
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+
+    def _call(self, frame: dict) -> dict | None:
+        """The function call the text holds, once the generation ended by itself; else None."""
+        if not self.tool_call or frame["type"] != Outcome.DONE or frame["reason"] != Reason.EOS:
+            return None
+        try:
+            written = json.loads("".join(self._texts))
+        except ValueError:
+            return None
+        if not isinstance(written, dict) or not isinstance(written.get("name"), str) or "arguments" not in written:
+            return None
+        # The grammar made it {"name": ..., "arguments": ...}; the arguments go back as JSON text.
+        return {
+            "id": f"call_{self._id.replace('-', '')[:24]}",
+            "type": "function",
+            "function": {"name": written["name"], "arguments": json.dumps(written["arguments"], ensure_ascii=False)},
+        }
+
+    def _logprobs_field(self, entries: list[dict], offset: int) -> dict:
+        """A choice's ``logprobs``: chat's ``content`` list, or the completions API's older
+        columns, whose ``text_offset`` counts from ``offset`` characters into the text."""
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _choice(self, delta, finish_reason) -> list[dict]:
         if self.chat:
@@ -268,48 +353,6 @@ def _json_object(text: str) -> dict:
     return body
 
 
-_OPENAI_ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
-# The OpenAI fields Stopline honours as they are; the others are accepted and ignored.
-_OPENAI_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "user")
-
-
-def openai_generate_frame(body: dict, *, chat: bool) -> dict:
-    """The generate frame an OpenAI request body asks for."""
-    frame: dict = {"type": "generate"}
-    if chat:
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            messages = [_openai_message(m) for m in messages]
-        frame["messages"] = messages
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadBody(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)")
-        frame["prompt"] = prompt
-    for name in _OPENAI_SAMPLING:
-        if body.get(name) is not None:
-            frame[name] = body[name]
-    if body.get("max_completion_tokens") is not None:
-        frame["max_tokens"] = body["max_completion_tokens"]
-    if body.get("n", 1) != 1:
-        raise BadBody(ErrorCode.INVALID_FIELD, "n must be 1")
-    return frame
-
-
-def _openai_message(message):
-    """A chat message in the protocol's shape: text parts are joined, developer means system."""
-    if not isinstance(message, dict):
-        return message
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise BadBody(ErrorCode.INVALID_FIELD, "only text content parts are supported")
-        content = "".join(p["text"] for p in content)
-    return {"role": _OPENAI_ROLES.get(message.get("role"), message.get("role")), "content": content}
-
-
 class HttpApi:
     def __init__(self, server: StoplineServer):
         self.server = server
@@ -322,6 +365,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.get("/v1/models", self._models),
+                web.get("/v1/models/{model}", self._model),
             ]
         )
         self.app.on_response_prepare.append(self._cors_headers)
@@ -423,14 +467,23 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = _json_object(await request.text())
-            frame = openai_generate_frame(body, chat=chat)
+            asked = openai_request(body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars)
         except BadBody as exc:
             return error_response(*exc.args, openai=True)
+        except Refused as exc:
+            return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
-        reply = OpenAIReply(request, self.server.engine.name, chat=chat, stream=stream, include_usage=include_usage)
-        return await self._generate(request, frame, reply)
+        reply = OpenAIReply(
+            request,
+            self.server.engine.name,
+            chat=chat,
+            stream=stream,
+            include_usage=include_usage,
+            tool_call=asked.tool_call,
+        )
+        return await self._generate(request, asked.frame, reply)
 
     async def _generate(self, request: web.Request, frame: dict, reply) -> web.StreamResponse:
         """Run one generation for this HTTP request; a lost connection cancels it."""
@@ -519,9 +572,22 @@ class HttpApi:
             return error_response(ErrorCode.OWNER_UNREACHABLE, str(exc), openai=False)
         return web.json_response(body, headers=_NO_STORE)
 
+    def _model_object(self) -> dict:
+        return {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
+
     async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
-        return web.json_response({"object": "list", "data": [model]}, headers=_NO_STORE)
+        return web.json_response({"object": "list", "data": [self._model_object()]}, headers=_NO_STORE)
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.server.engine.name:
+            return error_response(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"the model {name!r} is not served here; this server runs {self.server.engine.name!r}",
+                openai=True,
+                param="model",
+            )
+        return web.json_response(self._model_object(), headers=_NO_STORE)
 
 
 def _peer(request: web.Request) -> str:

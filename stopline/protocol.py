@@ -19,8 +19,8 @@ The protocol validates frames, enforces limits and rates, builds every frame
 and every :class:`Ending`, remembers why and when a stop was asked for, and
 guarantees that a request gets exactly one terminal message, whatever races
 with what. The I/O layer only moves bytes and frames; the scheduler only owns
-slots and the queue. This module imports only the standard library and the
-vocabulary: no socket, thread, event loop or model, so it is tested with plain
+slots and the queue. This module imports only the standard library, the
+vocabulary and the JSON Schema to grammar converter: no socket, thread, event loop or model, so it is tested with plain
 function calls.
 
 A request moves through this table, and nowhere else::
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeGuard
 
+from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Reason, Refusal, Status
 
 PROTOCOL_VERSION = 1
@@ -63,7 +64,14 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     repetition_penalty: float = 1.1
+    # OpenAI's: subtracted from a token's logit per time it was generated, and once if it was.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
+    # A GBNF grammar every generated token must follow (stopline.json_grammar writes them); llama.cpp only.
+    grammar: str | None = None
+    # Log probabilities with each token, and how many alternatives (0 to 20); None: none.
+    logprobs: int | None = None
     stop: tuple[str, ...] = ()
     # Seconds from the start time given to Engine.start (the server passes the
     # request's arrival); None means no deadline.
@@ -118,6 +126,8 @@ class Limits:
     byte_burst: int = 1 << 20
     # How many ended request ids each connection remembers for cancel_ack.
     remembered_ids: int = 1024
+    # Whether the engine constrains sampling to a grammar (json_schema, json_object): llama.cpp's does.
+    grammars: bool = False
 
 
 @dataclass(eq=False)
@@ -628,14 +638,17 @@ class Connection:
         request.started_ns = now_ns
         return [Cancel(request)] if request.cancel_reason is not None else []
 
-    def token(self, request: Request, text: str, now_ns: int) -> list[Action]:
-        """Newly generated text: its token frame (none once the request has ended)."""
+    def token(self, request: Request, text: str, now_ns: int, logprobs: list[dict] | None = None) -> list[Action]:
+        """Newly generated text: its token frame (none once the request has ended), with the
+        log probabilities of the tokens it was read with, when they were asked for."""
         if request.ended:
             return []
         if request.phase is Phase.PREFILL:
             request.advance(Phase.DECODING)
             request.first_token_ns = now_ns
         frame = {"type": "token", "id": request.id, "index": request.next_index, "text": text}
+        if logprobs is not None:
+            frame["logprobs"] = logprobs
         request.next_index += 1
         # A client that stopped reading gets no more tokens; everyone else gets every token generated.
         if request.cancel_reason is Reason.SLOW_CONSUMER:
@@ -869,6 +882,30 @@ def _text_bytes(value: str, name: str, request_id: str) -> int:
         ) from None
 
 
+# What a client is told when the engine cannot constrain its output.
+GRAMMARS_NEED_LLAMA_CPP = "structured output needs the llama.cpp engine (start the server with --engine llama.cpp)"
+
+
+def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
+    """The grammar that ``json_schema`` or ``json_object`` asks for, if either does."""
+    schema, json_object = frame.get("json_schema"), frame.get("json_object")
+    if json_object is not None and not isinstance(json_object, bool):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "json_object must be true or false", request_id)
+    if schema is not None and json_object:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "give json_schema or json_object, not both", request_id)
+    if schema is None and not json_object:
+        return None
+    if not limits.grammars:
+        name = "json_schema" if schema is not None else "json_object"
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
+    if schema is None:
+        return JSON_OBJECT_GRAMMAR
+    try:
+        return schema_grammar(schema)
+    except SchemaError as exc:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"json_schema: {exc}", request_id) from None
+
+
 def _validate_generate(frame: dict, limits: Limits, request_id: str):
     prompt, messages = frame.get("prompt"), frame.get("messages")
     if (prompt is None) == (messages is None):
@@ -920,6 +957,7 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
             request_id,
         )
 
+    grammar = _grammar(frame, limits, request_id)
     d = DEFAULT_SAMPLING
     params = SamplingParams(
         max_tokens=_number(
@@ -931,8 +969,16 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
         repetition_penalty=float(
             _number(frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id)
         ),
+        frequency_penalty=float(
+            _number(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
+        ),
+        presence_penalty=float(
+            _number(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
+        ),
         seed=_number(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
         stop=tuple(stop),
+        grammar=grammar,
+        logprobs=_number(frame, "logprobs", d.logprobs, 0, 20, integer=True, request_id=request_id),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
         timeout_s=min(
             limits.max_timeout_s,

@@ -45,8 +45,8 @@ class Sink(Protocol):
     def started(self, request: Request) -> None:
         """It took a slot (called synchronously, before its loop runs)."""
 
-    async def deliver(self, request: Request, texts: list[str]) -> None:
-        """Its loop published text."""
+    async def deliver(self, request: Request, texts: list[str], logprobs: list[dict] | None = None) -> None:
+        """Its loop published text (and, when asked for, the log probabilities of its tokens)."""
 
     async def finished(self, request: Request, result: GenerationResult) -> None:
         """Its loop exited and reported ``result``."""
@@ -234,7 +234,7 @@ class Scheduler:
         try:
             async with contextlib.aclosing(stream.batches(self._executor)) as batches:
                 async for texts in batches:
-                    await sink.deliver(request, texts)
+                    await sink.deliver(request, texts, stream.take_logprobs())
             result = stream.result
         except Exception as exc:
             # Leaving the batches has already stopped the loop and waited for it.

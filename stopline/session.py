@@ -195,9 +195,10 @@ class ClientSession:
             if isinstance(action, Cancel):
                 self.server.scheduler.cancel(action.request)
 
-    async def deliver(self, request: Request, texts: list[str]) -> None:
-        for text in texts:
-            await self.perform(self.protocol.token(request, text, time.monotonic_ns()))
+    async def deliver(self, request: Request, texts: list[str], logprobs: list[dict] | None = None) -> None:
+        for i, text in enumerate(texts):
+            # A batch's log probabilities go with its first token frame.
+            await self.perform(self.protocol.token(request, text, time.monotonic_ns(), logprobs if i == 0 else None))
 
     async def finished(self, request: Request, result: GenerationResult) -> None:
         await self.perform(self.protocol.finished(request, result))

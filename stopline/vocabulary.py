@@ -77,6 +77,9 @@ class ErrorCode(StrEnum):
     UNKNOWN_REQUEST = "unknown_request"
     INVALID_CANCEL_TOKEN = "invalid_cancel_token"
     NOT_FOUND = "not_found"
+    # OpenAI endpoints only: a body field Stopline does not honour, a model it does not serve.
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    MODEL_NOT_FOUND = "model_not_found"
     # Cross-replica GET/DELETE with --redis-url (docs/deploy.md)
     STORE_UNAVAILABLE = "store_unavailable"
     OWNER_UNREACHABLE = "owner_unreachable"

@@ -68,7 +68,7 @@ async def test_openai_chat_and_completion_not_streaming(server, logs):
     models = await client.models.list()
     assert [m.id for m in models.data] == [server.engine.name]
     chat = await client.chat.completions.create(
-        model="any", messages=CHAT_FRANCE, temperature=0, max_tokens=32, user="alice"
+        model=server.engine.name, messages=CHAT_FRANCE, temperature=0, max_tokens=32, user="alice"
     )
     assert "Paris" in chat.choices[0].message.content
     # The answer ends with EOS ("stop") unless it used all 32 tokens ("length").
@@ -80,7 +80,7 @@ async def test_openai_chat_and_completion_not_streaming(server, logs):
     # The client's user is its own label; without API keys no user_id is known.
     assert accepted["user"] == end["user"] == "alice" and accepted["user_id"] is end["user_id"] is None
     completion = await client.completions.create(
-        model="any", prompt="The capital of France is", max_tokens=3, temperature=0, seed=1, stop=["\n"]
+        model=server.engine.name, prompt="The capital of France is", max_tokens=3, temperature=0, seed=1, stop=["\n"]
     )
     assert completion.choices[0].finish_reason in ("length", "stop") and completion.usage.completion_tokens <= 3
     await client.close()
@@ -89,7 +89,7 @@ async def test_openai_chat_and_completion_not_streaming(server, logs):
 async def test_openai_streaming_with_usage(server):
     client = openai_client(server)
     stream = await client.chat.completions.create(
-        model="any",
+        model=server.engine.name,
         messages=CHAT_FRANCE,
         temperature=0,
         max_tokens=32,
@@ -114,10 +114,10 @@ async def test_openai_streaming_with_usage(server):
 async def test_openai_errors_have_openai_shape(server):
     client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(model="any", messages=CHAT_FRANCE, max_tokens=0)
+        await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, max_tokens=0)
     assert caught.value.code == "invalid_field" and "max_tokens" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.completions.create(model="any", prompt=LONG_PROMPT * 3, max_tokens=4)
+        await client.completions.create(model=server.engine.name, prompt=LONG_PROMPT * 3, max_tokens=4)
     assert caught.value.code == "prompt_too_long"
     with pytest.raises(openai.NotFoundError) as caught:
         await client.embeddings.create(model="any", input="x")
@@ -145,7 +145,9 @@ async def test_closing_an_openai_stream_stops_the_model_under_other_traffic(serv
 
 async def _close_an_openai_stream(server, logs, active_after: int):
     client = openai_client(server)
-    stream = await client.chat.completions.create(model="any", messages=LONG_ANSWER, max_tokens=500, stream=True)
+    stream = await client.chat.completions.create(
+        model=server.engine.name, messages=LONG_ANSWER, max_tokens=500, stream=True
+    )
     seen = 0
     async for chunk in stream:
         seen += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -270,7 +272,9 @@ async def test_websocket_generation_cancelled_by_delete(server, http):
 
 async def test_delete_shows_on_an_openai_stream_as_its_finish_reason(server, http):
     client = openai_client(server)
-    stream = await client.chat.completions.create(model="any", messages=LONG_ANSWER, max_tokens=500, stream=True)
+    stream = await client.chat.completions.create(
+        model=server.engine.name, messages=LONG_ANSWER, max_tokens=500, stream=True
+    )
     token = stream.response.headers["X-Cancel-Token"]
     chunks = []
     async for chunk in stream:

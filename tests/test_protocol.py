@@ -233,7 +233,18 @@ def test_lone_surrogates_are_refused_and_never_echoed(raw):
 
 @pytest.mark.parametrize(
     "field",
-    ["max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "timeout_s", "ttft_timeout_s"],
+    [
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "timeout_s",
+        "ttft_timeout_s",
+    ],
 )
 @pytest.mark.parametrize("number", ["1" + "0" * 400, "-1" + "0" * 400, "1e400", "-1e400"])
 def test_numbers_of_any_magnitude_are_range_checked(field, number):
@@ -314,7 +325,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back
     assert conn.live == {}
 
 
-def test_importing_the_protocol_loads_only_the_standard_library_and_the_vocabulary():
+def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_and_the_grammar_writer():
     code = (
         "import json, sys\n"
         "before = set(sys.modules)\n"
@@ -324,7 +335,7 @@ def test_importing_the_protocol_loads_only_the_standard_library_and_the_vocabula
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
     ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
-    assert ours == {"stopline", "stopline.protocol", "stopline.vocabulary"}, ours
+    assert ours == {"stopline", "stopline.protocol", "stopline.vocabulary", "stopline.json_grammar"}, ours
     others = {name for name in loaded if name not in ours and name.split(".")[0] not in sys.stdlib_module_names}
     assert others == set(), f"third-party or native modules: {sorted(others)}"
     assert "stopline.protocol" in loaded  # the probe did import it

@@ -38,6 +38,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc cimport errno
 from libc.stdint cimport int32_t, int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.math cimport exp, log
 from libc.string cimport memcpy, memset, strlen
 from posix cimport dlfcn, fcntl, unistd
 
@@ -48,6 +49,8 @@ from stopline cimport _loop_support as sl
 import os
 
 cdef enum:
+    # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
+    MAX_TOP_LOGPROBS = 20
     # How many recent tokens the repetition penalty looks at (ctransformers' default).
     LAST_N_TOKENS = 64
     # While paused for a slow reader, re-check the flag and deadlines this often.
@@ -202,6 +205,21 @@ cdef class Slot:
         """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
         self.n_held = 0
 
+    def last_logits(self):
+        """A copy of the logits the last token was sampled from (as float32 bytes, one per
+        vocabulary id), with the penalties that sampling applied to them; None before any."""
+        cdef const float *logits
+        self._check_open()
+        if self.busy:
+            raise EngineError("the context is busy")
+        logits = self.logits_pointer()
+        if logits is NULL:
+            return None
+        return PyBytes_FromStringAndSize(<const char *>logits, self.vocab_size * sizeof(float))
+
+    cdef const float *logits_pointer(self) noexcept:
+        return NULL
+
     @property
     def closed(self):
         return True
@@ -326,6 +344,11 @@ cdef class Context(Slot):
     def token_bytes(self, int token):
         self._check_open()
         return <bytes>API.llm_detokenize(self.llm, token)
+
+    cdef const float *logits_pointer(self) noexcept:
+        if API.llm_logits_size(self.llm) < self.vocab_size:
+            return NULL
+        return API.llm_logits_data(self.llm) + API.llm_logits_size(self.llm) - self.vocab_size
 
     @property
     def closed(self):
@@ -531,6 +554,9 @@ cdef class LlamaContext(Slot):
     def token_bytes(self, int token):
         return self.model.token_bytes(token)
 
+    cdef const float *logits_pointer(self) noexcept:
+        return LLAMA.logits(self.ctx) if self.n_held else NULL
+
     @property
     def closed(self):
         return self.ctx is NULL
@@ -561,6 +587,23 @@ cdef struct LoopState:
     float top_p
     float temperature
     float repetition_penalty
+    # OpenAI's penalties: logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty,
+    # count[t] being how often t was generated so far. counts is NULL when both are 0.
+    float frequency_penalty
+    float presence_penalty
+    int *counts            # occurrences of each token id among the generated tokens
+    int *seen              # the distinct ids generated, in order of first appearance
+    int n_seen
+    int vocab_size
+    # Log probabilities (n_top < 0: off): the log-softmax of the model's logits at each
+    # draw, before penalties, temperature, truncation and grammar. For generated token
+    # i: chosen_logprob[i], and its n_top best alternatives in top_ids/top_logprobs[i * n_top ...].
+    int n_top
+    float *scratch         # the raw logits of the current draw
+    float log_sum          # their log-sum-exp
+    float *chosen_logprob
+    int *top_ids
+    float *top_logprobs
     int seed
     int prefill_chunk
     int threads
@@ -680,10 +723,77 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
     return True
 
 
+cdef inline float *last_logits(LoopState *s) noexcept nogil:
+    """The logits of the last evaluation's sampled position (NULL: none), which sampling reads."""
+    if s.engine == Engine.LLAMA_CPP:
+        return <float *>LLAMA.logits(s.lctx)
+    return API.llm_logits_data(s.llm) + API.llm_logits_size(s.llm) - s.vocab_size
+
+
+cdef inline void apply_penalties(LoopState *s) noexcept nogil:
+    """OpenAI's frequency and presence penalties, on the logits in place: only the
+    ids generated so far change, so a step costs as many subtractions as there are."""
+    cdef int i, token
+    cdef float *logits = last_logits(s)
+    if logits is NULL:
+        return
+    for i in range(s.n_seen):
+        token = s.seen[i]
+        logits[token] -= s.counts[token] * s.frequency_penalty + s.presence_penalty
+
+
+cdef inline void count_token(LoopState *s, int token) noexcept nogil:
+    if s.counts is NULL:
+        return
+    if s.counts[token] == 0:
+        s.seen[s.n_seen] = token
+        s.n_seen += 1
+    s.counts[token] += 1
+
+
+cdef void record_distribution(LoopState *s) noexcept nogil:
+    """Keep the draw's raw logits, their log-sum-exp and the n_top best ids, for the token
+    about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary) as a rule."""
+    cdef int i, j, n = s.vocab_size, k = s.n_top
+    cdef float *logits = last_logits(s)
+    cdef double best = -1e300, total = 0
+    cdef int *ids = s.top_ids + s.n_generated * k
+    cdef float *values = s.top_logprobs + s.n_generated * k
+    cdef int filled = 0
+    if logits is NULL:
+        return
+    memcpy(s.scratch, logits, n * sizeof(float))
+    for i in range(n):
+        if s.scratch[i] > best:
+            best = s.scratch[i]
+    for i in range(n):
+        total += exp(s.scratch[i] - best)
+    s.log_sum = <float>(best + log(total))
+    # Insertion into a sorted list of k: most candidates fail the first comparison.
+    for i in range(n):
+        if filled == k and (k == 0 or s.scratch[i] <= values[k - 1]):
+            continue
+        j = filled if filled < k else k - 1
+        while j > 0 and values[j - 1] < s.scratch[i]:
+            values[j] = values[j - 1]
+            ids[j] = ids[j - 1]
+            j -= 1
+        values[j] = s.scratch[i]
+        ids[j] = i
+        if filled < k:
+            filled += 1
+    for j in range(k):
+        values[j] -= s.log_sum
+
+
 cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
     """The next token, drawn from the logits of the last evaluation."""
     cdef int first_last, top_k = s.top_k
     cdef float temperature = s.temperature
+    if s.n_top >= 0:
+        record_distribution(s)
+    if s.counts is not NULL:
+        apply_penalties(s)
     if s.engine == Engine.LLAMA_CPP:
         return LLAMA.sample(s.sampler, s.lctx)
     if temperature <= 0:
@@ -770,7 +880,10 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         size = write_piece(s, token, s.text + old_size)
         s.text_end[s.n_generated] = old_size + size
         s.tokens[s.n_past] = token
+        if s.n_top >= 0:
+            s.chosen_logprob[s.n_generated] = s.scratch[token] - s.log_sum
         s.n_generated += 1
+        count_token(s, token)
         if s.n_generated == 1:
             s.first_token_ns = sl.sl_monotonic_ns()
             # The first-token deadline has been met.
@@ -872,12 +985,14 @@ cdef class Generation:
     cdef readonly object stop_sequences
 
     def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
-                  int top_k, double top_p, double repetition_penalty, int seed,
+                  int top_k, double top_p, double repetition_penalty, double frequency_penalty,
+                  double presence_penalty, int seed, grammar, int logprobs,
                   stop=(), int prefill_chunk=1, int threads=1, int window=64,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
         cdef ll.sll_sampling sampling
+        cdef bytes grammar_text = None if grammar is None else str(grammar).encode("utf-8")
         context._check_open()
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
@@ -885,6 +1000,8 @@ cdef class Generation:
             raise ContextOverflowError(
                 f"the prompt has {n_prompt} tokens; the context holds {context.context_length} "
                 "and needs room for at least one generated token")
+        if grammar_text is not None and context.engine != Engine.LLAMA_CPP:
+            raise ValueError("a grammar needs the llama.cpp engine")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
         if prefill_chunk > context.max_batch:
@@ -900,6 +1017,9 @@ cdef class Generation:
         self.s.top_k = top_k
         self.s.top_p = top_p
         self.s.repetition_penalty = repetition_penalty
+        self.s.frequency_penalty = frequency_penalty
+        self.s.presence_penalty = presence_penalty
+        self.s.vocab_size = context.vocab_size
         self.s.seed = seed
         self.s.prefill_chunk = prefill_chunk
         self.s.threads = threads
@@ -921,7 +1041,10 @@ cdef class Generation:
             sampling.presence_penalty = 0
             sampling.penalty_last_n = LAST_N_TOKENS
             sampling.seed = <uint32_t>seed
+            sampling.grammar = NULL if grammar_text is None else <const char *>grammar_text
             self.s.sampler = LLAMA.sampler_new((<LlamaContext>context).model.model, &sampling)
+            if self.s.sampler is NULL and grammar_text is not None:
+                raise ValueError("llama.cpp cannot parse the grammar")
             if self.s.sampler is NULL:
                 raise c_failure(MemoryError, "cannot allocate the sampler")
         else:
@@ -936,6 +1059,21 @@ cdef class Generation:
         self.s.stops = <char *>malloc(sum(len(x) for x in self.stop_sequences) + 1)
         if not (self.s.tokens and self.s.text and self.s.text_end and self.s.stop_sizes and self.s.stops):
             raise c_failure(MemoryError, "cannot allocate the token log")
+        if not -1 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs is -1 (off) to {MAX_TOP_LOGPROBS}")
+        self.s.n_top = logprobs
+        if logprobs >= 0:
+            self.s.scratch = <float *>malloc(context.vocab_size * sizeof(float))
+            self.s.chosen_logprob = <float *>malloc(max_tokens * sizeof(float))
+            self.s.top_ids = <int *>malloc((max_tokens * logprobs + 1) * sizeof(int))
+            self.s.top_logprobs = <float *>malloc((max_tokens * logprobs + 1) * sizeof(float))
+            if not (self.s.scratch and self.s.chosen_logprob and self.s.top_ids and self.s.top_logprobs):
+                raise c_failure(MemoryError, "cannot allocate the log probabilities")
+        if frequency_penalty != 0 or presence_penalty != 0:
+            self.s.counts = <int *>calloc(context.vocab_size, sizeof(int))
+            self.s.seen = <int *>malloc(max_tokens * sizeof(int))
+            if not (self.s.counts and self.s.seen):
+                raise c_failure(MemoryError, "cannot allocate the penalty counts")
         for i in range(n_prompt):
             token = prompt_tokens[i]
             if not 0 <= token < context.vocab_size:
@@ -954,6 +1092,12 @@ cdef class Generation:
         if self.s.sampler is not NULL:
             LLAMA.sampler_free(self.s.sampler)
         free(self.s.tokens)
+        free(self.s.counts)
+        free(self.s.seen)
+        free(self.s.scratch)
+        free(self.s.chosen_logprob)
+        free(self.s.top_ids)
+        free(self.s.top_logprobs)
         free(self.s.text)
         free(self.s.text_end)
         free(self.s.stops)
@@ -1051,6 +1195,24 @@ cdef class Generation:
     def result(self):
         """The :class:`LoopResult` once the loop has ended, else None."""
         return self._result
+
+    def logprobs(self, int start, int end):
+        """The log probabilities of published tokens start..end-1: for each, its own and its
+        best alternatives', as ``(logprob, [(token_id, logprob), ...])``; None when not asked for."""
+        cdef int i, j, k = self.s.n_top
+        if k < 0:
+            return None
+        if not 0 <= start <= end <= sl.sl_load_acquire(&self.s.published):
+            raise ValueError("only published tokens have log probabilities")
+        return [
+            (self.s.chosen_logprob[i], [(self.s.top_ids[i * k + j], self.s.top_logprobs[i * k + j]) for j in range(k)])
+            for i in range(start, end)
+        ]
+
+    def token_ids(self):
+        """The ids of every token published so far (the end of generation is not one)."""
+        cdef int i, end = sl.sl_load_acquire(&self.s.published)
+        return [self.s.tokens[self.s.n_prompt + i] for i in range(end)]
 
     def take(self):
         """Return the bytes of each token published since the last call, as a list,

@@ -30,6 +30,7 @@ cdef extern from "llama_abi.h" nogil:
         float presence_penalty
         int32_t penalty_last_n
         uint32_t seed
+        const char *grammar
 
     ctypedef struct sll_api:
         void *handle

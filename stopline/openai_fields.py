@@ -1,0 +1,384 @@
+"""What Stopline does with every field of OpenAI's request bodies, and the generate frame they ask for.
+
+One table, :data:`FIELDS`, names every field of the chat-completions and
+completions request bodies and its treatment: honoured, honoured only at its
+default (any other value is refused), or refused. docs/http.md holds the same
+table for readers, and a test checks that the two agree. Nothing is ignored in
+silence: a field that is not honoured is refused with 400
+``unsupported_parameter`` naming it, and so is a field that is not in the table.
+
+No I/O here: :func:`openai_request` turns a parsed body into a ``generate``
+frame, which the protocol then validates like any other, and says whether the
+answer is a function call for the reply to read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .protocol import GRAMMARS_NEED_LLAMA_CPP
+from .vocabulary import ErrorCode
+
+
+class Treatment(StrEnum):
+    """What Stopline does with a field; the words of the docs table."""
+
+    HONOURED = "honoured"
+    # Accepted at the values in ``Field.neutral`` (its default), refused at any other.
+    DEFAULT_ONLY = "default only"
+    REFUSED = "refused"
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+BOTH = frozenset(Endpoint)
+CHAT = frozenset({Endpoint.CHAT})
+COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    endpoints: frozenset[Endpoint]
+    treatment: Treatment
+    # For DEFAULT_ONLY: the values accepted (null is always accepted, as absent).
+    neutral: tuple = ()
+    # The generate frame's field it becomes, when honoured (None: read by the API itself).
+    frame_name: str | None = None
+    # A value the table-vs-server test sends; for a refused field, one that is refused.
+    example: object = None
+
+
+# Every field of the two request bodies, as OpenAI's API reference lists them,
+# and Stopline's own sampling fields (passed with the openai package's extra_body).
+FIELDS: tuple[Field, ...] = (
+    Field("messages", CHAT, Treatment.HONOURED),
+    Field("prompt", COMPLETIONS, Treatment.HONOURED),
+    Field("model", BOTH, Treatment.HONOURED),
+    Field("max_tokens", BOTH, Treatment.HONOURED, frame_name="max_tokens", example=2),
+    Field("max_completion_tokens", CHAT, Treatment.HONOURED, frame_name="max_tokens", example=2),
+    Field("temperature", BOTH, Treatment.HONOURED, frame_name="temperature", example=0),
+    Field("top_p", BOTH, Treatment.HONOURED, frame_name="top_p", example=0.5),
+    Field("seed", BOTH, Treatment.HONOURED, frame_name="seed", example=7),
+    Field("stop", BOTH, Treatment.HONOURED, frame_name="stop", example=["\n"]),
+    Field("user", BOTH, Treatment.HONOURED, frame_name="user", example="alice"),
+    Field("safety_identifier", CHAT, Treatment.HONOURED, frame_name="user", example="alice"),
+    Field("stream", BOTH, Treatment.HONOURED, example=False),
+    Field("stream_options", BOTH, Treatment.HONOURED, example={"include_usage": True}),
+    Field("n", BOTH, Treatment.DEFAULT_ONLY, neutral=(1,), example=2),
+    Field("best_of", COMPLETIONS, Treatment.DEFAULT_ONLY, neutral=(1,), example=2),
+    Field("echo", COMPLETIONS, Treatment.DEFAULT_ONLY, neutral=(False,), example=True),
+    Field("suffix", COMPLETIONS, Treatment.REFUSED, example="!"),
+    Field("frequency_penalty", BOTH, Treatment.HONOURED, frame_name="frequency_penalty", example=0.5),
+    Field("presence_penalty", BOTH, Treatment.HONOURED, frame_name="presence_penalty", example=0.5),
+    Field("logit_bias", BOTH, Treatment.DEFAULT_ONLY, neutral=({},), example={"50256": -100}),
+    Field("logprobs", CHAT, Treatment.HONOURED, example=True),
+    Field("logprobs", COMPLETIONS, Treatment.HONOURED, frame_name="logprobs", example=2),
+    Field("top_logprobs", CHAT, Treatment.HONOURED, example=2),
+    Field("response_format", CHAT, Treatment.HONOURED, example={"type": "json_object"}),
+    Field("tools", CHAT, Treatment.HONOURED, example=[{"type": "function", "function": {"name": "f"}}]),
+    Field("tool_choice", CHAT, Treatment.HONOURED, example="none"),
+    Field("parallel_tool_calls", CHAT, Treatment.REFUSED, example=False),
+    Field("functions", CHAT, Treatment.DEFAULT_ONLY, neutral=([],), example=[{"name": "f"}]),
+    Field("function_call", CHAT, Treatment.DEFAULT_ONLY, neutral=("none",), example="auto"),
+    Field("modalities", CHAT, Treatment.DEFAULT_ONLY, neutral=(["text"],), example=["text", "audio"]),
+    Field("audio", CHAT, Treatment.REFUSED, example={"voice": "alloy", "format": "wav"}),
+    Field("prediction", CHAT, Treatment.REFUSED, example={"type": "content", "content": "x"}),
+    Field("reasoning_effort", CHAT, Treatment.REFUSED, example="low"),
+    Field("verbosity", CHAT, Treatment.REFUSED, example="low"),
+    Field("web_search_options", CHAT, Treatment.REFUSED, example={}),
+    Field("service_tier", CHAT, Treatment.DEFAULT_ONLY, neutral=("auto", "default"), example="flex"),
+    Field("store", CHAT, Treatment.DEFAULT_ONLY, neutral=(False,), example=True),
+    Field("metadata", CHAT, Treatment.REFUSED, example={"k": "v"}),
+    Field("prompt_cache_key", CHAT, Treatment.REFUSED, example="k"),
+    Field("prompt_cache_retention", CHAT, Treatment.REFUSED, example="24h"),
+    # Stopline's own (docs/protocol.md#generate).
+    Field("top_k", BOTH, Treatment.HONOURED, frame_name="top_k", example=5),
+    Field("repetition_penalty", BOTH, Treatment.HONOURED, frame_name="repetition_penalty", example=1.2),
+    Field("timeout_s", BOTH, Treatment.HONOURED, frame_name="timeout_s", example=60),
+    Field("ttft_timeout_s", BOTH, Treatment.HONOURED, frame_name="ttft_timeout_s", example=60),
+)
+
+
+def fields_of(endpoint: Endpoint) -> dict[str, Field]:
+    return {f.name: f for f in FIELDS if endpoint in f.endpoints}
+
+
+_BY_ENDPOINT = {endpoint: fields_of(endpoint) for endpoint in Endpoint}
+
+_ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+class Refused(ValueError):
+    """A body Stopline will not run: its error code, message and the field it names (``param``)."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None):
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def _same(value: object, neutral: object) -> bool:
+    # 1 == True in Python; a JSON boolean is not a number.
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    frame: dict
+    # The answer is one function call (tool_choice required or a named function), as JSON.
+    tool_call: bool = False
+
+
+def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> OpenAIRequest:
+    """The generate frame an OpenAI request body asks for, or :class:`Refused`.
+    ``model`` is the one model this server serves; ``grammars``, whether its engine
+    can constrain output to a grammar (``Limits.grammars``)."""
+    table = _BY_ENDPOINT[Endpoint.CHAT if chat else Endpoint.COMPLETIONS]
+    for name, value in body.items():
+        field = table.get(name)
+        if field is None:
+            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{name} is not a parameter Stopline knows", name)
+        if value is None or field.treatment is Treatment.HONOURED:
+            continue
+        if field.treatment is Treatment.DEFAULT_ONLY and any(_same(value, n) for n in field.neutral):
+            continue
+        accepted = " or ".join(repr(n) for n in field.neutral)
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            f"{name} is not supported" + (f" (only {accepted})" if accepted else ""),
+            name,
+        )
+    requested = body.get("model")
+    if requested is not None and requested != model:
+        raise Refused(
+            ErrorCode.MODEL_NOT_FOUND,
+            f"the model {requested!r} is not served here; this server runs {model!r}",
+            "model",
+        )
+    frame: dict = {"type": "generate"}
+    call = None
+    if chat:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            messages = [_message(m, i, _call_names(messages)) for i, m in enumerate(messages)]
+        call = _tool_call(body.get("tools"), body.get("tool_choice"), grammars)
+        if call is not None and isinstance(messages, list):
+            schema, instructions = call
+            frame["json_schema"] = schema
+            messages = _with_system(messages, instructions)
+        frame["messages"] = messages
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise Refused(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)", "prompt")
+        frame["prompt"] = prompt
+    if body.get("response_format") is not None:
+        frame.update(_response_format(body["response_format"], grammars))
+    if chat:
+        frame.update(_chat_logprobs(body.get("logprobs"), body.get("top_logprobs")))
+    # max_completion_tokens (OpenAI's newer name) wins over max_tokens, safety_identifier yields to user.
+    preferred = ("max_completion_tokens", "user")
+    for name in (*preferred, *table):
+        field = table[name] if name in table else None
+        if field is not None and field.frame_name is not None and body.get(name) is not None:
+            frame.setdefault(field.frame_name, body[name])
+    if call is not None and "json_schema" in frame and body.get("response_format") not in (None, {"type": "text"}):
+        raise Refused(
+            ErrorCode.INVALID_FIELD, "give response_format or a tool_choice that calls, not both", "tool_choice"
+        )
+    return OpenAIRequest(frame, tool_call=call is not None)
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# How the model is told about the functions (through its chat template, as a system message).
+TOOLS_INSTRUCTIONS = (
+    'Call one of these functions. Answer with only a JSON object {{"name": <the function\'s name>, '
+    '"arguments": <its arguments>}}.\nFunctions: {functions}'
+)
+
+
+def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[dict, str] | None:
+    """The schema of the call that ``tool_choice`` asks for and the instructions that show the
+    functions to the model; None when the answer is text."""
+    tools = [] if tools is None else tools
+    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+        raise Refused(
+            ErrorCode.INVALID_FIELD,
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            "tools",
+        )
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if choice == "auto":
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            'tool_choice "auto" is not supported: Stopline calls a function when tool_choice is "required" '
+            'or names one ({"type": "function", "function": {"name": ...}}), and answers in text with "none"',
+            "tool_choice",
+        )
+    functions = [t["function"] for t in tools]
+    if choice == "required":
+        chosen = functions
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        chosen = [f for f in functions if f["name"] == choice["function"].get("name")]
+        if not chosen:
+            raise Refused(
+                ErrorCode.INVALID_FIELD, "tool_choice names a function that tools does not list", "tool_choice"
+            )
+    else:
+        raise Refused(
+            ErrorCode.INVALID_FIELD,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if not chosen:
+        raise Refused(ErrorCode.INVALID_FIELD, "tool_choice required needs tools", "tool_choice")
+    if not grammars:
+        raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"tool_choice: {GRAMMARS_NEED_LLAMA_CPP}", "tool_choice")
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    shown = [{k: f[k] for k in ("name", "description", "parameters") if k in f} for f in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return schema, TOOLS_INSTRUCTIONS.format(functions=json.dumps(shown, ensure_ascii=False))
+
+
+def _is_tool(tool: object) -> bool:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        return False
+    function = tool["function"]
+    name, parameters = function.get("name"), function.get("parameters")
+    return (
+        isinstance(name, str)
+        and _FUNCTION_NAME.fullmatch(name) is not None
+        and (parameters is None or isinstance(parameters, dict))
+        and set(function) <= {"name", "description", "parameters", "strict"}
+    )
+
+
+def _with_system(messages: list, instructions: str) -> list:
+    """``messages`` with ``instructions`` added to their system message (one is put first if none)."""
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") == "system" and isinstance(first.get("content"), str):
+        return [{"role": "system", "content": f"{first['content']}\n\n{instructions}"}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def _call_names(messages: list) -> dict[str, str]:
+    """The function name of every tool call id in the assistant messages."""
+    names = {}
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            for call in message["tool_calls"]:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                    names[str(call.get("id"))] = str(call["function"].get("name"))
+    return names
+
+
+def _chat_logprobs(logprobs: object, top: object) -> dict:
+    """The generate frame's ``logprobs`` (how many alternatives) for chat's two fields."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise Refused(ErrorCode.INVALID_FIELD, "logprobs must be true or false", "logprobs")
+    if not logprobs:
+        if top not in (None, 0):
+            raise Refused(ErrorCode.INVALID_FIELD, "top_logprobs needs logprobs: true", "top_logprobs")
+        return {}
+    # The protocol checks the count (0 to 20).
+    return {"logprobs": 0 if top is None else top}
+
+
+def _response_format(value: object, grammars: bool) -> dict:
+    """The generate frame's fields for ``response_format``: none for text, else the JSON constraint."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind not in ("json_object", "json_schema"):
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "response_format.type must be text, json_object or json_schema",
+            "response_format",
+        )
+    if not grammars:
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER, f"response_format {kind}: {GRAMMARS_NEED_LLAMA_CPP}", "response_format"
+        )
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema") if isinstance(value, dict) else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise Refused(
+            ErrorCode.INVALID_FIELD, "response_format.json_schema.schema must be an object", "response_format"
+        )
+    # strict or not, the schema is enforced.
+    return {"json_schema": spec["schema"]}
+
+
+# The keys a message of each role may have besides role and content.
+_MESSAGE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+
+
+def _message(message, index: int, call_names: dict[str, str]):
+    """A chat message in the protocol's shape: text parts are joined, developer means system. An
+    assistant's tool calls become the JSON it would have written; a tool's result, a user message."""
+    if not isinstance(message, dict):
+        return message
+    where = f"messages[{index}]"
+    role = message.get("role")
+    if role not in (*_ROLES, "tool"):
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            f"{where}.role {role!r} is not supported; use system, developer, user, assistant or tool",
+            f"{where}.role",
+        )
+    # Only these keys are read; any other key with a value is refused (null counts as absent).
+    for key, value in message.items():
+        if key not in ("role", "content", *_MESSAGE_KEYS.get(role, ())) and value is not None:
+            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{where}.{key} is not supported", f"{where}.{key}")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, "only text content parts are supported", f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    if role == "tool":
+        name = call_names.get(str(message.get("tool_call_id")), "the function")
+        return {"role": "user", "content": f"{name} returned: {content}"}
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls
+        ):
+            raise Refused(
+                ErrorCode.INVALID_FIELD, f"{where}.tool_calls must list function calls", f"{where}.tool_calls"
+            )
+        written = [_call_text(c["function"]) for c in calls]
+        content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
+    return {"role": _ROLES[role], "content": content}
+
+
+def _call_text(function: dict) -> str:
+    """A call as the model writes one: {"name": ..., "arguments": {...}}."""
+    arguments = function.get("arguments")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)

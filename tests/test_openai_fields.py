@@ -1,0 +1,219 @@
+"""Every field of OpenAI's request bodies is honoured or refused by name: the table in
+stopline/openai_fields.py, the one in docs/http.md, and a real server agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from conftest import CHAT_FRANCE, UNIT
+from stopline.openai_fields import FIELDS, Endpoint, Treatment, fields_of
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
+# The fields whose value the test sets itself, around the one it sends.
+BASE = {"messages", "prompt", "model"}
+# Fields that are read together with another one.
+COMPANIONS = {"top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "none"}}
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 * UNIT)) as session:
+        yield session
+
+
+def docs_table() -> set[tuple[str, frozenset[Endpoint], Treatment]]:
+    text = DOCS.read_text()
+    table = text[text.index("<!-- fields-table: start -->") : text.index("<!-- fields-table: end -->")]
+    rows = set()
+    for line in table.splitlines():
+        match = re.match(r"\| `(\w+)` \| (\w+) \| ([\w ]+) \|", line)
+        if match:
+            name, endpoint, treatment = match.groups()
+            endpoints = frozenset(Endpoint) if endpoint == "both" else frozenset({Endpoint(endpoint)})
+            rows.add((name, endpoints, Treatment(treatment)))
+    return rows
+
+
+def test_the_docs_table_is_the_code_table():
+    assert docs_table() == {(f.name, f.endpoints, f.treatment) for f in FIELDS}
+    # A field appears once per endpoint.
+    for endpoint in Endpoint:
+        names = [f.name for f in FIELDS if endpoint in f.endpoints]
+        assert len(names) == len(set(names)) == len(fields_of(endpoint))
+
+
+def base_body(server, endpoint: Endpoint) -> dict:
+    body: dict = {"model": server.engine.name, "max_tokens": 2, "temperature": 0}
+    if endpoint is Endpoint.CHAT:
+        body["messages"] = CHAT_FRANCE
+    else:
+        body["prompt"] = "The capital of France is"
+    return body
+
+
+async def post(http, server, endpoint: Endpoint, body: dict) -> tuple[int, dict]:
+    path = "chat/completions" if endpoint is Endpoint.CHAT else "completions"
+    async with http.post(f"{server.http.base_url}/{path}", json=body) as response:
+        if body.get("stream"):
+            await response.read()
+            return response.status, {}
+        return response.status, await response.json()
+
+
+async def test_every_field_is_honoured_or_refused_by_name(server, http):
+    for endpoint in Endpoint:
+        for field in fields_of(endpoint).values():
+            if field.name in BASE:
+                continue
+            body = {**base_body(server, endpoint), **COMPANIONS.get(field.name, {}), field.name: field.example}
+            status, answer = await post(http, server, endpoint, body)
+            # Structured output needs an engine that constrains sampling to a grammar.
+            honoured = field.treatment is Treatment.HONOURED and (
+                field.name != "response_format" or server.limits.grammars
+            )
+            if honoured:
+                assert status == 200, (endpoint, field.name, answer)
+            else:
+                assert status == 400, (endpoint, field.name, answer)
+                assert answer["error"]["code"] == "unsupported_parameter", answer
+                assert answer["error"]["param"] == field.name and field.name in answer["error"]["message"]
+            # null is absent, and a default-only field takes its default.
+            for value in (None, *field.neutral):
+                status, answer = await post(http, server, endpoint, {**base_body(server, endpoint), field.name: value})
+                assert status == 200, (endpoint, field.name, value, answer)
+
+
+async def test_honoured_fields_take_effect(server, http, logs):
+    status, answer = await post(
+        http, server, Endpoint.CHAT, {**base_body(server, Endpoint.CHAT), "max_completion_tokens": 1, "max_tokens": 9}
+    )
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1
+    status, answer = await post(
+        http,
+        server,
+        Endpoint.CHAT,
+        {**base_body(server, Endpoint.CHAT), "safety_identifier": "bob", "max_tokens": 1},
+    )
+    assert status == 200
+    [end] = logs.records("generation_done", request_id=answer["id"])
+    assert end["user_id"] == "bob"
+
+
+async def test_structured_output_names_the_engine_that_has_it(server):
+    if server.limits.grammars:
+        pytest.skip("this engine constrains output to a grammar")
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    for response_format in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.engine.name, messages=CHAT_FRANCE, response_format=response_format
+            )
+        assert caught.value.code == "unsupported_parameter" and caught.value.param == "response_format"
+        assert "--engine llama.cpp" in caught.value.message
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model=server.engine.name, messages=CHAT_FRANCE, tools=tools, tool_choice="required"
+        )
+    assert caught.value.param == "tool_choice" and "--engine llama.cpp" in caught.value.message
+    await client.close()
+
+
+async def test_a_field_not_in_the_table_is_refused_by_name(server, http):
+    for endpoint in Endpoint:
+        status, answer = await post(http, server, endpoint, {**base_body(server, endpoint), "temprature": 0.5})
+        assert status == 400 and answer["error"]["param"] == "temprature"
+        assert answer["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "42", "name": "f"}, "messages[1].name"),
+        ({"role": "function", "content": "42"}, "messages[1].role"),
+        ({"role": "user", "content": "Hi", "name": "ann"}, "messages[1].name"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]},
+            "messages[1].content",
+        ),
+    ],
+)
+async def test_messages_stopline_cannot_read_are_refused_by_name(server, http, message, param):
+    body = {**base_body(server, Endpoint.CHAT), "messages": [*CHAT_FRANCE, message]}
+    status, answer = await post(http, server, Endpoint.CHAT, body)
+    assert status == 400 and answer["error"]["code"] == "unsupported_parameter"
+    assert answer["error"]["param"] == param
+
+
+async def test_a_model_not_served_is_not_found(server):
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    model = await client.models.retrieve(server.engine.name)
+    assert model.id == server.engine.name and model.owned_by == "stopline"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.models.retrieve("gpt-4o")
+    assert caught.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model="gpt-4o", messages=CHAT_FRANCE, max_tokens=1)
+    assert caught.value.code == "model_not_found" and "gpt-4o" in caught.value.message
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi", max_tokens=1)
+    assert caught.value.code == "model_not_found"
+    # n=2 and an oversized max_tokens, as the openai package sends them.
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, n=2)
+    assert caught.value.code == "unsupported_parameter" and caught.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, max_tokens=10**6)
+    assert caught.value.code == "invalid_field" and "max_tokens" in caught.value.message
+    await client.close()
+
+
+async def test_logprobs_with_the_openai_package_streaming_or_not(server):
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    # Greedy, and with no penalty: the token drawn is the model's most likely one.
+    fields = dict(
+        model=server.engine.name,
+        messages=CHAT_FRANCE,
+        temperature=0,
+        max_tokens=12,
+        extra_body={"repetition_penalty": 1.0},
+    )
+    answer = await client.chat.completions.create(logprobs=True, top_logprobs=3, **fields)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.token == entry.top_logprobs[0].token and abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-6
+    assert "".join(e.token for e in content) == answer.choices[0].message.content
+    stream = await client.chat.completions.create(logprobs=True, stream=True, **fields)
+    streamed = [
+        e
+        for c in [c async for c in stream]
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+    plain = await client.chat.completions.create(**fields)
+    assert plain.choices[0].logprobs is None
+    completion = await client.completions.create(
+        model=server.engine.name, prompt="The capital of France is", temperature=0, max_tokens=4, logprobs=2
+    )
+    columns = completion.choices[0].logprobs
+    assert len(columns.tokens) == len(columns.token_logprobs) == completion.usage.completion_tokens
+    assert all(1 <= len(top) <= 2 for top in columns.top_logprobs) and columns.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(logprobs=True, top_logprobs=21, **fields)
+    assert caught.value.code == "invalid_field" and "logprobs" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(top_logprobs=2, **fields)
+    assert caught.value.param == "top_logprobs"
+    await client.close()

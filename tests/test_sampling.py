@@ -1,0 +1,112 @@
+"""What the native sampler does with OpenAI's sampling fields, on both engines, checked
+against the logits the loop itself sampled from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_generation
+from stopline._core import ExitKind
+from stopline.engine import Engine
+from stopline.vocabulary import EngineName
+
+COUNTING = "1, 2, 1, 2, 1, 2, 1, 2, 1, 2,"
+
+
+@pytest.fixture(scope="module", params=[EngineName.CTRANSFORMERS, EngineName.LLAMA_CPP])
+def any_engine(request, engine) -> Engine:
+    if request.param is EngineName.CTRANSFORMERS:
+        return engine
+    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+
+
+@pytest.fixture
+def slot(any_engine):
+    slot = any_engine.open_slot()
+    yield slot
+    slot.close()
+
+
+def logits_of(slot) -> np.ndarray:
+    raw = slot.last_logits()
+    assert raw is not None
+    return np.frombuffer(raw, dtype=np.float32).astype(np.float64)
+
+
+def greedy_run(slot, prompt: list[int], max_tokens: int, **sampling):
+    # Prefill one token at a time: every position is then computed exactly as a decode step computes it.
+    generation = make_generation(slot, prompt, max_tokens=max_tokens, temperature=0, prefill_chunk=1, **sampling)
+    result = generation.run()
+    return generation.token_ids(), result, logits_of(slot)
+
+
+@pytest.mark.parametrize(("frequency", "presence"), [(0.7, 0.4), (-0.5, 1.5), (2.0, 0.0)])
+def test_penalties_follow_openais_definition(any_engine, slot, frequency, presence):
+    prompt = any_engine.encode(prompt=COUNTING)
+    tokens, result, penalized = greedy_run(
+        slot, prompt, 8, frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=1.0
+    )
+    # The last draw saw every published token but the one it drew (an end of generation is not published).
+    counted = tokens if result.exit == ExitKind.EOS else tokens[:-1]
+    assert counted, "the generation ended before any token counted"
+    slot.forget()
+    _, _, raw = greedy_run(slot, prompt + counted, 1, repetition_penalty=1.0)
+    expected = raw.copy()
+    for token in set(counted):
+        expected[token] -= counted.count(token) * frequency + presence
+    assert np.max(np.abs(penalized - expected)) < 1e-4
+    if result.exit != ExitKind.EOS:
+        assert tokens[-1] == int(np.argmax(penalized))
+
+
+def test_no_penalty_leaves_the_logits_as_the_model_computed_them(any_engine, slot):
+    prompt = any_engine.encode(prompt=COUNTING)
+    tokens, _, logits = greedy_run(slot, prompt, 4, repetition_penalty=1.0)
+    slot.forget()
+    _, _, raw = greedy_run(slot, prompt + tokens[:-1], 1, repetition_penalty=1.0)
+    assert np.max(np.abs(logits - raw)) < 1e-4
+
+
+def test_a_frequency_penalty_changes_what_greedy_decoding_says(any_engine, slot):
+    prompt = any_engine.encode(prompt=COUNTING)
+    plain, _, _ = greedy_run(slot, prompt, 12, repetition_penalty=1.0)
+    slot.forget()
+    penalized, _, _ = greedy_run(slot, prompt, 12, repetition_penalty=1.0, frequency_penalty=2.0)
+    # Unpenalized, the model repeats itself; penalized, no token is drawn as often.
+    assert max(penalized.count(t) for t in penalized) < max(plain.count(t) for t in plain)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max()
+    return logits - (top + np.log(np.exp(logits - top).sum()))
+
+
+def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(any_engine, slot):
+    prompt = any_engine.encode(prompt=COUNTING)
+    generation = make_generation(
+        slot, prompt, max_tokens=4, temperature=0.9, seed=3, repetition_penalty=1.0, logprobs=20
+    )
+    result = generation.run()
+    tokens = generation.token_ids()
+    found = generation.logprobs(0, len(tokens))
+    assert found is not None and len(found) == len(tokens) == result.tokens_generated
+    if result.exit == ExitKind.EOS:
+        pytest.skip("the last draw was the end of generation, which has no entry")
+    # The slot still holds the logits the last token was drawn from.
+    expected = log_softmax(logits_of(slot))
+    chosen, top = found[-1]
+    assert abs(chosen - expected[tokens[-1]]) < 1e-4
+    assert len(top) == 20
+    values = [value for _, value in top]
+    assert values == sorted(values, reverse=True)
+    for token, value in top:
+        assert abs(value - expected[token]) < 1e-4
+    # They are the 20 best: none left out is better than the last one in.
+    assert np.sort(expected)[-20] <= values[-1] + 1e-4
+    # Asked for no alternatives, each token still has its own.
+    slot.forget()
+    generation = make_generation(slot, prompt, max_tokens=2, temperature=0, logprobs=0)
+    generation.run()
+    assert all(top == [] and value <= 0 for value, top in generation.logprobs(0, len(generation.token_ids())))
+    assert make_generation(slot, prompt, max_tokens=2).logprobs(0, 0) is None
