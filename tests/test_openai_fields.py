@@ -101,7 +101,8 @@ async def test_honoured_fields_take_effect(server, http, logs):
     )
     assert status == 200
     [end] = logs.records("generation_done", request_id=answer["id"])
-    assert end["user_id"] == "bob"
+    # The client's own label; user_id is an API key's user, and there are no keys here.
+    assert end["user"] == "bob" and end["user_id"] is None
 
 
 async def test_structured_output_names_the_engine_that_has_it(server):
