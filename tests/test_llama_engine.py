@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from conftest import UNIT, http_get, make_generation, started_running
@@ -294,6 +296,18 @@ def run_stopline(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def write_incomplete_llama(path: Path) -> None:
+    """A GGUF with a llama architecture, a vocabulary and one tensor: no hyperparameters, no layers."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "make, problem",
@@ -302,10 +316,12 @@ def run_stopline(*args: str) -> subprocess.CompletedProcess:
         (lambda p: p.write_bytes(b"GGUF" + (1).to_bytes(4, "little")), "GGUF version 1 is not supported"),
         (
             lambda p: p.write_bytes(original_gguf_path(progress=False).read_bytes()[: 40 << 20]),
-            "llama.cpp cannot load it",
+            "the file is truncated",
         ),
+        # Well formed, of a known architecture, but not a model llama.cpp can build.
+        (lambda p: write_incomplete_llama(p), "llama.cpp cannot load it"),
     ],
-    ids=["text", "gguf-v1", "truncated"],
+    ids=["text", "gguf-v1", "truncated", "incomplete"],
 )
 def test_a_file_llama_cpp_cannot_load_is_one_line_and_status_2(tmp_path, make, problem):
     path = tmp_path / "model.gguf"
