@@ -874,6 +874,10 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         if ends_generation(s, token):
             s.exit = ExitKind.EOS
             return
+        # Sampling takes a while over a large vocabulary: a stop that came in the
+        # meantime wins, and the token is never published.
+        if should_stop(s):
+            return
 
         # Publish: bytes and id first, then the count with release semantics.
         old_size = s.text_end[s.n_generated - 1] if s.n_generated else 0
