@@ -58,8 +58,12 @@ class ManagedServer:
         threads: int,
         name: str | None = None,
         extra_args: tuple[str, ...] = (),
+        model: Path | None = None,
+        cpus: frozenset[int] | None = None,
     ):
         self.engine = engine
+        self.model = model
+        self.cpus = cpus
         # The target's name, and its files': the engine's unless several servers run the same engine.
         self.name = name or engine
         self.workers = workers
@@ -90,8 +94,10 @@ class ManagedServer:
                 str(self.lag_path),
                 "--log-file",
                 str(self.log_path),
+                *(("--model", str(self.model)) if self.model is not None else ()),
                 *self.extra_args,
                 cwd=ROOT,
+                preexec_fn=confine_to(self.cpus),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
@@ -138,6 +144,19 @@ class ManagedServer:
                         # The id the client chose (for HTTP requests, the server-global request id).
                         ends[record.get("id", record["request_id"])] = record
         return ends
+
+
+def confine_to(cpus: frozenset[int] | None):
+    """A preexec_fn that pins the child to ``cpus``, so that every engine runs on the same cores."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def load_average() -> tuple[float, float, float]:
+    """The machine's 1, 5 and 15 minute load averages: how busy the shared machine was."""
+    one, five, fifteen = os.getloadavg()
+    return (one, five, fifteen)
 
 
 def free_port() -> int:

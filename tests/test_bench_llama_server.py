@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import parse_args
+from bench.__main__ import parse_args, write_results_section
 from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, LlamaBench, LlamaServer
 from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
-from bench.scenarios import Plan
+from bench.scenarios import Plan, share, share_range
 from stopline import model as embedded
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -141,6 +141,49 @@ def test_engines_and_binary_flags():
     for bad in (["--engines", "llama-server"], ["--engines", "ours,vllm"], ["--engines", "ours,ours"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_gemma_runs_only_the_engines_that_can_load_it():
+    args = parse_args(["--model", "gemma3", "--engines", "ours,ours_llama,llama-server", "--build-llama-server"])
+    assert args.engines == "ours_llama,llama-server" and args.skipped == ["ours"]
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "gemma3", "--engines", "ours,baseline"])
+    assert parse_args(["--cpus", "0,1"]).cpu_set == frozenset({0, 1})
+
+
+def test_samples_split_into_parts_that_add_up():
+    for total in (0, 1, 5, 10):
+        assert sum(share(total, part, 3) for part in range(3)) == total
+        assert [r for part in range(3) for r in share_range(total, part, 3)] == list(range(total))
+    plan = bench_for_plan(streams=())
+    assert plan.stream_counts(2) == [1, 2] and plan.stream_counts(4) == [1, 4]
+    assert bench_for_plan(streams=(4,)).stream_counts(4) == [4] and bench_for_plan(streams=(4,)).stream_counts(2) == []
+
+
+def bench_for_plan(**fields) -> Plan:
+    return Plan(
+        requests=1,
+        long_requests=1,
+        duration_s=None,
+        short_tokens=50,
+        long_tokens=300,
+        concurrency=None,
+        throughput_reps=1,
+        decode_tokens=16,
+        parallel=1,
+        **fields,
+    )
+
+
+def test_each_model_keeps_its_own_section_of_the_results(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    write_results_section(path, "smollm2", "## SmolLM2\n\nSECTION-ONE\n")
+    write_results_section(path, "gemma3", "## Gemma\n\nSECTION-TWO\n")
+    write_results_section(path, "smollm2", "## SmolLM2\n\nSECTION-AGAIN\n")
+    text = path.read_text()
+    assert text.startswith("# Stopline benchmark results")
+    assert "SECTION-AGAIN" in text and "SECTION-ONE" not in text and "SECTION-TWO" in text
+    assert text.index("SECTION-AGAIN") < text.index("SECTION-TWO")
 
 
 def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
