@@ -274,17 +274,19 @@ def planned_samples(
     return total
 
 
-def start_servers(args, model: BenchModel, workers: int) -> list:
-    """The servers of ``--engines``, with ``workers`` slots each, all confined to the same cores."""
+def start_servers(args, model: BenchModel, workers: int, out_dir: Path) -> list:
+    """The servers of ``--engines``, with ``workers`` slots each, all confined to the same cores;
+    their logs in ``out_dir``."""
     gguf = model.gguf()
+    out_dir.mkdir(parents=True, exist_ok=True)
     managed: list = []
     for engine in args.engines.split(","):
         if engine == LLAMA_SERVER:
-            managed.append(peer_from_args(args, args.out, DEFAULT_CONTEXT_LENGTH, gguf, workers, args.cpu_set))
+            managed.append(peer_from_args(args, out_dir, DEFAULT_CONTEXT_LENGTH, gguf, workers, args.cpu_set))
         else:
             # The ctransformers engines load the embedded model their own way (a converted copy).
             path = gguf if SERVED_ENGINES[engine].kind is EngineName.LLAMA_CPP else None
-            managed.append(ManagedServer(engine, args.out, workers, args.threads, model=path, cpus=args.cpu_set))
+            managed.append(ManagedServer(engine, out_dir, workers, args.threads, model=path, cpus=args.cpu_set))
     return managed
 
 
@@ -338,7 +340,7 @@ async def run(args) -> dict:
     if args.url:
         targets = [await Target.from_url(args.url)]
     else:
-        managed = start_servers(args, model, args.workers)
+        managed = start_servers(args, model, args.workers, args.out)
         print(f"starting {', '.join(m.engine for m in managed)} ...", file=sys.stderr)
         targets = list(await asyncio.gather(*(m.start() for m in managed)))
 
@@ -386,12 +388,14 @@ async def run(args) -> dict:
         wide = [s for s in WIDE_SCENARIOS if s in scenarios]
         if args.wide_workers and wide and not args.url:
             await asyncio.gather(*(m.stop() for m in managed))
-            managed = start_servers(args, model, args.wide_workers)
+            # Logs of their own: the first servers' logs are read after the run.
+            managed = start_servers(args, model, args.wide_workers, args.out / "wide")
             print(
                 f"starting {', '.join(m.engine for m in managed)} with {args.wide_workers} slots ...", file=sys.stderr
             )
             targets = list(await asyncio.gather(*(m.start() for m in managed)))
-            cpu.pids = [os.getpid()] + [m.pid for m in managed] if cpu else []
+            if cpu is not None:
+                cpu.pids = [os.getpid()] + [m.pid for m in managed]
             bench.plan = peer.plan = replace(plan, streams=(args.wide_workers,))
             wide_meta: dict = {"targets": {}}
             await _calibrate(wide_meta, targets, runner, [], progress)

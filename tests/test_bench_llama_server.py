@@ -15,7 +15,7 @@ from bench.__main__ import parse_args, write_results_section
 from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, LlamaBench, LlamaServer
 from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
-from bench.scenarios import Plan, share, share_range
+from bench.scenarios import CONCURRENT_STREAMS, DECODE_CONCURRENT, TURNS, Plan, share, share_range
 from stopline import model as embedded
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -27,14 +27,25 @@ def prompts() -> PromptMaker:
     return PromptMaker(embedded.embedded_tokenizer(progress=False), random.Random(1))
 
 
-@pytest.fixture
-async def peer(tmp_path):
+async def start_fake(tmp_path: Path, slots: int):
     accounts = tmp_path / "accounts.jsonl"
     binary = tmp_path / "llama-server"
     binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" --accounts "{accounts}" "$@"\n')
     binary.chmod(0o755)
-    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=SLOTS, threads=1, context_length=2048)
-    target = await server.start()
+    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=slots, threads=1, context_length=2048)
+    return server, await server.start(), accounts
+
+
+@pytest.fixture
+async def peer(tmp_path):
+    server, target, accounts = await start_fake(tmp_path, SLOTS)
+    yield server, target, accounts
+    await server.stop()
+
+
+@pytest.fixture
+async def wide_peer(tmp_path):
+    server, target, accounts = await start_fake(tmp_path, CONCURRENT_STREAMS)
     yield server, target, accounts
     await server.stop()
 
@@ -132,6 +143,24 @@ async def test_throughput_reads_the_stream_and_its_timings(peer, prompts):
     before = len(ends(accounts))
     await bench.run("queued", target)
     assert len(ends(accounts)) == before and len(bench.runs) == 1
+
+
+async def test_takes_part_in_prompt_speed_multi_turn_and_the_4_stream_cancel(wide_peer, prompts):
+    server, target, accounts = wide_peer
+    bench = bench_for(prompts, requests=2)
+    await bench.calibrate(target, long=True)
+    for scenario in ("prefill_speed", "multi_turn", "decode_after_token", DECODE_CONCURRENT):
+        await bench.run(scenario, target)
+    counts = {s["scenario"]: 0 for s in bench.samples}
+    for sample in bench.samples:
+        counts[sample["scenario"]] += 1
+    assert counts == {"prefill_speed": 2, "multi_turn": 2 * TURNS, "decode_after_token": 2, DECODE_CONCURRENT: 2}
+    assert all(s["prompt_tokens_per_s"] > 0 for s in bench.samples if s["scenario"] == "prefill_speed")
+    assert {s["turn"] for s in bench.samples if s["scenario"] == "multi_turn"} == set(range(1, TURNS + 1))
+    for sample in (s for s in bench.samples if s["scenario"] == DECODE_CONCURRENT):
+        assert sample["outcome"] == "cancelled" and sample["streams"] == CONCURRENT_STREAMS
+        # The other streams ran to their end: they lost nothing.
+        assert sample["others_lost_tokens"] == 0 and sample["others_not_done"] == 0
 
 
 def test_engines_and_binary_flags():
