@@ -303,19 +303,35 @@ def prompt_maker(args, rng: random.Random) -> PromptMaker:
     return PromptMaker(LlamaTokenizer(_core.LlamaModel(str(MODELS[args.model].gguf()))), rng)
 
 
+def pause_all_but(targets: list[Target], measured: Target | None) -> None:
+    """Pause every started server but ``measured`` (None: continue them all).
+
+    An idle server still wakes up (its event loop's timers); each wake-up can preempt one of a
+    multi-threaded server's threads, and its spinning partners then wait out the time slice.
+    Paused, the servers not being measured cannot disturb the one that is."""
+    for target in targets:
+        if target.managed is not None:
+            target.managed.pause(measured is not None and target is not measured)
+
+
 async def run_scenarios(bench, peer, scenarios: list[str], targets: list[Target], rounds: int) -> None:
     """Scenario by scenario; within each, the engines take turns part by part, in alternating order,
-    so that a drift in the machine's load favours none of them."""
+    so that a drift in the machine's load favours none of them. The servers not being measured are
+    paused meanwhile."""
 
     def runner(target: Target):
         return peer if target.name == LLAMA_SERVER else bench
 
-    for scenario in scenarios:
-        if scenario == CANCEL_VIA_REPLICA:
-            continue
-        for part in range(rounds):
-            for target in targets if part % 2 == 0 else reversed(targets):
-                await runner(target).run(scenario, target, part, rounds)
+    try:
+        for scenario in scenarios:
+            if scenario == CANCEL_VIA_REPLICA:
+                continue
+            for part in range(rounds):
+                for target in targets if part % 2 == 0 else reversed(targets):
+                    pause_all_but(targets, target)
+                    await runner(target).run(scenario, target, part, rounds)
+    finally:
+        pause_all_but(targets, None)
 
 
 async def run(args) -> dict:
@@ -381,7 +397,7 @@ async def run(args) -> dict:
     try:
         await _calibrate(meta, targets, runner, scenarios, progress)
         await run_scenarios(bench, peer, main_scenarios, targets, args.rounds)
-        if llama_results is not None and LLAMA_SERVER in meta["targets"]:
+        if llama_results is not None and LLAMA_SERVER in meta["targets"] and args.greedy_prompts > 0:
             progress.set_description("greedy agreement with llama-server")
             peer_target = next(t for t in targets if t.name == LLAMA_SERVER)
             llama_results["greedy"] = await _greedy_agreement(args, model, prompts, peer_target)
@@ -434,7 +450,11 @@ async def run(args) -> dict:
 async def _calibrate(meta: dict, targets: list[Target], runner, scenarios: list[str], progress) -> None:
     for target in targets:
         progress.set_description(f"calibrating [{target.name}]")
-        calibration = await runner(target).calibrate(target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
+        pause_all_but(targets, target)
+        try:
+            calibration = await runner(target).calibrate(target, long=bool(set(LONG_SCENARIOS) & set(scenarios)))
+        finally:
+            pause_all_but(targets, None)
         info = {"ws_url": target.ws_url, "slots": target.slots, "calibration": calibration}
         if target.managed:
             info.update(

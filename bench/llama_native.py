@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from stopline._core import Generation
-from stopline.engine import EXIT_OUTCOMES, Engine, EngineName
+from stopline.engine import EXIT_OUTCOMES, Engine, EngineName, SamplingParams, sampling_args
 from stopline.vocabulary import Outcome
 
 from .native import greedy_args, storm_prompt
@@ -212,9 +212,11 @@ def longest_nodes(engine: Engine, prompt_tokens: int = NODE_PROMPT_TOKENS, reps:
 
 
 def greedy_ours(engine: Engine, prompt: list[int], max_tokens: int) -> list[bytes]:
+    """Each generated token's bytes, greedy, with no repetition penalty (as :func:`greedy_body` asks)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, repetition_penalty=1.0, seed=0)
     slot = engine.open_slot()
     try:
-        g = Generation(slot, prompt, **greedy_args(max_tokens), prefill_chunk=engine.prefill_chunk, threads=1)
+        g = Generation(slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1)
         g.run()
         return list(g.take())
     finally:

@@ -239,6 +239,11 @@ class LlamaServer:
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the process while another engine is measured."""
+        if self._process is not None and self._process.returncode is None:
+            os.kill(self._process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     # What bench/__main__.py asks of a started server; llama-server has no Python event loop to probe.
     def request_log(self) -> dict[str, dict]:
         return {}
@@ -549,6 +554,9 @@ class LlamaBench(Bench):
     async def _stopped(self, target: Target, call: Completion, slot: int, closed_ns: int, max_tokens: int) -> _Stopped:
         """Wait for the slot's release line, then confirm on /slots that it is idle."""
         release = await target.managed.next_release(slot)
+        while release.seen_ns < call.sent_ns:
+            # The previous request's release line, logged after its answer was sent: not this one's.
+            release = await target.managed.next_release(slot)
         while any(s["id"] == slot and s["is_processing"] for s in await get_json(target.http_url, "/slots")):
             await asyncio.sleep(0.001)
         confirmed_ns = time.monotonic_ns()

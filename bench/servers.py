@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -123,6 +124,11 @@ class ManagedServer:
         except TimeoutError:
             self._process.kill()
             await self._process.wait()
+
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the server while another engine is measured."""
+        if self._process is not None and self._process.returncode is None:
+            os.kill(self._process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def lag_samples(self) -> list[tuple[int, int]]:
         """(start ns, overshoot ns) of every 10 ms probe sleep on the server's event loop."""
