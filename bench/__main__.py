@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import math
 import os
 import platform
@@ -192,6 +193,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "random moments (bench/native.py)",
     )
     p.add_argument("--abort-cycles", type=int, default=500, help="aborts per thread setting with --native")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: write the tables (and with --results-md, RESULTS.md) from --out's results.json",
+    )
     p.add_argument(
         "--results-md", action="store_true", help="also write bench/RESULTS.md and bench/stop_latency_cdf.png"
     )
@@ -612,7 +618,9 @@ def results_section(results: dict, tables: str, chart: str) -> str:
   slot; llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
   all){_wide_note(wide, threads)}
 - Interleaving: each scenario's samples are taken in {meta["rounds"]} parts, the engines taking turns
-  part by part, in alternating order
+  part by part, in alternating order; while one engine is measured (or calibrated) the other servers
+  are paused (SIGSTOP), because an idle server's wake-ups (its event loop's timers) preempt a thread of
+  a multi-threaded server, whose other threads then spin at ggml's barrier until it runs again
 - Servers: one process each (`python -m bench.serve`, or llama-server), on 127.0.0.1, started by the benchmark
 - Prompts: about {meta["plan"]["short_tokens"]} tokens (short) and {meta["plan"]["long_tokens"]} tokens (long),
   each different, each asking for a long story; sampling at temperature 0.7
@@ -705,8 +713,12 @@ def _count(value) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(run(args))
     json_path = args.out / "results.json"
+    if args.render_only:
+        # The tables and RESULTS.md section again, from a run's JSON file.
+        results = json.loads(json_path.read_text())
+    else:
+        results = asyncio.run(run(args))
     chart_name = "stop_latency_cdf.png" if args.model == "smollm2" else f"stop_latency_cdf_{args.model}.png"
     chart_path = args.out / chart_name
     write_json(results, json_path)

@@ -296,10 +296,25 @@ class LlamaReport:
             )
         return words
 
+    def load(self) -> str:
+        """The machine's 1-minute load average over the scenarios: how shared the 2 cores were."""
+        loads = [r["load_average"][0] for r in self.results["runs"] if r.get("load_average")]
+        if not loads:
+            return ""
+        return (
+            f"The machine's 1-minute load average, read as each scenario part started: "
+            f"{min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}, on 2 cores shared with "
+            "other work. llama-server's threads meet at a barrier after every graph node, so a thread "
+            "preempted by other work holds back its partners, spinning while they wait; ours runs one thread "
+            "per slot and has no barrier. "
+            "Its multi-threaded figures are therefore the ones most sensitive to this load."
+        )
+
     def markdown(self) -> str | None:
         if OURS_LLAMA not in self.r.targets:
             return None
         parts = [
+            self.load(),
             "#### Side by side",
             "Each figure of Stopline on its llama.cpp engine beside llama-server's from the same run "
             "(same GGUF, same cores, equal threads in all), and, where it ran, the ctransformers engine's. "

@@ -643,9 +643,10 @@ class Report:
 
 LLAMA_METHOD = (
     "llama-server (llama.cpp's HTTP server; `bench/llama_server.py`) is started by the benchmark on the same "
-    "GGUF file, with the same context per slot, slots, compute threads and sampling (temperature, top-k, top-p, "
-    "repetition penalty; its extra min-p sampler off), every prompt sent as the same token ids and evaluated "
-    "whole (`cache_prompt` off). It has no cancel request, so each stop is the client closing the connection: "
+    "GGUF file, with the same context per slot, slots and sampling (temperature, top-k, top-p, repetition "
+    "penalty; its extra min-p sampler off), as many compute threads in all as ours has over its slots, on the "
+    "same cores, every prompt sent as the same token ids and evaluated whole (`cache_prompt` off, but in the "
+    "multi-turn chat). It has no cancel request, so each stop is the client closing the connection: "
     "a closed stream for the stop scenarios (where ours gets a cancel frame), a reset connection for the "
     "disconnects. Ours counts as stopped when its terminal frame arrives (cancels) or when `/metrics` shows "
     "the generation gone (disconnects); llama-server counts as stopped when its log prints the release of "
