@@ -2,8 +2,9 @@
 
 The benchmark starts the binary (``--llama-server PATH``, or one built by
 ``--build-llama-server``, see ``stopline/llama_build.py``) on the same GGUF file
-the other engines load, with the same context per slot, slots, threads and
-sampling, and maps the scenarios onto its HTTP API (``POST /completion`` with
+the other engines load, with the same context per slot, slots and sampling, as
+many compute threads in all as ours has (slots × threads per slot), on the same
+cores, and maps the scenarios onto its HTTP API (``POST /completion`` with
 the prompt as token ids, so every engine evaluates exactly the same tokens):
 
 * llama-server has no cancel request: a stop is the client closing the
@@ -35,11 +36,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stopline.llama_build import SOURCE_LABEL, cached_binary, ensure_llama_server
 from stopline.protocol import DEFAULT_SAMPLING
 from stopline.vocabulary import Outcome, Reason
 
-from .scenarios import LONG_GENERATION, MAX_FRAMES_BEFORE_STOP, Bench, sleep_until
-from .servers import Target
+from .scenarios import (
+    CONCURRENT_OTHER_TOKENS,
+    CONCURRENT_STREAMS,
+    DECODE_CONCURRENT,
+    LONG_GENERATION,
+    LONG_SCENARIOS,
+    MAX_FRAMES_BEFORE_STOP,
+    TURN_TOKENS,
+    TURNS,
+    Bench,
+    share,
+    share_range,
+    sleep_until,
+)
+from .servers import Target, confine_to, load_average
 
 ENGINE = "llama-server"
 # Scenarios that only this engine runs: a non-streaming request whose client goes away.
@@ -47,7 +62,21 @@ NONSTREAM = "nonstream"
 # A client goes away while another client streams (ours: a dropped WebSocket; llama-server: a
 # non-streaming request, the case where its handler waits without writing anything).
 DISCONNECT_BUSY = "disconnect_busy"
-SUPPORTED = ("prefill_short", "prefill_long", "decode", "throughput", "disconnect", NONSTREAM, DISCONNECT_BUSY)
+SUPPORTED = (
+    "prefill_short",
+    "prefill_long",
+    "decode",
+    "decode_after_token",
+    DECODE_CONCURRENT,
+    "throughput",
+    "prefill_speed",
+    "multi_turn",
+    "disconnect",
+    NONSTREAM,
+    DISCONNECT_BUSY,
+)
+# How a finished llama-server request says it ended on its own (end of sequence, a stop word).
+_ENDED_ON_ITS_OWN = ("eos", "word")
 # Bounds each sample in which llama-server never notices the client left: it runs to n_predict.
 BUSY_MAX_TOKENS = 256
 
@@ -71,8 +100,19 @@ class LlamaServer:
 
     engine = ENGINE
 
-    def __init__(self, binary: Path, model: Path, out_dir: Path, slots: int, threads: int, context_length: int):
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        out_dir: Path,
+        slots: int,
+        threads: int,
+        context_length: int,
+        cpus: frozenset[int] | None = None,
+    ):
+        """``threads``: compute threads of the whole process, shared by its slots."""
         self.binary = Path(binary)
+        self.cpus = cpus
         self.model = Path(model)
         self.slots = slots
         self.threads = threads
@@ -120,6 +160,7 @@ class LlamaServer:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=confine_to(self.cpus),
         )
         self.pid = self._process.pid
         port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -152,8 +193,6 @@ class LlamaServer:
 
     async def _source(self) -> str:
         """Which llama.cpp this is: its --version line, and where the benchmark built it from."""
-        from stopline.llama_build import SOURCE_LABEL, cached_binary
-
         process = await asyncio.create_subprocess_exec(
             str(self.binary), "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )
@@ -199,6 +238,11 @@ class LlamaServer:
                 await self._process.wait()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
+
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the process while another engine is measured."""
+        if self._process is not None and self._process.returncode is None:
+            os.kill(self._process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     # What bench/__main__.py asks of a started server; llama-server has no Python event loop to probe.
     def request_log(self) -> dict[str, dict]:
@@ -394,8 +438,18 @@ class LlamaBench(Bench):
     def supports(self, scenario: str) -> bool:
         return scenario in SUPPORTED
 
-    def _body(self, tokens: int, max_tokens: int, slot: int, stream: bool = True) -> dict:
+    def _body(
+        self,
+        tokens: int,
+        max_tokens: int,
+        slot: int,
+        stream: bool = True,
+        messages: list[dict] | None = None,
+        cache_prompt: bool = False,
+    ) -> dict:
         fields = self._generate_fields(tokens, max_tokens)
+        if messages is not None:
+            fields["messages"] = messages
         prompt = self.prompts.tokenizer.encode(self.prompts.tokenizer.render_chat(fields["messages"]))
         # Ours' sampling (Stopline's defaults), and no llama.cpp-only sampler (min_p).
         ours = DEFAULT_SAMPLING
@@ -411,12 +465,13 @@ class LlamaBench(Bench):
             "repeat_penalty": ours.repetition_penalty,
             "repeat_last_n": 64,
             "id_slot": slot,
-            # Every prompt is evaluated whole, as on the other engines.
-            "cache_prompt": False,
+            # Every prompt is evaluated whole, as on the other engines, but in a chat: there the
+            # slot's cache makes a follow-up turn cost only its new tokens, as ours does.
+            "cache_prompt": cache_prompt,
         }
 
-    async def _complete(self, target: Target, tokens: int, max_tokens: int, slot: int, stream: bool = True):
-        return await Completion.start(target.http_url, self._body(tokens, max_tokens, slot, stream))
+    async def _complete(self, target: Target, tokens: int, max_tokens: int, slot: int, stream: bool = True, **body):
+        return await Completion.start(target.http_url, self._body(tokens, max_tokens, slot, stream, **body))
 
     # Calibration ------------------------------------------------------------------
 
@@ -439,12 +494,14 @@ class LlamaBench(Bench):
 
     # The sampling loop ---------------------------------------------------------------
 
-    async def run(self, scenario: str, target: Target) -> None:
+    async def run(self, scenario: str, target: Target, part: int = 0, parts: int = 1) -> None:
         if not self.supports(scenario):
             return
         plan = self.plan
-        wanted = plan.long_requests if scenario == "prefill_long" else plan.requests
-        if wanted <= 0:
+        wanted = share(plan.long_requests if scenario in LONG_SCENARIOS else plan.requests, part, parts)
+        if scenario == "multi_turn":
+            wanted *= TURNS  # a sample per turn, long_requests chats
+        if wanted <= 0 or (scenario == DECODE_CONCURRENT and target.slots < CONCURRENT_STREAMS):
             return
         if self.progress is not None:
             self.progress.set_description(f"{scenario} [{target.name}]")
@@ -456,10 +513,11 @@ class LlamaBench(Bench):
             "valid": 0,
             "discarded": 0,
             "cpu_before": self.cpu.read() if self.cpu else None,
+            "load_average": load_average(),
         }
         await self._wait_idle(target)
         if scenario == "throughput":
-            await self._throughput(target, run)
+            await self._throughput(target, run, share_range(plan.throughput_reps, part, parts))
         elif scenario == DISCONNECT_BUSY:
             await self._busy(target, run, wanted)
         else:
@@ -467,6 +525,10 @@ class LlamaBench(Bench):
                 "prefill_short": lambda t, slot: self._prefill_sample(t, slot, "prefill_short", plan.short_tokens),
                 "prefill_long": lambda t, slot: self._prefill_sample(t, slot, "prefill_long", plan.long_tokens),
                 "decode": self._decode_sample,
+                "decode_after_token": lambda t, slot: self._decode_sample(t, slot, "decode_after_token"),
+                DECODE_CONCURRENT: self._concurrent_sample,
+                "prefill_speed": self._prefill_speed_sample,
+                "multi_turn": self._multi_turn_sample,
                 "disconnect": self._disconnect_sample,
                 NONSTREAM: self._nonstream_sample,
             }[scenario]
@@ -492,6 +554,9 @@ class LlamaBench(Bench):
     async def _stopped(self, target: Target, call: Completion, slot: int, closed_ns: int, max_tokens: int) -> _Stopped:
         """Wait for the slot's release line, then confirm on /slots that it is idle."""
         release = await target.managed.next_release(slot)
+        while release.seen_ns < call.sent_ns:
+            # The previous request's release line, logged after its answer was sent: not this one's.
+            release = await target.managed.next_release(slot)
         while any(s["id"] == slot and s["is_processing"] for s in await get_json(target.http_url, "/slots")):
             await asyncio.sleep(0.001)
         confirmed_ns = time.monotonic_ns()
@@ -566,7 +631,8 @@ class LlamaBench(Bench):
         self, target: Target, slot: int, scenario: str = "decode", reason: str = "stream_closed"
     ) -> list[dict]:
         frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
-        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        # Right after a token: the moment its event arrives, when the next step has just begun.
+        jitter_ms = self.rng.uniform(0.0, target.step_ms) if scenario != "decode_after_token" else 0.0
         target.managed.forget_releases(slot)
         call = await self._complete(target, self.plan.short_tokens, LONG_GENERATION, slot)
         try:
@@ -575,7 +641,7 @@ class LlamaBench(Bench):
                 return []
             await sleep_until(call.tokens[frames - 1][0] + int(jitter_ms * 1e6))
             # A closed stream (FIN) for a stop; a reset (RST) for a client that vanished.
-            closed_ns = call.close() if scenario == "decode" else call.drop()
+            closed_ns = call.close() if scenario != "disconnect" else call.drop()
             stopped = await self._stopped(target, call, slot, closed_ns, LONG_GENERATION)
         finally:
             await call.dispose()
@@ -593,6 +659,108 @@ class LlamaBench(Bench):
                 measured_as=scenario,
             )
         ]
+
+    async def _concurrent_sample(self, target: Target, _slot: int) -> list[dict]:
+        """Close one of CONCURRENT_STREAMS decoding streams (slot 0); the others run to their end."""
+        await self._wait_idle(target)
+        frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
+        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        target.managed.forget_releases(0)
+        calls = [
+            await self._complete(
+                target, self.plan.short_tokens, LONG_GENERATION if slot == 0 else CONCURRENT_OTHER_TOKENS, slot
+            )
+            for slot in range(CONCURRENT_STREAMS)
+        ]
+        cancelled, others = calls[0], calls[1:]
+        try:
+            await asyncio.gather(*(c.wait_tokens(1) for c in others), cancelled.wait_tokens(frames))
+            if any(c.ended for c in calls):
+                return []
+            await sleep_until(cancelled.tokens[frames - 1][0] + int(jitter_ms * 1e6))
+            closed_ns = cancelled.close()
+            stopped = await self._stopped(target, cancelled, 0, closed_ns, LONG_GENERATION)
+            ends = await asyncio.gather(*(c.wait_end() for c in others))
+        finally:
+            for c in calls:
+                await c.dispose()
+        lost = 0
+        for end in ends:
+            end = end or {}
+            if end.get("stop_type") not in _ENDED_ON_ITS_OWN:
+                lost += max(0, CONCURRENT_OTHER_TOKENS - int(end.get("tokens_predicted") or 0))
+        return [
+            self._record(
+                DECODE_CONCURRENT,
+                target,
+                cancelled,
+                closed_ns,
+                stopped,
+                "stream_closed",
+                cancel_after_frames=frames,
+                jitter_ms=jitter_ms,
+                prompt_tokens=self.plan.short_tokens,
+                measured_as=DECODE_CONCURRENT,
+                streams=CONCURRENT_STREAMS,
+                others_lost_tokens=lost,
+                others_not_done=sum(1 for end in ends if not end or "tokens_predicted" not in end),
+            )
+        ]
+
+    # Prompt speed and reuse --------------------------------------------------------------
+
+    async def _prefill_speed_sample(self, target: Target, slot: int) -> list[dict]:
+        call = await self._complete(target, self.plan.long_tokens, 1, slot, stream=False)
+        try:
+            final = await call.wait_end()
+        finally:
+            await call.dispose()
+        timings = (final or {}).get("timings")
+        if not timings or not timings.get("prompt_ms"):
+            return []
+        return [
+            {
+                "scenario": "prefill_speed",
+                "target": target.name,
+                "id": None,
+                "outcome": Outcome.DONE,
+                "prompt_tokens": len(call.prompt),
+                "prompt_tokens_reused": len(call.prompt) - timings["prompt_n"],
+                "ttft_server_ms": timings["prompt_ms"],
+                "ttft_client_ms": (call.final_ns - call.sent_ns) / 1e6,
+                "prompt_tokens_per_s": timings["prompt_per_second"],
+            }
+        ]
+
+    async def _multi_turn_sample(self, target: Target, slot: int) -> list[dict]:
+        """One chat of TURNS turns on one slot, its cache reused from turn to turn (``cache_prompt``)."""
+        messages: list[dict] = []
+        records = []
+        for turn in range(1, TURNS + 1):
+            messages.append(self.prompts.story(TURN_TOKENS + 25)[0])
+            call = await self._complete(target, 0, 48, slot, stream=False, messages=messages, cache_prompt=True)
+            try:
+                final = await call.wait_end()
+            finally:
+                await call.dispose()
+            if not final or "timings" not in final:
+                return []
+            messages.append({"role": "assistant", "content": final.get("content", "")})
+            timings = final["timings"]
+            records.append(
+                {
+                    "scenario": "multi_turn",
+                    "target": target.name,
+                    "id": None,
+                    "turn": turn,
+                    "outcome": Outcome.DONE,
+                    "prompt_tokens": len(call.prompt),
+                    "prompt_tokens_reused": len(call.prompt) - timings["prompt_n"],
+                    "ttft_server_ms": timings["prompt_ms"],
+                    "ttft_client_ms": None,
+                }
+            )
+        return records
 
     async def _disconnect_sample(self, target: Target, slot: int) -> list[dict]:
         return await self._decode_sample(target, slot, "disconnect", Reason.CLIENT_DISCONNECTED)
@@ -651,10 +819,9 @@ class LlamaBench(Bench):
 
     # Throughput ------------------------------------------------------------------------------
 
-    async def _throughput(self, target: Target, run: dict) -> None:
-        concurrency = min(self.plan.concurrency or target.slots, target.slots)
-        for streams in sorted({1, concurrency}):
-            for rep in range(self.plan.throughput_reps):
+    async def _throughput(self, target: Target, run: dict, reps: range) -> None:
+        for streams in self.plan.stream_counts(target.slots):
+            for rep in reps:
                 calls = [
                     await self._complete(target, self.plan.short_tokens, self.plan.decode_tokens, slot)
                     for slot in range(streams)
@@ -693,14 +860,16 @@ class LlamaBench(Bench):
         }
 
 
-def peer_from_args(args, out_dir: Path, context_length: int, model: Path) -> LlamaServer:
-    """The llama-server to start for ``--engines ...,llama-server``."""
+def peer_from_args(
+    args, out_dir: Path, context_length: int, model: Path, slots: int, cpus: frozenset[int] | None = None
+) -> LlamaServer:
+    """The llama-server to start for ``--engines ...,llama-server``: ``slots`` slots, and as many
+    compute threads in all as ours has over its slots."""
+    threads = slots * args.threads
     if args.llama_server:
         binary = Path(args.llama_server)
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise SystemExit(f"--llama-server {binary}: not an executable file")
     else:
-        from stopline.llama_build import ensure_llama_server
-
         binary = ensure_llama_server()
-    return LlamaServer(binary, model, out_dir, args.workers, args.threads, context_length)
+    return LlamaServer(binary, model, out_dir, slots, threads, context_length, cpus)

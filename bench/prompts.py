@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from stopline.tokenizer import ChatTokenizer
+from stopline.tokenizer import ChatTokenizer, LlamaTokenizer
 
 _WORDS = """time year people way day man thing woman life child world school state family student
 group country problem hand part place case week company system program question work government
@@ -36,7 +36,7 @@ _TOPICS = [
 
 
 class PromptMaker:
-    def __init__(self, tokenizer: ChatTokenizer, rng: random.Random):
+    def __init__(self, tokenizer: ChatTokenizer | LlamaTokenizer, rng: random.Random):
         self.tokenizer = tokenizer
         self.rng = rng
 

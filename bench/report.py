@@ -9,19 +9,31 @@ from pathlib import Path
 import numpy as np
 
 from .llama_server import DISCONNECT_BUSY, NONSTREAM
-from .scenarios import CANCEL_VIA_REPLICA, HTTP_SCENARIOS, STOP_SCENARIOS, TIMEOUT_SCENARIOS, VIA_OTHER, VIA_OWNER
+from .scenarios import (
+    CANCEL_VIA_REPLICA,
+    DECODE_CONCURRENT,
+    HTTP_SCENARIOS,
+    STOP_SCENARIOS,
+    TIMEOUT_SCENARIOS,
+    VIA_OTHER,
+    VIA_OWNER,
+)
 
 OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
-# Engines compared with ours, each in a "<peer>/ours" ratio row.
-# Every engine is compared with ours: the same loop stopping between steps only, the usual Python
-# pattern, and llama.cpp's server.
-PEERS = (BETWEEN_STEPS, BASELINE, LLAMA)
+OURS_LLAMA, OURS_LLAMA_BETWEEN_STEPS = "ours_llama", "ours_llama_between_steps"
+# Engines compared with the reference engine (ours, or ours_llama where ctransformers cannot run the
+# model), each in a "<peer>/<reference>" ratio row: Stopline's loop on llama.cpp, the same loops
+# stopping between steps only, the usual Python pattern, and llama.cpp's server.
+PEERS = (OURS_LLAMA, BETWEEN_STEPS, OURS_LLAMA_BETWEEN_STEPS, BASELINE, LLAMA)
+# The stop scenarios in the stop-latency and tokens-after-cancel tables.
+REPORTED_STOPS = STOP_SCENARIOS + (DECODE_CONCURRENT,)
 SCENARIO_TITLES = {
     "queued": "queued",
     "prefill_short": "prefill, short prompt",
     "prefill_long": "prefill, long prompt",
     "decode": "decode, random phase",
     "decode_after_token": "decode, right after a token frame",
+    DECODE_CONCURRENT: "decode, 1 of 4 concurrent streams, random phase",
     "timeout_total": "total timeout (decode)",
     "timeout_ttft": "first-token timeout (long prefill)",
     "timeout_total_prefill": "total timeout that fell in the prefill",
@@ -86,7 +98,9 @@ class Report:
         self.results = results
         self.samples = results["samples"]
         self.targets = list(results["meta"]["targets"])
-        self.peers = [p for p in PEERS if p in self.targets] if OURS in self.targets else []
+        # The engine every ratio is taken against.
+        self.ref = next((t for t in (OURS, OURS_LLAMA) if t in self.targets), None)
+        self.peers = [p for p in PEERS if p in self.targets and p != self.ref] if self.ref else []
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
         return [
@@ -103,7 +117,9 @@ class Report:
             count, values = stats[target]
             rows.append([label if not rows else "", target, str(count)] + [fmt(v) for v in values])
         for peer in self.peers:
-            rows.append(["", f"{peer}/ours", ""] + [fmt_ratio(p, o) for p, o in zip(stats[peer][1], stats[OURS][1])])
+            rows.append(
+                ["", f"{peer}/{self.ref}", ""] + [fmt_ratio(p, o) for p, o in zip(stats[peer][1], stats[self.ref][1])]
+            )
         return rows
 
     # Sections -----------------------------------------------------------------------
@@ -118,7 +134,7 @@ class Report:
                 [
                     target,
                     str(info.get("prefill_chunk", "–")),
-                    str(info.get("threads", "–")),
+                    _threads(target, info),
                     str(info.get("slots", "–")),
                 ]
                 + [fmt(prefill.get(str(k), prefill.get(k))) for k in self._lengths()]
@@ -152,7 +168,7 @@ class Report:
 
     def stop_latency(self) -> str:
         rows = []
-        for scenario in STOP_SCENARIOS:
+        for scenario in REPORTED_STOPS:
             stats = {}
             for target in self.targets:
                 samples = self.of(scenario, target)
@@ -170,13 +186,13 @@ class Report:
 
     def tokens_after_cancel(self) -> str:
         rows = []
-        for scenario in STOP_SCENARIOS + ("all",):
+        for scenario in REPORTED_STOPS + ("all",):
             for target in self.targets:
                 samples = [
                     s
                     for s in self.samples
                     if s["target"] == target
-                    and s["scenario"] in STOP_SCENARIOS
+                    and s["scenario"] in REPORTED_STOPS
                     and (scenario == "all" or s["scenario"] == scenario)
                 ]
                 after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
@@ -342,12 +358,12 @@ class Report:
         """(what, ours, llama-server, lower is better) for the figures a reader compares first."""
 
         def stop(scenario, key="p50"):
-            return [_get(summary(s["client_ms"] for s in self.of(scenario, t)), key) for t in (OURS, LLAMA)]
+            return [_get(summary(s["client_ms"] for s in self.of(scenario, t)), key) for t in (self.ref, LLAMA)]
 
         def rate(key, streams, stat="p50"):
             return [
                 _get(summary(s.get(key) for s in self.of("throughput", t, streams=streams)), stat)
-                for t in (OURS, LLAMA)
+                for t in (self.ref, LLAMA)
             ]
 
         streams = max((s["streams"] for s in self.samples if s["scenario"] == "throughput"), default=1)
@@ -366,18 +382,21 @@ class Report:
             rows.append(
                 (f"decode tok/s, {streams} streams, aggregate", *rate("aggregate_tokens_per_s", streams, "mean"), False)
             )
-        rows.append((f"prompt tok/s, {long:,}-token prompt", self.prompt_rate(OURS), self.prompt_rate(LLAMA), False))
+        rows.append(
+            (f"prompt tok/s, {long:,}-token prompt", self.prompt_rate(self.ref), self.prompt_rate(LLAMA), False)
+        )
         return rows
 
     def against_llama_server(self) -> str | None:
         """The headline figures side by side, and in plain words where llama-server is better."""
-        if LLAMA not in self.targets or OURS not in self.targets:
+        if LLAMA not in self.targets or self.ref is None:
             return None
-        rows, better = [], {LLAMA: [], OURS: []}
+        ref = self.ref
+        rows, better = [], {LLAMA: [], ref: []}
         for what, ours, peer, lower_better in self._headlines():
             winner = "–"
             if ours is not None and peer is not None and ours > 0 and peer > 0:
-                winner = LLAMA if (peer < ours if lower_better else peer > ours) else OURS
+                winner = LLAMA if (peer < ours if lower_better else peer > ours) else ref
                 by = max(peer, ours) / min(peer, ours)
                 better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
             rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
@@ -386,15 +405,15 @@ class Report:
             if better[LLAMA]
             else "llama-server is better at none of these."
         ]
-        if better[OURS]:
-            words.append(f"Ours is better at: {'; '.join(better[OURS])}.")
+        if better[ref]:
+            words.append(f"{'Ours' if ref == OURS else ref} is better at: {'; '.join(better[ref])}.")
         ran_to_end = sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end"))
         if ran_to_end:
             words.append(
                 f"{ran_to_end} llama-server requests never noticed that their client had gone and "
                 "generated every token they were asked for; their time is the time that took."
             )
-        return _table(["", OURS, LLAMA, "llama-server/ours", "better"], rows) + "\n\n" + " ".join(words)
+        return _table(["", ref, LLAMA, f"llama-server/{ref}", "better"], rows) + "\n\n" + " ".join(words)
 
     def http_api(self) -> str | None:
         if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
@@ -624,9 +643,10 @@ class Report:
 
 LLAMA_METHOD = (
     "llama-server (llama.cpp's HTTP server; `bench/llama_server.py`) is started by the benchmark on the same "
-    "GGUF file, with the same context per slot, slots, compute threads and sampling (temperature, top-k, top-p, "
-    "repetition penalty; its extra min-p sampler off), every prompt sent as the same token ids and evaluated "
-    "whole (`cache_prompt` off). It has no cancel request, so each stop is the client closing the connection: "
+    "GGUF file, with the same context per slot, slots and sampling (temperature, top-k, top-p, repetition "
+    "penalty; its extra min-p sampler off), as many compute threads in all as ours has over its slots, on the "
+    "same cores, every prompt sent as the same token ids and evaluated whole (`cache_prompt` off, but in the "
+    "multi-turn chat). It has no cancel request, so each stop is the client closing the connection: "
     "a closed stream for the stop scenarios (where ours gets a cancel frame), a reset connection for the "
     "disconnects. Ours counts as stopped when its terminal frame arrives (cancels) or when `/metrics` shows "
     "the generation gone (disconnects); llama-server counts as stopped when its log prints the release of "
@@ -664,13 +684,15 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         BASELINE: "tab:orange",
         LLAMA: "tab:green",
         BETWEEN_STEPS: "tab:purple",
+        OURS_LLAMA: "tab:red",
+        OURS_LLAMA_BETWEEN_STEPS: "tab:brown",
         "server": "tab:blue",
     }
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     # One shared time axis, so the panels can be compared at a glance.
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True, sharey=True)
-    for ax, scenario in zip(axes.flat, STOP_SCENARIOS):
+    for ax, scenario in zip(axes.flat, REPORTED_STOPS):
         for target in report.targets:
             samples = report.of(scenario, target)
             for key, style, label in (("client_ms", "-", "client"), ("server_ms", "--", "server")):
@@ -697,16 +719,25 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_title(SCENARIO_TITLES[scenario])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    for ax in axes.flat[len(STOP_SCENARIOS) :]:
+    for ax in axes.flat[len(REPORTED_STOPS) :]:
         ax.set_visible(False)
     for ax in axes[-1, :]:
         ax.set_xlabel("stop latency (ms, log scale)")
     for ax in axes[:, 0]:
         ax.set_ylabel("fraction of cancels")
     fig.suptitle(
-        "Stop latency: Stopline (in-step abort; between steps only) vs. ctransformers generate() + "
-        "threading.Event" + (" vs. llama-server" if LLAMA in report.targets else "")
+        f"Stop latency, {results['meta']['model']}: "
+        + ", ".join(report.targets)
+        + " (ours: Stopline on ctransformers; ours_llama: Stopline on llama.cpp)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _threads(target: str, info: dict) -> str:
+    """Threads per slot; llama-server's threads serve all its slots at once."""
+    threads = info.get("threads")
+    if threads is None:
+        return "–"
+    return f"{threads} in all" if target == LLAMA else str(threads)

@@ -14,6 +14,12 @@ Stop latency is measured with cancels placed at random points of each phase:
   next decode step has just begun: the case that waits out a whole step
   unless the step itself can be stopped.
 
+* ``decode_concurrent``: 4 streams (one per slot) decode at once; one of them
+  is cancelled after a random number of token frames plus a random fraction
+  of a decode step, and the others run on to their ``max_tokens``: the
+  cancelled stream's stop latency beside one stream's, and the tokens the
+  others lose (each slot has its own context, so none should be lost).
+
 Prompt speed and reuse:
 
 * ``prefill_speed``: a long prompt with ``max_tokens`` 1; time to first token
@@ -54,9 +60,14 @@ from stopline.vocabulary import Outcome, Reason, Status
 
 from .client import Call, Session, healthz, metrics
 from .prompts import PromptMaker
-from .servers import CpuMeter, Target
+from .servers import CpuMeter, Target, load_average
 
 STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode", "decode_after_token")
+# One of several streams decoding at once is cancelled (needs CONCURRENT_STREAMS slots).
+DECODE_CONCURRENT = "decode_concurrent"
+CONCURRENT_STREAMS = 4
+# The streams that are not cancelled: long enough to outlast the cancelled one's 1-32 frames.
+CONCURRENT_OTHER_TOKENS = 96
 SPEED_SCENARIOS = ("prefill_speed", "multi_turn")
 TIMEOUT_SCENARIOS = ("timeout_total", "timeout_ttft")
 HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
@@ -64,6 +75,7 @@ HTTP_SCENARIOS = ("openai_stream_closed", "delete_prefill")
 CANCEL_VIA_REPLICA = "cancel_via_replica"
 ALL_SCENARIOS = (
     STOP_SCENARIOS
+    + (DECODE_CONCURRENT,)
     + ("throughput",)
     + SPEED_SCENARIOS
     + TIMEOUT_SCENARIOS
@@ -96,6 +108,25 @@ class Plan:
     throughput_reps: int
     decode_tokens: int
     parallel: int  # concurrent samplers in the scenarios whose samples are independent
+    # Stream counts of the throughput scenario (empty: 1 and concurrency).
+    streams: tuple[int, ...] = ()
+
+    def stream_counts(self, slots: int) -> list[int]:
+        """The throughput scenario's stream counts on a server with ``slots`` slots."""
+        wanted = self.streams or (1, self.concurrency or slots)
+        return sorted({n for n in wanted if n <= slots})
+
+
+def share(total: float, part: int, parts: int) -> float:
+    """Part ``part`` of ``parts`` of ``total`` samples, so that the parts add up to it exactly."""
+    if total == float("inf"):
+        return total
+    return int(total) * (part + 1) // parts - int(total) * part // parts
+
+
+def share_range(total: int, part: int, parts: int) -> range:
+    """The repetitions of part ``part`` of ``parts``, numbered as in one run of ``total``."""
+    return range(total * part // parts, total * (part + 1) // parts)
 
 
 async def sleep_until(ns: int) -> None:
@@ -118,6 +149,13 @@ def stop_record(scenario: str, target: Target, call: Call, cancel_ns: int, **ext
         "token_frames": len(call.tokens),
         **extra,
     }
+
+
+def lost_tokens(terminal: dict, max_tokens: int) -> int:
+    """Tokens a stream that was not cancelled fell short of: none if it ended on its own."""
+    if terminal["type"] == Outcome.DONE and terminal.get("reason") != Reason.MAX_TOKENS:
+        return 0  # end of sequence or a stop sequence: nothing more was due
+    return max(0, max_tokens - int(terminal.get("tokens_generated") or 0))
 
 
 class Bench:
@@ -166,10 +204,12 @@ class Bench:
 
     # The sampling loop ------------------------------------------------------------
 
-    async def run(self, scenario: str, target: Target) -> None:
+    async def run(self, scenario: str, target: Target, part: int = 0, parts: int = 1) -> None:
+        """Take part ``part`` of ``parts`` of the scenario's samples: the engines take turns, part by
+        part, so that a change in the machine's load cannot favour one of them."""
         plan = self.plan
         long = scenario in LONG_SCENARIOS
-        wanted = plan.long_requests if long else plan.requests
+        wanted = share(plan.long_requests if long else plan.requests, part, parts)
         if scenario == "multi_turn":
             wanted *= TURNS  # a sample per turn, long_requests chats
         if wanted <= 0:
@@ -178,7 +218,10 @@ class Bench:
         if scenario == "queued":
             await self._queued(target, run, wanted)
         elif scenario == "throughput":
-            await self._throughput(target, run)
+            await self._throughput(target, run, share_range(plan.throughput_reps, part, parts))
+        elif scenario == DECODE_CONCURRENT:
+            if target.slots >= CONCURRENT_STREAMS:
+                await self._lanes(target, run, wanted, 1, self._concurrent_sample, own_session=True)
         elif scenario == "disconnect":
             await self._lanes(target, run, wanted, 1, self._disconnect_sample, own_session=True)
         elif scenario == "openai_stream_closed":
@@ -213,6 +256,7 @@ class Bench:
             "discarded": 0,
             "metrics_before": await metrics(target.http_url),
             "cpu_before": self.cpu.read() if self.cpu else None,
+            "load_average": load_average(),
         }
         return time.monotonic_ns(), run
 
@@ -329,6 +373,52 @@ class Bench:
                 jitter_ms=jitter_ms,
                 prompt_tokens=self.plan.short_tokens,
                 measured_as=scenario,
+            )
+        ]
+
+    async def _concurrent_sample(self, target: Target, _session) -> list[dict]:
+        """Cancel one of CONCURRENT_STREAMS decoding streams; the others run to their end."""
+        await self._wait_idle(target)
+        frames = self.rng.randint(1, MAX_FRAMES_BEFORE_STOP)
+        jitter_ms = self.rng.uniform(0.0, target.step_ms)
+        sessions = [await Session.open(target.ws_url) for _ in range(CONCURRENT_STREAMS)]
+        try:
+            calls = [
+                await s.generate(
+                    DECODE_CONCURRENT,
+                    **self._generate_fields(
+                        self.plan.short_tokens, LONG_GENERATION if i == 0 else CONCURRENT_OTHER_TOKENS
+                    ),
+                )
+                for i, s in enumerate(sessions)
+            ]
+            cancelled, others = calls[0], calls[1:]
+            # Every stream must be decoding when the cancel lands.
+            await asyncio.gather(*(c.wait_tokens(1) for c in others), cancelled.wait_tokens(frames))
+            if any(c.ended for c in calls):
+                return []
+            await sleep_until(cancelled.tokens[frames - 1][0] + int(jitter_ms * 1e6))
+            cancel_ns = await sessions[0].cancel(cancelled)
+            await cancelled.wait_end()
+            ends = await asyncio.gather(*(c.wait_end() for c in others))
+        finally:
+            for s in sessions:
+                await s.close()
+        if cancelled.terminal["type"] != Outcome.CANCELLED:
+            return []
+        return [
+            stop_record(
+                DECODE_CONCURRENT,
+                target,
+                cancelled,
+                cancel_ns,
+                cancel_after_frames=frames,
+                jitter_ms=jitter_ms,
+                prompt_tokens=self.plan.short_tokens,
+                measured_as=DECODE_CONCURRENT,
+                streams=CONCURRENT_STREAMS,
+                others_lost_tokens=sum(lost_tokens(end, CONCURRENT_OTHER_TOKENS) for end in ends),
+                others_not_done=sum(end["type"] != Outcome.DONE for end in ends),
             )
         ]
 
@@ -458,11 +548,10 @@ class Bench:
 
     # Throughput ------------------------------------------------------------------------
 
-    async def _throughput(self, target: Target, run: dict) -> None:
+    async def _throughput(self, target: Target, run: dict, reps: range) -> None:
         """Decode rate and time to first token, with one stream and with N concurrent streams."""
-        concurrency = self.plan.concurrency or target.slots
-        for streams in sorted({1, concurrency}):
-            for rep in range(self.plan.throughput_reps):
+        for streams in self.plan.stream_counts(target.slots):
+            for rep in reps:
                 sessions = [await Session.open(target.ws_url) for _ in range(streams)]
                 try:
                     calls = [

@@ -2,8 +2,9 @@
 
 Runs a StoplineServer on the native engine (``--engine ours``), on the native
 engine stopping only between evaluations (``--engine ours_between_steps``, the
-in-step abort switched off), or on the ctransformers baseline (``--engine
-baseline``), on 127.0.0.1 and a free port,
+in-step abort switched off), on the ctransformers baseline (``--engine
+baseline``), or on the same loop over today's llama.cpp (``--engine
+ours_llama``, and ``ours_llama_between_steps``), on 127.0.0.1 and a free port,
 and next to it, on the same event loop, a probe that sleeps 10 ms over and over
 and records how late it wakes up: the event-loop lag the server's own work
 causes. A separate process keeps the benchmark client's work off the server's
@@ -22,14 +23,29 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from stopline.app import ServerConfig, StoplineServer
 from stopline.engine import Engine
 from stopline.observability import configure_logging
-from stopline.vocabulary import AbortMode
+from stopline.vocabulary import AbortMode, EngineName
 
-# Engine name -> the abort mode its native engine is loaded with.
-ENGINES = {"ours": AbortMode.IN_STEP, "ours_between_steps": AbortMode.BETWEEN_STEPS, "baseline": AbortMode.IN_STEP}
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """What a bench engine name loads: which native engine, stopped how."""
+
+    kind: EngineName
+    abort_mode: AbortMode
+
+
+ENGINES = {
+    "ours": ServedEngine(EngineName.CTRANSFORMERS, AbortMode.IN_STEP),
+    "ours_between_steps": ServedEngine(EngineName.CTRANSFORMERS, AbortMode.BETWEEN_STEPS),
+    "baseline": ServedEngine(EngineName.CTRANSFORMERS, AbortMode.IN_STEP),
+    "ours_llama": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP),
+    "ours_llama_between_steps": ServedEngine(EngineName.LLAMA_CPP, AbortMode.BETWEEN_STEPS),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", choices=list(ENGINES), required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot")
+    p.add_argument("--model", default=None, help="a GGUF file (default: the embedded model, as each engine loads it)")
     p.add_argument("--lag-interval-ms", type=float, default=10.0)
     p.add_argument("--lag-out", required=True, help="where to write the lag samples (JSON)")
     p.add_argument("--log-file", required=True, help="the server's JSON log")
@@ -63,7 +80,15 @@ def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = await asyncio.to_thread(Engine.load, threads=args.threads, progress=False, abort_mode=ENGINES[args.engine])
+    served = ENGINES[args.engine]
+    engine = await asyncio.to_thread(
+        Engine.load,
+        args.model,
+        engine=served.kind,
+        threads=args.threads,
+        progress=False,
+        abort_mode=served.abort_mode,
+    )
     if args.engine == "baseline":
         from .baseline import BaselineEngine
 
@@ -96,6 +121,8 @@ async def serve(args: argparse.Namespace) -> None:
             {
                 "port": server.port,
                 "engine": args.engine,
+                "native_engine": str(engine.kind),
+                "model": engine.name,
                 "threads": engine.threads,
                 "workers": args.workers,
                 "prefill_chunk": engine.prefill_chunk,

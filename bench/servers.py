@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,8 +59,12 @@ class ManagedServer:
         threads: int,
         name: str | None = None,
         extra_args: tuple[str, ...] = (),
+        model: Path | None = None,
+        cpus: frozenset[int] | None = None,
     ):
         self.engine = engine
+        self.model = model
+        self.cpus = cpus
         # The target's name, and its files': the engine's unless several servers run the same engine.
         self.name = name or engine
         self.workers = workers
@@ -90,8 +95,10 @@ class ManagedServer:
                 str(self.lag_path),
                 "--log-file",
                 str(self.log_path),
+                *(("--model", str(self.model)) if self.model is not None else ()),
                 *self.extra_args,
                 cwd=ROOT,
+                preexec_fn=confine_to(self.cpus),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
@@ -118,6 +125,11 @@ class ManagedServer:
             self._process.kill()
             await self._process.wait()
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the server while another engine is measured."""
+        if self._process is not None and self._process.returncode is None:
+            os.kill(self._process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def lag_samples(self) -> list[tuple[int, int]]:
         """(start ns, overshoot ns) of every 10 ms probe sleep on the server's event loop."""
         if not self.lag_path.is_file():
@@ -138,6 +150,19 @@ class ManagedServer:
                         # The id the client chose (for HTTP requests, the server-global request id).
                         ends[record.get("id", record["request_id"])] = record
         return ends
+
+
+def confine_to(cpus: frozenset[int] | None):
+    """A preexec_fn that pins the child to ``cpus``, so that every engine runs on the same cores."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def load_average() -> tuple[float, float, float]:
+    """The machine's 1, 5 and 15 minute load averages: how busy the shared machine was."""
+    one, five, fifteen = os.getloadavg()
+    return (one, five, fifteen)
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import time
 
 from .client import Call, Session
 from .llama_server import DISCONNECT_BUSY, NONSTREAM
-from .scenarios import LONG_GENERATION, Bench
+from .scenarios import LONG_GENERATION, Bench, share
 from .servers import Target
 
 
@@ -23,12 +23,13 @@ class TrafficBench(Bench):
     def supports(self, scenario: str) -> bool:
         return scenario != NONSTREAM  # Stopline's protocol streams every request
 
-    async def run(self, scenario: str, target: Target) -> None:
+    async def run(self, scenario: str, target: Target, part: int = 0, parts: int = 1) -> None:
         if scenario != DISCONNECT_BUSY:
             if self.supports(scenario):
-                await super().run(scenario, target)
+                await super().run(scenario, target, part, parts)
             return
-        if target.slots < 2 or self.plan.requests <= 0:
+        wanted = share(self.plan.requests, part, parts)
+        if target.slots < 2 or wanted <= 0:
             return
         start, run = await self._open_run(scenario, target)
         await self._wait_idle(target)
@@ -36,7 +37,7 @@ class TrafficBench(Bench):
         background: Call | None = None
         started = time.monotonic()
         try:
-            while self._more(run, self.plan.requests, started):
+            while self._more(run, wanted, started):
                 if background is None or background.ended:
                     if background is not None:
                         streamer.forget(background)

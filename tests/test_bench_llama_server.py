@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import parse_args
+from bench.__main__ import parse_args, write_results_section
 from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, LlamaBench, LlamaServer
 from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
-from bench.scenarios import Plan
+from bench.scenarios import CONCURRENT_STREAMS, DECODE_CONCURRENT, TURNS, Plan, share, share_range
 from stopline import model as embedded
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -27,14 +27,25 @@ def prompts() -> PromptMaker:
     return PromptMaker(embedded.embedded_tokenizer(progress=False), random.Random(1))
 
 
-@pytest.fixture
-async def peer(tmp_path):
+async def start_fake(tmp_path: Path, slots: int):
     accounts = tmp_path / "accounts.jsonl"
     binary = tmp_path / "llama-server"
     binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" --accounts "{accounts}" "$@"\n')
     binary.chmod(0o755)
-    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=SLOTS, threads=1, context_length=2048)
-    target = await server.start()
+    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=slots, threads=1, context_length=2048)
+    return server, await server.start(), accounts
+
+
+@pytest.fixture
+async def peer(tmp_path):
+    server, target, accounts = await start_fake(tmp_path, SLOTS)
+    yield server, target, accounts
+    await server.stop()
+
+
+@pytest.fixture
+async def wide_peer(tmp_path):
+    server, target, accounts = await start_fake(tmp_path, CONCURRENT_STREAMS)
     yield server, target, accounts
     await server.stop()
 
@@ -134,6 +145,24 @@ async def test_throughput_reads_the_stream_and_its_timings(peer, prompts):
     assert len(ends(accounts)) == before and len(bench.runs) == 1
 
 
+async def test_takes_part_in_prompt_speed_multi_turn_and_the_4_stream_cancel(wide_peer, prompts):
+    server, target, accounts = wide_peer
+    bench = bench_for(prompts, requests=2)
+    await bench.calibrate(target, long=True)
+    for scenario in ("prefill_speed", "multi_turn", "decode_after_token", DECODE_CONCURRENT):
+        await bench.run(scenario, target)
+    counts = {s["scenario"]: 0 for s in bench.samples}
+    for sample in bench.samples:
+        counts[sample["scenario"]] += 1
+    assert counts == {"prefill_speed": 2, "multi_turn": 2 * TURNS, "decode_after_token": 2, DECODE_CONCURRENT: 2}
+    assert all(s["prompt_tokens_per_s"] > 0 for s in bench.samples if s["scenario"] == "prefill_speed")
+    assert {s["turn"] for s in bench.samples if s["scenario"] == "multi_turn"} == set(range(1, TURNS + 1))
+    for sample in (s for s in bench.samples if s["scenario"] == DECODE_CONCURRENT):
+        assert sample["outcome"] == "cancelled" and sample["streams"] == CONCURRENT_STREAMS
+        # The other streams ran to their end: they lost nothing.
+        assert sample["others_lost_tokens"] == 0 and sample["others_not_done"] == 0
+
+
 def test_engines_and_binary_flags():
     args = parse_args(["--engines", "ours,baseline,llama-server", "--llama-server", "/x/llama-server"])
     assert args.engines.split(",") == ["ours", "baseline", "llama-server"]
@@ -141,6 +170,49 @@ def test_engines_and_binary_flags():
     for bad in (["--engines", "llama-server"], ["--engines", "ours,vllm"], ["--engines", "ours,ours"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_gemma_runs_only_the_engines_that_can_load_it():
+    args = parse_args(["--model", "gemma3", "--engines", "ours,ours_llama,llama-server", "--build-llama-server"])
+    assert args.engines == "ours_llama,llama-server" and args.skipped == ["ours"]
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "gemma3", "--engines", "ours,baseline"])
+    assert parse_args(["--cpus", "0,1"]).cpu_set == frozenset({0, 1})
+
+
+def test_samples_split_into_parts_that_add_up():
+    for total in (0, 1, 5, 10):
+        assert sum(share(total, part, 3) for part in range(3)) == total
+        assert [r for part in range(3) for r in share_range(total, part, 3)] == list(range(total))
+    plan = bench_for_plan(streams=())
+    assert plan.stream_counts(2) == [1, 2] and plan.stream_counts(4) == [1, 4]
+    assert bench_for_plan(streams=(4,)).stream_counts(4) == [4] and bench_for_plan(streams=(4,)).stream_counts(2) == []
+
+
+def bench_for_plan(**fields) -> Plan:
+    return Plan(
+        requests=1,
+        long_requests=1,
+        duration_s=None,
+        short_tokens=50,
+        long_tokens=300,
+        concurrency=None,
+        throughput_reps=1,
+        decode_tokens=16,
+        parallel=1,
+        **fields,
+    )
+
+
+def test_each_model_keeps_its_own_section_of_the_results(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    write_results_section(path, "smollm2", "## SmolLM2\n\nSECTION-ONE\n")
+    write_results_section(path, "gemma3", "## Gemma\n\nSECTION-TWO\n")
+    write_results_section(path, "smollm2", "## SmolLM2\n\nSECTION-AGAIN\n")
+    text = path.read_text()
+    assert text.startswith("# Stopline benchmark results")
+    assert "SECTION-AGAIN" in text and "SECTION-ONE" not in text and "SECTION-TWO" in text
+    assert text.index("SECTION-AGAIN") < text.index("SECTION-TWO")
 
 
 def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
