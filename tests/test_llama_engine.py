@@ -193,12 +193,14 @@ def random_aborts(engine: Engine, slot, control, count: int, seed: int, compare_
         tally["mismatched_state"] += slot.kv_positions != slot.n_held
         if n % compare_every:
             continue
-        # The same work on the control, without the aborted step.
+        # The same work on the control, without the aborted step: the same
+        # generation, ended when its cache held what the slot's does (a
+        # generation ends holding every token it sampled but the last).
         control.forget()
         if result.tokens_generated:
-            make_generation(control, head, max_tokens=result.tokens_generated, **options).run()
-        elif result.prompt_tokens_evaluated:
-            make_generation(control, head[: result.prompt_tokens_evaluated], max_tokens=1, **options).run()
+            make_generation(control, head, max_tokens=slot.n_held - len(head) + 1, **options).run()
+        elif slot.n_held:
+            make_generation(control, head[: slot.n_held], max_tokens=1, **options).run()
         tally["mismatched_state"] += control.n_held != slot.n_held
         resumed, _ = greedy(engine, slot, prompt, max_tokens=16)
         expected, _ = greedy(engine, control, prompt, max_tokens=16)
