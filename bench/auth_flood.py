@@ -29,6 +29,7 @@ import aiohttp
 from websockets.asyncio.client import connect
 
 from stopline.auth import Quota, add_key
+from stopline.model import EMBEDDED_MODEL_NAME
 
 from .servers import CpuMeter
 
@@ -106,7 +107,7 @@ async def flood(api: str, requests: int, connections: int, bursts: int) -> dict:
     """Send ``requests`` chat completions with a wrong key in ``bursts`` bursts, each followed by a pause
     as long as itself; report when each burst ran and the answers by status."""
     statuses: dict[int, int] = {}
-    body = {"model": "any", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    body = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     headers = {"Authorization": f"Bearer {WRONG_KEY}"}
     windows = []
 

@@ -88,6 +88,20 @@ def abandon() -> None:
                 os.unlink(temp)
 
 
+@contextlib.contextmanager
+def _progress_bar(what: str, total: int | None, progress: bool):
+    """A progress bar in bytes on stderr. An abandoned one is erased as it closes,
+    rather than printed once more after the interrupt."""
+    from tqdm import tqdm
+
+    with tqdm(desc=what, total=total, unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
+        try:
+            yield bar
+        except Abandoned:
+            bar.leave = False
+            raise
+
+
 def _check_abandoned() -> None:
     if _abandoned.is_set():
         raise Abandoned("interrupted")
@@ -155,12 +169,10 @@ def _original_gguf(progress: bool) -> Path:
 def _copy_verified(source: _Readable, target: Path, sha256: str, what: str, size: int | None, progress: bool) -> None:
     """Copy ``source`` into ``target`` (atomically) if its bytes hash to ``sha256``.
     The hash is checked before the rename: a wrong file never lands in the cache."""
-    from tqdm import tqdm
-
     with (
         _atomic_path(target) as temp,
         open(temp, "wb") as out,
-        tqdm(desc=what, total=size, unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar,
+        _progress_bar(what, size, progress) as bar,
     ):
         digest = hashlib.sha256()
         while chunk := source.read(1 << 20):
@@ -410,7 +422,6 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
     """Rewrite a byte-level-BPE llama GGUF (v3) into one ctransformers 0.2.27 loads."""
     import gguf
     import numpy as np
-    from tqdm import tqdm
 
     reader = gguf.GGUFReader(str(source))
     fields = reader.fields
@@ -467,14 +478,7 @@ def convert_for_ctransformers(source: Path, target: Path, progress: bool = True)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         total = sum(t.n_bytes for t in tensors) + sum(t.n_bytes for _, t in extra)
-        with tqdm(
-            desc=f"Converting {source.name}",
-            total=total,
-            unit="B",
-            unit_scale=True,
-            disable=not progress,
-            file=sys.stderr,
-        ) as bar:
+        with _progress_bar(f"Converting {source.name}", total, progress) as bar:
             for tensor in tensors + [t for _, t in extra]:
                 _check_abandoned()
                 writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)

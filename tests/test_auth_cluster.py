@@ -25,6 +25,7 @@ from bench.servers import RedisServer
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from stopline.app import ServerConfig, StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
+from stopline.model import EMBEDDED_MODEL_NAME
 from stopline.quota import ADMIT_TIMEOUT_S, quota_key
 from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, StoreState
 from test_cluster import REPLICA_IDS, Nginx, Replica
@@ -263,7 +264,10 @@ async def test_the_openai_package_through_nginx_and_a_revoked_key(keyed):
     async with openai.AsyncOpenAI(base_url=api, api_key=keyed.sdk, max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError) as refused:
             await client.chat.completions.create(
-                model="any", messages=CHAT_FRANCE, max_tokens=4, extra_headers={"Authorization": openai.omit}
+                model=EMBEDDED_MODEL_NAME,
+                messages=CHAT_FRANCE,
+                max_tokens=4,
+                extra_headers={"Authorization": openai.omit},
             )
         assert refused.value.status_code == 401 and refused.value.code == ErrorCode.UNAUTHORIZED
         assert refused.value.response.headers["WWW-Authenticate"] == 'Bearer realm="stopline"'
@@ -272,7 +276,9 @@ async def test_the_openai_package_through_nginx_and_a_revoked_key(keyed):
                 await wrong.models.list()
         # A good key, on every replica (nginx goes round robin).
         for _ in range(3):
-            chat = await client.chat.completions.create(model="any", messages=CHAT_FRANCE, max_tokens=4, user="me")
+            chat = await client.chat.completions.create(
+                model=EMBEDDED_MODEL_NAME, messages=CHAT_FRANCE, max_tokens=4, user="me"
+            )
             assert chat.choices[0].message.content
         assert revoke_key(keyed.keys_file, keyed.sdk_entry.key_id)
         for replica in keyed.replicas:
@@ -287,7 +293,7 @@ async def test_the_openai_package_through_nginx_and_a_revoked_key(keyed):
             assert [r for r in replica.records if r.get("event") == KeyEvent.LOADED][-1]["keys"] == 1
         for _ in range(3):
             with pytest.raises(openai.AuthenticationError):
-                await client.chat.completions.create(model="any", messages=CHAT_FRANCE, max_tokens=4)
+                await client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=CHAT_FRANCE, max_tokens=4)
     # The user of the key was the requests' user_id; "me" only their label.
     done = [r for replica in keyed.replicas for r in replica.records if r.get("event") == "generation_done"]
     mine = [r for r in done if r.get("key_id") == keyed.sdk_entry.key_id]
