@@ -185,6 +185,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--greedy-prompts", type=int, default=20, help="prompts compared greedy with --llama-native")
     p.add_argument("--workers", type=int, default=2, help="slots of each started server")
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot of each started server")
+    p.add_argument(
+        "--shared-threads",
+        action="store_true",
+        help="--threads is the cores each server shares among its running generations (Stopline's default "
+        "policy: a lone generation takes them all) and llama-server's whole thread count, not per slot",
+    )
     p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help=f"any of {','.join(ALL_SCENARIOS)}")
     p.add_argument(
         "--native",

@@ -864,8 +864,9 @@ def peer_from_args(
     args, out_dir: Path, context_length: int, model: Path, slots: int, cpus: frozenset[int] | None = None
 ) -> LlamaServer:
     """The llama-server to start for ``--engines ...,llama-server``: ``slots`` slots, and as many
-    compute threads in all as ours has over its slots."""
-    threads = slots * args.threads
+    compute threads in all as ours has over its slots (with ``--shared-threads``, as many as ours
+    shares among its running generations)."""
+    threads = args.threads if args.shared_threads else slots * args.threads
     if args.llama_server:
         binary = Path(args.llama_server)
         if not (binary.is_file() and os.access(binary, os.X_OK)):
