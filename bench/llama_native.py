@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 from stopline._core import Generation
-from stopline.engine import EXIT_OUTCOMES, Engine, EngineName, SamplingParams, sampling_args
-from stopline.vocabulary import Outcome
+from stopline.engine import Engine, EngineName, SamplingParams, sampling_args
 
-from .native import greedy_args, storm_prompt
+from .native import count_outcome, greedy_args, storm_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 STORM_TOKENS = 4
@@ -104,15 +103,7 @@ def _storm_lane(engine: Engine, prompt: list[int], cycles: int, seed: int, count
             result = g.result
             assert result is not None
             local["kv_mismatches"] += not kv_matches()
-            outcome, _ = EXIT_OUTCOMES[result.exit]
-            if outcome is Outcome.CANCELLED:
-                local["cancelled"] += 1
-                exit_ms.append((result.end_ns - cancelled_at[0]) / 1e6)
-            elif outcome is Outcome.DONE:
-                local["done"] += 1
-                local["mismatches"] += b"".join(g.take()) != expected
-            else:
-                local["other"] += 1
+            count_outcome(local, exit_ms, g, result, cancelled_at[0], expected)
         else:
             g = generation()
             g.run()

@@ -23,6 +23,20 @@ STORM_TOKENS = 4
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
 
 
+def count_outcome(counts: dict, exit_ms: list, generation, result, cancelled_at_ns: int, expected: bytes) -> None:
+    """Tally one generation of an abort storm: a cancel and how long its loop took to exit,
+    or a run that escaped its cancel and must equal a fresh slot's greedy answer."""
+    outcome, _ = EXIT_OUTCOMES[result.exit]
+    if outcome is Outcome.CANCELLED:
+        counts["cancelled"] += 1
+        exit_ms.append((result.end_ns - cancelled_at_ns) / 1e6)
+    elif outcome is Outcome.DONE:
+        counts["done"] += 1
+        counts["mismatches"] += b"".join(generation.take()) != expected
+    else:
+        counts["other"] += 1
+
+
 def greedy_args(max_tokens: int) -> SamplingArgs:
     return sampling_args(SamplingParams(max_tokens=max_tokens, temperature=0, seed=0))
 
@@ -101,15 +115,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             result = generation.run()
             timer.join(60)
             counts["hangs"] += timer.is_alive()
-            outcome, _ = EXIT_OUTCOMES[result.exit]
-            if outcome is Outcome.CANCELLED:
-                counts["cancelled"] += 1
-                exit_ms.append((result.end_ns - cancelled_at[0]) / 1e6)
-            elif outcome is Outcome.DONE:
-                counts["done"] += 1
-                counts["mismatches"] += b"".join(generation.take()) != expected
-            else:
-                counts["other"] += 1
+            count_outcome(counts, exit_ms, generation, result, cancelled_at[0], expected)
         generation, _ = greedy()
         counts["mismatches"] += b"".join(generation.take()) != expected
         counts["cancel_to_exit_ms"] = exit_ms
