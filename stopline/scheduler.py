@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections import deque
@@ -62,38 +61,58 @@ class Sink(Protocol):
 
 
 class MachineLoad:
-    """How busy the other processes on this machine keep its cores: the load average
-    minus this process's own share of it, averaged the same way (over about a minute)
-    from the CPU time this process used. ggml's threads spin while they wait for each
-    other, so a generation given more threads than the cores left to it runs several
-    times slower than on one thread."""
+    """How many cores the other processes on this machine kept busy lately: the
+    machine's busy CPU time (``/proc/stat``) minus this process's own, over the time
+    between two looks. ggml's threads spin while they wait for each other, so a
+    generation given more threads than the cores left to it runs several times
+    slower than on one thread."""
 
     def __init__(self) -> None:
-        now, cpu = time.monotonic(), _cpu_seconds()
-        # Until it is measured, count the start (loading, the step-abort proof) as busy.
-        self._own = min(1.0, cpu / max(1.0, now - _PROCESS_STARTED))
-        self._last = (now, cpu)
+        self._last = _cpu_sample()
+        self._others = 0.0
 
     def others(self) -> float:
-        now, cpu = time.monotonic(), _cpu_seconds()
-        wall = now - self._last[0]
-        if wall > 0:
-            decay = math.exp(-wall / 60)
-            self._own = self._own * decay + (cpu - self._last[1]) / wall * (1 - decay)
-        self._last = (now, cpu)
-        return max(0.0, os.getloadavg()[0] - self._own)
+        """Look again (if the last look is old enough to measure anything) and return the
+        cores the other processes kept busy since the look before."""
+        now = _cpu_sample()
+        wall = now[0] - self._last[0]
+        if wall < LOOK_MIN_S:
+            return self._others
+        # A longer gap (this process was stopped, or starved of a core) says nothing
+        # about now: keep the last figure until the next look.
+        if wall <= LOOK_MAX_S:
+            machine, own = now[1] - self._last[1], now[2] - self._last[2]
+            self._others = max(0.0, (machine - own) / wall)
+        self._last = now
+        return self._others
 
 
-def _cpu_seconds() -> float:
+def _cpu_sample() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds every process used, CPU seconds this one used)."""
     times = os.times()
-    return times.user + times.system
+    return time.monotonic(), _machine_busy_seconds(), times.user + times.system
 
 
-_PROCESS_STARTED = time.monotonic()
+def _machine_busy_seconds() -> float:
+    # user, nice, system, idle, iowait, irq, softirq, steal: busy is all but idle,
+    # iowait and steal (which another virtual machine took). Zero where there is
+    # no /proc: every core then counts as free.
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[1:8])
+    return (user + nice + system + irq + softirq) / _CLOCK_TICKS
 
-# How long generations that ran together keep sharing the cores after the last overlap:
-# about one answer, so that two users taking turns do not each start on every core.
-SHARE_WINDOW_S = 30.0
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+# The machine's load is looked at this often while generations run, and the cores
+# reshared; a look measures at least LOOK_MIN_S and at most LOOK_MAX_S.
+LOOK_INTERVAL_S = 0.5
+LOOK_MIN_S = 0.2
+LOOK_MAX_S = 2.0
 
 
 class Scheduler:
@@ -106,9 +125,8 @@ class Scheduler:
         # Compute threads per generation; None: the engine's threads (the cores), shared
         # among the generations running together (threads_for_next).
         self.threads = threads
-        self._recent_peak = 1
-        self._shared_until = 0.0
         self.machine = MachineLoad()
+        self._look_timer: asyncio.TimerHandle | None = None
         self.window = window
         self.max_queue = max_queue
         self.metrics = metrics
@@ -134,24 +152,28 @@ class Scheduler:
     def active(self) -> int:
         return len(self._running)
 
-    def threads_for_next(self) -> int:
-        """Threads for a generation starting now: the cores other processes leave, divided
-        among the generations running at once, counting the most seen together in the last
-        SHARE_WINDOW_S. So a user alone gets every idle core, and users taking turns get a
-        share each: a generation keeps its count until it ends (the native loop takes it
-        once), and more threads than cores make ggml's spinning threads slow every
+    def threads_each(self, running: int) -> int:
+        """Threads for each of ``running`` generations: the cores other processes leave,
+        shared equally. So a user alone gets every idle core, and users together get a
+        share each; more threads than cores make ggml's spinning threads slow every
         generation down."""
         if self.threads is not None:
             return self.threads
-        now = time.monotonic()
-        together = len(self._running) + 1
-        if now >= self._shared_until:
-            self._recent_peak = 1
-        if together > 1:
-            self._shared_until = now + SHARE_WINDOW_S
-            self._recent_peak = max(self._recent_peak, together)
         cores = max(1, self.engine.threads - round(self.machine.others()))
-        return max(1, cores // max(together, self._recent_peak))
+        return max(1, cores // max(1, running))
+
+    def _share_cores(self) -> None:
+        """Give every running generation its share now (each takes it at its next step),
+        and look again in LOOK_INTERVAL_S while any runs, to follow the other processes."""
+        if self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer = None
+        if self.threads is not None or not self._running:
+            return
+        share = self.threads_each(len(self._running))
+        for stream in self._running.values():
+            stream.generation.threads = share
+        self._look_timer = asyncio.get_running_loop().call_later(LOOK_INTERVAL_S, self._share_cores)
 
     def submit(self, request: Request, sink: Sink) -> int:
         """Queue ``request``; returns its queue position (0: it starts now)."""
@@ -218,12 +240,13 @@ class Scheduler:
                 request.params,
                 window=self.window,
                 started_ns=request.received_ns,
-                threads=self.threads_for_next(),
+                threads=self.threads_each(len(self._running) + 1),
             )
         except Exception:
             self._free.appendleft(slot)
             raise
         self._running[request] = stream
+        self._share_cores()
         sink.started(request)
         self._update_gauges()
         self._spawn(self._run(request, sink, slot, stream))
@@ -242,6 +265,7 @@ class Scheduler:
             failure = f"{type(exc).__name__}: {exc}"
         finally:
             del self._running[request]
+            self._share_cores()
             stream.generation.close()
             # The slot is free the moment the loop has exited: start the next request first.
             self._release(slot)

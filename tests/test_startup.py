@@ -18,7 +18,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from conftest import CHAT_FRANCE, UNIT, client_for, running_server
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline import model, scheduler
 from stopline.__main__ import _in_daemon_thread
 
@@ -234,7 +234,6 @@ async def test_every_failure_on_the_loading_thread_reaches_the_caller():
 async def test_a_generation_alone_gets_every_core_and_users_together_share_them(engine, monkeypatch):
     # The engine's threads are the machine's cores here (the session engine has one).
     monkeypatch.setattr(engine, "threads", 2)
-    monkeypatch.setattr(scheduler, "SHARE_WINDOW_S", 3.0 * UNIT)
     started = []
     real_start = type(engine).start
 
@@ -246,22 +245,29 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
         await client.generate(request_id, messages=CHAT_FRANCE, max_tokens=4, temperature=0)
         await client.terminal(request_id)
 
+    def running_threads(server) -> list[int]:
+        return [stream.generation.threads for stream in server.scheduler._running.values()]
+
     monkeypatch.setattr(type(engine), "start", start)
     # An otherwise idle machine; how busy this one is depends on who else uses it.
     monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 0.0)
     async with running_server(engine, workers=2) as server, client_for(server) as client:
         await ask(client, "alone")
-        await client.generate("first", messages=CHAT_FRANCE, max_tokens=200, temperature=0)
+        await client.generate("first", messages=LONG_ANSWER, max_tokens=400, temperature=0)
         await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "first")
-        await ask(client, "second")
+        assert running_threads(server) == [2]
+        # A second user: both run on one core each from their next step...
+        await client.generate("second", messages=LONG_ANSWER, max_tokens=400, temperature=0)
+        await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "second")
+        assert running_threads(server) == [1, 1]
+        await client.send({"type": "cancel", "id": "second"})
+        await client.terminal("second")
+        # ...and the first takes every core back once it is alone again.
+        assert running_threads(server) == [2]
         await client.send({"type": "cancel", "id": "first"})
         await client.terminal("first")
-        # Right after two ran together, a turn still takes its share only...
-        await ask(client, "turn")
-        # ...and once the window has passed, a user alone has every core again.
-        await asyncio.sleep(3.2 * UNIT)
         await ask(client, "later")
-    assert started == [2, 2, 1, 1, 2]
+    assert started == [2, 2, 1, 2]
     # A core kept busy by another process is left to it: more threads than free cores spin.
     started.clear()
     monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 1.0)
@@ -276,23 +282,30 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
 
 
 def test_the_load_of_other_processes_leaves_out_this_ones_own(monkeypatch):
-    clock = {"wall": 1000.0, "cpu": 0.0}
-    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(scheduler, "_cpu_seconds", lambda: clock["cpu"])
-    monkeypatch.setattr(scheduler, "_PROCESS_STARTED", 990.0)
+    # (wall clock, CPU seconds of every process, CPU seconds of this one)
+    samples = iter(
+        [
+            (1000.0, 0.0, 0.0),
+            # Half a second of this process on one core and another on the other.
+            (1000.5, 1.0, 0.5),
+            # Too soon to measure anything: the last figure stands.
+            (1000.6, 1.1, 0.6),
+            # This process on both cores, and nothing else.
+            (1001.0, 2.0, 1.5),
+            # After a long gap (the process was stopped): no figure from it...
+            (1030.0, 60.0, 1.5),
+            # ...and the next look measures from its end.
+            (1030.5, 60.1, 1.6),
+        ]
+    )
+    monkeypatch.setattr(scheduler, "_cpu_sample", lambda: next(samples))
     machine = scheduler.MachineLoad()
-    # Five minutes of this process on two cores, under a load average of three: one is another's.
-    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
-    for _ in range(300):
-        clock["wall"] += 1.0
-        clock["cpu"] += 2.0
-        machine.others()
-    assert machine.others() == pytest.approx(1.0, abs=0.1)
-    # Then idle for ten minutes while another process keeps one core busy.
-    clock["wall"] += 600.0
-    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
-    assert machine.others() == pytest.approx(1.0, abs=0.2)
-    # An idle machine.
-    clock["wall"] += 600.0
-    monkeypatch.setattr(scheduler.os, "getloadavg", lambda: (0.05, 0.05, 0.05))
-    assert machine.others() == pytest.approx(0.05, abs=0.05)
+    assert [machine.others() for _ in range(5)] == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
+
+
+def test_the_machine_busy_time_counts_other_processes():
+    first = scheduler._cpu_sample()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 1\nwhile time.time() < end: pass"])
+    second = scheduler._cpu_sample()
+    machine, own = second[1] - first[1], second[2] - first[2]
+    assert machine - own >= 0.5 and own < 0.2

@@ -606,7 +606,8 @@ cdef struct LoopState:
     float *top_logprobs
     int seed
     int prefill_chunk
-    int threads
+    int threads            # wanted for the next evaluation; Python may change it at any time
+    int applied_threads    # the llama.cpp context's current setting
     int window
     bint step_abort        # let the hook stop evaluations between graph nodes
     bint trim_output       # compute only the last token's logits of a chunk
@@ -659,9 +660,14 @@ cdef bint evaluate(LoopState *s, int count) noexcept nogil:
     must end instead (s.exit says why)."""
     cdef bint ok
     cdef int32_t status
+    # Read once per evaluation: the scheduler reshares the cores as generations come and go.
+    cdef int threads = sl.sl_load_acquire(&s.threads)
     s.watch.aborted = 0
     s.watch.longest_gap_ns = 0
     if s.engine == Engine.LLAMA_CPP:
+        if threads != s.applied_threads:
+            LLAMA.set_threads(s.lctx, threads)
+            s.applied_threads = threads
         s.watch.last_poll_ns = sl.sl_monotonic_ns()
         # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
         status = LLAMA.decode(s.lctx, <const int32_t *>(s.tokens + s.n_past), count, s.n_past,
@@ -674,7 +680,7 @@ cdef bint evaluate(LoopState *s, int count) noexcept nogil:
             LLAMA.truncate(s.lctx, s.n_past)
     else:
         s.watch.trim_output = s.trim_output
-        ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, s.threads)
+        ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, threads)
     if s.n_generated == 0 and s.watch.longest_gap_ns > s.longest_prefill_node_ns:
         s.longest_prefill_node_ns = s.watch.longest_gap_ns
     elif s.n_generated and s.watch.longest_gap_ns > s.longest_decode_node_ns:
@@ -1141,6 +1147,19 @@ cdef class Generation:
     def max_tokens(self):
         return self.s.max_tokens
 
+    @property
+    def threads(self):
+        """Compute threads for the loop's next evaluation."""
+        return sl.sl_load_acquire(&self.s.threads)
+
+    @threads.setter
+    def threads(self, int value):
+        # Thread-safe: the loop reads it once per evaluation, so a running
+        # generation takes the new count at its next step.
+        if value < 1:
+            raise ValueError("threads must be positive")
+        sl.sl_store_release(&self.s.threads, value)
+
     def cancel(self):
         """Ask the loop to stop. Thread-safe and idempotent: only the first call counts,
         and a call after the loop ended changes nothing. Returns True if this call
@@ -1168,7 +1187,6 @@ cdef class Generation:
             self.s.lmodel = (<LlamaContext>context).model.model
             # Positions from n_reused on go: the cache must continue exactly where the record does.
             LLAMA.truncate(self.s.lctx, self.s.n_reused)
-            LLAMA.set_threads(self.s.lctx, self.s.threads)
             LLAMA.set_abort(self.s.lctx, sl.sl_node_abort_callback if self.s.step_abort else <ll.sll_abort_fn>NULL,
                             &self.s.watch)
         else:
