@@ -244,6 +244,8 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         queue_ms=ending.queue_ms,
         ttft_ms=ending.ttft_ms,
         duration_ms=ending.duration_ms,
+        longest_prefill_node_ms=ending.longest_prefill_node_ms,
+        longest_decode_node_ms=ending.longest_decode_node_ms,
         **({"message": ending.message} if ending.message else {}),
         **({"limit": str(ending.limit), "retry_after_s": ending.retry_after_s} if ending.limit else {}),
     )

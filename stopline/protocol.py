@@ -199,6 +199,10 @@ class Ending:
     ttft_ms: float | None = None
     duration_ms: float = 0.0
     cancel_latency_ms: float | None = None
+    # The longest stretch of an evaluation between two stop checks (a graph node in
+    # step), which bounds how long a stop can wait: in the prompt, and in decode.
+    longest_prefill_node_ms: float = 0.0
+    longest_decode_node_ms: float = 0.0
     message: str = ""
     # A quota refusal: which limit, and when trying again may succeed (None: it will not).
     limit: QuotaLimit | None = None
@@ -237,6 +241,10 @@ class LoopResult(Protocol):
     def first_token_ns(self) -> int: ...
     @property
     def end_ns(self) -> int: ...
+    @property
+    def longest_prefill_node_ns(self) -> int: ...
+    @property
+    def longest_decode_node_ns(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -696,6 +704,8 @@ class Connection:
                 ttft_ms=_ms(request.received_ns, result.first_token_ns) if result.first_token_ns else None,
                 duration_ms=duration_ms,
                 cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None,
+                longest_prefill_node_ms=result.longest_prefill_node_ns / 1e6,
+                longest_decode_node_ms=result.longest_decode_node_ns / 1e6,
             ),
         )
 

@@ -59,7 +59,13 @@ def frames(actions) -> list[dict]:
 def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
     """What the engine reports when a loop exits (the fields the protocol reads)."""
     fields = dict(
-        prompt_tokens=3, prompt_tokens_reused=0, prompt_tokens_evaluated=3, tokens_generated=0, tokens_after_cancel=0
+        prompt_tokens=3,
+        prompt_tokens_reused=0,
+        prompt_tokens_evaluated=3,
+        tokens_generated=0,
+        tokens_after_cancel=0,
+        longest_prefill_node_ns=0,
+        longest_decode_node_ns=0,
     )
     return SimpleNamespace(
         outcome=str(outcome), reason=reason, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts}

@@ -49,6 +49,8 @@ async def test_cancel_during_decode(server, logs):
     [end] = logs.records("generation_cancelled", id="r1")
     assert end["reason"] == "user_cancelled" and end["cancel_latency_ms"] == cancelled["cancel_latency_ms"]
     assert end["tokens_wasted"] == end["prompt_tokens_evaluated"] + end["tokens_generated"]
+    # What bounds a stop: the longest graph node of the prompt and of decode.
+    assert end["longest_prefill_node_ms"] > 0 and end["longest_decode_node_ms"] > 0
 
 
 async def test_cancel_during_prefill_stops_within_one_chunk(server, logs):
