@@ -2,7 +2,8 @@
 
     python bench/structured_output.py [--runs 6] [--stops 100]
 
-Prints, for no constraint, json_object and a json_schema: the decode time per
+Prints, for no constraint, json_object, a json_schema and tool_choice auto's
+prose-or-calls grammar: the decode time per
 token (first token to end, over greedy runs of 96 tokens at most) and the
 difference a grammar makes as a share of a step; then, with the schema's grammar
 active and without one, the latency from Generation.cancel() right after a
@@ -21,6 +22,7 @@ import time
 from stopline._core import Generation
 from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
+from stopline.tool_calls import ToolChoice, calls_grammar
 
 SCHEMA = {
     "type": "object",
@@ -84,7 +86,13 @@ def main() -> None:
     slot = engine.open_slot()
     prompt = engine.encode(messages=MESSAGES)
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    grammars = {"none": None, "json_object": JSON_OBJECT_GRAMMAR, "json_schema": schema_grammar(SCHEMA)}
+    grammars = {
+        "none": None,
+        "json_object": JSON_OBJECT_GRAMMAR,
+        "json_schema": schema_grammar(SCHEMA),
+        # Prose that may turn into calls: the text an answer with tool_choice auto is held to.
+        "tools_auto": calls_grammar([{"name": "describe", "parameters": SCHEMA}], ToolChoice.AUTO, parallel=True),
+    }
     times: dict[str, list[float]] = {name: [] for name in grammars}
     tokens: dict[str, int] = dict.fromkeys(grammars, 0)
     for run in range(args.runs):

@@ -30,6 +30,7 @@ from .origin import check_request
 from .protocol import Submit, encode_frame, error_frame
 from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .session import ClientSession
+from .tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 
 if TYPE_CHECKING:
@@ -173,11 +174,9 @@ class OpenAIReply:
         chat: bool,
         stream: bool,
         include_usage: bool,
-        tool_call: bool = False,
+        calls: ToolChoice | None = None,
     ):
         self.http_request = http_request
-        # The text is a function call's JSON: it is read whole, and answered as tool_calls.
-        self.tool_call = tool_call
         self.model = model
         self.chat = chat
         self.stream = stream
@@ -191,6 +190,11 @@ class OpenAIReply:
         # Log probabilities, when asked for (the generate frame's logprobs); None: not asked for.
         self._logprobs: list[dict] | None = None
         self._streamed_chars = 0
+        # When the answer may hold function calls: what reads them out of the text, the calls
+        # read so far (OpenAI's tool_calls entries), and the log probabilities not yet streamed.
+        self._reader = None if calls is None else CallReader(prose=calls is ToolChoice.AUTO)
+        self._calls: list[dict] = []
+        self._unsent_logprobs: list[dict] = []
 
     def submitted(self, request) -> None:
         self.prompt_tokens = len(request.prompt_tokens)
@@ -209,7 +213,12 @@ class OpenAIReply:
                     await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
         elif kind == "token":
             entries = frame.get("logprobs")
-            if self.stream and not self.tool_call:
+            if self._reader is not None:
+                if entries is not None and self._logprobs is not None:
+                    self._logprobs += entries
+                    self._unsent_logprobs += entries
+                await self._read_calls(self._reader.feed(frame["text"]))
+            elif self.stream:
                 choice = self._choice({"content": frame["text"]} if self.chat else frame["text"], None)
                 if entries is not None:
                     choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
@@ -230,43 +239,64 @@ class OpenAIReply:
         else:
             await self._end(frame)
 
+    async def _read_calls(self, events: list[Event]) -> None:
+        """Keep what the reader found, and stream it as OpenAI does: prose as content, a call's
+        first delta with its id and name, then pieces of its arguments."""
+        for event in events:
+            if isinstance(event, Prose):
+                self._texts.append(event.text)
+                delta: dict = {"content": event.text}
+            elif isinstance(event, CallStarted):
+                call = {"id": self._call_id(event.index), "type": "function", "function": {"name": event.name}}
+                self._calls.append({**call, "function": {"name": event.name, "arguments": ""}})
+                delta = {
+                    "tool_calls": [{"index": event.index, **call, "function": {"name": event.name, "arguments": ""}}]
+                }
+            else:
+                self._calls[event.index]["function"]["arguments"] += event.text
+                delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+            if self.stream:
+                choice = self._choice(delta, None)
+                self._attach_unsent_logprobs(choice)
+                await self._chunk(choice)
+
+    def _attach_unsent_logprobs(self, choice: list[dict]) -> None:
+        if self._unsent_logprobs:
+            choice[0]["logprobs"] = self._logprobs_field(self._unsent_logprobs, 0)
+            self._unsent_logprobs = []
+
+    def _call_id(self, index: int) -> str:
+        return f"call_{self._id.replace('-', '')[:24]}_{index}"
+
     async def _end(self, frame: dict) -> None:
         finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
-        call = self._call(frame)
-        if call is not None:
-            finish_reason = "tool_calls"
+        if self._reader is not None:
+            await self._read_calls(self._reader.finish())
+            # Every call written whole: the answer is its calls, whatever ended the text after them.
+            if frame["type"] == Outcome.DONE and self._reader.complete:
+                finish_reason = "tool_calls"
         usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": frame["tokens_generated"],
             "total_tokens": self.prompt_tokens + frame["tokens_generated"],
         }
         if self.stream:
-            if self.tool_call:
-                # The call in one delta, as a client adds deltas up; or the text, if no call was finished.
-                delta = (
-                    {"tool_calls": [{"index": 0, **call}]} if call is not None else {"content": "".join(self._texts)}
-                )
-                chunk = self._choice(delta, None)
-                if self._logprobs is not None:
-                    chunk[0]["logprobs"] = self._logprobs_field(self._logprobs, 0)
-                await self._chunk(chunk)
             # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
-            await self._chunk(self._choice({} if self.chat else "", finish_reason), stopline=frame)
+            final = self._choice({} if self.chat else "", finish_reason)
+            self._attach_unsent_logprobs(final)
+            await self._chunk(final, stopline=frame)
             if self.include_usage:
                 await self._chunk([], usage=usage)
             await self._write(b"data: [DONE]\n\n")
             return
         text = "".join(self._texts)
         logprobs = None if self._logprobs is None else self._logprobs_field(self._logprobs, 0)
+        message: dict = {"role": "assistant", "content": text}
+        if self._calls:
+            # Prose before the calls, if any, stays the content.
+            message = {"role": "assistant", "content": text or None, "tool_calls": self._calls}
         choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": None, "tool_calls": [call]}
-                if call is not None
-                else {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
             if self.chat
             else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         )
@@ -280,23 +310,6 @@ class OpenAIReply:
             "stopline": frame,
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
-
-    def _call(self, frame: dict) -> dict | None:
-        """The function call the text holds, once the generation ended by itself; else None."""
-        if not self.tool_call or frame["type"] != Outcome.DONE or frame["reason"] != Reason.EOS:
-            return None
-        try:
-            written = json.loads("".join(self._texts))
-        except ValueError:
-            return None
-        if not isinstance(written, dict) or not isinstance(written.get("name"), str) or "arguments" not in written:
-            return None
-        # The grammar made it {"name": ..., "arguments": ...}; the arguments go back as JSON text.
-        return {
-            "id": f"call_{self._id.replace('-', '')[:24]}",
-            "type": "function",
-            "function": {"name": written["name"], "arguments": json.dumps(written["arguments"], ensure_ascii=False)},
-        }
 
     def _logprobs_field(self, entries: list[dict], offset: int) -> dict:
         """A choice's ``logprobs``: chat's ``content`` list, or the completions API's older
@@ -481,7 +494,7 @@ class HttpApi:
             chat=chat,
             stream=stream,
             include_usage=include_usage,
-            tool_call=asked.tool_call,
+            calls=asked.calls,
         )
         return await self._generate(request, asked.frame, reply)
 

@@ -9,17 +9,17 @@ silence: a field that is not honoured is refused with 400
 
 No I/O here: :func:`openai_request` turns a parsed body into a ``generate``
 frame, which the protocol then validates like any other, and says whether the
-answer is a function call for the reply to read.
+answer may hold function calls for the reply to read.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 
 from .protocol import GRAMMARS_NEED_LLAMA_CPP
+from .tool_calls import ToolChoice, call_text, instructions, is_tool
 from .vocabulary import ErrorCode
 
 
@@ -84,7 +84,7 @@ FIELDS: tuple[Field, ...] = (
     Field("response_format", CHAT, Treatment.HONOURED, example={"type": "json_object"}),
     Field("tools", CHAT, Treatment.HONOURED, example=[{"type": "function", "function": {"name": "f"}}]),
     Field("tool_choice", CHAT, Treatment.HONOURED, example="none"),
-    Field("parallel_tool_calls", CHAT, Treatment.REFUSED, example=False),
+    Field("parallel_tool_calls", CHAT, Treatment.HONOURED, example=False),
     Field("functions", CHAT, Treatment.DEFAULT_ONLY, neutral=([],), example=[{"name": "f"}]),
     Field("function_call", CHAT, Treatment.DEFAULT_ONLY, neutral=("none",), example="auto"),
     Field("modalities", CHAT, Treatment.DEFAULT_ONLY, neutral=(["text"],), example=["text", "audio"]),
@@ -133,8 +133,9 @@ def _same(value: object, neutral: object) -> bool:
 @dataclass(frozen=True)
 class OpenAIRequest:
     frame: dict
-    # The answer is one function call (tool_choice required or a named function), as JSON.
-    tool_call: bool = False
+    # The answer may hold function calls (auto) or is only calls (required, a named function);
+    # None: it is text.
+    calls: ToolChoice | None = None
 
 
 def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> OpenAIRequest:
@@ -170,10 +171,15 @@ def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> Ope
         if isinstance(messages, list):
             messages = [_message(m, i, _call_names(messages)) for i, m in enumerate(messages)]
         call = _tool_call(body.get("tools"), body.get("tool_choice"), grammars)
-        if call is not None and isinstance(messages, list):
-            schema, instructions = call
-            frame["json_schema"] = schema
-            messages = _with_system(messages, instructions)
+        if call is not None:
+            tools, choice = call
+            parallel = body.get("parallel_tool_calls")
+            frame.update(tools=tools, tool_choice=str(choice))
+            if parallel is not None:
+                frame["parallel_tool_calls"] = parallel
+            if isinstance(messages, list):
+                shown = instructions([t["function"] for t in tools], choice, parallel is not False)
+                messages = _with_system(messages, shown)
         frame["messages"] = messages
     else:
         prompt = body.get("prompt")
@@ -192,26 +198,17 @@ def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> Ope
         field = table[name] if name in table else None
         if field is not None and field.frame_name is not None and body.get(name) is not None:
             frame.setdefault(field.frame_name, body[name])
-    if call is not None and "json_schema" in frame and body.get("response_format") not in (None, {"type": "text"}):
+    if call is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise Refused(
             ErrorCode.INVALID_FIELD, "give response_format or a tool_choice that calls, not both", "tool_choice"
         )
-    return OpenAIRequest(frame, tool_call=call is not None)
+    return OpenAIRequest(frame, calls=None if call is None else call[1])
 
 
-_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-# How the model is told about the functions (through its chat template, as a system message).
-TOOLS_INSTRUCTIONS = (
-    'Call one of these functions. Answer with only a JSON object {{"name": <the function\'s name>, '
-    '"arguments": <its arguments>}}.\nFunctions: {functions}'
-)
-
-
-def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[dict, str] | None:
-    """The schema of the call that ``tool_choice`` asks for and the instructions that show the
-    functions to the model; None when the answer is text."""
+def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[list[dict], ToolChoice] | None:
+    """The tools the answer may call and whether it must; None when the answer is text."""
     tools = [] if tools is None else tools
-    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
         raise Refused(
             ErrorCode.INVALID_FIELD,
             'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
@@ -221,18 +218,10 @@ def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[dict, str
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
-    if choice == "auto":
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER,
-            'tool_choice "auto" is not supported: Stopline calls a function when tool_choice is "required" '
-            'or names one ({"type": "function", "function": {"name": ...}}), and answers in text with "none"',
-            "tool_choice",
-        )
-    functions = [t["function"] for t in tools]
-    if choice == "required":
-        chosen = functions
+    if choice in ("auto", "required"):
+        chosen = tools
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        chosen = [f for f in functions if f["name"] == choice["function"].get("name")]
+        chosen = [t for t in tools if t["function"]["name"] == choice["function"].get("name")]
         if not chosen:
             raise Refused(
                 ErrorCode.INVALID_FIELD, "tool_choice names a function that tools does not list", "tool_choice"
@@ -244,34 +233,16 @@ def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[dict, str
             "tool_choice",
         )
     if not chosen:
-        raise Refused(ErrorCode.INVALID_FIELD, "tool_choice required needs tools", "tool_choice")
+        raise Refused(ErrorCode.INVALID_FIELD, f"tool_choice {choice} needs tools", "tool_choice")
     if not grammars:
-        raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"tool_choice: {GRAMMARS_NEED_LLAMA_CPP}", "tool_choice")
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in chosen
-    ]
-    shown = [{k: f[k] for k in ("name", "description", "parameters") if k in f} for f in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return schema, TOOLS_INSTRUCTIONS.format(functions=json.dumps(shown, ensure_ascii=False))
-
-
-def _is_tool(tool: object) -> bool:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        return False
-    function = tool["function"]
-    name, parameters = function.get("name"), function.get("parameters")
-    return (
-        isinstance(name, str)
-        and _FUNCTION_NAME.fullmatch(name) is not None
-        and (parameters is None or isinstance(parameters, dict))
-        and set(function) <= {"name", "description", "parameters", "strict"}
-    )
+        # Unconstrained, a call's arguments would often not parse or not validate: refused, not guessed.
+        default = " (the default when tools are given)" if choice == "auto" else ""
+        raise Refused(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            f'tool_choice {json.dumps(choice)}{default}: {GRAMMARS_NEED_LLAMA_CPP}; tool_choice "none" answers in text',
+            "tool_choice",
+        )
+    return chosen, ToolChoice.AUTO if choice == "auto" else ToolChoice.REQUIRED
 
 
 def _with_system(messages: list, instructions: str) -> list:
@@ -369,16 +340,6 @@ def _message(message, index: int, call_names: dict[str, str]):
             raise Refused(
                 ErrorCode.INVALID_FIELD, f"{where}.tool_calls must list function calls", f"{where}.tool_calls"
             )
-        written = [_call_text(c["function"]) for c in calls]
+        written = [call_text(c["function"]["name"], c["function"].get("arguments")) for c in calls]
         content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
     return {"role": _ROLES[role], "content": content}
-
-
-def _call_text(function: dict) -> str:
-    """A call as the model writes one: {"name": ..., "arguments": {...}}."""
-    arguments = function.get("arguments")
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        pass
-    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)

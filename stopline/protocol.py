@@ -43,6 +43,7 @@ from enum import Enum
 from typing import Protocol, TypeGuard
 
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
+from .tool_calls import ToolChoice, calls_grammar, is_tool
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Reason, Refusal, Status
 
 PROTOCOL_VERSION = 1
@@ -897,23 +898,45 @@ GRAMMARS_NEED_LLAMA_CPP = "structured output needs the llama.cpp engine (start t
 
 
 def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
-    """The grammar that ``json_schema`` or ``json_object`` asks for, if either does."""
-    schema, json_object = frame.get("json_schema"), frame.get("json_object")
+    """The grammar that ``json_schema``, ``json_object`` or ``tools`` asks for, if any does."""
+    schema, json_object, tools = frame.get("json_schema"), frame.get("json_object"), frame.get("tools")
     if json_object is not None and not isinstance(json_object, bool):
         raise ProtocolError(ErrorCode.INVALID_FIELD, "json_object must be true or false", request_id)
-    if schema is not None and json_object:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "give json_schema or json_object, not both", request_id)
-    if schema is None and not json_object:
+    asked = [
+        name
+        for name, given in (("json_schema", schema is not None), ("json_object", json_object), ("tools", tools))
+        if given
+    ]
+    if len(asked) > 1:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"give {asked[0]} or {asked[1]}, not both", request_id)
+    if not asked:
         return None
     if not limits.grammars:
-        name = "json_schema" if schema is not None else "json_object"
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
-    if schema is None:
-        return JSON_OBJECT_GRAMMAR
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{asked[0]}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
     try:
+        if tools:
+            return _tools_grammar(frame, request_id)
+        if schema is None:
+            return JSON_OBJECT_GRAMMAR
         return schema_grammar(schema)
     except SchemaError as exc:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"json_schema: {exc}", request_id) from None
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{asked[0]}: {exc}", request_id) from None
+
+
+def _tools_grammar(frame: dict, request_id: str) -> str:
+    """The grammar of an answer that calls ``tools`` (docs/protocol.md#tool-calls)."""
+    tools, choice, parallel = frame["tools"], frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            request_id,
+        )
+    if choice not in tuple(ToolChoice):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, 'tool_choice must be "auto" or "required"', request_id)
+    if not isinstance(parallel, bool):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "parallel_tool_calls must be true or false", request_id)
+    return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
 
 
 def _validate_generate(frame: dict, limits: Limits, request_id: str):

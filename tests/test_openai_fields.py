@@ -120,11 +120,14 @@ async def test_structured_output_names_the_engine_that_has_it(server):
         assert caught.value.code == "unsupported_parameter" and caught.value.param == "response_format"
         assert "--engine llama.cpp" in caught.value.message
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(
-            model=server.engine.name, messages=CHAT_FRANCE, tools=tools, tool_choice="required"
-        )
-    assert caught.value.param == "tool_choice" and "--engine llama.cpp" in caught.value.message
+    # auto too (the default when tools are given): unconstrained arguments would not be sure to parse.
+    for tool_choice in ("required", "auto", openai.omit):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=server.engine.name, messages=CHAT_FRANCE, tools=tools, tool_choice=tool_choice
+            )
+        assert caught.value.code == "unsupported_parameter" and caught.value.param == "tool_choice"
+        assert "--engine llama.cpp" in caught.value.message
     await client.close()
 
 
