@@ -58,6 +58,12 @@ CMAKE_OPTIONS = [
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_LLGUIDANCE=OFF",
+    # ggml's own threads rather than OpenMP's. The engine evaluates on whichever
+    # thread runs the generation, and every thread that starts an OpenMP region
+    # keeps a team of its own; once the teams outnumber the cores, libgomp stops
+    # spinning at barriers and sleeps at every graph node: measured, a lone
+    # 2-thread decode fell from about 90 to 60 tokens/s on a second thread.
+    "-DGGML_OPENMP=OFF",
 ]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # AVX2, as the ctransformers build ours runs on. Not -march=native: that also turns on AMX, whose
@@ -281,7 +287,6 @@ def _link_shim(build: Path, output: Path) -> None:
         "-Wl,--exclude-libs,ALL",
         f"-Wl,--version-script={version_script}",
         "-Wl,--no-undefined",
-        "-fopenmp",
         "-lpthread",
         "-lm",
         "-ldl",
