@@ -620,9 +620,9 @@ def results_section(results: dict, tables: str, chart: str) -> str:
         f" ({', '.join(skipped)} skipped: ctransformers cannot load this model)" if skipped else ""
     }
 - Equal resources: every server is confined to the same cores ({",".join(map(str, meta["cpus"]))}, by
-  `sched_setaffinity` in the child before it starts); ours: {slots} slots × {threads} compute thread per
-  slot; llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
-  all){_wide_note(wide, threads)}
+  `sched_setaffinity` in the child before it starts); ours: {_ours_threads(meta, slots, threads)};
+  llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
+  all){_wide_note(wide, threads, _shared(meta))}
 - Interleaving: each scenario's samples are taken in {meta["rounds"]} parts, the engines taking turns
   part by part, in alternating order; while one engine is measured (or calibrated) the other servers
   are paused (SIGSTOP), because an idle server's wake-ups (its event loop's timers) preempt a thread of
@@ -675,10 +675,23 @@ def write_results_section(path: Path, model: str, section: str) -> None:
     path.write_text(text)
 
 
-def _wide_note(wide: int, threads) -> str:
+def _shared(meta: dict) -> bool:
+    return "--shared-threads" in meta["command"]
+
+
+def _ours_threads(meta: dict, slots, threads) -> str:
+    if _shared(meta):
+        return (
+            f"{slots} slots sharing {threads} compute threads (its default: a generation alone takes them "
+            f"all, generations together divide them)"
+        )
+    return f"{slots} slots × {threads} compute thread per slot"
+
+
+def _wide_note(wide: int, threads, shared: bool = False) -> str:
     if not wide:
         return ""
-    total = wide * threads if isinstance(threads, int) else "?"
+    total = threads if shared else wide * threads if isinstance(threads, int) else "?"
     return (
         f"; for the 4-stream figures every engine is restarted with {wide} slots "
         f"(llama-server `--parallel {wide}`, `--threads {total}`)"
