@@ -123,7 +123,7 @@ class Scheduler:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
         self.engine = engine
         # Compute threads per generation; None: the engine's threads (the cores), shared
-        # among the generations running together (threads_for_next).
+        # among the generations running together (threads_each).
         self.threads = threads
         self.machine = MachineLoad()
         self._look_timer: asyncio.TimerHandle | None = None
