@@ -691,7 +691,10 @@ def _ours_threads(meta: dict, slots, threads) -> str:
 def _wide_note(wide: int, threads, shared: bool = False) -> str:
     if not wide:
         return ""
-    total = threads if shared else wide * threads if isinstance(threads, int) else "?"
+    if shared:
+        total = threads
+    else:
+        total = wide * threads if isinstance(threads, int) else "?"
     return (
         f"; for the 4-stream figures every engine is restarted with {wide} slots "
         f"(llama-server `--parallel {wide}`, `--threads {total}`)"

@@ -50,18 +50,24 @@ async def wide_peer(tmp_path):
     await server.stop()
 
 
-def bench_for(prompts: PromptMaker, requests: int) -> LlamaBench:
-    plan = Plan(
-        requests=requests,
-        long_requests=requests,
+def small_plan(**fields) -> Plan:
+    """A plan of short runs; ``fields`` override its defaults."""
+    defaults = dict(
+        requests=1,
+        long_requests=1,
         duration_s=None,
         short_tokens=50,
         long_tokens=300,
         concurrency=None,
-        throughput_reps=2,
+        throughput_reps=1,
         decode_tokens=16,
         parallel=1,
     )
+    return Plan(**{**defaults, **fields})
+
+
+def bench_for(prompts: PromptMaker, requests: int) -> LlamaBench:
+    plan = small_plan(requests=requests, long_requests=requests, throughput_reps=2)
     return LlamaBench(plan, prompts, random.Random(2), None)
 
 
@@ -184,24 +190,9 @@ def test_samples_split_into_parts_that_add_up():
     for total in (0, 1, 5, 10):
         assert sum(share(total, part, 3) for part in range(3)) == total
         assert [r for part in range(3) for r in share_range(total, part, 3)] == list(range(total))
-    plan = bench_for_plan(streams=())
+    plan = small_plan(streams=())
     assert plan.stream_counts(2) == [1, 2] and plan.stream_counts(4) == [1, 4]
-    assert bench_for_plan(streams=(4,)).stream_counts(4) == [4] and bench_for_plan(streams=(4,)).stream_counts(2) == []
-
-
-def bench_for_plan(**fields) -> Plan:
-    return Plan(
-        requests=1,
-        long_requests=1,
-        duration_s=None,
-        short_tokens=50,
-        long_tokens=300,
-        concurrency=None,
-        throughput_reps=1,
-        decode_tokens=16,
-        parallel=1,
-        **fields,
-    )
+    assert small_plan(streams=(4,)).stream_counts(4) == [4] and small_plan(streams=(4,)).stream_counts(2) == []
 
 
 def test_each_model_keeps_its_own_section_of_the_results(tmp_path):
