@@ -18,18 +18,14 @@ from . import model as embedded
 from .app import ServerConfig, StoplineServer
 from .auth import KeyFileError, Keyring, check_key
 from .engine import DEFAULT_CONTEXT_LENGTH, Engine, EngineError
-from .model import EMBEDDED_CONTEXT_LIMIT, ModelFetchError
+from .errors import StoplineError, UsageError
+from .model import EMBEDDED_CONTEXT_LIMIT
 from .model_check import WHAT_WORKS, ModelFileError
 from .observability import LOG_FORMATS, configure_logging, log
 from .origin import WILDCARD_HOSTS, OriginPolicy
 from .protocol import MAX_SECONDS
 from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
 from .vocabulary import AbortMode, EngineName
-
-
-class UsageError(Exception):
-    """A setting that cannot work, found before or while taking the ports: one line, exit 2."""
-
 
 # Flag value types: each raises ArgumentTypeError with the reason, which argparse
 # prints as one line before exiting with status 2.
@@ -497,7 +493,8 @@ def main(argv=None) -> int:
             log.error("startup_failed", error=str(exc))
         print(f"stopline: {exc}", file=sys.stderr)
         return 2
-    except (EngineError, ModelFetchError, ValueError, OSError) as exc:
+    except (StoplineError, EngineError, OSError) as exc:
+        # Expected: the model could not be fetched, built or loaded, or the machine refused a file.
         log.error("startup_failed", error=str(exc))
         return 1
     except KeyboardInterrupt:  # before the signal handlers were installed

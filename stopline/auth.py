@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import StoplineError
 from .vocabulary import QuotaLimit
 
 # Generated keys carry a prefix that secret scanners and people recognise.
@@ -46,7 +47,7 @@ WWW_AUTHENTICATE = 'Bearer realm="stopline"'
 FAILURE_DELAY_S = 0.05
 
 
-class KeyFileError(ValueError):
+class KeyFileError(StoplineError):
     """The keys file cannot be read, or an entry in it is invalid."""
 
 

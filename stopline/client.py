@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from .errors import ServerUnreachable, UsageError
 from .protocol import DEFAULT_SAMPLING
 from .vocabulary import ErrorCode, Outcome
 
@@ -33,14 +34,6 @@ Type a message and press Enter. Ctrl-C stops the answer being written.
   /reset         forget the conversation (the system prompt stays)
   /help          this help
 Ctrl-C twice at the prompt, or Ctrl-D, leaves."""
-
-
-class UsageError(ValueError):
-    """Bad command-line input; the message is one line for the user."""
-
-
-class ServerUnreachable(OSError):
-    """The server could not be reached or refused the WebSocket; one line for the user."""
 
 
 def websocket_url(url: str) -> str:

@@ -46,15 +46,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from .errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .observability import Metrics, log
-from .registry import (
-    Entry,
-    InvalidCancelToken,
-    OwnerUnreachable,
-    Registry,
-    StoreUnavailable,
-    UnknownRequest,
-)
+from .registry import Entry, Registry
 from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
@@ -537,7 +531,7 @@ class _StoreCall:
             raise StoreUnavailable("Redis cannot be reached")
 
     async def __aexit__(self, kind, exc, tb) -> bool:
-        if isinstance(exc, (RedisError, OSError)) and not isinstance(exc, StoreUnavailable):
+        if isinstance(exc, (RedisError, OSError)):
             raise StoreUnavailable(f"Redis failed: {type(exc).__name__}") from exc
         return False
 

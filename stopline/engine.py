@@ -36,6 +36,7 @@ from stopline import _core
 from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
 
 from . import model as embedded
+from .errors import SettingError
 from .model_check import ModelFileError, check_model_file
 from .protocol import SamplingParams
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
@@ -359,7 +360,7 @@ class CtransformersEngine(Engine):
                 tokenizer = None
             limit = _gguf_context_limit(fields)
             if limit and context_length > limit:
-                raise ValueError(f"context_length {context_length} exceeds the model's limit of {limit}")
+                raise SettingError(f"context_length {context_length} exceeds the model's limit of {limit}")
             if _gguf_version(path) >= 3:
                 # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
                 converted = (
@@ -430,7 +431,7 @@ class LlamaEngine(Engine):
         self.name = name
         self.threads = threads
         if model.context_limit and context_length > model.context_limit:
-            raise ValueError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
+            raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
         self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[AbortMode.IN_STEP]
         probe = _core.LlamaContext(model, context_length, self._batch, threads)

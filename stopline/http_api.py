@@ -14,7 +14,6 @@ for the stop, which the native loop sees before its next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import socket
 import time
@@ -24,11 +23,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
+from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
 from .openai_fields import Refused, openai_request
 from .origin import check_request
-from .protocol import Submit, encode_frame, error_frame
-from .registry import Entry, InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
+from .protocol import ProtocolError, Submit, encode_frame, error_frame, parse_json_object
+from .registry import Entry
 from .session import ClientSession
 from .tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
@@ -47,12 +47,8 @@ _HTTP_STATUS = {
     ErrorCode.TOO_MANY_REQUESTS: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.RATE_LIMITED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.INTERNAL_ERROR: HTTPStatus.INTERNAL_SERVER_ERROR,
-    ErrorCode.UNKNOWN_REQUEST: HTTPStatus.NOT_FOUND,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorCode.MODEL_NOT_FOUND: HTTPStatus.NOT_FOUND,
-    ErrorCode.INVALID_CANCEL_TOKEN: HTTPStatus.FORBIDDEN,
-    ErrorCode.STORE_UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
-    ErrorCode.OWNER_UNREACHABLE: HTTPStatus.GATEWAY_TIMEOUT,
 }
 # OpenAI's error ``type`` for each HTTP status it uses.
 _OPENAI_ERROR_TYPE = {
@@ -247,7 +243,7 @@ class OpenAIReply:
                 self._texts.append(event.text)
                 delta: dict = {"content": event.text}
             elif isinstance(event, CallStarted):
-                call = {"id": self._call_id(event.index), "type": "function", "function": {"name": event.name}}
+                call = {"id": self._call_id(event.index), "type": "function"}
                 self._calls.append({**call, "function": {"name": event.name, "arguments": ""}})
                 delta = {
                     "tool_calls": [{"index": event.index, **call, "function": {"name": event.name, "arguments": ""}}]
@@ -352,20 +348,6 @@ class OpenAIReply:
         await self.response.write(data)
 
 
-class BadBody(ValueError):
-    pass
-
-
-def _json_object(text: str) -> dict:
-    try:
-        body = json.loads(text)
-    except (ValueError, RecursionError):
-        raise BadBody(ErrorCode.INVALID_JSON, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadBody(ErrorCode.INVALID_FRAME, "the body must be a JSON object")
-    return body
-
-
 class HttpApi:
     def __init__(self, server: StoplineServer):
         self.server = server
@@ -466,9 +448,9 @@ class HttpApi:
 
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
         try:
-            frame = {**_json_object(await request.text()), "type": "generate"}
-        except BadBody as exc:
-            return error_response(*exc.args, openai=False)
+            frame = {**parse_json_object(await request.text(), "body"), "type": "generate"}
+        except ProtocolError as exc:
+            return error_response(exc.code, exc.message, openai=False)
         return await self._generate(request, frame, SseReply(request))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -479,10 +461,10 @@ class HttpApi:
 
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            body = _json_object(await request.text())
+            body = parse_json_object(await request.text(), "body")
             asked = openai_request(body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars)
-        except BadBody as exc:
-            return error_response(*exc.args, openai=True)
+        except ProtocolError as exc:
+            return error_response(exc.code, exc.message, openai=True)
         except Refused as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
@@ -564,25 +546,21 @@ class HttpApi:
                 if elsewhere is None:
                     raise
                 body = await elsewhere(request_id, token, key_id)
-        except UnknownRequest:
-            return error_response(ErrorCode.UNKNOWN_REQUEST, f"no generation has id {request_id!r}", openai=False)
-        except InvalidCancelToken:
-            return error_response(
-                ErrorCode.INVALID_CANCEL_TOKEN,
-                "send the generation's cancel token"
-                + (", or the API key that started it," if self.server.keyring.required else "")
-                + " as 'Authorization: Bearer <token>'",
-                openai=False,
-            )
-        except StoreUnavailable:
-            return error_response(
-                ErrorCode.STORE_UNAVAILABLE,
-                "this generation is not on this replica, and the "
-                "shared store that would find it cannot be reached; try again",
-                openai=False,
-            )
-        except OwnerUnreachable as exc:
-            return error_response(ErrorCode.OWNER_UNREACHABLE, str(exc), openai=False)
+        except RequestLookupError as exc:
+            if isinstance(exc, InvalidCancelToken):
+                message = (
+                    "send the generation's cancel token"
+                    + (", or the API key that started it," if self.server.keyring.required else "")
+                    + " as 'Authorization: Bearer <token>'"
+                )
+            elif isinstance(exc, StoreUnavailable):
+                message = (
+                    "this generation is not on this replica, and the "
+                    "shared store that would find it cannot be reached; try again"
+                )
+            else:
+                message = str(exc)
+            return error_response(exc.code, message, openai=False, status=exc.status)
         return web.json_response(body, headers=_NO_STORE)
 
     def _model_object(self) -> dict:

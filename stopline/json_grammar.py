@@ -29,6 +29,8 @@ import json
 import math
 import re
 
+from .errors import StoplineError
+
 # Keywords that describe a value without constraining it.
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
@@ -103,7 +105,7 @@ _PRIMITIVES = _PRIMITIVES.replace("{FREE_STRING}", str(FREE_STRING)) + _free_val
 JSON_OBJECT_GRAMMAR = "root ::= object\n" + _PRIMITIVES.strip() + "\n"
 
 
-class SchemaError(ValueError):
+class SchemaError(StoplineError):
     """The schema uses something the grammar cannot enforce; ``keyword`` names it."""
 
     def __init__(self, message: str, keyword: str | None = None):

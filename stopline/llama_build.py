@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .errors import StoplineError
 from .model import ModelFetchError, _verify, cache_dir
 
 SDIST_VERSION = "0.3.36"
@@ -83,7 +84,7 @@ SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
 BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
 
 
-class LlamaBuildError(RuntimeError):
+class LlamaBuildError(StoplineError):
     """llama.cpp could not be fetched or built."""
 
 

@@ -39,6 +39,8 @@ from typing import IO, TYPE_CHECKING, Protocol
 import platformdirs
 import structlog
 
+from .errors import StoplineError
+
 if TYPE_CHECKING:
     from .tokenizer import ChatTokenizer
 
@@ -70,7 +72,7 @@ _partial_lock = threading.Lock()
 _abandoned = threading.Event()
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(StoplineError):
     """The embedded model could not be fetched, verified or converted."""
 
 

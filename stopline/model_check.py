@@ -22,6 +22,7 @@ import numpy as np
 
 from stopline._core import ModelLoadError
 
+from .errors import StoplineError
 from .vocabulary import EngineName
 
 # The engines a verdict can name; the default is the one this module's limits describe.
@@ -86,7 +87,7 @@ LLAMA_WHAT_WORKS = (
 )
 
 
-class ModelFileError(ModelLoadError):
+class ModelFileError(ModelLoadError, StoplineError):
     """The model file cannot work with this build; the message says why and what would."""
 
     def __init__(self, path: Path, problem: str, alternative: str = "", engine: str = CTRANSFORMERS):

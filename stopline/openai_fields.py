@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .errors import StoplineError
 from .protocol import GRAMMARS_NEED_LLAMA_CPP
 from .tool_calls import ToolChoice, call_text, instructions, is_tool
 from .vocabulary import ErrorCode
@@ -115,11 +116,11 @@ _BY_ENDPOINT = {endpoint: fields_of(endpoint) for endpoint in Endpoint}
 _ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
 
 
-class Refused(ValueError):
+class Refused(StoplineError):
     """A body Stopline will not run: its error code, message and the field it names (``param``)."""
 
     def __init__(self, code: ErrorCode, message: str, param: str | None = None):
-        super().__init__(code, message)
+        super().__init__(message)
         self.code = code
         self.message = message
         self.param = param

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeGuard
 
+from .errors import StoplineError
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from .tool_calls import ToolChoice, calls_grammar, is_tool
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Reason, Refusal, Status
@@ -309,7 +310,9 @@ class Ended:
 Action = Send | Tokenize | Submit | Cancel | Ended
 
 
-class ProtocolError(Exception):
+class ProtocolError(StoplineError):
+    """A frame or a request refused, with the error code its error frame names."""
+
     def __init__(self, code: ErrorCode, message: str, request_id: str | None = None):
         super().__init__(message)
         self.code = code
@@ -818,13 +821,19 @@ def terminal_frame(request_id: str, ending: Ending) -> dict:
 # Validation ---------------------------------------------------------------
 
 
-def _parse(data: str) -> dict:
+def parse_json_object(data: str, what: str = "frame") -> dict:
+    """``data`` as a JSON object (a frame, or an HTTP body), or the ProtocolError that refuses it."""
     try:
-        frame = json.loads(data)
+        value = json.loads(data)
     except (ValueError, RecursionError):
-        raise ProtocolError(ErrorCode.INVALID_JSON, "the frame is not valid JSON") from None
-    if not isinstance(frame, dict):
-        raise ProtocolError(ErrorCode.INVALID_FRAME, "the frame must be a JSON object")
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"the {what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.INVALID_FRAME, f"the {what} must be a JSON object")
+    return value
+
+
+def _parse(data: str) -> dict:
+    frame = parse_json_object(data)
     if not isinstance(frame.get("type"), str):
         raise ProtocolError(ErrorCode.INVALID_FRAME, "the frame needs a string field 'type'", _id_of(frame))
     return frame

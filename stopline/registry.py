@@ -17,24 +17,9 @@ import time
 from collections import OrderedDict
 from typing import Protocol
 
+from .errors import InvalidCancelToken, UnknownRequest
 from .protocol import Ending, Phase, Request
 from .vocabulary import STATUS_BY_OUTCOME, Status
-
-
-class UnknownRequest(LookupError):
-    """No live or remembered request has this id."""
-
-
-class InvalidCancelToken(PermissionError):
-    """The token is missing or is not the request's."""
-
-
-class StoreUnavailable(ConnectionError):
-    """The request is not on this replica, and the shared store that would find it cannot be reached."""
-
-
-class OwnerUnreachable(TimeoutError):
-    """The replica that runs the request did not answer in time, yet still sends heartbeats."""
 
 
 class Entry:

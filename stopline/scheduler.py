@@ -28,12 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from .engine import Engine, GenerationResult, Stream
+from .errors import Busy
 from .observability import log
 from .protocol import Request
-
-
-class Busy(Exception):
-    """Every slot is busy and the queue is full."""
 
 
 class Sink(Protocol):

@@ -24,12 +24,14 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from .errors import StoplineError
+
 # The format of a saved tokenizer (ChatTokenizer.dumps). Bump it whenever that
 # format or the way from_fields builds a tokenizer changes, so saved ones are rebuilt.
 SAVED_FORMAT = 1
 
 
-class TokenizerError(ValueError):
+class TokenizerError(StoplineError, ValueError):
     """The GGUF holds no tokenizer this module can rebuild."""
 
 

@@ -331,7 +331,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back
     assert conn.live == {}
 
 
-def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_and_the_grammar_writers():
+def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_the_errors_and_the_grammar_writers():
     code = (
         "import json, sys\n"
         "before = set(sys.modules)\n"
@@ -341,11 +341,12 @@ def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_a
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
     ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
-    # The grammar writers (JSON Schema, and the tool-call format) are pure text too.
+    # The error classes and the grammar writers (JSON Schema, and the tool-call format) are pure text too.
     assert ours == {
         "stopline",
         "stopline.protocol",
         "stopline.vocabulary",
+        "stopline.errors",
         "stopline.json_grammar",
         "stopline.tool_calls",
     }, ours

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from stopline.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
-from stopline.registry import InvalidCancelToken, Registry, UnknownRequest
+from stopline.errors import InvalidCancelToken, UnknownRequest
+from stopline.registry import Registry
 from stopline.vocabulary import ErrorCode, Outcome, Reason
 
 

@@ -1,0 +1,94 @@
+"""Every error Stopline raises on purpose, under one root.
+
+An ``except`` clause names a class from here, or :class:`StoplineError` for
+all of them, and never catches a stranger by accident: a store failure is not
+an :class:`OSError` that a socket handler might swallow. An error that answers
+a client carries its protocol code (:attr:`StoplineError.code`) and HTTP status
+(:attr:`StoplineError.status`) as class attributes; the message is its only
+argument.
+
+The native engine's own errors (``_core.EngineError`` and its subclasses) are
+defined by the extension and stay outside this tree.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from .vocabulary import ErrorCode
+
+
+class StoplineError(Exception):
+    """The root of Stopline's errors. ``str(error)`` is one line for the user."""
+
+    # The error frame's code, and the HTTP status that answers it, where a client is told.
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+    status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+class UsageError(StoplineError):
+    """A setting that cannot work, found at startup: one line for the user."""
+
+
+class SettingError(StoplineError, ValueError):
+    """A setting the model cannot work with, found as it loads (a ValueError to callers of the engine too)."""
+
+
+# Finding a generation by its request id -------------------------------------
+
+
+class RequestLookupError(StoplineError):
+    """A generation named by its request id cannot be answered for."""
+
+
+class UnknownRequest(RequestLookupError):
+    """No live or remembered request has this id."""
+
+    code = ErrorCode.UNKNOWN_REQUEST
+    status = HTTPStatus.NOT_FOUND
+
+    def __init__(self, request_id: str):
+        super().__init__(f"no generation has id {request_id!r}")
+        self.request_id = request_id
+
+
+class InvalidCancelToken(RequestLookupError):
+    """The token is missing or is not the request's."""
+
+    code = ErrorCode.INVALID_CANCEL_TOKEN
+    status = HTTPStatus.FORBIDDEN
+
+    def __init__(self, request_id: str):
+        super().__init__(f"the token is not the cancel token of {request_id!r}")
+        self.request_id = request_id
+
+
+class StoreUnavailable(RequestLookupError):
+    """The request is not on this replica, and the shared store that would find it cannot be reached."""
+
+    code = ErrorCode.STORE_UNAVAILABLE
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class OwnerUnreachable(RequestLookupError):
+    """The replica that runs the request did not answer in time, yet still sends heartbeats."""
+
+    code = ErrorCode.OWNER_UNREACHABLE
+    status = HTTPStatus.GATEWAY_TIMEOUT
+
+
+# Running a generation ---------------------------------------------------------
+
+
+class Busy(StoplineError):
+    """Every slot is busy and the queue is full."""
+
+    code = ErrorCode.BUSY
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+
+
+# The terminal client ---------------------------------------------------------
+
+
+class ServerUnreachable(StoplineError):
+    """The server could not be reached or refused the WebSocket; one line for the user."""
