@@ -14,7 +14,8 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine import EXIT_OUTCOMES, Engine, SamplingArgs, SamplingParams, sampling_args
+from stopline.engine import Engine, SamplingArgs, SamplingParams, sampling_args
+from stopline.protocol import exit_outcome
 from stopline.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
@@ -26,7 +27,7 @@ SWEEP_TEXT = "The history of bread is long, and every town tells it a little dif
 def count_outcome(counts: dict, exit_ms: list, generation, result, cancelled_at_ns: int, expected: bytes) -> None:
     """Tally one generation of an abort storm: a cancel and how long its loop took to exit,
     or a run that escaped its cancel and must equal a fresh slot's greedy answer."""
-    outcome, _ = EXIT_OUTCOMES[result.exit]
+    outcome, _ = exit_outcome(result.exit)
     if outcome is Outcome.CANCELLED:
         counts["cancelled"] += 1
         exit_ms.append((result.end_ns - cancelled_at_ns) / 1e6)

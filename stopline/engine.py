@@ -6,7 +6,7 @@
     stream = engine.start(slot, engine.encode(messages=[...]), SamplingParams(max_tokens=64))
     async for text in stream:                   # or: for text in stream
         ...
-    stream.result                               # outcome, reason, counts, timestamps
+    stream.result                               # the way out, counts, timestamps
 
 Each slot is one native context: a ctransformers model instance (contexts of
 one file share its weights through mmap), or a llama.cpp context over one
@@ -40,7 +40,7 @@ from .errors import SettingError
 from .model_check import ModelFileError, check_model_file
 from .protocol import SamplingParams
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
-from .vocabulary import AbortMode, EngineName, ErrorCode, Outcome, Reason
+from .vocabulary import AbortMode, EngineName
 
 log = structlog.get_logger("stopline")
 
@@ -55,7 +55,6 @@ __all__ = [
     "GenerationResult",
     "DEFAULT_PREFILL_CHUNK",
     "AbortMode",
-    "EXIT_OUTCOMES",
     "sampling_args",
 ]
 
@@ -100,28 +99,14 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
     )
 
 
-# What each way out of the native loop means in the vocabulary. A cancel's
-# reason is not the loop's to know: the stream that cancelled supplies it.
-EXIT_OUTCOMES: dict[ExitKind, tuple[Outcome, Reason | ErrorCode | None]] = {
-    ExitKind.EOS: (Outcome.DONE, Reason.EOS),
-    ExitKind.MAX_TOKENS: (Outcome.DONE, Reason.MAX_TOKENS),
-    # The request's max_tokens, capped by the context: the same limit to a client.
-    ExitKind.CONTEXT_FULL: (Outcome.DONE, Reason.MAX_TOKENS),
-    ExitKind.STOP_SEQUENCE: (Outcome.DONE, Reason.STOP_SEQUENCE),
-    ExitKind.CANCELLED: (Outcome.CANCELLED, None),
-    ExitKind.TOTAL_DEADLINE: (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT),
-    ExitKind.FIRST_TOKEN_DEADLINE: (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT),
-    ExitKind.EVAL_FAILED: (Outcome.ERROR, ErrorCode.INTERNAL_ERROR),
-}
-
-
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """How a generation ended, in the vocabulary, with the native loop's counts
-    and CLOCK_MONOTONIC timestamps in ns (0: never)."""
+    """What the native loop reports once it has exited: which way out it took
+    (``exit``), its counts and its CLOCK_MONOTONIC timestamps in ns (0: never).
+    What that means to a client (an outcome and a reason) is the protocol's to say
+    (``protocol.EXIT_OUTCOMES``)."""
 
-    outcome: Outcome
-    reason: Reason | ErrorCode
+    exit: ExitKind
     prompt_tokens: int
     prompt_tokens_reused: int
     prompt_tokens_evaluated: int
@@ -136,11 +121,8 @@ class GenerationResult:
     longest_decode_node_ns: int
 
     @classmethod
-    def from_loop(cls, loop: _core.LoopResult, cancel_reason: Reason) -> GenerationResult:
-        """``loop``'s exit kind in the vocabulary; ``cancel_reason`` names a cancel's reason."""
-        outcome, reason = EXIT_OUTCOMES[loop.exit]
-        counts = {f.name: getattr(loop, f.name) for f in fields(cls) if f.name not in ("outcome", "reason")}
-        return cls(outcome=outcome, reason=cancel_reason if reason is None else reason, **counts)
+    def from_loop(cls, loop: _core.LoopResult) -> GenerationResult:
+        return cls(**{f.name: getattr(loop, f.name) for f in fields(cls)})
 
 
 def _ctransformers_library_path() -> str:
@@ -520,8 +502,8 @@ class Stream:
     whenever the generation's eventfd becomes readable, and turns their bytes
     into text (holding back partial UTF-8 and possible stop-sequence starts).
 
-    The loop only learns that it must stop; the stream keeps the reason it was
-    given and reports it in :attr:`result`.
+    The loop only learns that it must stop, and so does the stream: why a stop
+    was asked for is the protocol's to remember.
     """
 
     def __init__(self, generation: _core.Generation, text: TextStream, token_bytes=None):
@@ -532,10 +514,6 @@ class Stream:
         self._logprobs: list[dict] = []
         self.tokens_read = 0
         self.ended = False
-        # Held while a cancel records its reason, so that a result read at the
-        # same moment never shows the cancel without it.
-        self._cancel_lock = threading.Lock()
-        self._cancel_reason: Reason | None = None
         self._result: GenerationResult | None = None
 
     @property
@@ -545,26 +523,13 @@ class Stream:
             loop = self.generation.result
             if loop is None:
                 return None
-            with self._cancel_lock:
-                # A generation cancelled without this stream's help was cancelled by its user.
-                reason = self._cancel_reason or Reason.USER_CANCELLED
-            self._result = GenerationResult.from_loop(loop, reason)
+            self._result = GenerationResult.from_loop(loop)
         return self._result
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.generation.prompt_tokens
-
-    def cancel(self, reason: Reason = Reason.USER_CANCELLED) -> bool:
-        """Stop the generation for ``reason``. Thread-safe and idempotent: only the
-        first call that reaches a running or not-yet-started loop counts, and
-        returns True; its reason is the one :attr:`result` reports."""
-        reason = Reason(reason)
-        with self._cancel_lock:
-            won = self.generation.cancel()
-            if won:
-                self._cancel_reason = reason
-        return won
+    def cancel(self) -> bool:
+        """Stop the generation. Thread-safe and idempotent: only the first call that
+        reaches a running or not-yet-started loop counts, and returns True."""
+        return self.generation.cancel()
 
     def read_available(self) -> list[str]:
         """Text ready now (possibly none). Once the loop has ended, the first call
@@ -625,7 +590,7 @@ class Stream:
         finally:
             loop.remove_reader(fd)
             if not done.done():
-                self.cancel(Reason.CLIENT_DISCONNECTED)
+                self.cancel()
                 await asyncio.shield(done)
 
     async def __aiter__(self):
@@ -648,5 +613,5 @@ class Stream:
                     return
         finally:
             if worker.is_alive():
-                self.cancel(Reason.CLIENT_DISCONNECTED)
+                self.cancel()
             worker.join()

@@ -218,17 +218,35 @@ class Ending:
         return self.prompt_tokens_evaluated + self.tokens_generated
 
 
-class LoopResult(Protocol):
+# What each way out of the native loop (``_core.ExitKind``, by name) means to a
+# client: its outcome, and its reason. A cancel's reason is not the loop's to
+# know: the request remembers why its stop was asked for.
+EXIT_OUTCOMES: dict[str, tuple[Outcome, Reason | ErrorCode | None]] = {
+    "EOS": (Outcome.DONE, Reason.EOS),
+    "MAX_TOKENS": (Outcome.DONE, Reason.MAX_TOKENS),
+    # The request's max_tokens, capped by the context: the same limit to a client.
+    "CONTEXT_FULL": (Outcome.DONE, Reason.MAX_TOKENS),
+    "STOP_SEQUENCE": (Outcome.DONE, Reason.STOP_SEQUENCE),
+    "CANCELLED": (Outcome.CANCELLED, None),
+    "TOTAL_DEADLINE": (Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT),
+    "FIRST_TOKEN_DEADLINE": (Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT),
+    "EVAL_FAILED": (Outcome.ERROR, ErrorCode.INTERNAL_ERROR),
+}
+
+
+def exit_outcome(exit: Enum) -> tuple[Outcome, Reason | ErrorCode | None]:
+    """The outcome and reason of a way out of the native loop (None: a cancel, whose reason the request holds)."""
+    return EXIT_OUTCOMES[exit.name]
+
+
+class ExitReport(Protocol):
     """What the engine reports once a generation's native loop has exited
-    (``stopline.engine.GenerationResult``), as far as the protocol reads it.
-    Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
+    (``stopline.engine.GenerationResult``), as far as the protocol reads it:
+    the way out it took, and counts. Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
 
     # Read-only properties, as a frozen dataclass provides them.
     @property
-    def outcome(self) -> Outcome: ...
-    @property
-    def reason(self) -> Reason | ErrorCode | None:  # read for a done or timeout exit only
-        ...
+    def exit(self) -> Enum: ...
     @property
     def prompt_tokens(self) -> int: ...
     @property
@@ -667,12 +685,13 @@ class Connection:
             return []
         return [Send(frame, request)]
 
-    def finished(self, request: Request, result: LoopResult) -> list[Action]:
+    def finished(self, request: Request, result: ExitReport) -> list[Action]:
         """The native loop of ``request`` exited, and ``result`` is what it reported.
 
-        A cancelled loop ends with the reason this protocol asked for the stop:
-        the native side knows only that a stop was asked for."""
-        outcome = Outcome(result.outcome)
+        This is the one place a loop's way out becomes an outcome and a reason. A
+        cancelled loop ends with the reason this protocol asked for the stop: the
+        native side knows only that a stop was asked for."""
+        outcome, exit_reason = exit_outcome(result.exit)
         duration_ms = _ms(request.received_ns, result.end_ns)
         if outcome is Outcome.ERROR:
             return self.end(
@@ -689,7 +708,7 @@ class Connection:
             )
         cancelled = outcome is Outcome.CANCELLED
         if not cancelled:
-            reason = Reason(str(result.reason))
+            reason = Reason(str(exit_reason))
         elif request.cancel_reason is not None:
             reason = request.cancel_reason
         else:

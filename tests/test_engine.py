@@ -28,7 +28,6 @@ from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_ru
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine import (
-    EXIT_OUTCOMES,
     ContextOverflowError,
     Engine,
     EngineError,
@@ -36,6 +35,7 @@ from stopline.engine import (
     SamplingParams,
     sampling_args,
 )
+from stopline.protocol import exit_outcome
 from stopline.vocabulary import Outcome, Reason
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
@@ -54,7 +54,13 @@ SHORT_COUNTING_TEXT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 def ended_done(result: _core.LoopResult) -> bool:
     """Whether the loop ended by itself: the service calls that outcome done."""
-    return EXIT_OUTCOMES[result.exit][0] is Outcome.DONE
+    return ended(result)[0] is Outcome.DONE
+
+
+def ended(result) -> tuple:
+    """What a loop's way out means to a client, as the protocol names it: (outcome, reason);
+    a cancel's reason is None, for the request that asked for the stop holds it."""
+    return exit_outcome(result.exit)
 
 
 class Runner(threading.Thread):
@@ -167,7 +173,7 @@ def france_answer(engine, slot) -> str:
     computed with the engine's prefill chunk: greedy text depends on the chunk size
     (see test_same_tokens_as_ctransformers_own_generate)."""
     text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0)
-    assert result.outcome == "done"
+    assert ended(result)[0] == "done"
     return text
 
 
@@ -203,7 +209,7 @@ def test_cancel_during_decode_via_stream(engine, slot):
             assert stream.cancel() is True
     result = stream.result
 
-    assert result.outcome == "cancelled" and result.reason == "user_cancelled"
+    assert ended(result) == (Outcome.CANCELLED, None)
     assert result.tokens_after_cancel <= 1
     assert stream.tokens_read == result.tokens_generated
     # Exit within the step in flight.
@@ -267,23 +273,26 @@ def test_the_loop_is_told_to_stop_never_why(engine, slot):
     generation = make_generation(slot, engine.encode(messages=CHAT_FRANCE), max_tokens=2)
     with pytest.raises(TypeError):
         generation.cancel(Reason.SHUTDOWN)
-    # The reason stays with the stream, which reports it in the vocabulary.
+    # Nor is the stream: the reason stays with the request, whose protocol names it.
     stream = engine.start(slot, engine.encode(messages=CHAT_FRANCE), SamplingParams(max_tokens=2))
-    assert stream.cancel(Reason.SHUTDOWN) is True
+    with pytest.raises(TypeError):
+        stream.cancel(Reason.SHUTDOWN)  # type: ignore[call-arg]
+    assert stream.cancel() is True
     assert list(stream) == []
     assert stream.generation.result.exit is ExitKind.CANCELLED
-    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, Reason.SHUTDOWN)
+    assert stream.result.exit is ExitKind.CANCELLED and ended(stream.result) == (Outcome.CANCELLED, None)
+    assert not hasattr(stream.result, "reason")
 
 
 def test_cancel_twice_only_first_counts(engine, slot):
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
     runner = start(stream.generation)
     wait_for_tokens(stream.generation, 1, [])
-    assert stream.cancel(Reason.SHUTDOWN) is True
-    assert stream.cancel(Reason.CLIENT_DISCONNECTED) is False
+    assert stream.cancel() is True
+    assert stream.cancel() is False
     runner.finish()
-    assert stream.cancel(Reason.SLOW_CONSUMER) is False
-    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, Reason.SHUTDOWN)
+    assert stream.cancel() is False
+    assert ended(stream.result) == (Outcome.CANCELLED, None)
 
 
 def test_concurrent_cancels_exactly_one_wins(engine, slot):
@@ -306,7 +315,8 @@ def test_concurrent_cancels_exactly_one_wins(engine, slot):
     assert len([i for i in won if i is not False]) == 1
 
 
-def test_concurrent_stream_cancels_report_the_winners_reason(engine, slot):
+def test_concurrent_stream_cancels_exactly_one_wins(engine, slot):
+    # Four stops asked for at once (why is the protocol's to keep): one reaches the loop.
     reasons = [Reason.USER_CANCELLED, Reason.CLIENT_DISCONNECTED, Reason.SHUTDOWN, Reason.SLOW_CONSUMER]
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=500, temperature=0))
     runner = start(stream.generation)
@@ -316,7 +326,7 @@ def test_concurrent_stream_cancels_report_the_winners_reason(engine, slot):
 
     def cancel(reason):
         barrier.wait()
-        if stream.cancel(reason):
+        if stream.cancel():
             won.append(reason)
 
     threads = [threading.Thread(target=cancel, args=(reason,)) for reason in reasons]
@@ -326,7 +336,7 @@ def test_concurrent_stream_cancels_report_the_winners_reason(engine, slot):
         t.join()
     runner.finish()
     assert len(won) == 1
-    assert (stream.result.outcome, stream.result.reason) == (Outcome.CANCELLED, won[0])
+    assert ended(stream.result) == (Outcome.CANCELLED, None)
 
 
 def test_cancel_after_finish_changes_nothing(engine, slot):
@@ -408,7 +418,7 @@ def test_total_deadline_fires_within_a_step(engine, slot):
     result = stream.result
     deadline_ns = started_ns + int(timeout_s * 1e9)
 
-    assert (result.outcome, result.reason) == ("timeout", "total_timeout")
+    assert ended(result) == ("timeout", "total_timeout")
     assert 0 < result.tokens_generated < 1000 and text
     assert result.end_ns >= deadline_ns
     assert result.end_ns - deadline_ns <= costs.step_ns + SLACK_NS
@@ -425,7 +435,7 @@ def test_first_token_deadline_fires_during_prefill(engine, slot, long_prompt):
     result = stream.result
     deadline_ns = started_ns + int(0.3 * UNIT * 1e9)
 
-    assert (result.outcome, result.reason) == ("timeout", "first_token_timeout")
+    assert ended(result) == ("timeout", "first_token_timeout")
     assert result.tokens_generated == 0
     assert result.prompt_tokens_evaluated < len(long_prompt)
     assert result.end_ns >= deadline_ns
@@ -454,7 +464,7 @@ def test_first_token_deadline_does_not_fire_after_first_token(engine, slot):
     max_tokens = int(2 * ttft_ns / costs.step_ns) + 1
     started_ns = time.monotonic_ns()
     _, result = stream_text(engine, slot, prompt, max_tokens=max_tokens, temperature=0, ttft_timeout_s=ttft_ns / 1e9)
-    assert (result.outcome, result.reason) == ("done", "max_tokens")
+    assert ended(result) == ("done", "max_tokens")
     assert result.tokens_generated == max_tokens
     assert result.end_ns > started_ns + ttft_ns  # the deadline did pass during the run
 
@@ -548,7 +558,7 @@ def test_greedy_is_deterministic_and_answers_paris(engine, slot, france_answer):
     text, result = stream_text(engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0)
     assert text == france_answer
     assert "Paris" in text
-    assert result.outcome == "done" and result.tokens_generated > 0
+    assert ended(result)[0] == "done" and result.tokens_generated > 0
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
@@ -590,7 +600,7 @@ def test_stop_sequence_ends_generation_and_is_not_streamed(engine, slot, france_
     text, result = stream_text(
         engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("never-appears", stop)
     )
-    assert (result.outcome, result.reason) == ("done", "stop_sequence")
+    assert ended(result) == ("done", "stop_sequence")
     assert text == expected
     assert result.text_kept_bytes == len(expected.encode())
 
@@ -604,7 +614,7 @@ def test_stop_sequences_cut_at_the_earliest_match_whatever_their_order(engine, s
     text, result = stream_text(
         engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("Paris", longer)
     )
-    assert result.reason == "stop_sequence"
+    assert ended(result)[1] == "stop_sequence"
     assert text == expected
 
 
@@ -613,7 +623,7 @@ def test_stop_sequence_that_never_appears(engine, slot, france_answer):
     text, result = stream_text(
         engine, slot, engine.encode(messages=CHAT_FRANCE), max_tokens=48, temperature=0, stop=("zebra",)
     )
-    assert text == france_answer and result.reason != "stop_sequence"
+    assert text == france_answer and ended(result)[1] != "stop_sequence"
 
 
 def test_max_tokens(engine, slot):
@@ -636,7 +646,7 @@ def test_max_tokens_is_clamped_to_the_context(engine):
         result = generation.run()
         # Ended by the context, not by the request's max_tokens; a client hears max_tokens either way.
         assert result.exit is ExitKind.CONTEXT_FULL
-        assert EXIT_OUTCOMES[result.exit] == (Outcome.DONE, Reason.MAX_TOKENS)
+        assert ended(result) == (Outcome.DONE, Reason.MAX_TOKENS)
         assert result.tokens_generated == 64 - len(prompt) == len(generation.take())
         # A prompt that fills the context leaves no room for a token.
         with pytest.raises(ContextOverflowError):
@@ -682,7 +692,7 @@ def test_slow_consumer_gets_every_token(engine, slot):
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=40, temperature=0))
     for _ in stream:
         time.sleep(0.05 * UNIT)
-    assert stream.result.outcome == "done"
+    assert ended(stream.result)[0] == "done"
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
@@ -693,7 +703,7 @@ async def test_slow_async_consumer_gets_every_token(engine, slot):
     stream = engine.start(slot, engine.encode(messages=LONG_ANSWER), SamplingParams(max_tokens=40, temperature=0))
     async for _ in stream:
         await asyncio.sleep(0.05 * UNIT)
-    assert stream.result.outcome == "done"
+    assert ended(stream.result)[0] == "done"
     assert stream.tokens_read == stream.result.tokens_generated == 40
 
 
@@ -720,11 +730,11 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
     if mode == 0:  # cancelled before the loop starts
         assert stream.cancel() is True
         assert list(stream) == []
-        assert stream.result.outcome == "cancelled" and stream.result.prompt_tokens_evaluated == 0
+        assert ended(stream.result)[0] == "cancelled" and stream.result.prompt_tokens_evaluated == 0
     elif mode == 1:  # cancelled at the first token
         for _ in stream:
             stream.cancel()
-        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "user_cancelled")
+        assert ended(stream.result) == ("cancelled", None)
         assert stream.result.tokens_generated < 16 and stream.result.tokens_after_cancel <= 1
     elif mode == 2:  # cancelled at a random point: mid-prompt, mid-decode or after the end
         accepted: list[bool] = []
@@ -733,19 +743,20 @@ def _cycle(engine, slot, prompt, rng: random.Random, mode: int) -> None:
         list(stream)
         timer.join()
         result = stream.result
-        if result.outcome == "cancelled":
-            assert accepted == [True] and result.reason == "user_cancelled"
+        outcome, reason = ended(result)
+        if outcome == "cancelled":
+            assert accepted == [True] and reason is None
             # Polled before every token: a cancelled loop never reaches max_tokens.
             assert result.tokens_generated < 16 and result.tokens_after_cancel <= 1
         else:
             # Only a loop past its last poll may finish: it had produced every token it would.
-            assert result.outcome == "done"
-            assert result.reason == "eos" or (result.reason, result.tokens_generated) == ("max_tokens", 16)
+            assert outcome == "done"
+            assert reason == "eos" or (reason, result.tokens_generated) == ("max_tokens", 16)
     else:  # the consumer goes away after one chunk
         chunks = iter(stream)
         assert next(chunks, None) is not None
         chunks.close()
-        assert (stream.result.outcome, stream.result.reason) == ("cancelled", "client_disconnected")
+        assert ended(stream.result) == ("cancelled", None)
         assert stream.result.tokens_generated < 16
 
 
@@ -854,7 +865,7 @@ def test_a_model_without_a_readable_bpe_vocab_uses_ctransformers_tokenizer(engin
     try:
         stream = other.start(slot, ids, SamplingParams(max_tokens=8, temperature=0))
         text = "".join(stream)
-        assert text.strip() and stream.result.outcome == "done" and stream.result.tokens_generated >= 1
+        assert text.strip() and ended(stream.result)[0] == "done" and stream.result.tokens_generated >= 1
     finally:
         slot.close()
 

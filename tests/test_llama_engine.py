@@ -26,6 +26,7 @@ from stopline import _core
 from stopline.engine import Engine, SamplingParams
 from stopline.llama_build import cached_library
 from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.protocol import exit_outcome
 from stopline.vocabulary import AbortMode, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
     http,
@@ -285,7 +286,7 @@ def test_gemma_loads_generates_and_resumes_mid_conversation(gemma):
 def test_a_stream_on_the_llama_engine_reports_like_the_other(engine, slot):
     stream = engine.start(slot, engine.encode(messages=FRANCE), SamplingParams(max_tokens=24, temperature=0))
     text = "".join(stream)
-    assert "Paris" in text and stream.result.outcome == "done"
+    assert "Paris" in text and exit_outcome(stream.result.exit)[0] == "done"
 
 
 def run_stopline(*args: str) -> subprocess.CompletedProcess:

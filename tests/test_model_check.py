@@ -30,6 +30,7 @@ from stopline.model_check import (
     check_model_file,
     read_gguf_metadata,
 )
+from stopline.protocol import exit_outcome
 from stopline.tokenizer import TokenizerError, load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +284,7 @@ def test_a_ggml_gpt2_file_loads_streams_and_stops(tmp_path):
     try:
         stream = loaded.start(slot, ids, SamplingParams(max_tokens=10, temperature=0))
         text = "".join(stream)
-        assert stream.result.outcome == "done" and stream.result.reason == "max_tokens"
+        assert exit_outcome(stream.result.exit) == ("done", "max_tokens")
         assert stream.result.tokens_generated == 10 and text
     finally:
         slot.close()

@@ -12,6 +12,7 @@ import pytest
 
 from stopline.protocol import (
     DEFAULT_SAMPLING,
+    EXIT_OUTCOMES,
     AddressQuota,
     Cancel,
     Connection,
@@ -57,7 +58,15 @@ def frames(actions) -> list[dict]:
 
 
 def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
-    """What the engine reports when a loop exits (the fields the protocol reads)."""
+    """What the engine reports when a loop exits (the fields the protocol reads): the way
+    out that means ``outcome`` and ``reason`` (a cancel's reason is the request's)."""
+    from stopline._core import ExitKind
+
+    [exit, *_] = [
+        ExitKind[name]
+        for name, (kind, why) in EXIT_OUTCOMES.items()
+        if kind == outcome and (why is None or reason is None or str(why) == str(reason))
+    ]
     fields = dict(
         prompt_tokens=3,
         prompt_tokens_reused=0,
@@ -67,9 +76,7 @@ def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
         longest_prefill_node_ns=0,
         longest_decode_node_ns=0,
     )
-    return SimpleNamespace(
-        outcome=str(outcome), reason=reason, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts}
-    )
+    return SimpleNamespace(exit=exit, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts})
 
 
 def test_generate_submits_a_queued_request():
@@ -202,14 +209,13 @@ def test_tokens_wasted_counts_only_unfinished_work():
 
 def test_every_way_out_of_the_native_loop_has_an_outcome():
     from stopline._core import ExitKind
-    from stopline.engine import EXIT_OUTCOMES
 
     # Every exit kind but "has not ended" is mapped, and to vocabulary values only.
-    assert set(EXIT_OUTCOMES) == set(ExitKind) - {ExitKind.NONE}
+    assert set(EXIT_OUTCOMES) == {kind.name for kind in ExitKind} - {ExitKind.NONE.name}
     for outcome, reason in EXIT_OUTCOMES.values():
         assert isinstance(outcome, Outcome)
         if outcome is Outcome.CANCELLED:
-            assert reason is None  # the stream that cancelled supplies it
+            assert reason is None  # the request that asked for the stop supplies it
         elif outcome is Outcome.ERROR:
             assert isinstance(reason, ErrorCode)
         else:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from stopline.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
 from stopline.errors import InvalidCancelToken, UnknownRequest
+from stopline.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
 from stopline.registry import Registry
 from stopline.vocabulary import ErrorCode, Outcome, Reason
 
