@@ -25,9 +25,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
 from stopline.engine import Engine
 from stopline.observability import configure_logging
+from stopline.settings import Settings
 from stopline.vocabulary import AbortMode, EngineName
 
 
@@ -93,17 +94,16 @@ async def serve(args: argparse.Namespace) -> None:
         from .baseline import BaselineEngine
 
         engine = BaselineEngine(engine)
-    # The benchmark sets its own deadlines; a slow engine's long prompt must not hit the defaults.
+    # The benchmark sets its own deadlines (the longest a request may ask for follows); a slow
+    # engine's long prompt must not hit the defaults.
     server = StoplineServer(
         engine,
-        ServerConfig(
+        Settings.build(
             host="127.0.0.1",
             port=0,
             workers=args.workers,
             default_timeout_s=3600,
-            max_timeout_s=3600,
             default_ttft_timeout_s=3600,
-            max_ttft_timeout_s=3600,
             redis_url=args.redis_url,
             replica_id=args.replica_id,
         ),

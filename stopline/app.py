@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,12 +48,13 @@ from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
-from .protocol import AddressQuota, Limits, encode_frame, error_frame
+from .protocol import AddressQuota, encode_frame, error_frame
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, peer_name
-from .vocabulary import EngineName, ErrorCode, KeyEvent, Reason, Refusal
+from .settings import Settings
+from .vocabulary import ErrorCode, KeyEvent, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -62,106 +62,35 @@ if TYPE_CHECKING:
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 
 
-@dataclass
-class ServerConfig:
-    """The server's settings; ``python -m stopline`` takes its flag defaults from here.
-    The settings the protocol enforces default to :class:`protocol.Limits`, their one source."""
-
-    host: str = "127.0.0.1"
-    port: int = 8765
-    # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
-    http_port: int | None = None
-    workers: int = 2
-    # Compute threads per generation; None: the cores, shared among the generations
-    # running when one starts (a user alone gets the whole machine).
-    threads: int | None = None
-    max_queue: int = 16
-    # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
-    allowed_origins: tuple[str, ...] = ()
-    # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
-    allowed_hosts: tuple[str, ...] = ()
-    requests_per_connection: int = Limits.requests_per_connection
-    # Live requests of all connections from one client address.
-    requests_per_address: int = Limits.requests_per_address
-    # Open WebSocket connections, all clients together.
-    max_connections: int = 256
-    # Bytes a client may send before its handshake request is complete, and how long it may take.
-    max_header_bytes: int = 16 * 1024
-    handshake_timeout_s: float = 10.0
-    default_timeout_s: float = Limits.default_timeout_s
-    max_timeout_s: float = Limits.max_timeout_s
-    default_ttft_timeout_s: float = Limits.default_ttft_timeout_s
-    max_ttft_timeout_s: float = Limits.max_ttft_timeout_s
-    # How long a send may wait for a client that stopped reading before its request is cancelled.
-    slow_consumer_grace_s: float = 10.0
-    # How far (in tokens) a generation may run ahead of what was written to its socket.
-    window: int = 64
-    # The largest frame, which is also the burst of bytes a connection may send.
-    max_frame_bytes: int = Limits.byte_burst
-    frames_per_second: float = Limits.frames_per_second
-    frame_burst: int = Limits.frame_burst
-    # Bytes of frames each connection may send a second, in bursts of one largest frame:
-    # this bounds the parsing and tokenizing one client can ask for.
-    bytes_per_second: float = Limits.bytes_per_second
-    # Small transport and kernel send buffers: a stalled client's backlog stays
-    # bounded, and backpressure reaches the token loop instead of piling up here.
-    write_limit: int = 16 * 1024
-    socket_send_buffer: int = 16 * 1024
-    # The shared store of a scale-out deployment (docs/deploy.md); None: this process alone.
-    redis_url: str | None = None
-    status_ttl_s: int = 86_400
-    # This replica's name in the store; None: "<hostname>-<port>".
-    replica_id: str | None = None
-    # API keys (docs/http.md#api-keys): keys without limits, and a file of keys with their users and limits.
-    # Neither: no key is asked for.
-    api_keys: tuple[str, ...] = ()
-    api_keys_file: str | None = None
-    # The key /metrics asks for; None: /metrics is open.
-    metrics_key: str | None = None
-
-
 # The WebSocket close code for a missing or wrong key: 4000 + the HTTP status, as HTTP would answer.
 CLOSE_UNAUTHORIZED = 4401
 
 
 class StoplineServer:
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: Engine, settings: Settings):
         self.engine = engine
-        self.config = config
+        self.settings = settings
         self.metrics = Metrics()
         self.scheduler = Scheduler(
             engine,
-            config.workers,
-            config.max_queue,
-            window=config.window,
+            settings.workers,
+            settings.max_queue,
+            window=settings.window,
             metrics=self.metrics,
-            threads=config.threads,
+            threads=settings.threads,
         )
-        self.metrics.slots.set(config.workers)
+        self.metrics.slots.set(settings.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
-        own_names = _own_names() if config.host in WILDCARD_HOSTS else ()
-        self.origin_policy = OriginPolicy.build(config.host, config.allowed_origins, config.allowed_hosts, own_names)
-        # What clients are told to connect to (a wildcard address is not one).
-        self.public_host = advertised_host(config.host, socket.gethostname())
-        self.limits = Limits(
-            context_length=engine.context_length,
-            vocab_size=engine.vocab_size,
-            requests_per_connection=config.requests_per_connection,
-            requests_per_address=config.requests_per_address,
-            max_prompt_bytes=_max_prompt_bytes(engine, config.max_frame_bytes),
-            bytes_per_second=config.bytes_per_second,
-            byte_burst=config.max_frame_bytes,
-            default_timeout_s=config.default_timeout_s,
-            max_timeout_s=config.max_timeout_s,
-            default_ttft_timeout_s=config.default_ttft_timeout_s,
-            max_ttft_timeout_s=config.max_ttft_timeout_s,
-            frames_per_second=config.frames_per_second,
-            frame_burst=config.frame_burst,
-            grammars=engine.kind is EngineName.LLAMA_CPP,
+        own_names = _own_names() if settings.host in WILDCARD_HOSTS else ()
+        self.origin_policy = OriginPolicy.build(
+            settings.host, settings.allowed_origins, settings.allowed_hosts, own_names
         )
+        # What clients are told to connect to (a wildcard address is not one).
+        self.public_host = advertised_host(settings.host, socket.gethostname())
+        self.limits = settings.limits_for(engine)
         self._server: Server  # set by start()
         self._sessions: set[ClientSession] = set()
-        self.address_quota = AddressQuota(config.requests_per_address)
+        self.address_quota = AddressQuota(settings.limits.requests_per_address)
         # WebSocket connections admitted by the handshake and not yet closed.
         self.websocket_connections = 0
         # Prompts are tokenized in worker threads, which release the GIL while they
@@ -176,12 +105,12 @@ class StoplineServer:
         )
         self.registry = Registry()
         self.cluster: Cluster | None = None
-        if config.redis_url:
+        if settings.redis_url:
             from .cluster import Cluster
 
-            self.cluster = Cluster(config.redis_url, self.registry, self.metrics, status_ttl_s=config.status_ttl_s)
+            self.cluster = Cluster(settings.redis_url, self.registry, self.metrics, status_ttl_s=settings.status_ttl_s)
             self.registry.listener = self.cluster
-        self.keyring = Keyring(config.api_keys, config.api_keys_file)
+        self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
         self._unauthorized = 0
         self._unauthorized_logged_at = 0.0
@@ -197,36 +126,35 @@ class StoplineServer:
         return f"http://{self.public_host}:{self.port}/"
 
     async def start(self, sock: socket.socket | None = None, http_sock: socket.socket | None = None) -> None:
-        """Listen on ``config.host``/``config.port`` and ``config.http_port``, or on ``sock`` and
+        """Listen on ``settings.host``/``settings.port`` and ``settings.http_port``, or on ``sock`` and
         ``http_sock`` if the caller has bound them already."""
-        where = {"sock": sock} if sock is not None else {"host": self.config.host, "port": self.config.port}
+        where = {"sock": sock} if sock is not None else {"host": self.settings.host, "port": self.settings.port}
         self._server = await serve(
             self._handle,
             **where,
             process_request=self._process_request,
-            max_size=self.config.max_frame_bytes,
-            write_limit=self.config.write_limit,
+            max_size=self.settings.max_frame_bytes,
+            write_limit=self.settings.write_limit,
             server_header="Stopline",
             # websockets calls the class it is given; a factory binds this server to each connection.
             create_connection=self._create_connection,  # type: ignore[arg-type]
             # A browser sends its key as a second subprotocol (auth.BEARER_SUBPROTOCOL); only this one is echoed.
             select_subprotocol=_select_subprotocol,
             # The handshake deadline is enforced (and counted) by GuardedConnection; this is the backstop.
-            open_timeout=self.config.handshake_timeout_s + 5,
+            open_timeout=self.settings.handshake_timeout_s + 5,
         )
-        http_port = self.config.http_port
-        if http_port is None:
-            http_port = self.config.port + 1 if self.config.port else 0
-        await self.http.start(self.config.host, http_port, sock=http_sock, public_host=self.public_host)
+        await self.http.start(
+            self.settings.host, self.settings.http_port_or_default, sock=http_sock, public_host=self.public_host
+        )
         if self.cluster is not None:
-            await self.cluster.start(self.config.replica_id or f"{socket.gethostname()}-{self.port}")
+            await self.cluster.start(self.settings.replica_id or f"{socket.gethostname()}-{self.port}")
         self.quotas.start()
         if self.keyring.required:
-            log.info(KeyEvent.LOADED, keys=len(self.keyring), file=self.config.api_keys_file)
-        elif self.config.host not in LOOPBACK_NAMES:
+            log.info(KeyEvent.LOADED, keys=len(self.keyring), file=self.settings.api_keys_file)
+        elif self.settings.host not in LOOPBACK_NAMES:
             log.warning(
                 KeyEvent.NONE_CONFIGURED,
-                host=self.config.host,
+                host=self.settings.host,
                 detail="no API key is configured: anyone who can reach this port may generate "
                 "(--api-key, --api-keys-file)",
             )
@@ -235,7 +163,7 @@ class StoplineServer:
             url=self.url,
             model=self.engine.name,
             engine=str(self.engine.kind),
-            workers=self.config.workers,
+            workers=self.settings.workers,
             threads=self.engine.threads,
             context_length=self.engine.context_length,
             prefill_chunk=self.engine.prefill_chunk,
@@ -272,7 +200,7 @@ class StoplineServer:
         except KeyFileError as exc:
             log.error(KeyEvent.RELOAD_FAILED, error=str(exc), keys=len(self.keyring))
             return
-        log.info(KeyEvent.LOADED, keys=count, file=self.config.api_keys_file)
+        log.info(KeyEvent.LOADED, keys=count, file=self.settings.api_keys_file)
 
     def unauthorized(self, peer: str, where: str) -> None:
         """Count a request or connection refused for its key, and log it at most once a second."""
@@ -311,12 +239,12 @@ class StoplineServer:
             )
             return _response(refused.status, f"{refused.code}: {refused.message}\n".encode(), "text/plain")
         if path == "/ws":
-            if self.websocket_connections >= self.config.max_connections:
+            if self.websocket_connections >= self.settings.max_connections:
                 self.refuse(connection, Refusal.TOO_MANY_CONNECTIONS)
                 return _response(
                     HTTPStatus.SERVICE_UNAVAILABLE,
                     f"{Refusal.TOO_MANY_CONNECTIONS}: the server has its maximum of "
-                    f"{self.config.max_connections} connections\n".encode(),
+                    f"{self.settings.max_connections} connections\n".encode(),
                     "text/plain",
                 )
             self.websocket_connections += 1
@@ -347,7 +275,7 @@ class StoplineServer:
             )
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if path == "/metrics":
-            key = self.config.metrics_key
+            key = self.settings.metrics_key
             if key is not None and not same_secret(bearer(request.headers.get("Authorization")), key):
                 self.unauthorized(peer_name(connection), path)
                 return _response(
@@ -363,8 +291,8 @@ class StoplineServer:
 
     async def _handle(self, websocket: ServerConnection) -> None:
         sock = websocket.transport.get_extra_info("socket")
-        if sock is not None and self.config.socket_send_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
+        if sock is not None and self.settings.socket_send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.socket_send_buffer)
         assert isinstance(websocket, GuardedConnection)
         if websocket.unauthorized:
             self.unauthorized(peer_name(websocket), "/ws")
@@ -407,18 +335,20 @@ class GuardedConnection(ServerConnection):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._handshake_timer = self.loop.call_later(self.stopline.config.handshake_timeout_s, self._handshake_expired)
+        self._handshake_timer = self.loop.call_later(
+            self.stopline.settings.handshake_timeout_s, self._handshake_expired
+        )
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # read and dropped, so that closing does not reset the connection before the answer is read
         if self.request is None:
             self._handshake_bytes += len(data)
-            if self._handshake_bytes > self.stopline.config.max_header_bytes:
+            if self._handshake_bytes > self.stopline.settings.max_header_bytes:
                 self._refuse(
                     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                     Refusal.HEADERS_TOO_LARGE,
-                    f"the handshake may carry at most {self.stopline.config.max_header_bytes} bytes",
+                    f"the handshake may carry at most {self.stopline.settings.max_header_bytes} bytes",
                 )
                 return
         super().data_received(data)
@@ -440,7 +370,7 @@ class GuardedConnection(ServerConnection):
             self._refuse(
                 HTTPStatus.REQUEST_TIMEOUT,
                 Refusal.HANDSHAKE_TIMEOUT,
-                f"the handshake did not complete within {self.stopline.config.handshake_timeout_s:g} s",
+                f"the handshake did not complete within {self.stopline.settings.handshake_timeout_s:g} s",
             )
 
     def _refuse(self, status: HTTPStatus, code: Refusal, message: str) -> None:
@@ -460,13 +390,6 @@ class GuardedConnection(ServerConnection):
 
 def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
     return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None
-
-
-def _max_prompt_bytes(engine: Engine, max_frame_bytes: int) -> int:
-    """No prompt longer than this can fit the context: every token stands for at most the longest token's bytes."""
-    longest = getattr(engine.tokenizer, "max_token_bytes", None)
-    bound = engine.context_length * longest if longest else max_frame_bytes
-    return min(bound, max_frame_bytes)
 
 
 def _background_priority() -> None:

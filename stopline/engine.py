@@ -67,6 +67,15 @@ DEFAULT_PREFILL_CHUNK = {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1}
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: a generation's compute threads unless told otherwise
+    (the scheduler shares them among the generations running together)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class SamplingArgs(TypedDict):
     """``_core.Generation``'s sampling arguments, which have no native defaults."""
 
@@ -185,7 +194,7 @@ class Engine:
         ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
         if context_length < 1:
             raise ValueError("context_length must be positive")
-        threads = threads or max(1, (os.cpu_count() or 1) // 2)
+        threads = threads or usable_cores()
         abort_mode = AbortMode(abort_mode)
         if EngineName(engine) is EngineName.LLAMA_CPP:
             if model_type is not None:

@@ -351,7 +351,7 @@ class OpenAIReply:
 class HttpApi:
     def __init__(self, server: StoplineServer):
         self.server = server
-        self.app = web.Application(middlewares=[self._guard], client_max_size=server.config.max_frame_bytes)
+        self.app = web.Application(middlewares=[self._guard], client_max_size=server.settings.max_frame_bytes)
         self.app.add_routes(
             [
                 web.post("/v1/generations", self._post_generation),
@@ -483,8 +483,8 @@ class HttpApi:
     async def _generate(self, request: web.Request, frame: dict, reply) -> web.StreamResponse:
         """Run one generation for this HTTP request; a lost connection cancels it."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None and self.server.config.socket_send_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.config.socket_send_buffer)
+        if sock is not None and self.server.settings.socket_send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.settings.socket_send_buffer)
         session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown", request.get(API_KEY))
         self.server._sessions.add(session)
         try:

@@ -102,10 +102,11 @@ _TRANSITIONS = {
 @dataclass(frozen=True)
 class Limits:
     """What one connection may ask for, and how fast. The defaults here are the server's
-    (``ServerConfig`` and the command line take theirs from them)."""
+    (``settings.Settings`` holds these limits, and the command line takes its defaults from them)."""
 
-    context_length: int
-    vocab_size: int
+    # The loaded engine's context and vocabulary (Settings.limits_for sets them); 0: no engine yet.
+    context_length: int = 0
+    vocab_size: int = 0
     default_timeout_s: float = 300.0
     max_timeout_s: float = 600.0
     default_ttft_timeout_s: float = 120.0

@@ -216,7 +216,7 @@ class ClientSession:
         """Send one frame. A client that stops reading makes this wait; past the
         grace period its request is cancelled with reason slow_consumer."""
         try:
-            await asyncio.wait_for(self._write(frame), self.server.config.slow_consumer_grace_s)
+            await asyncio.wait_for(self._write(frame), self.server.settings.slow_consumer_grace_s)
         except (ConnectionClosed, ConnectionError):
             pass
         except TimeoutError:

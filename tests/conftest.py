@@ -21,10 +21,11 @@ import pytest_asyncio
 from websockets.asyncio.client import connect
 
 from stopline._core import Generation, GenerationState
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
 from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
+from stopline.settings import Settings
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
 TERMINAL_TYPES = {"done", "cancelled", "timeout", "error"}
@@ -145,7 +146,7 @@ def open_fds() -> set[str]:
 async def running_server(engine: Engine, **config):
     """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks."""
     threads_before = {t.ident for t in threading.enumerate()}
-    server = StoplineServer(engine, ServerConfig(**{"host": "127.0.0.1", "port": 0, **config}))
+    server = StoplineServer(engine, Settings.build(**{"host": "127.0.0.1", "port": 0, **config}))
     await server.start()
     server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
     server.http_url = f"http://127.0.0.1:{server.port}"

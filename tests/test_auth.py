@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 from stopline.__main__ import main as stopline_main
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
 from stopline.auth import (
     KeyFileError,
     Keyring,
@@ -31,6 +31,7 @@ from stopline.auth import (
     revoke_key,
     subprotocol_key,
 )
+from stopline.settings import Settings
 from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 
 METRICS_KEY = "metrics-key-0123456789"
@@ -265,7 +266,7 @@ async def test_without_keys_nothing_is_asked_and_loopback_says_nothing(server, l
 
 
 async def test_listening_beyond_loopback_without_keys_says_so_once(engine, logs):
-    server = StoplineServer(engine, ServerConfig(host="0.0.0.0", port=0, http_port=0))
+    server = StoplineServer(engine, Settings.build(host="0.0.0.0", port=0, http_port=0))
     await server.start()
     await server.shutdown()
     [warning] = logs.records(KeyEvent.NONE_CONFIGURED)

@@ -23,10 +23,11 @@ from websockets.asyncio.client import connect
 
 from bench.servers import RedisServer
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
 from stopline.model import EMBEDDED_MODEL_NAME
 from stopline.quota import ADMIT_TIMEOUT_S, quota_key
+from stopline.settings import Settings
 from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, StoreState
 from test_cluster import REPLICA_IDS, Nginx, Replica
 
@@ -56,7 +57,7 @@ async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(en
     common = {"workers": 1, "redis_url": redis_server.url, "api_keys_file": str(path)}
     store = aioredis.from_url(redis_server.url, decode_responses=True)
     # Both live until both end (running_server's leak check is for one server at a time).
-    a, b = (StoplineServer(engine, ServerConfig(port=0, replica_id=name, **common)) for name in "ab")
+    a, b = (StoplineServer(engine, Settings.build(port=0, replica_id=name, **common)) for name in "ab")
     try:
         for server in (a, b):
             await server.start()

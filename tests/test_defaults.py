@@ -1,4 +1,4 @@
-"""Every default has one source in code (SamplingParams, Limits, ServerConfig); the docs that show
+"""Every default has one source in code (SamplingParams, Limits, Settings); the docs that show
 the values are checked against it, so they cannot drift. No model, no server."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stopline.__main__ import SETTINGS
-from stopline.app import ServerConfig
 from stopline.protocol import DEFAULT_SAMPLING, Limits
+from stopline.settings import FLAGS, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +43,9 @@ def test_the_generate_table_shows_the_protocol_defaults():
 
 
 def test_the_server_settings_default_to_the_protocol_limits():
-    config = ServerConfig()
+    config = Settings.build()
     limits = Limits(context_length=1, vocab_size=1)
+    assert config.limits == Limits()
     for name in (
         "requests_per_connection",
         "requests_per_address",
@@ -57,16 +57,27 @@ def test_the_server_settings_default_to_the_protocol_limits():
         "frame_burst",
         "bytes_per_second",
     ):
-        assert getattr(config, name) == getattr(limits, name), name
+        assert getattr(config.limits, name) == getattr(limits, name), name
     assert config.max_frame_bytes == limits.byte_burst
+
+
+def test_each_flag_sets_one_setting_and_takes_its_default_from_there():
+    # A flag names a field of the settings or of their limits, and every value the
+    # command line gives builds the settings the same way the tests and the bench do.
+    values = {flag.setting: flag.default for flag in FLAGS}
+    assert Settings.build(**values) == Settings.build()
+    assert Settings.build(default_timeout_s=900.0).limits.max_timeout_s == 900.0
+    assert Settings.build(port=0).http_port_or_default == 0 and Settings.build(port=9).http_port_or_default == 10
+    with pytest.raises(TypeError, match="no such setting"):
+        Settings.build(no_such_setting=1)
 
 
 @pytest.mark.parametrize(
     "flag, default",
     [
-        (flag, default)
-        for flag, _, default, _ in SETTINGS
-        if isinstance(default, (int, float)) and not isinstance(default, bool)
+        (flag.flag, flag.default)
+        for flag in FLAGS
+        if isinstance(flag.default, (int, float)) and not isinstance(flag.default, bool)
     ],
 )
 def test_the_readme_shows_each_flag_default(flag, default):

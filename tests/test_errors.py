@@ -64,9 +64,9 @@ def test_an_error_that_answers_a_client_carries_its_code_and_status_as_attribute
 
 
 def _fail_while_serving(monkeypatch, error: BaseException) -> None:
-    monkeypatch.setattr(cli, "bind_ports", lambda args: None)
+    monkeypatch.setattr(cli, "bind_ports", lambda settings: (None, None))
 
-    async def serve(args):
+    async def serve(settings, sock, http_sock):
         raise error
 
     monkeypatch.setattr(cli, "serve", serve)

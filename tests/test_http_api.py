@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
+from stopline.settings import Settings
 
 # Tokens a closed connection may still cost beyond the one step the loop was in: tokens the
 # server had already produced and written but the client had not read when it closed.
@@ -302,7 +303,7 @@ async def test_cross_origin_browser_calls_are_refused(server, http):
 
 
 async def test_shutdown_ends_http_streams_with_cancelled_shutdown(engine, logs):
-    server = StoplineServer(engine, ServerConfig(host="127.0.0.1", port=0))
+    server = StoplineServer(engine, Settings.build(host="127.0.0.1", port=0))
     await server.start()
     stopping = None
     try:

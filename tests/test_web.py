@@ -24,7 +24,8 @@ import pytest_asyncio
 from playwright.async_api import async_playwright, expect
 
 from conftest import UNIT, decode_step_ms, metric_value
-from stopline.app import ServerConfig, StoplineServer
+from stopline.app import StoplineServer
+from stopline.settings import Settings
 
 pytestmark = pytest.mark.browser
 
@@ -411,7 +412,7 @@ async def test_one_second_timeout_shows_as_timeout(page, server, logs):
 
 async def test_page_reconnects_after_the_server_restarts(browser, engine, logs):
     port = free_port()
-    config = ServerConfig(host="127.0.0.1", port=port)
+    config = Settings.build(host="127.0.0.1", port=port)
     first = StoplineServer(engine, config)
     second = None
     first_running = False

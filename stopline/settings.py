@@ -1,0 +1,399 @@
+"""Every setting of a server, in one dataclass, and the flags that set them.
+
+:class:`Settings` holds the server's settings, with the protocol's
+:class:`protocol.Limits` inside it; its field defaults are the only defaults.
+``python -m stopline`` declares one :class:`Flag` per setting in :data:`FLAGS`,
+which names the field it sets and reads its default from there; the command
+line, the bench and the tests all build their settings with
+:meth:`Settings.build`. Values derived from the settings (the HTTP port, the
+thread count, the limits a loaded engine allows) are computed here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
+
+from .auth import check_key
+from .engine import DEFAULT_CONTEXT_LENGTH
+from .observability import LOG_FORMATS
+from .origin import OriginPolicy
+from .protocol import MAX_SECONDS, Limits
+from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
+from .vocabulary import AbortMode, EngineName
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The server's settings. Build one with :meth:`build`, which also sets the limits' fields."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
+    http_port: int | None = None
+    # The model file and how to load it; None: the embedded model.
+    model: str | None = None
+    model_type: str | None = None
+    chat_template: str | None = None
+    engine: str = str(EngineName.CTRANSFORMERS)
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    abort_mode: str = str(AbortMode.IN_STEP)
+    # Prompt tokens per evaluation; None: what suits the abort mode in force.
+    prefill_chunk: int | None = None
+    workers: int = 2
+    # Compute threads per generation; None: the cores, shared among the generations
+    # running when one starts (a user alone gets the whole machine).
+    threads: int | None = None
+    max_queue: int = 16
+    # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
+    allowed_origins: tuple[str, ...] = ()
+    # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
+    allowed_hosts: tuple[str, ...] = ()
+    # Open WebSocket connections, all clients together.
+    max_connections: int = 256
+    # Bytes a client may send before its handshake request is complete, and how long it may take.
+    max_header_bytes: int = 16 * 1024
+    handshake_timeout_s: float = 10.0
+    # How long a send may wait for a client that stopped reading before its request is cancelled.
+    slow_consumer_grace_s: float = 10.0
+    # How far (in tokens) a generation may run ahead of what was written to its socket.
+    window: int = 64
+    # Small transport and kernel send buffers: a stalled client's backlog stays
+    # bounded, and backpressure reaches the token loop instead of piling up here.
+    write_limit: int = 16 * 1024
+    socket_send_buffer: int = 16 * 1024
+    # The shared store of a scale-out deployment (docs/deploy.md); None: this process alone.
+    redis_url: str | None = None
+    status_ttl_s: int = 86_400
+    # This replica's name in the store; None: "<hostname>-<port>".
+    replica_id: str | None = None
+    # API keys (docs/http.md#api-keys): keys without limits, and a file of keys with their users and limits.
+    # Neither: no key is asked for.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    # The key /metrics asks for; None: /metrics is open.
+    metrics_key: str | None = None
+    log_level: str = "info"
+    log_format: str = "auto"
+    # What one connection may ask for, and how fast: the protocol enforces these.
+    # The engine's own bounds are added once it has loaded (limits_for).
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        # A default deadline longer than the longest a request may ask for raises that maximum.
+        limits = self.limits
+        longest = max(limits.max_timeout_s, limits.default_timeout_s)
+        longest_ttft = max(limits.max_ttft_timeout_s, limits.default_ttft_timeout_s)
+        if (longest, longest_ttft) != (limits.max_timeout_s, limits.max_ttft_timeout_s):
+            object.__setattr__(self, "limits", replace(limits, max_timeout_s=longest, max_ttft_timeout_s=longest_ttft))
+
+    @classmethod
+    def build(cls, **values: Any) -> Settings:
+        """Settings from ``values``, each named by its field: a field of these settings or of their limits."""
+        base = values.pop("limits", Limits())
+        limits = {name: values.pop(name) for name in list(values) if name not in _SETTINGS_FIELDS}
+        unknown = set(limits) - set(_LIMITS_FIELDS)
+        if unknown:
+            raise TypeError(f"no such setting: {', '.join(sorted(unknown))}")
+        return cls(**values, limits=replace(base, **limits))
+
+    # Derived values ---------------------------------------------------------
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame, which is also the burst of bytes a connection may send."""
+        return self.limits.byte_burst
+
+    @property
+    def http_port_or_default(self) -> int:
+        """The HTTP API's port: the one given, else the WebSocket port + 1 (a free port when that one is 0)."""
+        if self.http_port is not None:
+            return self.http_port
+        return self.port + 1 if self.port else 0
+
+    def limits_for(self, engine: LoadedEngine) -> Limits:
+        """The limits with the loaded engine's bounds: its context and vocabulary, the longest prompt
+        that can fit the context, and whether it constrains sampling to a grammar."""
+        # No prompt longer than this can fit the context: every token stands for at most the longest token's bytes.
+        longest = getattr(engine.tokenizer, "max_token_bytes", None)
+        bound = engine.context_length * longest if longest else self.max_frame_bytes
+        return replace(
+            self.limits,
+            context_length=engine.context_length,
+            vocab_size=engine.vocab_size,
+            max_prompt_bytes=min(bound, self.max_frame_bytes),
+            grammars=engine.kind is EngineName.LLAMA_CPP,
+        )
+
+
+class LoadedEngine(Protocol):
+    """What :meth:`Settings.limits_for` reads of a loaded engine."""
+
+    @property
+    def kind(self) -> EngineName: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tokenizer(self) -> object: ...
+
+
+# Flag value types: each raises ArgumentTypeError with the reason, which argparse
+# prints as one line before exiting with status 2.
+
+
+def integer(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range: give {low} to {high}"
+                if high is not None
+                else f"{value} is too small: give at least {low}"
+            )
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_SECONDS:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give more than 0 and at most {MAX_SECONDS:g}")
+    return value
+
+
+def host(text: str) -> str:
+    if not text.strip() or text.strip() == "*":
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a host; to listen on every interface, give --host 0.0.0.0 explicitly"
+        )
+    return text.strip()
+
+
+def one_of(values: list[str]):
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
+        return text
+
+    return parse
+
+
+def listed(validate):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        try:
+            validate(items)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return items
+
+    return parse
+
+
+def redis_url(text: str) -> str:
+    from redis.asyncio.connection import parse_url  # only a deployment with a store needs it
+
+    try:
+        parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def chat_template(text: str) -> str:
+    try:
+        load_chat_template(text)
+    except (OSError, TokenizerError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def replica_id(text: str) -> str:
+    # It becomes part of Redis key and channel names, inside a {hash tag}.
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a replica id: give 1 to 64 letters, digits, '.', '_' or '-'")
+    return text
+
+
+def api_key(text: str) -> str:
+    try:
+        return check_key(text.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _origins(items: tuple[str, ...]) -> None:
+    OriginPolicy.build("127.0.0.1", allowed_origins=items)
+
+
+def _hosts(items: tuple[str, ...]) -> None:
+    OriginPolicy.build("127.0.0.1", allowed_hosts=items)
+
+
+PORT = integer(0, 65535)
+POSITIVE = integer(1)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: the setting it sets (a field of Settings or of its limits), how its
+    text is read, and its help. Its default is the field's."""
+
+    flag: str
+    setting: str
+    kind: Any
+    help: str
+
+    @property
+    def default(self) -> Any:
+        if self.setting in _SETTINGS_FIELDS:
+            found = _SETTINGS_FIELDS[self.setting]
+        else:
+            found = _LIMITS_FIELDS[self.setting]
+        return found.default_factory() if callable(found.default_factory) else found.default
+
+    @property
+    def env(self) -> str:
+        """The environment variable that gives this flag's value: STOPLINE_<FLAG>."""
+        return "STOPLINE_" + self.flag.lstrip("-").replace("-", "_").upper()
+
+
+_SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}
+_LIMITS_FIELDS = {f.name: f for f in fields(Limits)}
+
+
+# Every flag also reads STOPLINE_<FLAG>; --api-key (repeatable) is the command line's own.
+FLAGS = [
+    Flag("--host", "host", host, "address to listen on; 0.0.0.0 listens on every interface"),
+    Flag("--port", "port", PORT, "port to listen on (0: any free port)"),
+    Flag("--http-port", "http_port", PORT, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
+    Flag(
+        "--model",
+        "model",
+        str,
+        "model file (default: the embedded SmolLM2-135M-Instruct); see below for what works",
+    ),
+    Flag("--model-type", "model_type", str, "ctransformers model type of a GGML file (default: llama)"),
+    Flag(
+        "--chat-template",
+        "chat_template",
+        chat_template,
+        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own, "
+        "else chatml)",
+    ),
+    Flag(
+        "--engine",
+        "engine",
+        one_of([str(e) for e in EngineName]),
+        "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
+        "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
+    ),
+    Flag("--workers", "workers", POSITIVE, "generation slots: users served at once"),
+    Flag(
+        "--threads",
+        "threads",
+        POSITIVE,
+        "compute threads per generation (default: every core other processes leave idle for a "
+        "generation that runs alone; generations that run together share them)",
+    ),
+    Flag("--context-length", "context_length", integer(2), "tokens per slot, up to the model's limit"),
+    Flag(
+        "--abort-mode",
+        "abort_mode",
+        one_of([str(m) for m in AbortMode]),
+        "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
+        "cannot); between_steps: stop only between evaluations",
+    ),
+    Flag(
+        "--prefill-chunk",
+        "prefill_chunk",
+        integer(1, 512),
+        "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)",
+    ),
+    Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot"),
+    Flag(
+        "--requests-per-connection",
+        "requests_per_connection",
+        POSITIVE,
+        "live requests (running or queued) per connection",
+    ),
+    Flag(
+        "--requests-per-address",
+        "requests_per_address",
+        POSITIVE,
+        "live requests of all connections from one client address",
+    ),
+    Flag("--max-connections", "max_connections", POSITIVE, "open WebSocket connections"),
+    Flag("--max-header-bytes", "max_header_bytes", integer(1024), "bytes a handshake request may carry"),
+    Flag(
+        "--handshake-timeout",
+        "handshake_timeout_s",
+        seconds,
+        "seconds a client has to complete its handshake request",
+    ),
+    Flag(
+        "--bytes-per-second",
+        "bytes_per_second",
+        integer(1024),
+        "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)",
+    ),
+    Flag(
+        "--allowed-origins",
+        "allowed_origins",
+        listed(_origins),
+        "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any",
+    ),
+    Flag(
+        "--allowed-hosts",
+        "allowed_hosts",
+        listed(_hosts),
+        "comma-separated extra host names the server answers to (its address and localhost always are)",
+    ),
+    Flag("--timeout", "default_timeout_s", seconds, "default total timeout, s"),
+    Flag("--ttft-timeout", "default_ttft_timeout_s", seconds, "default first-token timeout, s"),
+    Flag(
+        "--slow-consumer-grace",
+        "slow_consumer_grace_s",
+        seconds,
+        "seconds a client may stop reading before its request is cancelled",
+    ),
+    Flag(
+        "--redis-url",
+        "redis_url",
+        redis_url,
+        "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
+        "default: none, this process alone",
+    ),
+    Flag("--status-ttl", "status_ttl_s", POSITIVE, "seconds a generation's status stays in the shared store"),
+    Flag(
+        "--replica-id", "replica_id", replica_id, "this replica's name in the shared store (default: <hostname>-<port>)"
+    ),
+    Flag(
+        "--api-keys-file",
+        "api_keys_file",
+        str,
+        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP; "
+        "see 'stopline keys add' (default: none)",
+    ),
+    Flag(
+        "--metrics-key", "metrics_key", api_key, "the key /metrics asks for as 'Authorization: Bearer' (default: open)"
+    ),
+    Flag("--log-level", "log_level", one_of(["debug", "info", "warning", "error"]), "log level"),
+    Flag(
+        "--log-format",
+        "log_format",
+        one_of(list(LOG_FORMATS)),
+        "text: a short line per event; json: one JSON object per line; auto: text on a terminal, else json",
+    ),
+]
