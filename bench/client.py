@@ -15,9 +15,8 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from stopline.vocabulary import Outcome
+from stopline.vocabulary import TERMINAL_TYPES
 
-TERMINAL = {str(outcome) for outcome in Outcome}
 _ids = itertools.count()
 
 
@@ -45,7 +44,7 @@ class Call:
             self.tokens.append((now_ns, frame))
         elif kind == "accepted":
             self.accepted, self.accepted_ns = frame, now_ns
-        elif kind in TERMINAL:
+        elif kind in TERMINAL_TYPES:
             self.terminal, self.terminal_ns = frame, now_ns
         self._changed.set()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from stopline.engine import Engine, SamplingParams
-from stopline.protocol import encode_frame
+from stopline.protocol import Token, encode_frame
 from stopline.tokenizer import TextStream
 
 TOKENS_PER_ROUND = 32
@@ -31,12 +31,12 @@ def slot(engine):
 
 
 def test_encode_token_frame(benchmark):
-    frame = {"type": "token", "id": "3f2b9c1e-request", "index": 41, "text": " bread"}
+    frame = Token("3f2b9c1e-request", 41, " bread")
     assert benchmark(encode_frame, frame) == '{"type":"token","id":"3f2b9c1e-request","index":41,"text":" bread"}'
 
 
 def test_encode_token_frame_non_ascii(benchmark):
-    frame = {"type": "token", "id": "r1", "index": 7, "text": " crème brûlée 🍞"}
+    frame = Token("r1", 7, " crème brûlée 🍞")
     assert "🍞" in benchmark(encode_frame, frame)
 
 

@@ -48,7 +48,7 @@ from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
-from .protocol import AddressQuota, encode_frame, error_frame
+from .protocol import AddressQuota, ErrorFrame, encode_frame
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
@@ -302,7 +302,7 @@ class StoplineServer:
                 f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'"
             )
             with contextlib.suppress(ConnectionClosed):
-                await websocket.send(encode_frame(error_frame(ErrorCode.UNAUTHORIZED, message)))
+                await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, message)))
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         session = ClientSession(self, websocket, key=websocket.api_key)

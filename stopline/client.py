@@ -23,9 +23,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from .errors import ServerUnreachable, UsageError
 from .protocol import DEFAULT_SAMPLING
-from .vocabulary import ErrorCode, Outcome
+from .vocabulary import TERMINAL_TYPES, ErrorCode, Outcome
 
-TERMINAL = {str(outcome) for outcome in Outcome}
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
 EXIT_CODES = {Outcome.DONE: 0, Outcome.CANCELLED: 130, Outcome.TIMEOUT: 2, Outcome.ERROR: 1}
 HELP = """\
@@ -126,7 +125,7 @@ class Session:
                             text.append(frame["text"])
                             self.out.write(frame["text"])
                             self.out.flush()
-                        elif frame["type"] in TERMINAL:
+                        elif frame["type"] in TERMINAL_TYPES:
                             return frame, "".join(text)
                 finally:
                     receive.cancel()

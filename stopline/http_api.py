@@ -27,7 +27,20 @@ from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, Un
 from .observability import log
 from .openai_fields import Refused, openai_request
 from .origin import check_request
-from .protocol import ProtocolError, Submit, encode_frame, error_frame, parse_json_object
+from .protocol import (
+    Accepted,
+    ErrorFrame,
+    Frame,
+    ProtocolError,
+    Submit,
+    Terminal,
+    Token,
+    as_error,
+    encode_frame,
+    encode_json,
+    ends_request,
+    parse_json_object,
+)
 from .registry import Entry
 from .session import ClientSession
 from .tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
@@ -36,7 +49,6 @@ from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 if TYPE_CHECKING:
     from .app import StoplineServer
 
-TERMINAL_TYPES = {str(outcome) for outcome in Outcome}
 # The API key a request was admitted with (when the server asks for keys).
 API_KEY = web.RequestKey("api_key", ApiKey)
 
@@ -63,7 +75,7 @@ _OPENAI_ERROR_TYPE = {
 }
 # How a done request's reason reads as an OpenAI finish_reason; a cancel or a
 # timeout is named by its own reason (user_cancelled, total_timeout, ...).
-_FINISH_REASON = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
+_FINISH_REASON: dict[str, str] = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no", **_NO_STORE}
 
@@ -78,7 +90,7 @@ def error_response(
     *,
     openai: bool,
     status: int | None = None,
-    frame: dict | None = None,
+    frame: ErrorFrame | None = None,
     param: str | None = None,
 ) -> web.Response:
     """An error in Stopline's frame shape, or in OpenAI's shape for the OpenAI endpoints
@@ -91,8 +103,8 @@ def error_response(
     if status == HTTPStatus.UNAUTHORIZED:
         headers["WWW-Authenticate"] = WWW_AUTHENTICATE
     if code == ErrorCode.QUOTA_EXCEEDED and frame is not None:
-        if frame.get("retry_after_s") is not None:
-            headers["Retry-After"] = str(math.ceil(frame["retry_after_s"]))
+        if frame.retry_after_s is not None:
+            headers["Retry-After"] = str(math.ceil(frame.retry_after_s))
         else:
             # Waiting will not help (a prompt over the key's limit): SDKs that honour this do not retry.
             headers["X-Should-Retry"] = "false"
@@ -106,12 +118,12 @@ def error_response(
             }
         }
     else:
-        body = frame if frame is not None else error_frame(code, message)
+        body = (frame if frame is not None else ErrorFrame(code, message)).json()
     return web.json_response(body, status=status, headers=headers)
 
 
-def _request_headers(frame: dict) -> dict:
-    return {"X-Request-Id": frame["request_id"], "X-Cancel-Token": frame["cancel_token"]}
+def _request_headers(frame: Accepted) -> dict:
+    return {"X-Request-Id": frame.request_id, "X-Cancel-Token": frame.cancel_token}
 
 
 class HttpSession(ClientSession):
@@ -128,10 +140,10 @@ class HttpSession(ClientSession):
                 self.reply.submitted(action.request)
         await super().perform(actions)
 
-    async def _write(self, frame: dict) -> None:
+    async def _write(self, frame: Frame) -> None:
         if self.answered.is_set():
             return  # a cancel_ack after the terminal frame: DELETE answers that on its own connection
-        terminal = frame["type"] in TERMINAL_TYPES
+        terminal = ends_request(frame)
         try:
             await self.reply.emit(frame)
         finally:
@@ -149,14 +161,15 @@ class SseReply:
     def submitted(self, request) -> None:
         pass
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: Frame) -> None:
         if self.response is None:
-            if frame["type"] == Outcome.ERROR:  # refused before it started: a plain HTTP error
-                self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=False, frame=frame)
+            if (error := as_error(frame)) is not None:  # refused before it started: a plain HTTP error
+                self.response = error_response(error.code, error.message, openai=False, frame=error)
                 return
+            assert isinstance(frame, Accepted)  # the first frame of a request that was not refused
             self.response = web.StreamResponse(headers={**_SSE_HEADERS, **_request_headers(frame)})
             await self.response.prepare(self.http_request)
-        await self.response.write(f"event: {frame['type']}\ndata: {encode_frame(frame)}\n\n".encode())
+        await self.response.write(f"event: {frame.type}\ndata: {encode_frame(frame)}\n\n".encode())
 
 
 class OpenAIReply:
@@ -197,42 +210,42 @@ class OpenAIReply:
         if request.params.logprobs is not None:
             self._logprobs = []
 
-    async def emit(self, frame: dict) -> None:
-        kind = frame["type"]
-        if kind == "accepted":
+    async def emit(self, frame: Frame) -> None:
+        error = as_error(frame)
+        if isinstance(frame, Accepted):
             # The id of every chunk is the request id, so a DELETE can name it.
-            self._id, self._headers = frame["request_id"], _request_headers(frame)
+            self._id, self._headers = frame.request_id, _request_headers(frame)
             if self.stream:
                 self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
                 await self.response.prepare(self.http_request)
                 if self.chat:
                     await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
-        elif kind == "token":
-            entries = frame.get("logprobs")
+        elif isinstance(frame, Token):
+            entries = frame.logprobs
             if self._reader is not None:
                 if entries is not None and self._logprobs is not None:
                     self._logprobs += entries
                     self._unsent_logprobs += entries
-                await self._read_calls(self._reader.feed(frame["text"]))
+                await self._read_calls(self._reader.feed(frame.text))
             elif self.stream:
-                choice = self._choice({"content": frame["text"]} if self.chat else frame["text"], None)
+                choice = self._choice({"content": frame.text} if self.chat else frame.text, None)
                 if entries is not None:
                     choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
                     self._streamed_chars += sum(len(e["token"]) for e in entries)
                 await self._chunk(choice)
             else:
-                self._texts.append(frame["text"])
+                self._texts.append(frame.text)
                 if entries is not None and self._logprobs is not None:
                     self._logprobs += entries
-        elif kind == Outcome.ERROR and not (self.stream and self.response is not None):
-            self.response = error_response(ErrorCode(frame["code"]), frame["message"], openai=True, frame=frame)
+        elif error is not None and not (self.stream and self.response is not None):
+            self.response = error_response(error.code, error.message, openai=True, frame=error)
             self.response.headers.update(self._headers)
-        elif kind == Outcome.ERROR:  # the stream had started: OpenAI's in-stream error, then the end marker
+        elif error is not None:  # the stream had started: OpenAI's in-stream error, then the end marker
             await self._event(
-                {"error": {"message": frame["message"], "type": "server_error", "param": None, "code": frame["code"]}}
+                {"error": {"message": error.message, "type": "server_error", "param": None, "code": str(error.code)}}
             )
             await self._write(b"data: [DONE]\n\n")
-        else:
+        elif isinstance(frame, Terminal):
             await self._end(frame)
 
     async def _read_calls(self, events: list[Event]) -> None:
@@ -264,23 +277,24 @@ class OpenAIReply:
     def _call_id(self, index: int) -> str:
         return f"call_{self._id.replace('-', '')[:24]}_{index}"
 
-    async def _end(self, frame: dict) -> None:
-        finish_reason = _FINISH_REASON.get(frame["reason"], frame["reason"])
+    async def _end(self, frame: Terminal) -> None:
+        ending = frame.ending
+        finish_reason = _FINISH_REASON.get(ending.reason, str(ending.reason))
         if self._reader is not None:
             await self._read_calls(self._reader.finish())
             # Every call written whole: the answer is its calls, whatever ended the text after them.
-            if frame["type"] == Outcome.DONE and self._reader.complete:
+            if ending.outcome is Outcome.DONE and self._reader.complete:
                 finish_reason = "tool_calls"
         usage = {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": frame["tokens_generated"],
-            "total_tokens": self.prompt_tokens + frame["tokens_generated"],
+            "completion_tokens": ending.tokens_generated,
+            "total_tokens": self.prompt_tokens + ending.tokens_generated,
         }
         if self.stream:
             # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
             final = self._choice({} if self.chat else "", finish_reason)
             self._attach_unsent_logprobs(final)
-            await self._chunk(final, stopline=frame)
+            await self._chunk(final, stopline=frame.json())
             if self.include_usage:
                 await self._chunk([], usage=usage)
             await self._write(b"data: [DONE]\n\n")
@@ -303,7 +317,7 @@ class OpenAIReply:
             "model": self.model,
             "choices": [choice],
             "usage": usage,
-            "stopline": frame,
+            "stopline": frame.json(),
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
 
@@ -341,7 +355,7 @@ class OpenAIReply:
         )
 
     async def _event(self, body: dict) -> None:
-        await self._write(f"data: {encode_frame(body)}\n\n".encode())
+        await self._write(f"data: {encode_json(body)}\n\n".encode())
 
     async def _write(self, data: bytes) -> None:
         assert self.response is not None  # a stream's response is prepared before its first chunk
@@ -488,7 +502,7 @@ class HttpApi:
         session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown", request.get(API_KEY))
         self.server._sessions.add(session)
         try:
-            await session.perform(session.protocol.receive_text(encode_frame(frame), time.monotonic_ns()))
+            await session.perform(session.protocol.receive_text(encode_json(frame), time.monotonic_ns()))
             await session.answered.wait()
         finally:
             # Reached with the request still live only when the client went away.

@@ -38,9 +38,9 @@ import secrets
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Protocol, TypeGuard
+from typing import ClassVar, Protocol, TypeGuard
 
 from .errors import StoplineError
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
@@ -291,7 +291,7 @@ class Send:
     """Write ``frame`` to the client. ``request`` is the request whose output it
     is (a token frame): a send that stalls is reported with ``Connection.stalled(request)``."""
 
-    frame: dict
+    frame: Frame
     request: Request | None = None
 
 
@@ -339,22 +339,153 @@ class ProtocolError(StoplineError):
         self.request_id = request_id
 
 
-def error_frame(code: ErrorCode | Refusal, message: str, request_id: str | None = None) -> dict:
-    return {"type": str(Outcome.ERROR), "id": request_id, "code": str(code), "message": message}
+# Frames: what the protocol sends, typed. They become JSON (``Frame.json()``, then
+# ``encode_frame``) only at the transport, so a consumer reads attributes, and a
+# renamed field is a type error rather than a KeyError in an adapter.
 
 
-def cancel_ack(request_id: str, outcome: Outcome | None) -> dict:
+@dataclass(frozen=True)
+class Hello:
+    """The greeting, once per WebSocket connection: the model and what a request may ask for."""
+
+    type: ClassVar[str] = "hello"
+    model: str
+    limits: Limits
+
+    def json(self) -> dict:
+        lim = self.limits
+        return {
+            "type": self.type,
+            "protocol": PROTOCOL_VERSION,
+            "model": self.model,
+            "context_length": lim.context_length,
+            "limits": {
+                "max_tokens": lim.context_length,
+                "timeout_s": lim.max_timeout_s,
+                "ttft_timeout_s": lim.max_ttft_timeout_s,
+                "requests_per_connection": lim.requests_per_connection,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The scheduler took a request: its place in the queue (0: it started), its id and cancel token."""
+
+    type: ClassVar[str] = "accepted"
+    id: str
+    queue_position: int
+    request_id: str
+    cancel_token: str
+
+    def json(self) -> dict:
+        return {"type": self.type, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Token:
+    """Generated text, with the log probabilities of its tokens when they were asked for."""
+
+    type: ClassVar[str] = "token"
+    id: str
+    index: int
+    text: str
+    logprobs: list[dict] | None = None
+
+    def json(self) -> dict:
+        frame = {"type": self.type, "id": self.id, "index": self.index, "text": self.text}
+        if self.logprobs is not None:
+            frame["logprobs"] = self.logprobs
+        return frame
+
+
+@dataclass(frozen=True)
+class ErrorFrame:
+    """A frame or a request refused. A quota refusal names its limit, and when trying again may succeed."""
+
+    type: ClassVar[str] = str(Outcome.ERROR)
+    code: ErrorCode | Refusal
+    message: str
+    id: str | None = None
+    limit: QuotaLimit | None = None
+    retry_after_s: float | None = None
+
+    def json(self) -> dict:
+        frame: dict = {"type": self.type, "id": self.id, "code": str(self.code), "message": self.message}
+        if self.limit is not None:
+            frame.update(limit=str(self.limit), retry_after_s=self.retry_after_s)
+        return frame
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """A request's one terminal message: how it ended (``ending``), and what that cost."""
+
+    id: str
+    ending: Ending
+
+    @property
+    def type(self) -> str:
+        return str(self.ending.outcome)
+
+    @property
+    def error(self) -> ErrorFrame | None:
+        """The error frame this is, when the request ended in an error."""
+        ending = self.ending
+        if ending.outcome is not Outcome.ERROR:
+            return None
+        return ErrorFrame(ErrorCode(ending.reason), ending.message, self.id, ending.limit, ending.retry_after_s)
+
+    def json(self) -> dict:
+        if (error := self.error) is not None:
+            return error.json()
+        ending = self.ending
+        frame: dict = {"type": self.type, "id": self.id, "reason": str(ending.reason)}
+        frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])
+        return frame
+
+
+@dataclass(frozen=True)
+class CancelAck:
     """The answer to a cancel that found nothing to stop: the request's outcome, or unknown.
     An ack says "finished" rather than "done", so it is never mistaken for a terminal message."""
-    status = STATUS_BY_OUTCOME[outcome] if outcome is not None else Status.UNKNOWN
-    return {"type": "cancel_ack", "id": request_id, "status": str(status)}
+
+    type: ClassVar[str] = "cancel_ack"
+    id: str
+    status: Status
+
+    @classmethod
+    def of(cls, request_id: str, outcome: Outcome | None) -> CancelAck:
+        return cls(request_id, STATUS_BY_OUTCOME[outcome] if outcome is not None else Status.UNKNOWN)
+
+    def json(self) -> dict:
+        return {"type": self.type, "id": self.id, "status": str(self.status)}
 
 
-def encode_frame(frame: dict) -> str:
+Frame = Hello | Accepted | Token | ErrorFrame | Terminal | CancelAck
+
+
+def as_error(frame: Frame) -> ErrorFrame | None:
+    """The error ``frame`` is (a refusal, or a request that ended in an error), if it is one."""
+    if isinstance(frame, ErrorFrame):
+        return frame
+    return frame.error if isinstance(frame, Terminal) else None
+
+
+def ends_request(frame: Frame) -> bool:
+    """Whether ``frame`` is the last a request gets: its terminal message, or the error that refused it."""
+    return isinstance(frame, (Terminal, ErrorFrame))
+
+
+def encode_frame(frame: Frame) -> str:
+    return encode_json(frame.json())
+
+
+def encode_json(value: dict) -> str:
     try:
-        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     except UnicodeEncodeError:  # pragma: no cover - validation keeps lone surrogates out of frames
-        return json.dumps(frame, separators=(",", ":"))
+        return json.dumps(value, separators=(",", ":"))
 
 
 def _ms(start_ns: int, end_ns: int) -> float:
@@ -417,30 +548,14 @@ class Connection:
 
     def hello(self, model: str) -> list[Action]:
         """The greeting, sent once as the connection opens."""
-        lim = self.limits
-        return [
-            Send(
-                {
-                    "type": "hello",
-                    "protocol": PROTOCOL_VERSION,
-                    "model": model,
-                    "context_length": lim.context_length,
-                    "limits": {
-                        "max_tokens": lim.context_length,
-                        "timeout_s": lim.max_timeout_s,
-                        "ttft_timeout_s": lim.max_ttft_timeout_s,
-                        "requests_per_connection": lim.requests_per_connection,
-                    },
-                }
-            )
-        ]
+        return [Send(Hello(model, self.limits))]
 
     # Incoming frames ------------------------------------------------------
 
     def receive_binary(self, now_ns: int, size: int = 0) -> list[Action]:
         if not self._admit(now_ns, size):
             return self._rate_limited(now_ns)
-        return [Send(error_frame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
+        return [Send(ErrorFrame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
 
     def receive_text(self, data: str, now_ns: int) -> list[Action]:
         # Characters, not bytes: counting bytes would cost as much as the parse it guards.
@@ -457,11 +572,11 @@ class Connection:
                 ErrorCode.UNKNOWN_TYPE, f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame)
             )
         except ProtocolError as exc:
-            return [Send(error_frame(exc.code, exc.message, exc.request_id))]
+            return [Send(ErrorFrame(exc.code, exc.message, exc.request_id))]
 
     def frame_failed(self) -> list[Action]:
         """Handling a frame raised (a bug): that frame is answered, and the connection lives on."""
-        return [Send(error_frame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
+        return [Send(ErrorFrame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
 
     def _generate(self, frame: dict, now_ns: int) -> list[Action]:
         client_id = frame.get("id")
@@ -519,8 +634,8 @@ class Connection:
             return []  # the client left meanwhile
         if isinstance(tokens, ProtocolError):
             self.quota.give_back(self.address)
-            refusal: list[Action] = [Send(error_frame(tokens.code, tokens.message, tokens.request_id))]
-            return refusal + [Send(cancel_ack(draft.id, Outcome.ERROR))] * draft.cancels
+            refusal: list[Action] = [Send(ErrorFrame(tokens.code, tokens.message, tokens.request_id))]
+            return refusal + [Send(CancelAck.of(draft.id, Outcome.ERROR))] * draft.cancels
         request = Request(
             draft.id,
             tokens,
@@ -577,7 +692,7 @@ class Connection:
             return []
         request = self.live.get(request_id)
         if request is None:
-            return [Send(cancel_ack(request_id, self._ended.get(request_id)))]
+            return [Send(CancelAck.of(request_id, self._ended.get(request_id)))]
         if request.cancel_reason is not None:
             # Already stopping, but a finish may still win: answer once the outcome is known.
             request.unanswered_cancels += 1
@@ -620,17 +735,7 @@ class Connection:
 
     def accepted(self, request: Request, queue_position: int) -> list[Action]:
         """The scheduler took ``request``: 0 if it started at once, else its place in the queue."""
-        return [
-            Send(
-                {
-                    "type": "accepted",
-                    "id": request.id,
-                    "queue_position": queue_position,
-                    "request_id": request.request_id,
-                    "cancel_token": request.cancel_token,
-                }
-            )
-        ]
+        return [Send(Accepted(request.id, queue_position, request.request_id, request.cancel_token))]
 
     def busy(self, request: Request, message: str) -> list[Action]:
         """The scheduler refused ``request``: every slot is busy and the queue is full."""
@@ -677,9 +782,7 @@ class Connection:
         if request.phase is Phase.PREFILL:
             request.advance(Phase.DECODING)
             request.first_token_ns = now_ns
-        frame = {"type": "token", "id": request.id, "index": request.next_index, "text": text}
-        if logprobs is not None:
-            frame["logprobs"] = logprobs
+        frame = Token(request.id, request.next_index, text, logprobs)
         request.next_index += 1
         # A client that stopped reading gets no more tokens; everyone else gets every token generated.
         if request.cancel_reason is Reason.SLOW_CONSUMER:
@@ -775,11 +878,11 @@ class Connection:
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
-        actions: list[Action] = [Ended(request, ending), Send(terminal_frame(request.id, ending))]
+        actions: list[Action] = [Ended(request, ending), Send(Terminal(request.id, ending))]
         acks = request.unanswered_cancels
         if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
             acks += 1
-        actions += [Send(cancel_ack(request.id, ending.outcome))] * acks
+        actions += [Send(CancelAck.of(request.id, ending.outcome))] * acks
         return actions
 
     # Flood control ----------------------------------------------------------
@@ -803,7 +906,7 @@ class Connection:
         self._rate_limited_reported_ns = now_ns
         return [
             Send(
-                error_frame(
+                ErrorFrame(
                     ErrorCode.RATE_LIMITED,
                     f"too many frames; the limits are {self.limits.frames_per_second:g} frames and "
                     f"{self.limits.bytes_per_second:g} bytes a second, excess frames are dropped",
@@ -824,18 +927,6 @@ _TERMINAL_FIELDS = {
     ),
     Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused"),
 }
-
-
-def terminal_frame(request_id: str, ending: Ending) -> dict:
-    frame: dict = {"type": str(ending.outcome), "id": request_id}
-    if ending.outcome is Outcome.ERROR:
-        frame.update(code=str(ending.reason), message=ending.message)
-        if ending.limit is not None:
-            frame.update(limit=str(ending.limit), retry_after_s=ending.retry_after_s)
-    else:
-        frame["reason"] = str(ending.reason)
-        frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])
-    return frame
 
 
 # Validation ---------------------------------------------------------------

@@ -19,9 +19,22 @@ from websockets.exceptions import ConnectionClosed
 from .auth import ApiKey
 from .engine import GenerationResult
 from .observability import log, log_accepted, log_end
-from .protocol import Action, Cancel, Connection, Draft, Ended, Request, Send, Submit, Tokenize, encode_frame
+from .protocol import (
+    Action,
+    Cancel,
+    Connection,
+    Draft,
+    Ended,
+    Frame,
+    Request,
+    Send,
+    Submit,
+    Tokenize,
+    as_error,
+    encode_frame,
+)
 from .scheduler import Busy
-from .vocabulary import Outcome, Reason
+from .vocabulary import Reason
 
 if TYPE_CHECKING:
     from .app import StoplineServer
@@ -104,8 +117,8 @@ class ClientSession:
         """Carry out what the protocol decided, in order."""
         for action in actions:
             if isinstance(action, Send):
-                if action.frame["type"] == Outcome.ERROR:
-                    self.server.metrics.rejected.labels(action.frame["code"]).inc()
+                if (error := as_error(action.frame)) is not None:
+                    self.server.metrics.rejected.labels(str(error.code)).inc()
                 await self._send(action.frame, action.request)
             elif isinstance(action, Tokenize):
                 self._drafts.put_nowait(action.draft)
@@ -212,7 +225,7 @@ class ClientSession:
     async def expired_in_queue(self, request: Request, now_ns: int) -> None:
         await self.perform(self.protocol.expired_in_queue(request, now_ns))
 
-    async def _send(self, frame: dict, request: Request | None = None) -> None:
+    async def _send(self, frame: Frame, request: Request | None = None) -> None:
         """Send one frame. A client that stops reading makes this wait; past the
         grace period its request is cancelled with reason slow_consumer."""
         try:
@@ -223,7 +236,7 @@ class ClientSession:
             # The frame stays in the transport buffer; only the wait was cut short.
             await self.perform(self.protocol.stalled(request, time.monotonic_ns()))
 
-    async def _write(self, frame: dict) -> None:
+    async def _write(self, frame: Frame) -> None:
         # An HTTP session overrides this with its own transport.
         assert self.websocket is not None
         await self.websocket.send(encode_frame(frame))

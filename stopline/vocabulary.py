@@ -16,6 +16,10 @@ class Outcome(StrEnum):
     ERROR = "error"
 
 
+# The ``type`` of every frame that is a request's last: its terminal message, one per outcome.
+TERMINAL_TYPES = frozenset(str(outcome) for outcome in Outcome)
+
+
 class Reason(StrEnum):
     """Why it ended that way: the ``reason`` field and the ``reason`` label."""
 

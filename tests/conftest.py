@@ -26,9 +26,9 @@ from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
 from stopline.settings import Settings
+from stopline.vocabulary import TERMINAL_TYPES
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
-TERMINAL_TYPES = {"done", "cancelled", "timeout", "error"}
 
 CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # A prompt that keeps the model talking for hundreds of tokens.

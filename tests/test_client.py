@@ -16,7 +16,7 @@ import pytest
 
 from conftest import UNIT, fetch_metrics, metric_value
 from stopline.client import UsageError, default_url, summary, websocket_url
-from stopline.protocol import Ending, terminal_frame
+from stopline.protocol import Ending, Terminal
 from stopline.vocabulary import Outcome, Reason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,11 +83,11 @@ def test_bad_urls_are_refused(given):
 
 
 def test_the_summary_reads_the_fields_the_protocol_sends():
-    timeout = terminal_frame(
+    timeout = Terminal(
         "r1", Ending(Outcome.TIMEOUT, Reason.TOTAL_TIMEOUT, tokens_generated=5, duration_ms=1234.0)
-    )
+    ).json()
     assert summary(timeout) == "[timeout: total_timeout after 1234 ms, 5 tokens]"
-    done = terminal_frame("r2", Ending(Outcome.DONE, Reason.EOS, tokens_generated=3, ttft_ms=12.0, duration_ms=40.0))
+    done = Terminal("r2", Ending(Outcome.DONE, Reason.EOS, tokens_generated=3, ttft_ms=12.0, duration_ms=40.0)).json()
     assert summary(done) == "[done: eos, 3 tokens, first token 12 ms, total 40 ms]"
 
 

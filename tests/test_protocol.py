@@ -22,6 +22,7 @@ from stopline.protocol import (
     Phase,
     Send,
     Submit,
+    Token,
     Tokenize,
     encode_frame,
 )
@@ -54,7 +55,7 @@ def generate(conn: Connection, request_id="r1", now_ns=0, **fields):
 def frames(actions) -> list[dict]:
     """The frames among ``actions``, in order; every other action must be an Ended."""
     assert all(isinstance(a, (Send, Ended)) for a in actions), actions
-    return [a.frame for a in actions if isinstance(a, Send)]
+    return [a.frame.json() for a in actions if isinstance(a, Send)]
 
 
 def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
@@ -99,12 +100,14 @@ def test_the_transition_table_is_enforced():
     with pytest.raises(RuntimeError):
         request.advance(Phase.DECODING)
     assert conn.started(request, 1) == []
-    assert conn.token(request, "hi", 2) == [Send({"type": "token", "id": "r1", "index": 0, "text": "hi"}, request)]
+    [sent] = conn.token(request, "hi", 2)
+    assert sent == Send(Token("r1", 0, "hi"), request)
+    assert sent.frame.json() == {"type": "token", "id": "r1", "index": 0, "text": "hi"}
     assert request.phase is Phase.DECODING and request.first_token_ns == 2
     assert frames(conn.token(request, " there", 3))[0]["index"] == 1
     ended, done = conn.end(request, Ending(Outcome.DONE, Reason.EOS, tokens_generated=2))
     # The ending is recorded before the client hears of it.
-    assert isinstance(ended, Ended) and ended.ending.outcome is Outcome.DONE and done.frame["type"] == "done"
+    assert isinstance(ended, Ended) and ended.ending.outcome is Outcome.DONE and done.frame.json()["type"] == "done"
     # Exactly one terminal message, and nothing after it.
     assert conn.end(request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED)) == []
     assert conn.token(request, "late", 4) == []
@@ -122,9 +125,9 @@ def test_cancel_is_idempotent_and_acknowledged_with_the_final_state():
     sent = frames(conn.end(submit.request, Ending(Outcome.CANCELLED, Reason.USER_CANCELLED)))
     assert sent[1:] == [{"type": "cancel_ack", "id": "r1", "status": "cancelled"}]
     [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 12 * MS)
-    assert late.frame["status"] == "cancelled"
+    assert late.frame.json()["status"] == "cancelled"
     [unknown] = conn.receive_text('{"type": "cancel", "id": "nope"}', 13 * MS)
-    assert unknown.frame["status"] == "unknown"
+    assert unknown.frame.json()["status"] == "unknown"
 
 
 def test_a_cancel_that_loses_to_a_finish_is_acknowledged_after_the_terminal():
@@ -136,7 +139,7 @@ def test_a_cancel_that_loses_to_a_finish_is_acknowledged_after_the_terminal():
     # The documented word for a request that ended with done.
     assert sent[1]["status"] == "finished"
     [late] = conn.receive_text('{"type": "cancel", "id": "r1"}', 2)
-    assert late.frame == {"type": "cancel_ack", "id": "r1", "status": "finished"}
+    assert late.frame.json() == {"type": "cancel_ack", "id": "r1", "status": "finished"}
 
 
 @pytest.mark.parametrize(
@@ -175,7 +178,7 @@ def test_only_the_first_stop_reason_counts():
 def test_prompt_too_long_is_measured_in_tokens():
     conn = connection()
     [error] = generate(conn, prompt=" ".join(["w"] * 16))
-    assert error.frame["code"] == ErrorCode.PROMPT_TOO_LONG and error.frame["id"] == "r1"
+    assert error.frame.json()["code"] == ErrorCode.PROMPT_TOO_LONG and error.frame.json()["id"] == "r1"
     assert conn.live == {}
 
 
@@ -189,9 +192,9 @@ def test_rate_limit_refills_with_time_and_reports_once_a_second():
     conn = connection(frames_per_second=10, frame_burst=3)
     answers = [conn.receive_text('{"type": "cancel", "id": "x"}', 0) for _ in range(6)]
     assert [len(a) for a in answers] == [1, 1, 1, 1, 0, 0]
-    assert answers[3][0].frame["code"] == ErrorCode.RATE_LIMITED
+    assert answers[3][0].frame.json()["code"] == ErrorCode.RATE_LIMITED
     # 100 ms later one frame's worth has refilled.
-    assert conn.receive_text('{"type": "cancel", "id": "x"}', 100 * MS)[0].frame["type"] == "cancel_ack"
+    assert conn.receive_text('{"type": "cancel", "id": "x"}', 100 * MS)[0].frame.json()["type"] == "cancel_ack"
 
 
 def test_every_reason_belongs_to_one_outcome():
@@ -237,7 +240,10 @@ SURROGATE_FRAMES = [
 def test_lone_surrogates_are_refused_and_never_echoed(raw):
     conn = connection()
     [answer] = conn.receive_text(raw, 0)
-    assert answer.frame["type"] == "error" and answer.frame["code"] in (ErrorCode.INVALID_FIELD, ErrorCode.UNKNOWN_TYPE)
+    assert answer.frame.json()["type"] == "error" and answer.frame.json()["code"] in (
+        ErrorCode.INVALID_FIELD,
+        ErrorCode.UNKNOWN_TYPE,
+    )
     # Whatever is sent back is UTF-8 text.
     encode_frame(answer.frame).encode("utf-8")
     assert conn.live == {}
@@ -263,8 +269,8 @@ def test_numbers_of_any_magnitude_are_range_checked(field, number):
     conn = connection()
     raw = f'{{"type": "generate", "id": "n", "prompt": "a", "{field}": {number}}}'
     [answer] = conn.receive_text(raw, 0)
-    assert answer.frame["code"] == ErrorCode.INVALID_FIELD and answer.frame["id"] == "n"
-    assert len(answer.frame["message"]) < 200
+    assert answer.frame.json()["code"] == ErrorCode.INVALID_FIELD and answer.frame.json()["id"] == "n"
+    assert len(answer.frame.json()["message"]) < 200
 
 
 def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():
@@ -276,7 +282,7 @@ def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():
 
     conn = Connection(Limits(context_length=16, vocab_size=100, max_prompt_bytes=64), counting_tokenize, now_ns=0)
     [error] = conn.receive_text(json.dumps({"type": "generate", "id": "big", "prompt": "é" * 33}), 0)
-    assert error.frame["code"] == ErrorCode.PROMPT_TOO_LONG and calls == []
+    assert error.frame.json()["code"] == ErrorCode.PROMPT_TOO_LONG and calls == []
     [work] = conn.receive_text(json.dumps({"type": "generate", "id": "ok", "prompt": "é" * 32}), 0)
     assert isinstance(work, Tokenize) and calls == []
 
@@ -287,7 +293,7 @@ def test_frame_bytes_have_a_per_connection_budget():
     assert isinstance(prepare(conn, conn.receive_text(big, 0))[0], Submit)
     # The bucket holds less than the next frame: it is dropped, with one rate_limited error.
     [limited] = conn.receive_text(big.replace('"a"', '"b"'), 0)
-    assert limited.frame["code"] == ErrorCode.RATE_LIMITED
+    assert limited.frame.json()["code"] == ErrorCode.RATE_LIMITED
     assert conn.receive_text(big.replace('"a"', '"c"'), 0) == []
     # Two seconds refill the bucket.
     assert isinstance(prepare(conn, conn.receive_text(big.replace('"a"', '"b"'), 2000 * MS))[0], Submit)
@@ -303,7 +309,9 @@ def test_live_requests_are_capped_per_client_address_across_connections():
     generate(first, "b")
     generate(second, "c")
     [refused] = generate(second, "d")
-    assert refused.frame["code"] == ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS and refused.frame["id"] == "d"
+    assert (
+        refused.frame.json()["code"] == ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS and refused.frame.json()["id"] == "d"
+    )
     assert isinstance(generate(other, "e")[0], Submit)
     # An ended request gives its place back.
     first.end(a.request, Ending(Outcome.DONE, Reason.EOS))
@@ -317,7 +325,7 @@ def test_a_cancel_while_the_prompt_is_tokenized_stops_the_request_once_it_exists
     assert isinstance(work, Tokenize) and conn.pending == {"r1": work.draft}
     # Still counted: the id is taken and the request counts towards the caps.
     [dup] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a"}', 1)
-    assert dup.frame["code"] == ErrorCode.DUPLICATE_ID
+    assert dup.frame.json()["code"] == ErrorCode.DUPLICATE_ID
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == []
     assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == []
     submit, cancel = conn.tokenized(work.draft, conn.tokenize(work.draft))
@@ -382,7 +390,7 @@ def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
     )
     ended, terminal = conn.finished(request, result)
     assert ended.ending.reason is Reason.SLOW_CONSUMER
-    assert terminal.frame == {
+    assert terminal.frame.json() == {
         "type": "cancelled",
         "id": "r1",
         "reason": "slow_consumer",
@@ -429,8 +437,8 @@ def test_a_request_cancelled_while_queued_ends_without_a_slot():
     assert cancel == Cancel(submit.request)
     ended, terminal = conn.cancelled_in_queue(submit.request, 5 * MS)
     assert ended.ending.outcome is Outcome.CANCELLED and ended.ending.queue_ms == 5.0
-    assert terminal.frame["reason"] == "user_cancelled" and terminal.frame["cancel_latency_ms"] == 1.0
-    assert terminal.frame["tokens_wasted"] == 0 and conn.live == {}
+    assert terminal.frame.json()["reason"] == "user_cancelled" and terminal.frame.json()["cancel_latency_ms"] == 1.0
+    assert terminal.frame.json()["tokens_wasted"] == 0 and conn.live == {}
 
 
 @pytest.mark.parametrize(
@@ -442,8 +450,8 @@ def test_a_queued_request_times_out_at_its_earlier_deadline(timeout_s, ttft_time
     request = submit.request
     assert request.queue_deadline_ns == 7 * MS + min(timeout_s, ttft_timeout_s) * 1000 * MS
     ended, terminal = conn.expired_in_queue(request, request.queue_deadline_ns)
-    assert terminal.frame["type"] == "timeout" and terminal.frame["reason"] == str(reason)
-    assert terminal.frame["duration_ms"] == min(timeout_s, ttft_timeout_s) * 1000.0
+    assert terminal.frame.json()["type"] == "timeout" and terminal.frame.json()["reason"] == str(reason)
+    assert terminal.frame.json()["duration_ms"] == min(timeout_s, ttft_timeout_s) * 1000.0
     assert ended.ending.tokens_wasted == 0
 
 
@@ -474,7 +482,7 @@ def test_the_scheduler_refusing_or_failing_a_request_ends_it_with_its_code():
     [broken] = generate(conn, "broken")
     ended, terminal = conn.busy(busy.request, "all 2 slots are busy")
     assert ended.ending.outcome is Outcome.ERROR
-    assert terminal.frame == {"type": "error", "id": "busy", "code": "busy", "message": "all 2 slots are busy"}
+    assert terminal.frame.json() == {"type": "error", "id": "busy", "code": "busy", "message": "all 2 slots are busy"}
     [terminal] = frames(conn.failed(broken.request, "RuntimeError: boom"))
     assert terminal["code"] == ErrorCode.INTERNAL_ERROR and terminal["message"] == "RuntimeError: boom"
     assert conn.live == {} and quota.used("a") == 0
@@ -484,17 +492,15 @@ def test_accepted_names_the_global_id_and_the_cancel_token():
     conn = connection()
     [submit] = generate(conn)
     request = submit.request
-    assert conn.accepted(request, 3) == [
-        Send(
-            {
-                "type": "accepted",
-                "id": "r1",
-                "queue_position": 3,
-                "request_id": request.request_id,
-                "cancel_token": request.cancel_token,
-            }
-        )
-    ]
+    [accepted] = conn.accepted(request, 3)
+    assert isinstance(accepted, Send) and accepted.request is None
+    assert accepted.frame.json() == {
+        "type": "accepted",
+        "id": "r1",
+        "queue_position": 3,
+        "request_id": request.request_id,
+        "cancel_token": request.cancel_token,
+    }
 
 
 def test_the_greeting_and_a_failed_frame_are_actions_too():

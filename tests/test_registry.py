@@ -42,7 +42,7 @@ def test_user_is_kept_and_checked(conn):
     assert submitted(conn, id="r1", user="alice").user == "alice"
     for bad in (7, "x" * 257):
         [action] = conn.receive_text(json.dumps({"type": "generate", "id": "r2", "prompt": "a", "user": bad}), 0)
-        frame = action.frame
+        frame = action.frame.json()
         assert isinstance(action, Send) and frame["code"] == ErrorCode.INVALID_FIELD and "user" in frame["message"]
 
 

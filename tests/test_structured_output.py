@@ -136,7 +136,7 @@ def test_the_protocol_turns_a_schema_into_a_grammar_or_refuses_it():
         ({"json_object": True}, "--engine llama.cpp"),
     ]:
         [refusal] = send(frame, grammars=False)
-        assert refusal.frame["code"] == "invalid_field" and words in refusal.frame["message"]
+        assert refusal.frame.json()["code"] == "invalid_field" and words in refusal.frame.json()["message"]
     for frame, words in [
         ({"json_schema": {"type": "string", "not": {}}}, "'not'"),
         ({"json_schema": PERSON, "tools": [WEATHER_TOOL]}, "not both"),
@@ -144,7 +144,7 @@ def test_the_protocol_turns_a_schema_into_a_grammar_or_refuses_it():
         ({"json_object": "yes"}, "true or false"),
     ]:
         [refusal] = send(frame, grammars=True)
-        assert refusal.frame["code"] == "invalid_field" and words in refusal.frame["message"], refusal
+        assert refusal.frame.json()["code"] == "invalid_field" and words in refusal.frame.json()["message"], refusal
 
 
 def test_every_rule_of_a_grammar_is_defined_once():
