@@ -4,8 +4,10 @@ The HTTP API (/v1) is served from the same event loop by :mod:`stopline.http_api
 This module owns the listening sockets, the slots and the shared state
 (scheduler, registry, metrics, the optional Redis store) and the HTTP side of
 the WebSocket port (the page, /healthz, /metrics, Host and Origin checks).
-Each WebSocket connection is a :class:`session.ClientSession`, which hands its
-frames to :class:`protocol.Connection` and carries out the actions returned.
+Each WebSocket connection is a :class:`session.ClientSession` over a
+:class:`session.WebSocketTransport`; the session hands its frames to
+:class:`protocol.Connection` and carries out the actions returned, and sees
+this server only through :class:`session.Services`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from .protocol import AddressQuota, ErrorFrame, encode_frame
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
-from .session import ClientSession, peer_name
+from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
 from .vocabulary import ErrorCode, KeyEvent, Reason, Refusal
 
@@ -89,7 +91,6 @@ class StoplineServer:
         self.public_host = advertised_host(settings.host, socket.gethostname())
         self.limits = settings.limits_for(engine)
         self._server: Server  # set by start()
-        self._sessions: set[ClientSession] = set()
         self.address_quota = AddressQuota(settings.limits.requests_per_address)
         # WebSocket connections admitted by the handshake and not yet closed.
         self.websocket_connections = 0
@@ -114,7 +115,26 @@ class StoplineServer:
         self.quotas = Quotas(self.metrics, self.cluster)
         self._unauthorized = 0
         self._unauthorized_logged_at = 0.0
-        self.http = HttpApi(self)
+        # What each client's session may use of this server.
+        self.services = Services(
+            model=engine.name,
+            encode=lambda prompt, messages: engine.encode(prompt=prompt, messages=messages),
+            limits=self.limits,
+            scheduler=self.scheduler,
+            registry=self.registry,
+            metrics=self.metrics,
+            quotas=self.quotas,
+            keyring=self.keyring,
+            address_quota=self.address_quota,
+            tokenizer_lanes=self.tokenizer_lanes,
+            slow_consumer_grace_s=settings.slow_consumer_grace_s,
+        )
+        self.http = HttpApi(self.services, settings, self.origin_policy, self.cluster, unauthorized=self.unauthorized)
+
+    @property
+    def sessions(self) -> set[ClientSession]:
+        """Every open session: one a WebSocket connection, one an HTTP generation."""
+        return self.services.sessions
 
     @property
     def port(self) -> int:
@@ -179,8 +199,8 @@ class StoplineServer:
         self._server.server.close()
         self.scheduler.close()
         now = time.monotonic_ns()
-        for session in list(self._sessions):
-            await session.perform(session.protocol.stop_all(Reason.SHUTDOWN, now))
+        for session in list(self.sessions):
+            await session.stop_all(Reason.SHUTDOWN, now)
         await self.scheduler.shutdown()
         await self.quotas.close()
         if self.cluster is not None:
@@ -305,13 +325,14 @@ class StoplineServer:
                 await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, message)))
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
-        session = ClientSession(self, websocket, key=websocket.api_key)
-        self._sessions.add(session)
+        transport = WebSocketTransport(websocket)
+        session = ClientSession(self.services, transport, transport.address, key=websocket.api_key)
+        self.sessions.add(session)
         self.metrics.connections.inc()
         try:
-            await session.run()
+            await transport.run(session)
         finally:
-            self._sessions.discard(session)
+            self.sessions.discard(session)
             self.metrics.connections.dec()
 
 

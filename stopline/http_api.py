@@ -1,9 +1,10 @@
 """The HTTP API under /v1: generations by request id (SSE, GET, DELETE) and an OpenAI-compatible face.
 
 Every generation started here runs through the same protocol state machine,
-scheduler and native loop as one started on the WebSocket: an
-:class:`HttpSession` is a :class:`ClientSession` whose frames go to an HTTP
-response instead of a socket, so outcomes, logs and metrics are identical.
+scheduler and native loop as one started on the WebSocket: each is a
+:class:`session.ClientSession` whose transport is an :class:`HttpReply`
+(server-sent events, or OpenAI's chunks and bodies) instead of a WebSocket,
+so outcomes, logs and metrics are identical.
 
 A closed connection cancels the generation with reason client_disconnected.
 aiohttp cancels a request's handler the moment its connection is lost
@@ -17,6 +18,7 @@ import asyncio
 import math
 import socket
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -26,13 +28,13 @@ from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
 from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
 from .openai_fields import Refused, openai_request
-from .origin import check_request
+from .origin import OriginPolicy, check_request
 from .protocol import (
     Accepted,
     ErrorFrame,
     Frame,
     ProtocolError,
-    Submit,
+    Request,
     Terminal,
     Token,
     as_error,
@@ -42,12 +44,13 @@ from .protocol import (
     parse_json_object,
 )
 from .registry import Entry
-from .session import ClientSession
+from .session import ClientSession, Services
+from .settings import Settings
 from .tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 
 if TYPE_CHECKING:
-    from .app import StoplineServer
+    from .cluster import Cluster
 
 # The API key a request was admitted with (when the server asks for keys).
 API_KEY = web.RequestKey("api_key", ApiKey)
@@ -126,40 +129,34 @@ def _request_headers(frame: Accepted) -> dict:
     return {"X-Request-Id": frame.request_id, "X-Cancel-Token": frame.cancel_token}
 
 
-class HttpSession(ClientSession):
-    """One HTTP request's generation. ``reply`` turns its frames into the HTTP answer."""
-
-    def __init__(self, server: StoplineServer, peer: str, reply, address: str, key: ApiKey | None = None):
-        super().__init__(server, None, peer=peer, address=address, key=key)
-        self.reply = reply
-        self.answered = asyncio.Event()
-
-    async def perform(self, actions) -> None:
-        for action in actions:
-            if isinstance(action, Submit):
-                self.reply.submitted(action.request)
-        await super().perform(actions)
-
-    async def _write(self, frame: Frame) -> None:
-        if self.answered.is_set():
-            return  # a cancel_ack after the terminal frame: DELETE answers that on its own connection
-        terminal = ends_request(frame)
-        try:
-            await self.reply.emit(frame)
-        finally:
-            if terminal:
-                self.answered.set()
-
-
-class SseReply:
-    """POST /v1/generations: each frame as a server-sent event named by its type."""
+class HttpReply:
+    """The transport of one HTTP request's generation: its frames become the HTTP answer,
+    which is complete once the request's last frame (``answered``) has been written."""
 
     def __init__(self, http_request: web.Request):
         self.http_request = http_request
+        self.peer = _peer(http_request)
         self.response: web.StreamResponse | None = None
+        self.answered = asyncio.Event()
 
-    def submitted(self, request) -> None:
+    def submitted(self, request: Request) -> None:
         pass
+
+    async def send(self, frame: Frame) -> None:
+        if self.answered.is_set():
+            return  # a cancel_ack after the terminal frame: DELETE answers that on its own connection
+        try:
+            await self.emit(frame)
+        finally:
+            if ends_request(frame):
+                self.answered.set()
+
+    async def emit(self, frame: Frame) -> None:
+        raise NotImplementedError
+
+
+class SseReply(HttpReply):
+    """POST /v1/generations: each frame as a server-sent event named by its type."""
 
     async def emit(self, frame: Frame) -> None:
         if self.response is None:
@@ -172,7 +169,7 @@ class SseReply:
         await self.response.write(f"event: {frame.type}\ndata: {encode_frame(frame)}\n\n".encode())
 
 
-class OpenAIReply:
+class OpenAIReply(HttpReply):
     """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end."""
 
     def __init__(
@@ -185,12 +182,11 @@ class OpenAIReply:
         include_usage: bool,
         calls: ToolChoice | None = None,
     ):
-        self.http_request = http_request
+        super().__init__(http_request)
         self.model = model
         self.chat = chat
         self.stream = stream
         self.include_usage = include_usage
-        self.response: web.StreamResponse | None = None
         self.created = int(time.time())
         self.prompt_tokens = 0
         self._id = ""
@@ -205,7 +201,7 @@ class OpenAIReply:
         self._calls: list[dict] = []
         self._unsent_logprobs: list[dict] = []
 
-    def submitted(self, request) -> None:
+    def submitted(self, request: Request) -> None:
         self.prompt_tokens = len(request.prompt_tokens)
         if request.params.logprobs is not None:
             self._logprobs = []
@@ -363,9 +359,22 @@ class OpenAIReply:
 
 
 class HttpApi:
-    def __init__(self, server: StoplineServer):
-        self.server = server
-        self.app = web.Application(middlewares=[self._guard], client_max_size=server.settings.max_frame_bytes)
+    def __init__(
+        self,
+        services: Services,
+        settings: Settings,
+        origin_policy: OriginPolicy,
+        cluster: Cluster | None,
+        *,
+        unauthorized: Callable[[str, str], None],
+    ):
+        self.services = services
+        self.settings = settings
+        self.origin_policy = origin_policy
+        self.cluster = cluster
+        # Counts and logs a request refused for its key.
+        self.unauthorized = unauthorized
+        self.app = web.Application(middlewares=[self._guard], client_max_size=settings.max_frame_bytes)
         self.app.add_routes(
             [
                 web.post("/v1/generations", self._post_generation),
@@ -378,8 +387,8 @@ class HttpApi:
             ]
         )
         self.app.on_response_prepare.append(self._cors_headers)
-        if server.cluster is not None:
-            server.cluster.cancel_here = self._cancel_here
+        if cluster is not None:
+            cluster.cancel_here = self._cancel_here
             self.app.on_response_prepare.append(self._replica_header)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
@@ -409,11 +418,11 @@ class HttpApi:
         # The same rules as /ws: the Host must be one this server answers to (no
         # DNS rebinding), and a browser page from elsewhere may not drive the model.
         refused = check_request(
-            request.headers.getall("Host", None), request.headers.getall("Origin", None), self.server.origin_policy
+            request.headers.getall("Host", None), request.headers.getall("Origin", None), self.origin_policy
         )
         if refused is not None:
             log.warning("request_refused", code=str(refused.code), origin=origin, peer=_peer(request))
-            self.server.metrics.refused.labels(str(refused.code)).inc()
+            self.services.metrics.refused.labels(str(refused.code)).inc()
             return error_response(refused.code, refused.message, openai=True, status=refused.status)
         if request.method == "OPTIONS" and origin is not None:
             return web.Response(
@@ -424,13 +433,13 @@ class HttpApi:
                     "Access-Control-Max-Age": "600",
                 },
             )
-        keyring = self.server.keyring
+        keyring = self.services.keyring
         # GET and DELETE of a generation by id take its cancel token or its key, checked there.
         by_id = request.method in ("GET", "DELETE") and request.path.startswith("/v1/generations/")
         if keyring.required and not by_id:
             key = keyring.lookup(bearer(request.headers.get("Authorization")))
             if key is None:
-                self.server.unauthorized(_peer(request), request.path)
+                self.unauthorized(_peer(request), request.path)
                 await asyncio.sleep(FAILURE_DELAY_S)
                 message = "this server needs an API key: send 'Authorization: Bearer <key>'"
                 return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
@@ -455,8 +464,8 @@ class HttpApi:
 
     async def _replica_header(self, request: web.Request, response: web.StreamResponse) -> None:
         # Which replica answered: behind a load balancer, the one place that says so.
-        if self.server.cluster is not None:
-            response.headers["X-Stopline-Replica"] = self.server.cluster.replica_id
+        if self.cluster is not None:
+            response.headers["X-Stopline-Replica"] = self.cluster.replica_id
 
     # Generations -------------------------------------------------------------
 
@@ -476,7 +485,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = openai_request(body, chat=chat, model=self.server.engine.name, grammars=self.server.limits.grammars)
+            asked = openai_request(body, chat=chat, model=self.services.model, grammars=self.services.limits.grammars)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True)
         except Refused as exc:
@@ -486,7 +495,7 @@ class HttpApi:
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(
             request,
-            self.server.engine.name,
+            self.services.model,
             chat=chat,
             stream=stream,
             include_usage=include_usage,
@@ -494,27 +503,28 @@ class HttpApi:
         )
         return await self._generate(request, asked.frame, reply)
 
-    async def _generate(self, request: web.Request, frame: dict, reply) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, frame: dict, reply: HttpReply) -> web.StreamResponse:
         """Run one generation for this HTTP request; a lost connection cancels it."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None and self.server.settings.socket_send_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.settings.socket_send_buffer)
-        session = HttpSession(self.server, _peer(request), reply, request.remote or "unknown", request.get(API_KEY))
-        self.server._sessions.add(session)
+        if sock is not None and self.settings.socket_send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.socket_send_buffer)
+        session = ClientSession(self.services, reply, request.remote or "unknown", request.get(API_KEY))
+        self.services.sessions.add(session)
         try:
-            await session.perform(session.protocol.receive_text(encode_json(frame), time.monotonic_ns()))
-            await session.answered.wait()
+            await session.receive_text(encode_json(frame), time.monotonic_ns())
+            await reply.answered.wait()
         finally:
             # Reached with the request still live only when the client went away.
             await session.client_gone()
-            self.server._sessions.discard(session)
+            self.services.sessions.discard(session)
+        assert reply.response is not None  # the request's last frame has been answered
         return reply.response
 
     async def _get_generation(self, request: web.Request) -> web.Response:
         async def here(entry: Entry) -> dict:
             return entry.describe()
 
-        cluster = self.server.cluster
+        cluster = self.cluster
         return await self._by_id(request, here, cluster.describe if cluster is not None else None)
 
     async def _delete_generation(self, request: web.Request) -> web.Response:
@@ -524,7 +534,7 @@ class HttpApi:
         async def here(entry: Entry) -> dict:
             return {"request_id": entry.request_id, "status": str(await self._cancel(entry, now))}
 
-        cluster = self.server.cluster
+        cluster = self.cluster
 
         async def elsewhere(request_id: str, token: str | None, key_id: str | None) -> dict:
             assert cluster is not None  # passed on only when there is one
@@ -534,15 +544,15 @@ class HttpApi:
 
     async def _cancel(self, entry: Entry, now: int) -> Status:
         if entry.ending is None:
-            session = entry.session
-            await session.perform(session.protocol.request_cancel(entry.request, Reason.USER_CANCELLED, now))
+            assert entry.request is not None and entry.session is not None  # held until it has ended
+            await entry.session.cancel(entry.request, Reason.USER_CANCELLED, now)
             # Answer with the outcome that won, which the loop reports within one step.
             await entry.ended.wait()
         return entry.status
 
     async def _cancel_here(self, request_id: str) -> Status | None:
         """Another replica's DELETE, relayed by the shared store (authorized there); None: not held here."""
-        entry = self.server.registry.get(request_id)
+        entry = self.services.registry.get(request_id)
         return None if entry is None else await self._cancel(entry, time.monotonic_ns())
 
     async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
@@ -551,11 +561,11 @@ class HttpApi:
         request_id = request.match_info["request_id"]
         token = bearer(request.headers.get("Authorization"))
         # The credential is the generation's cancel token, or the API key that started it.
-        key = self.server.keyring.lookup(token) if self.server.keyring.required else None
+        key = self.services.keyring.lookup(token) if self.services.keyring.required else None
         key_id = key.key_id if key is not None else None
         try:
             try:
-                body = await here(self.server.registry.authorize(request_id, token, key_id))
+                body = await here(self.services.registry.authorize(request_id, token, key_id))
             except UnknownRequest:
                 if elsewhere is None:
                     raise
@@ -564,7 +574,7 @@ class HttpApi:
             if isinstance(exc, InvalidCancelToken):
                 message = (
                     "send the generation's cancel token"
-                    + (", or the API key that started it," if self.server.keyring.required else "")
+                    + (", or the API key that started it," if self.services.keyring.required else "")
                     + " as 'Authorization: Bearer <token>'"
                 )
             elif isinstance(exc, StoreUnavailable):
@@ -578,17 +588,17 @@ class HttpApi:
         return web.json_response(body, headers=_NO_STORE)
 
     def _model_object(self) -> dict:
-        return {"id": self.server.engine.name, "object": "model", "created": 0, "owned_by": "stopline"}
+        return {"id": self.services.model, "object": "model", "created": 0, "owned_by": "stopline"}
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_object()]}, headers=_NO_STORE)
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.server.engine.name:
+        if name != self.services.model:
             return error_response(
                 ErrorCode.MODEL_NOT_FOUND,
-                f"the model {name!r} is not served here; this server runs {self.server.engine.name!r}",
+                f"the model {name!r} is not served here; this server runs {self.services.model!r}",
                 openai=True,
                 param="model",
             )

@@ -19,11 +19,17 @@ from typing import Protocol
 
 from .errors import InvalidCancelToken, UnknownRequest
 from .protocol import Ending, Phase, Request
-from .vocabulary import STATUS_BY_OUTCOME, Status
+from .vocabulary import STATUS_BY_OUTCOME, Reason, Status
+
+
+class Owner(Protocol):
+    """The session that owns a request: a stop asked for by anyone goes through it."""
+
+    async def cancel(self, request: Request, reason: Reason, now_ns: int) -> None: ...
 
 
 class Entry:
-    def __init__(self, request: Request, session):
+    def __init__(self, request: Request, session: Owner | None):
         self.request_id = request.request_id
         self.cancel_token = request.cancel_token
         self.user = request.user
@@ -31,7 +37,7 @@ class Entry:
         self.key_id = request.key_id
         self.created = time.time()
         self.request: Request | None = request
-        self.session = session
+        self.session: Owner | None = session
         self.ending: Ending | None = None
         self.ended = asyncio.Event()
 
@@ -75,7 +81,7 @@ class Registry:
         self._remembered = remembered
         self.listener: Listener | None = None
 
-    def add(self, request: Request, session) -> None:
+    def add(self, request: Request, session: Owner | None) -> None:
         entry = self._live[request.request_id] = Entry(request, session)
         if self.listener is not None:
             self.listener.added(entry)

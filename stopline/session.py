@@ -1,31 +1,43 @@
 """One client's session: the glue between its transport, the protocol and the scheduler.
 
-A :class:`ClientSession` hands what its client sends, and what the scheduler
-reports about its requests (it is their :class:`scheduler.Sink`), to its
-:class:`protocol.Connection`, and carries out the actions that come back. The
-WebSocket server runs one per connection; the HTTP API runs one per request,
-with its own transport (:mod:`stopline.http_api`).
+A :class:`ClientSession` owns one :class:`protocol.Connection`. It hands it
+what its client sends (through the session's transport) and what the
+scheduler reports about its requests (it is their :class:`scheduler.Sink`),
+and carries out the actions that come back, each path flat: feed the
+protocol, take its actions, perform them; an action that needs the protocol
+again adds its answer to the same list, and nothing re-enters.
+
+The session talks to its client through a :class:`Transport`: a WebSocket
+connection (:class:`WebSocketTransport`, one session per connection), or the
+reply to one HTTP request (:mod:`stopline.http_api`, one session per request).
+It sees the rest of the server only through :class:`Services`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from .auth import ApiKey
+from .auth import ApiKey, Keyring
 from .engine import GenerationResult
-from .observability import log, log_accepted, log_end
+from .errors import Busy
+from .observability import Metrics, log, log_accepted, log_end
 from .protocol import (
     Action,
+    AddressQuota,
     Cancel,
     Connection,
     Draft,
     Ended,
     Frame,
+    Limits,
     Request,
     Send,
     Submit,
@@ -33,45 +45,67 @@ from .protocol import (
     as_error,
     encode_frame,
 )
-from .scheduler import Busy
+from .quota import Quotas
+from .registry import Registry
+from .scheduler import Scheduler
 from .vocabulary import Reason
-
-if TYPE_CHECKING:
-    from .app import StoplineServer
 
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
 SHORT_PROMPT_BYTES = 16 * 1024
 
 
-class ClientSession:
-    """One WebSocket connection: reads frames, hands them and what the scheduler
-    reports about its requests (it is their Sink) to the protocol, and performs
-    the actions the protocol returns."""
+class Transport(Protocol):
+    """How a session reaches its client: one WebSocket connection, or one HTTP request's reply."""
 
-    def __init__(
-        self,
-        server: StoplineServer,
-        websocket: ServerConnection | None,
-        peer: str | None = None,
-        address: str | None = None,
-        key: ApiKey | None = None,
-    ):
-        self.server = server
-        self.websocket = websocket
+    @property
+    def peer(self) -> str: ...
+
+    async def send(self, frame: Frame) -> None:
+        """Write ``frame``; waits while the client does not read. Raises ConnectionError
+        (or websockets' ConnectionClosed) when the client has gone."""
+
+    def submitted(self, request: Request) -> None:
+        """``request`` is about to reach the scheduler (an HTTP reply reads its prompt's size)."""
+
+
+@dataclass
+class Services:
+    """What a session needs of the server, and nothing more."""
+
+    model: str
+    encode: Callable[[str | None, list | None], list[int]]
+    limits: Limits
+    scheduler: Scheduler
+    registry: Registry
+    metrics: Metrics
+    quotas: Quotas
+    keyring: Keyring
+    address_quota: AddressQuota
+    # Prompts are tokenized here: a lane for short prompts, and one for long ones.
+    tokenizer_lanes: tuple[Executor, Executor]
+    # How long a send may wait for a client that stopped reading before its request is cancelled.
+    slow_consumer_grace_s: float
+    # Every open session, so that a shutdown can stop what each has started.
+    sessions: set[ClientSession] = field(default_factory=set)
+
+
+class ClientSession:
+    """One client: a WebSocket connection, or one HTTP request. It feeds the protocol what
+    its transport reads and what the scheduler reports about its requests (it is their Sink),
+    and performs the actions the protocol returns."""
+
+    def __init__(self, services: Services, transport: Transport, address: str, key: ApiKey | None = None):
+        self.services = services
+        self.transport = transport
+        self.peer = transport.peer
         # The API key the client presented (None when the server asks for none).
         self.key = key
-        # An HTTP session has no WebSocket and names its own peer and address.
-        if websocket is not None:
-            peer = peer or peer_name(websocket)
-            address = address or (websocket.remote_address[0] if websocket.remote_address else "unknown")
-        self.peer = peer or "unknown"
-        address = address or "unknown"
         self.protocol = Connection(
-            server.limits,
-            self._encode,
+            services.limits,
+            services.encode,
             time.monotonic_ns(),
             address=address,
-            quota=server.address_quota,
+            quota=services.address_quota,
             user_id=key.user if key is not None else None,
             key_id=key.key_id if key is not None else None,
         )
@@ -80,59 +114,94 @@ class ClientSession:
         self._drafts: asyncio.Queue[Draft] = asyncio.Queue()
         self._preparer: asyncio.Task | None = None
 
-    def _encode(self, prompt, messages):
-        return self.server.engine.encode(prompt=prompt, messages=messages)
+    # What the client did --------------------------------------------------------
 
-    async def run(self) -> None:
-        assert self.websocket is not None, "only a WebSocket session reads frames"
-        await self.perform(self.protocol.hello(self.server.engine.name))
+    async def open(self) -> None:
+        """The connection opened: greet the client."""
+        await self.perform(self.protocol.hello(self.services.model))
+
+    async def receive_text(self, text: str, now_ns: int) -> None:
+        await self._feed(lambda: self.protocol.receive_text(text, now_ns))
+
+    async def receive_binary(self, size: int, now_ns: int) -> None:
+        await self._feed(lambda: self.protocol.receive_binary(now_ns, size))
+
+    async def _feed(self, receive: Callable[[], list[Action]]) -> None:
         try:
-            async for message in self.websocket:
-                # The cancel's arrival time is taken here, as the frame is read.
-                now = time.monotonic_ns()
-                try:
-                    if isinstance(message, str):
-                        actions = self.protocol.receive_text(message, now)
-                    else:
-                        actions = self.protocol.receive_binary(now, len(message))
-                except Exception:
-                    # A bug handling one frame answers that frame, not the connection.
-                    log.exception("frame_failed", peer=self.peer)
-                    actions = self.protocol.frame_failed()
-                await self.perform(actions)
-        except ConnectionClosed:
-            pass
-        finally:
-            await self.client_gone()
+            actions = receive()
+        except Exception:
+            # A bug handling one frame answers that frame, not the connection.
+            log.exception("frame_failed", peer=self.peer)
+            actions = self.protocol.frame_failed()
+        await self.perform(actions)
+
+    async def cancel(self, request: Request, reason: Reason, now_ns: int) -> None:
+        """Stop ``request`` for ``reason`` (a DELETE, a cancel relayed from another replica)."""
+        await self.perform(self.protocol.request_cancel(request, reason, now_ns))
+
+    async def stop_all(self, reason: Reason, now_ns: int) -> None:
+        """Stop every live request of this client: it left, or the server is shutting down."""
+        await self.perform(self.protocol.stop_all(reason, now_ns))
 
     async def client_gone(self) -> None:
         """The client went away: stop everything it started."""
         if self.protocol.live or self.protocol.pending:
             log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
-        await self.perform(self.protocol.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns()))
+        await self.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns())
         if self._preparer is not None:
             self._preparer.cancel()
 
-    async def perform(self, actions: list[Action]) -> None:
-        """Carry out what the protocol decided, in order."""
-        for action in actions:
+    # Carrying out what the protocol decided -----------------------------------------
+
+    async def perform(self, actions: Iterable[Action]) -> None:
+        """Carry out what the protocol decided, in order. An action whose outcome the
+        protocol must hear of (a send that stalled, a submit) puts its answer at the front."""
+        pending = [*actions]
+        while pending:
+            action = pending.pop(0)
             if isinstance(action, Send):
-                if (error := as_error(action.frame)) is not None:
-                    self.server.metrics.rejected.labels(str(error.code)).inc()
-                await self._send(action.frame, action.request)
+                more = await self._send(action.frame, action.request)
             elif isinstance(action, Tokenize):
-                self._drafts.put_nowait(action.draft)
-                if self._preparer is None:
-                    self._preparer = asyncio.get_running_loop().create_task(self._prepare())
+                more = self._tokenize(action.draft)
             elif isinstance(action, Submit):
-                await self._submit(action.request)
+                more = await self._submit(action.request)
             elif isinstance(action, Cancel):
-                self.server.scheduler.cancel(action.request)
-            elif isinstance(action, Ended):
-                self.server.quotas.release(action.request.request_id, action.ending.tokens_generated)
-                self.server.registry.end(action.request, action.ending)
-                self.server.metrics.record_end(action.ending, action.request.key_id)
-                log_end(action.request, action.ending, self.peer)
+                more = self._cancel(action.request)
+            else:
+                more = self._record(action)
+            pending[:0] = more
+
+    async def _send(self, frame: Frame, request: Request | None) -> list[Action]:
+        """Send one frame. A client that stops reading makes this wait; past the
+        grace period its request is cancelled with reason slow_consumer."""
+        if (error := as_error(frame)) is not None:
+            self.services.metrics.rejected.labels(str(error.code)).inc()
+        try:
+            await asyncio.wait_for(self.transport.send(frame), self.services.slow_consumer_grace_s)
+        except (ConnectionClosed, ConnectionError):
+            pass
+        except TimeoutError:
+            # The frame stays in the transport buffer; only the wait was cut short.
+            return self.protocol.stalled(request, time.monotonic_ns())
+        return []
+
+    def _tokenize(self, draft: Draft) -> list[Action]:
+        self._drafts.put_nowait(draft)
+        if self._preparer is None:
+            self._preparer = asyncio.get_running_loop().create_task(self._prepare())
+        return []
+
+    def _cancel(self, request: Request) -> list[Action]:
+        self.services.scheduler.cancel(request)
+        return []
+
+    def _record(self, ended: Ended) -> list[Action]:
+        services = self.services
+        services.quotas.release(ended.request.request_id, ended.ending.tokens_generated)
+        services.registry.end(ended.request, ended.ending)
+        services.metrics.record_end(ended.ending, ended.request.key_id)
+        log_end(ended.request, ended.ending, self.peer)
+        return []
 
     async def _prepare(self) -> None:
         """Tokenize this connection's prompts in arrival order, off the event loop."""
@@ -140,7 +209,7 @@ class ClientSession:
         while True:
             draft = await self._drafts.get()
             try:
-                lane = self.server.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
+                lane = self.services.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
                 actions = self.protocol.tokenized(
                     draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft)
                 )
@@ -154,49 +223,51 @@ class ClientSession:
                 )
             await self.perform(actions)
 
-    async def _submit(self, request: Request) -> None:
-        if self.key is not None and not await self._admitted(request):
-            return
-        self.server.registry.add(request, self)
+    async def _submit(self, request: Request) -> list[Action]:
+        self.transport.submitted(request)
+        if self.key is not None:
+            refused = await self._refused(request)
+            if refused is not None:
+                return refused
+        services = self.services
+        services.registry.add(request, self)
         try:
-            position = self.server.scheduler.submit(request, self)
+            position = services.scheduler.submit(request, self)
         except Busy as exc:
-            await self.perform(self.protocol.busy(request, str(exc)))
-            return
+            return self.protocol.busy(request, str(exc))
         except Exception as exc:
             log.exception("submit_failed", request_id=request.request_id, id=request.id)
-            await self.perform(self.protocol.failed(request, str(exc)))
-            return
+            return self.protocol.failed(request, str(exc))
         if request.cancel_reason is not None:
             # A stop asked for while the quota was being checked found nothing to stop then.
-            self.server.scheduler.cancel(request)
+            services.scheduler.cancel(request)
         # Logged first: an HTTP client that leaves now cancels this task at the send.
         log_accepted(request, self.peer, position)
         # A token needs the executor and another pass of the event loop to arrive,
         # so this frame is written before any token frame.
-        await self.perform(self.protocol.accepted(request, position))
+        return self.protocol.accepted(request, position)
 
-    async def _admitted(self, request: Request) -> bool:
-        """Whether the key is still in force and its quota admits ``request``; if not, the request has ended."""
+    async def _refused(self, request: Request) -> list[Action] | None:
+        """None if the key is still in force and its quota admits ``request``; else how it ends."""
         assert self.key is not None
         # A reload since the handshake may have revoked the key, or changed its limits.
-        key = self.server.keyring.current(self.key)
+        key = self.services.keyring.current(self.key)
         if key is None:
-            await self.perform(self.protocol.unauthorized(request, "this connection's API key has been revoked"))
-            return False
+            return self.protocol.unauthorized(request, "this connection's API key has been revoked")
         try:
-            refused = await self.server.quotas.admit(key, request.request_id, len(request.prompt_tokens))
+            refused = await self.services.quotas.admit(key, request.request_id, len(request.prompt_tokens))
         except asyncio.CancelledError:
             # An HTTP client left while Redis was asked: the request ends here, having never run,
             # and only the record of its end is kept (there is no one left to send frames to).
             now = time.monotonic_ns()
             self.protocol.request_cancel(request, Reason.CLIENT_DISCONNECTED, now)
-            await self.perform([a for a in self.protocol.cancelled_in_queue(request, now) if isinstance(a, Ended)])
+            for action in self.protocol.cancelled_in_queue(request, now):
+                if isinstance(action, Ended):
+                    self._record(action)
             raise
         if refused is not None:
-            await self.perform(self.protocol.over_quota(request, refused.limit, refused.retry_after_s, refused.message))
-            return False
-        return True
+            return self.protocol.over_quota(request, refused.limit, refused.retry_after_s, refused.message)
+        return None
 
     # Sink: what the scheduler reports, handed to the protocol ------------------------
 
@@ -206,7 +277,7 @@ class ClientSession:
         # and cancelling is synchronous too.
         for action in self.protocol.started(request, time.monotonic_ns()):
             if isinstance(action, Cancel):
-                self.server.scheduler.cancel(action.request)
+                self._cancel(action.request)
 
     async def deliver(self, request: Request, texts: list[str], logprobs: list[dict] | None = None) -> None:
         for i, text in enumerate(texts):
@@ -225,21 +296,37 @@ class ClientSession:
     async def expired_in_queue(self, request: Request, now_ns: int) -> None:
         await self.perform(self.protocol.expired_in_queue(request, now_ns))
 
-    async def _send(self, frame: Frame, request: Request | None = None) -> None:
-        """Send one frame. A client that stops reading makes this wait; past the
-        grace period its request is cancelled with reason slow_consumer."""
-        try:
-            await asyncio.wait_for(self._write(frame), self.server.settings.slow_consumer_grace_s)
-        except (ConnectionClosed, ConnectionError):
-            pass
-        except TimeoutError:
-            # The frame stays in the transport buffer; only the wait was cut short.
-            await self.perform(self.protocol.stalled(request, time.monotonic_ns()))
 
-    async def _write(self, frame: Frame) -> None:
-        # An HTTP session overrides this with its own transport.
-        assert self.websocket is not None
+class WebSocketTransport:
+    """A WebSocket connection: frames as JSON text messages, one session for the connection."""
+
+    def __init__(self, websocket: ServerConnection):
+        self.websocket = websocket
+        self.peer = peer_name(websocket)
+        address = websocket.remote_address
+        self.address = address[0] if address else "unknown"
+
+    async def send(self, frame: Frame) -> None:
         await self.websocket.send(encode_frame(frame))
+
+    def submitted(self, request: Request) -> None:
+        pass
+
+    async def run(self, session: ClientSession) -> None:
+        """Greet, then feed ``session`` every message until the client goes away."""
+        await session.open()
+        try:
+            async for message in self.websocket:
+                # The cancel's arrival time is taken here, as the frame is read.
+                now = time.monotonic_ns()
+                if isinstance(message, str):
+                    await session.receive_text(message, now)
+                else:
+                    await session.receive_binary(len(message), now)
+        except ConnectionClosed:
+            pass
+        finally:
+            await session.client_gone()
 
 
 def peer_name(connection: ServerConnection) -> str:

@@ -371,7 +371,7 @@ async def test_cancels_racing_a_finish_are_acknowledged_with_the_winner(server):
     async with client_for(server) as client:
         await client.generate("race", messages=LONG_ANSWER, max_tokens=24, temperature=0)
         await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "race")
-        [session] = server._sessions
+        [session] = server.sessions
         request = session.protocol.live["race"]
         generation = server.scheduler._running[request].generation
         # Put both cancels on the wire without yielding to the event loop...
