@@ -57,7 +57,7 @@ def default_url(environ=os.environ) -> str:
     return f"ws://{host}:{environ.get('STOPLINE_PORT') or 8765}/ws"
 
 
-class Session:
+class Conversation:
     """One server, one conversation: every question is a generate frame over a fresh
     connection, carrying the conversation so far."""
 
@@ -212,7 +212,7 @@ async def run(
     system: str | None = None,
 ) -> int:
     """One question, one answer: the exit code says how it ended."""
-    session = Session(url, max_tokens, temperature, system, out, err)
+    session = Conversation(url, max_tokens, temperature, system, out, err)
     body = {"prompt": prompt} if raw else {"messages": session.messages(prompt)}
     try:
         frame, _ = await session.ask(body)
@@ -222,7 +222,7 @@ async def run(
     return session.report(frame)
 
 
-def chat(session: Session, read=input) -> int:
+def chat(session: Conversation, read=input) -> int:
     """The interactive chat: read a line, stream the answer, repeat. Returns the exit code."""
     loop = asyncio.new_event_loop()
     err = session.err
@@ -274,7 +274,7 @@ def chat(session: Session, read=input) -> int:
         loop.close()
 
 
-def command(session: Session, line: str) -> None:
+def command(session: Conversation, line: str) -> None:
     name, _, argument = line.partition(" ")
     argument = argument.strip()
     err = session.err
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         import readline  # noqa: F401 - line editing and up-arrow history for input()
     except ImportError:
         pass
-    return chat(Session(url, args.max_tokens, args.temperature, args.system))
+    return chat(Conversation(url, args.max_tokens, args.temperature, args.system))
 
 
 if __name__ == "__main__":

@@ -26,19 +26,19 @@ import random
 import select
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import TypedDict
 
 import structlog
 
 from stopline import _core
-from stopline._core import ContextOverflowError, EngineError, ExitKind, ModelLoadError
+from stopline._core import ContextOverflowError, EngineError, ModelLoadError
 
 from . import model as embedded
 from .errors import SettingError
 from .model_check import ModelFileError, check_model_file
-from .protocol import SamplingParams
+from .protocol import GenerationResult, SamplingParams
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 from .vocabulary import AbortMode, EngineName
 
@@ -108,30 +108,9 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    """What the native loop reports once it has exited: which way out it took
-    (``exit``), its counts and its CLOCK_MONOTONIC timestamps in ns (0: never).
-    What that means to a client (an outcome and a reason) is the protocol's to say
-    (``protocol.EXIT_OUTCOMES``)."""
-
-    exit: ExitKind
-    prompt_tokens: int
-    prompt_tokens_reused: int
-    prompt_tokens_evaluated: int
-    tokens_generated: int
-    tokens_after_cancel: int
-    start_ns: int
-    first_token_ns: int
-    cancel_observed_ns: int
-    end_ns: int
-    text_kept_bytes: int
-    longest_prefill_node_ns: int
-    longest_decode_node_ns: int
-
-    @classmethod
-    def from_loop(cls, loop: _core.LoopResult) -> GenerationResult:
-        return cls(**{f.name: getattr(loop, f.name) for f in fields(cls)})
+def _result_of(loop: _core.LoopResult) -> GenerationResult:
+    """The native loop's result, field for field, as the protocol reads it."""
+    return GenerationResult(**{f.name: getattr(loop, f.name) for f in fields(GenerationResult)})
 
 
 def _ctransformers_library_path() -> str:
@@ -532,7 +511,7 @@ class Stream:
             loop = self.generation.result
             if loop is None:
                 return None
-            self._result = GenerationResult.from_loop(loop)
+            self._result = _result_of(loop)
         return self._result
 
     def cancel(self) -> bool:

@@ -14,6 +14,7 @@ defined by the extension and stay outside this tree.
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import ClassVar
 
 from .vocabulary import ErrorCode
 
@@ -41,26 +42,30 @@ class RequestLookupError(StoplineError):
     """A generation named by its request id cannot be answered for."""
 
 
-class UnknownRequest(RequestLookupError):
+class _RefusedId(RequestLookupError):
+    """Refused for what the request id names (or does not): the message says so."""
+
+    template: ClassVar[str]
+
+    def __init__(self, request_id: str):
+        super().__init__(self.template.format(request_id=request_id))
+        self.request_id = request_id
+
+
+class UnknownRequest(_RefusedId):
     """No live or remembered request has this id."""
 
     code = ErrorCode.UNKNOWN_REQUEST
     status = HTTPStatus.NOT_FOUND
-
-    def __init__(self, request_id: str):
-        super().__init__(f"no generation has id {request_id!r}")
-        self.request_id = request_id
+    template = "no generation has id {request_id!r}"
 
 
-class InvalidCancelToken(RequestLookupError):
+class InvalidCancelToken(_RefusedId):
     """The token is missing or is not the request's."""
 
     code = ErrorCode.INVALID_CANCEL_TOKEN
     status = HTTPStatus.FORBIDDEN
-
-    def __init__(self, request_id: str):
-        super().__init__(f"the token is not the cancel token of {request_id!r}")
-        self.request_id = request_id
+    template = "the token is not the cancel token of {request_id!r}"
 
 
 class StoreUnavailable(RequestLookupError):

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import ClassVar, Protocol, TypeGuard
+from typing import ClassVar, TypeGuard
 
 from .errors import StoplineError
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
@@ -240,32 +240,26 @@ def exit_outcome(exit: Enum) -> tuple[Outcome, Reason | ErrorCode | None]:
     return EXIT_OUTCOMES[exit.name]
 
 
-class ExitReport(Protocol):
-    """What the engine reports once a generation's native loop has exited
-    (``stopline.engine.GenerationResult``), as far as the protocol reads it:
-    the way out it took, and counts. Timestamps are CLOCK_MONOTONIC ns; 0 means never."""
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """What the engine reports once a generation's native loop has exited: which way
+    out it took (``exit``, a ``_core.ExitKind``), its counts, and its CLOCK_MONOTONIC
+    timestamps in ns (0: never). The fields are the native ``LoopResult``'s, one for one
+    (``stopline.engine`` copies them over); what they mean to a client is decided here."""
 
-    # Read-only properties, as a frozen dataclass provides them.
-    @property
-    def exit(self) -> Enum: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def prompt_tokens_reused(self) -> int: ...
-    @property
-    def prompt_tokens_evaluated(self) -> int: ...
-    @property
-    def tokens_generated(self) -> int: ...
-    @property
-    def tokens_after_cancel(self) -> int: ...
-    @property
-    def first_token_ns(self) -> int: ...
-    @property
-    def end_ns(self) -> int: ...
-    @property
-    def longest_prefill_node_ns(self) -> int: ...
-    @property
-    def longest_decode_node_ns(self) -> int: ...
+    exit: Enum
+    prompt_tokens: int
+    prompt_tokens_reused: int
+    prompt_tokens_evaluated: int
+    tokens_generated: int
+    tokens_after_cancel: int
+    start_ns: int
+    first_token_ns: int
+    cancel_observed_ns: int
+    end_ns: int
+    text_kept_bytes: int
+    longest_prefill_node_ns: int
+    longest_decode_node_ns: int
 
 
 @dataclass(eq=False)
@@ -789,7 +783,7 @@ class Connection:
             return []
         return [Send(frame, request)]
 
-    def finished(self, request: Request, result: ExitReport) -> list[Action]:
+    def finished(self, request: Request, result: GenerationResult) -> list[Action]:
         """The native loop of ``request`` exited, and ``result`` is what it reported.
 
         This is the one place a loop's way out becomes an outcome and a reason. A

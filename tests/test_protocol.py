@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +18,7 @@ from stopline.protocol import (
     Connection,
     Ended,
     Ending,
+    GenerationResult,
     Limits,
     Phase,
     Send,
@@ -208,6 +209,12 @@ def test_tokens_wasted_counts_only_unfinished_work():
         Ending(Outcome.CANCELLED, Reason.USER_CANCELLED, prompt_tokens_evaluated=10, tokens_generated=5).tokens_wasted
         == 15
     )
+
+
+def test_the_engines_report_has_the_native_loops_fields_one_for_one():
+    from stopline._core import LoopResult
+
+    assert tuple(f.name for f in fields(GenerationResult)) == LoopResult.FIELDS
 
 
 def test_every_way_out_of_the_native_loop_has_an_outcome():
