@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 
 import pytest
@@ -64,6 +63,8 @@ def test_an_error_that_answers_a_client_carries_its_code_and_status_as_attribute
 
 
 def _fail_while_serving(monkeypatch, error: BaseException) -> None:
+    # The logs go to the tests' own capture (configured once for the session), not to stdout.
+    monkeypatch.setattr(cli, "configure_logging", lambda level, log_format: "json")
     monkeypatch.setattr(cli, "bind_ports", lambda settings: (None, None))
 
     async def serve(settings, sock, http_sock):
@@ -72,17 +73,17 @@ def _fail_while_serving(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(cli, "serve", serve)
 
 
-def test_a_startup_bug_shows_its_traceback(monkeypatch, capsys):
+def test_a_startup_bug_shows_its_traceback(monkeypatch, logs):
     _fail_while_serving(monkeypatch, ValueError("a bug, not a setting"))
-    assert cli.main(["--port", "0", "--log-format", "json"]) == 1
-    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if "startup_failed" in line]
+    assert cli.main(["--port", "0"]) == 1
+    [record] = logs.records("startup_failed")
     assert record["error"] == "ValueError: a bug, not a setting"
     assert "Traceback" in record["exception"]
 
 
-def test_an_expected_startup_error_is_one_line_without_a_traceback(monkeypatch, capsys):
+def test_an_expected_startup_error_is_one_line_without_a_traceback(monkeypatch, logs):
     _fail_while_serving(monkeypatch, errors.SettingError("context_length 9999 exceeds the model's limit of 2048"))
-    assert cli.main(["--port", "0", "--log-format", "json"]) == 1
-    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if "startup_failed" in line]
+    assert cli.main(["--port", "0"]) == 1
+    [record] = logs.records("startup_failed")
     assert record["error"] == "context_length 9999 exceeds the model's limit of 2048"
     assert "exception" not in record
