@@ -576,7 +576,9 @@ each from one run of `python -m bench` (its command at the top of the section). 
   inside an evaluation by its step hook;
 - **ours_llama**: the same loop and server on its second engine, today's llama.cpp behind Stopline's
   own shim (`--engine llama.cpp`), stopped inside an evaluation by llama.cpp's abort callback; one
-  llama.cpp context per slot;
+  llama.cpp context per slot (`--batching per_slot`, the default);
+- **ours_llama_shared**: the same with `--batching shared`: the slots are the sequences of one
+  llama.cpp context, and every step is one batch of every running generation's next tokens;
 - **ours_between_steps**: the same loop and server with the in-step abort switched off
   (`--abort-mode between_steps`): it stops only between evaluations, so it evaluates prompts one
   token at a time to keep a stop within about one decode step;

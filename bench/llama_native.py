@@ -2,10 +2,11 @@
 against llama-server's.
 
 * The abort storm: greedy generations cancelled at random moments, 1,000 times
-  on one slot, then 1,000 times spread over 4 slots running at once (each slot
-  is its own llama.cpp context, so 4 threads). After every generation the
+  on one slot, then 1,000 times spread over 4 slots running at once (the 4
+  sequences of one llama.cpp context, whose running generations share each
+  step, as the server's slots do). After every generation the
   slot's KV cache must hold exactly the positions the loop's record says it
-  holds (``LlamaContext.kv_positions == Slot.n_held``), and every run that
+  holds (``LlamaSequence.kv_positions == Slot.n_held``), and every run that
   escaped its cancel, and a final one per slot, must give a fresh slot's
   tokens. It runs in a child process, so that a crash is counted, not fatal,
   and a generation that never returns is counted as a hang.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from stopline._core import Generation
 from stopline.engine import Engine, EngineName, SamplingParams, sampling_args
+from stopline.vocabulary import Batching
 
 from .native import count_outcome, greedy_args, storm_prompt
 
@@ -59,9 +61,10 @@ def load(model: Path | None, threads: int = 1) -> Engine:
 # The abort storm -------------------------------------------------------------------------
 
 
-def _storm_lane(engine: Engine, prompt: list[int], cycles: int, seed: int, counts: dict, lock: threading.Lock) -> None:
-    """``cycles`` cancels at random moments on a slot of its own; results added to ``counts``."""
-    slot = engine.open_slot()
+def _storm_lane(
+    engine: Engine, slot, prompt: list[int], cycles: int, seed: int, counts: dict, lock: threading.Lock
+) -> None:
+    """``cycles`` cancels at random moments on ``slot``; results added to ``counts``."""
     rng = random.Random(seed)
 
     def generation() -> Generation:
@@ -136,10 +139,10 @@ def storm(model: Path | None, cycles: int, streams: int, seed: int = 0) -> dict:
     lanes = [
         threading.Thread(
             target=_storm_lane,
-            args=(engine, prompt, cycles // streams + (i < cycles % streams), seed + i, counts, lock),
+            args=(engine, slot, prompt, cycles // streams + (i < cycles % streams), seed + i, counts, lock),
             daemon=True,
         )
-        for i in range(streams)
+        for i, slot in enumerate(engine.open_slots(streams, Batching.SHARED))
     ]
     for lane in lanes:
         lane.start()

@@ -29,7 +29,7 @@ from stopline.app import StoplineServer
 from stopline.engine import Engine
 from stopline.observability import configure_logging
 from stopline.settings import Settings
-from stopline.vocabulary import AbortMode, EngineName
+from stopline.vocabulary import AbortMode, Batching, EngineName
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ServedEngine:
 
     kind: EngineName
     abort_mode: AbortMode
+    batching: Batching = Batching.PER_SLOT
 
 
 ENGINES = {
@@ -45,6 +46,7 @@ ENGINES = {
     "ours_between_steps": ServedEngine(EngineName.CTRANSFORMERS, AbortMode.BETWEEN_STEPS),
     "baseline": ServedEngine(EngineName.CTRANSFORMERS, AbortMode.IN_STEP),
     "ours_llama": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP),
+    "ours_llama_shared": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP, Batching.SHARED),
     "ours_llama_between_steps": ServedEngine(EngineName.LLAMA_CPP, AbortMode.BETWEEN_STEPS),
 }
 
@@ -102,6 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
             host="127.0.0.1",
             port=0,
             workers=args.workers,
+            batching=str(served.batching),
             default_timeout_s=3600,
             default_ttft_timeout_s=3600,
             redis_url=args.redis_url,

@@ -40,12 +40,10 @@ typedef struct {
     bool (*llm_is_eos_token)(ct_llm *llm, int token);
     int (*llm_vocab_size)(ct_llm *llm);
     int (*llm_context_length)(ct_llm *llm);
-    const char *(*llm_architecture)(ct_llm *llm);
     bool (*llm_batch_eval)(ct_llm *llm, const int *tokens, int n_tokens, int n_past,
                            int batch_size, int threads);
     int (*llm_sample)(ct_llm *llm, const int *last_tokens, int n_last, int top_k,
                       float top_p, float temperature, float repetition_penalty, int seed);
-    void (*llm_reset)(ct_llm *llm);
     float *(*llm_logits_data)(ct_llm *llm);
     int (*llm_logits_size)(ct_llm *llm);
 } ct_api;
@@ -75,10 +73,8 @@ static int ct_api_open(ct_api *api, const char *path, char *err, size_t err_size
     CT_RESOLVE(llm_is_eos_token, "ctransformers_llm_is_eos_token")
     CT_RESOLVE(llm_vocab_size, "ctransformers_llm_vocab_size")
     CT_RESOLVE(llm_context_length, "ctransformers_llm_context_length")
-    CT_RESOLVE(llm_architecture, "ctransformers_llm_architecture")
     CT_RESOLVE(llm_batch_eval, "ctransformers_llm_batch_eval")
     CT_RESOLVE(llm_sample, "ctransformers_llm_sample")
-    CT_RESOLVE(llm_reset, "ctransformers_llm_reset")
     CT_RESOLVE(llm_logits_data, "ctransformers_llm_logits_data")
     CT_RESOLVE(llm_logits_size, "ctransformers_llm_logits_size")
 #undef CT_RESOLVE

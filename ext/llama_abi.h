@@ -23,21 +23,23 @@
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
 #define SLL_SDIST_VERSION "0.3.36"
-#define SLL_ABI_VERSION 2
+#define SLL_ABI_VERSION 3
 
-/* The largest batch one sll_decode() takes (the context's n_batch). */
+/* The largest batch one evaluation takes (the context's n_batch), and the
+ * most sequences one context holds. */
 #define SLL_MAX_BATCH 512
+#define SLL_MAX_SEQUENCES 64
 
 typedef struct sll_model sll_model;        /* a loaded model and its vocabulary */
-typedef struct sll_context sll_context;    /* one context: its KV cache, one sequence */
+typedef struct sll_context sll_context;    /* one context: one KV cache, several sequences */
 typedef struct sll_sampler sll_sampler;    /* one generation's sampler chain */
 
 /* Called by the CPU backend after every graph node, on the thread that called
  * sll_decode(); a true return ends the evaluation (sll_decode returns SLL_ABORTED). */
 typedef bool (*sll_abort_fn)(void *data);
 
-/* sll_decode()'s results: llama_decode()'s codes, plus the shim's own refusal
- * of a batch that would reach one of llama.cpp's asserts. */
+/* sll_batch_decode()'s results: llama_decode()'s codes, plus the shim's own
+ * refusal of a batch that would reach one of llama.cpp's asserts. */
 enum {
     SLL_OK = 0,
     SLL_NO_KV_SLOT = 1,
@@ -79,26 +81,33 @@ typedef struct {
     int32_t (*bos)(const sll_model *model);
     int32_t (*eos)(const sll_model *model);
     int (*add_bos)(const sll_model *model);
-    /* Contexts. */
-    sll_context *(*context_new)(sll_model *model, int32_t n_ctx, int32_t n_batch, int32_t n_threads,
-                                char *err, size_t err_size);
+    /* Contexts: n_seq sequences (0..n_seq-1) of up to n_ctx_seq positions each,
+     * in one pool of KV cells. Not thread-safe: one thread at a time calls a context. */
+    sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
+                                int32_t n_seq, char *err, size_t err_size);
     void (*context_free)(sll_context *ctx);
-    int32_t (*context_n_ctx)(const sll_context *ctx);
+    int32_t (*context_n_ctx)(const sll_context *ctx);  /* n_ctx_seq */
     void (*set_abort)(sll_context *ctx, sll_abort_fn fn, void *data);
     void (*set_threads)(sll_context *ctx, int32_t n_threads);
-    /* Evaluate tokens[0..n) at positions pos0.., logits for the last one only
-     * when want_logits. Returns an SLL_* code. */
-    int32_t (*decode)(sll_context *ctx, const int32_t *tokens, int32_t n, int32_t pos0, int want_logits);
-    /* The highest position the KV cache holds (-1: none), and dropping every position from p0 on. */
-    int32_t (*pos_max)(sll_context *ctx);
-    int (*truncate)(sll_context *ctx, int32_t p0);
-    const float *(*logits)(sll_context *ctx);
-    /* Samplers. sample() draws from the last evaluation's logits and records the token.
+    /* A sequence's highest position in the cache (-1: none), and dropping its positions from p0 on. */
+    int32_t (*pos_max)(sll_context *ctx, int32_t seq);
+    int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0);
+    /* One evaluation of several sequences: clear, add each sequence's next
+     * tokens[0..n) at positions pos0.. (logits for the last one only when
+     * want_logits; returns its index in the batch, or SLL_REFUSED), then
+     * decode (an SLL_* code). */
+    void (*batch_clear)(sll_context *ctx);
+    int32_t (*batch_add)(sll_context *ctx, int32_t seq, const int32_t *tokens, int32_t n, int32_t pos0,
+                         int want_logits);
+    int32_t (*batch_decode)(sll_context *ctx);
+    /* The logits of the last evaluation's token at batch index `index` (NULL: none asked for). */
+    const float *(*logits)(sll_context *ctx, int32_t index);
+    /* Samplers. sample() draws from `logits` (one per vocabulary id) and records the token.
      * sampler_new() returns NULL when it cannot allocate, or when llama.cpp cannot parse the grammar. */
     sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings);
     void (*sampler_free)(sll_sampler *sampler);
     void (*sampler_accept)(sll_sampler *sampler, int32_t token);
-    int32_t (*sample)(sll_sampler *sampler, sll_context *ctx);
+    int32_t (*sample)(sll_sampler *sampler, const float *logits);
 } sll_api;
 
 /* Resolve every function from the shim at `path`, opened RTLD_LOCAL.
@@ -143,9 +152,11 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
     SLL_RESOLVE(context_n_ctx)
     SLL_RESOLVE(set_abort)
     SLL_RESOLVE(set_threads)
-    SLL_RESOLVE(decode)
     SLL_RESOLVE(pos_max)
     SLL_RESOLVE(truncate)
+    SLL_RESOLVE(batch_clear)
+    SLL_RESOLVE(batch_add)
+    SLL_RESOLVE(batch_decode)
     SLL_RESOLVE(logits)
     SLL_RESOLVE(sampler_new)
     SLL_RESOLVE(sampler_free)

@@ -23,13 +23,19 @@ struct sll_model {
 struct sll_context {
     struct llama_context *ctx;
     const sll_model *model;
+    /* The batch being built for the next sll_batch_decode(). */
     struct llama_batch batch;
     int32_t n_batch;
-    int32_t n_ctx;
+    int32_t n_seq;
+    /* The most positions one sequence may hold. */
+    int32_t n_ctx_seq;
+    /* Per sequence: whether the batch being built has its tokens already. */
+    unsigned char *in_batch;
 };
 
 struct sll_sampler {
     struct llama_sampler *chain;
+    llama_token eos;
     /* Kept out of the chain: it sees only generated tokens, and is applied to all
      * candidates only when the token drawn without it breaks it. NULL: no grammar. */
     struct llama_sampler *grammar;
@@ -131,19 +137,24 @@ SLL_EXPORT int32_t sll_eos(const sll_model *m) { return llama_vocab_eos(m->vocab
 
 SLL_EXPORT int sll_add_bos(const sll_model *m) { return llama_vocab_get_add_bos(m->vocab); }
 
-SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx, int32_t n_batch, int32_t n_threads, char *err,
-                                        size_t err_size) {
-    if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx < 2 || n_threads < 1) {
+SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
+                                        int32_t n_seq, char *err, size_t err_size) {
+    if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx_seq < 2 || n_threads < 1 || n_seq < 1 ||
+        n_seq > SLL_MAX_SEQUENCES) {
         snprintf(err, err_size, "invalid context sizes");
         return NULL;
     }
     struct llama_context_params params = llama_context_default_params();
-    params.n_ctx = (uint32_t)n_ctx;
+    params.n_ctx = (uint32_t)(n_ctx_seq * n_seq);
     /* One physical batch per call: an aborted call then leaves no finished
      * part of itself in the cache, and a prompt chunk is one evaluation. */
     params.n_batch = (uint32_t)n_batch;
     params.n_ubatch = (uint32_t)n_batch;
-    params.n_seq_max = 1;
+    params.n_seq_max = (uint32_t)n_seq;
+    /* One pool of cells for every sequence: a batch is then never split by
+     * sequence (llama.cpp splits per-sequence caches into equal shares of
+     * consecutive sequence ids), and one sequence may use what another does not. */
+    params.kv_unified = true;
     params.n_threads = n_threads;
     params.n_threads_batch = n_threads;
     params.no_perf = true;
@@ -151,19 +162,22 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx, int32_t n_b
      * conversation can resume from any prefix. */
     params.swa_full = true;
     sll_context *c = calloc(1, sizeof *c);
-    if (c == NULL) {
+    if (c == NULL || (c->in_batch = calloc((size_t)n_seq, 1)) == NULL) {
+        free(c);
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
     c->ctx = llama_init_from_model(m->model, params);
     if (c->ctx == NULL) {
         take_error(err, err_size, "llama.cpp could not create a context");
+        free(c->in_batch);
         free(c);
         return NULL;
     }
     c->model = m;
     c->n_batch = n_batch;
-    c->n_ctx = (int32_t)llama_n_ctx(c->ctx);
+    c->n_seq = n_seq;
+    c->n_ctx_seq = n_ctx_seq;
     c->batch = llama_batch_init(n_batch, 0, 1);
     return c;
 }
@@ -173,10 +187,11 @@ SLL_EXPORT void sll_context_free(sll_context *c) {
         return;
     llama_batch_free(c->batch);
     llama_free(c->ctx);
+    free(c->in_batch);
     free(c);
 }
 
-SLL_EXPORT int32_t sll_context_n_ctx(const sll_context *c) { return c->n_ctx; }
+SLL_EXPORT int32_t sll_context_n_ctx(const sll_context *c) { return c->n_ctx_seq; }
 
 SLL_EXPORT void sll_set_abort(sll_context *c, sll_abort_fn fn, void *data) {
     llama_set_abort_callback(c->ctx, fn, data);
@@ -187,39 +202,65 @@ SLL_EXPORT void sll_set_threads(sll_context *c, int32_t n_threads) {
         llama_set_n_threads(c->ctx, n_threads, n_threads);
 }
 
-SLL_EXPORT int32_t sll_pos_max(sll_context *c) { return llama_memory_seq_pos_max(llama_get_memory(c->ctx), 0); }
-
-SLL_EXPORT int sll_truncate(sll_context *c, int32_t p0) {
-    if (p0 < 0)
-        p0 = 0;
-    return llama_memory_seq_rm(llama_get_memory(c->ctx), 0, p0, -1);
+SLL_EXPORT int32_t sll_pos_max(sll_context *c, int32_t seq) {
+    if (seq < 0 || seq >= c->n_seq)
+        return -1;
+    return llama_memory_seq_pos_max(llama_get_memory(c->ctx), seq);
 }
 
-SLL_EXPORT int32_t sll_decode(sll_context *c, const int32_t *tokens, int32_t n, int32_t pos0, int want_logits) {
-    int32_t i;
-    /* What llama.cpp asserts on, refused instead: an empty or oversized
-     * batch, a token outside the vocabulary, a gap in the positions, and a
-     * position beyond the context. */
-    if (n < 1 || n > c->n_batch || pos0 < 0 || pos0 + n > c->n_ctx)
+SLL_EXPORT int sll_truncate(sll_context *c, int32_t seq, int32_t p0) {
+    if (seq < 0 || seq >= c->n_seq)
+        return 0;
+    if (p0 < 0)
+        p0 = 0;
+    return llama_memory_seq_rm(llama_get_memory(c->ctx), seq, p0, -1);
+}
+
+SLL_EXPORT void sll_batch_clear(sll_context *c) {
+    c->batch.n_tokens = 0;
+    memset(c->in_batch, 0, (size_t)c->n_seq);
+}
+
+SLL_EXPORT int32_t sll_batch_add(sll_context *c, int32_t seq, const int32_t *tokens, int32_t n, int32_t pos0,
+                                 int want_logits) {
+    int32_t i, at = c->batch.n_tokens;
+    /* What llama.cpp asserts on, refused instead: an unknown sequence or one
+     * given twice, an empty batch or one past n_batch, a token outside the
+     * vocabulary, a gap in the positions, and a position beyond the context. */
+    if (seq < 0 || seq >= c->n_seq || c->in_batch[seq])
         return SLL_REFUSED;
-    if (pos0 != sll_pos_max(c) + 1)
+    if (n < 1 || n > c->n_batch - at || pos0 < 0 || pos0 + n > c->n_ctx_seq)
         return SLL_REFUSED;
-    for (i = 0; i < n; i++) {
+    if (pos0 != sll_pos_max(c, seq) + 1)
+        return SLL_REFUSED;
+    for (i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= c->model->n_vocab)
             return SLL_REFUSED;
-        c->batch.token[i] = tokens[i];
-        c->batch.pos[i] = pos0 + i;
-        c->batch.n_seq_id[i] = 1;
-        c->batch.seq_id[i][0] = 0;
-        c->batch.logits[i] = 0;
+    for (i = 0; i < n; i++) {
+        c->batch.token[at + i] = tokens[i];
+        c->batch.pos[at + i] = pos0 + i;
+        c->batch.n_seq_id[at + i] = 1;
+        c->batch.seq_id[at + i][0] = seq;
+        c->batch.logits[at + i] = 0;
     }
     /* Only flagged tokens go through the output projection. */
-    c->batch.logits[n - 1] = want_logits ? 1 : 0;
-    c->batch.n_tokens = n;
+    c->batch.logits[at + n - 1] = want_logits ? 1 : 0;
+    c->batch.n_tokens = at + n;
+    c->in_batch[seq] = 1;
+    return at + n - 1;
+}
+
+SLL_EXPORT int32_t sll_batch_decode(sll_context *c) {
+    if (c->batch.n_tokens == 0)
+        return SLL_REFUSED;
     return llama_decode(c->ctx, c->batch);
 }
 
-SLL_EXPORT const float *sll_logits(sll_context *c) { return llama_get_logits_ith(c->ctx, -1); }
+SLL_EXPORT const float *sll_logits(sll_context *c, int32_t index) {
+    if (index < 0 || index >= c->batch.n_tokens || !c->batch.logits[index])
+        return NULL;
+    return llama_get_logits_ith(c->ctx, index);
+}
 
 SLL_EXPORT sll_sampler *sll_sampler_new(const sll_model *m, const sll_sampling *s) {
     sll_sampler *smp = calloc(1, sizeof *smp);
@@ -227,17 +268,17 @@ SLL_EXPORT sll_sampler *sll_sampler_new(const sll_model *m, const sll_sampling *
         return NULL;
     struct llama_sampler_chain_params params = llama_sampler_chain_default_params();
     params.no_perf = true;
-    if (s->grammar != NULL) {
-        smp->n_vocab = m->n_vocab;
-        smp->candidates = malloc((size_t)m->n_vocab * sizeof *smp->candidates);
+    smp->n_vocab = m->n_vocab;
+    smp->eos = llama_vocab_eos(m->vocab);
+    smp->candidates = malloc((size_t)m->n_vocab * sizeof *smp->candidates);
+    if (s->grammar != NULL)
         smp->grammar = llama_sampler_init_grammar(m->vocab, s->grammar, "root");
-        if (smp->candidates == NULL || smp->grammar == NULL) {
-            if (smp->grammar != NULL)
-                llama_sampler_free(smp->grammar);
-            free(smp->candidates);
-            free(smp);
-            return NULL;
-        }
+    if (smp->candidates == NULL || (s->grammar != NULL && smp->grammar == NULL)) {
+        if (smp->grammar != NULL)
+            llama_sampler_free(smp->grammar);
+        free(smp->candidates);
+        free(smp);
+        return NULL;
     }
     smp->chain = llama_sampler_chain_init(params);
     if (s->repeat_penalty != 1.0f || s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f)
@@ -287,23 +328,22 @@ static int grammar_allows(sll_sampler *smp, llama_token token) {
     return single.logit != -INFINITY;
 }
 
-SLL_EXPORT int32_t sll_sample(sll_sampler *smp, sll_context *c) {
-    if (smp->grammar == NULL)
-        return llama_sampler_sample(smp->chain, c->ctx, -1);
-    const float *logits = llama_get_logits_ith(c->ctx, -1);
-    /* As llama.cpp's common sampler does: draw without the grammar, and check
-     * only that token against it; most tokens pass, and checking one token is
-     * far cheaper than masking the vocabulary. Only a token that breaks the
-     * grammar costs a second draw from the masked candidates. */
+SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits) {
     llama_token token = draw(smp, logits, 0);
-    if (!grammar_allows(smp, token)) {
-        token = draw(smp, logits, 1);
-        /* Accepting a token the grammar refuses ends the process inside
-         * llama.cpp: a grammar with no way on ends the generation instead. */
-        if (!grammar_allows(smp, token))
-            return llama_vocab_eos(c->model->vocab);
+    if (smp->grammar != NULL) {
+        /* As llama.cpp's common sampler does: draw without the grammar, and
+         * check only that token against it; most tokens pass, and checking one
+         * token is far cheaper than masking the vocabulary. Only a token that
+         * breaks the grammar costs a second draw from the masked candidates. */
+        if (!grammar_allows(smp, token)) {
+            token = draw(smp, logits, 1);
+            /* Accepting a token the grammar refuses ends the process inside
+             * llama.cpp: a grammar with no way on ends the generation instead. */
+            if (!grammar_allows(smp, token))
+                return smp->eos;
+        }
+        llama_sampler_accept(smp->grammar, token);
     }
-    llama_sampler_accept(smp->grammar, token);
     llama_sampler_accept(smp->chain, token);
     return token;
 }
@@ -328,9 +368,11 @@ static const sll_api sll_signatures __attribute__((unused)) = {
     .context_n_ctx = sll_context_n_ctx,
     .set_abort = sll_set_abort,
     .set_threads = sll_set_threads,
-    .decode = sll_decode,
     .pos_max = sll_pos_max,
     .truncate = sll_truncate,
+    .batch_clear = sll_batch_clear,
+    .batch_add = sll_batch_add,
+    .batch_decode = sll_batch_decode,
     .logits = sll_logits,
     .sampler_new = sll_sampler_new,
     .sampler_free = sll_sampler_free,

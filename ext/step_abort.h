@@ -83,9 +83,36 @@ static inline bool sl_poll_between_nodes(sl_watch *w) {
     return true;
 }
 
-/* llama.cpp's official abort callback: its CPU backend calls it after every
- * graph node, on the thread that called llama_decode(). */
-static bool sl_node_abort_callback(void *data) { return sl_poll_between_nodes((sl_watch *)data); }
+/* The most generations one llama.cpp evaluation carries (SLL_MAX_SEQUENCES). */
+#define SL_MAX_GROUP 64
+
+/* The generations one batched llama.cpp evaluation carries: it must end as
+ * soon as any of them must stop. */
+typedef struct {
+    sl_watch *members[SL_MAX_GROUP];
+    int n;
+    int aborted;
+    int64_t last_poll_ns;
+    int64_t longest_gap_ns;
+} sl_group_watch;
+
+/* llama.cpp's official abort callback, polling every member of the group
+ * passed as its data. Its CPU backend calls it after every graph node, on the
+ * thread that called llama_decode(). */
+static bool sl_group_abort_callback(void *data) {
+    sl_group_watch *g = (sl_group_watch *)data;
+    int64_t now = sl_monotonic_ns();
+    if (now - g->last_poll_ns > g->longest_gap_ns)
+        g->longest_gap_ns = now - g->last_poll_ns;
+    g->last_poll_ns = now;
+    for (int i = 0; i < g->n; i++) {
+        if (sl_check(g->members[i]) != SL_RUN) {
+            g->aborted = 1;
+            return true;
+        }
+    }
+    return false;
+}
 
 /* The hook's callback, called by every ggml worker thread between nodes. */
 static bool sl_abort_callback(void *data) {

@@ -56,7 +56,7 @@ from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .vocabulary import ErrorCode, KeyEvent, Reason, Refusal
+from .vocabulary import Batching, ErrorCode, KeyEvent, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -80,6 +80,7 @@ class StoplineServer:
             window=settings.window,
             metrics=self.metrics,
             threads=settings.threads,
+            batching=Batching(settings.batching),
         )
         self.metrics.slots.set(settings.workers)
         self.metrics.set_abort_mode(engine.abort_mode)

@@ -26,6 +26,7 @@ import random
 import select
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import TypedDict
@@ -40,7 +41,7 @@ from .errors import SettingError
 from .model_check import ModelFileError, check_model_file
 from .protocol import GenerationResult, SamplingParams
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
-from .vocabulary import AbortMode, EngineName
+from .vocabulary import AbortMode, Batching, EngineName
 
 log = structlog.get_logger("stopline")
 
@@ -186,6 +187,12 @@ class Engine:
     def open_slot(self) -> _core.Slot:
         """A new native context for this model. Close it with ``slot.close()``."""
         raise NotImplementedError
+
+    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> Sequence[_core.Slot]:
+        """``count`` slots for generations that run at the same time."""
+        if batching is not Batching.PER_SLOT:
+            raise SettingError("--batching shared needs the llama.cpp engine")
+        return [self.open_slot() for _ in range(count)]
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids for raw ``prompt`` text, or for ``messages`` through the chat template."""
@@ -380,9 +387,11 @@ class CtransformersEngine(Engine):
 
 class LlamaEngine(Engine):
     """Today's llama.cpp, through Stopline's shim (ext/llama_abi.h): one loaded
-    model, one llama.cpp context per slot, stopped inside an evaluation by
-    llama.cpp's official abort callback. Any GGUF the build knows loads as it is:
-    the model's own vocabulary tokenizes, and its chat template renders."""
+    model; a slot is one sequence of a llama.cpp context, alone in it or beside
+    the other slots opened with it (whose running generations are then evaluated
+    in one batch per step); every evaluation is stopped part-way by llama.cpp's
+    official abort callback. Any GGUF the build knows loads as it is: the model's
+    own vocabulary tokenizes, and its chat template renders."""
 
     kind = EngineName.LLAMA_CPP
 
@@ -404,8 +413,8 @@ class LlamaEngine(Engine):
             raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
         self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[AbortMode.IN_STEP]
-        probe = _core.LlamaContext(model, context_length, self._batch, threads)
-        self._probe: _core.LlamaContext | None = probe
+        probe = _core.LlamaContext(model, context_length, self._batch, threads).sequences[0]
+        self._probe: _core.LlamaSequence | None = probe
         self.context_length = probe.context_length
         self.vocab_size = model.vocab_size
         self.tokenizer = LlamaTokenizer(model)
@@ -413,7 +422,7 @@ class LlamaEngine(Engine):
         self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
         self.trim_output = False
 
-    def _prove_abort(self, probe: _core.LlamaContext, wanted: AbortMode) -> AbortMode:
+    def _prove_abort(self, probe: _core.LlamaSequence, wanted: AbortMode) -> AbortMode:
         """Abort a real evaluation through the callback before relying on it."""
         if wanted is AbortMode.BETWEEN_STEPS:
             return wanted
@@ -459,11 +468,19 @@ class LlamaEngine(Engine):
             raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", engine=EngineName.LLAMA_CPP) from None
         return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
 
-    def open_slot(self) -> _core.LlamaContext:
+    def open_slot(self) -> _core.LlamaSequence:
         if self._probe is not None:
             slot, self._probe = self._probe, None
             return slot
-        return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads)
+        return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads).sequences[0]
+
+    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> Sequence[_core.LlamaSequence]:
+        """``count`` contexts of one sequence each, or with ``Batching.SHARED`` the
+        ``count`` sequences of one context."""
+        if batching is Batching.PER_SLOT:
+            return [self.open_slot() for _ in range(count)]
+        context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count)
+        return list(context.sequences)
 
 
 def _with_file_template(engine: CtransformersEngine, fields: dict | None) -> CtransformersEngine:

@@ -31,6 +31,7 @@ from .engine import Engine, GenerationResult, Stream
 from .errors import Busy
 from .observability import log
 from .protocol import Request
+from .vocabulary import Batching
 
 
 class Sink(Protocol):
@@ -114,7 +115,14 @@ LOOK_MAX_S = 2.0
 
 class Scheduler:
     def __init__(
-        self, engine: Engine, workers: int, max_queue: int, window: int = 64, metrics=None, threads: int | None = None
+        self,
+        engine: Engine,
+        workers: int,
+        max_queue: int,
+        window: int = 64,
+        metrics=None,
+        threads: int | None = None,
+        batching: Batching = Batching.PER_SLOT,
     ):
         if workers < 1 or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
@@ -127,8 +135,11 @@ class Scheduler:
         self.window = window
         self.max_queue = max_queue
         self.metrics = metrics
+        # Whether the running generations share each evaluation (the llama.cpp engine's
+        # continuous batching) or evaluate each on its own context.
+        self.batching = batching
         # Free slots, least recently used first.
-        self._free = deque(engine.open_slot() for _ in range(workers))
+        self._free = deque(engine.open_slots(workers, batching))
         self._slots = list(self._free)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stopline-slot")
         self._queue: deque[tuple[Request, Sink]] = deque()
@@ -153,10 +164,13 @@ class Scheduler:
         """Threads for each of ``running`` generations: the cores other processes leave,
         shared equally. So a user alone gets every idle core, and users together get a
         share each; more threads than cores make ggml's spinning threads slow every
-        generation down."""
+        generation down. Generations evaluated together in one batch per step share
+        the step, so the step gets every core left."""
         if self.threads is not None:
             return self.threads
         cores = max(1, self.engine.threads - round(self.machine.others()))
+        if self.batching is Batching.SHARED:
+            return cores
         return max(1, cores // max(1, running))
 
     def _share_cores(self) -> None:

@@ -22,7 +22,7 @@ from .observability import LOG_FORMATS
 from .origin import OriginPolicy
 from .protocol import MAX_SECONDS, Limits
 from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
-from .vocabulary import AbortMode, EngineName
+from .vocabulary import AbortMode, Batching, EngineName
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Settings:
     # Prompt tokens per evaluation; None: what suits the abort mode in force.
     prefill_chunk: int | None = None
     workers: int = 2
+    # How the llama.cpp engine evaluates the generations that run at once.
+    batching: str = str(Batching.PER_SLOT)
     # Compute threads per generation; None: the cores, shared among the generations
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
@@ -300,6 +302,14 @@ FLAGS = [
         "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
     ),
     Flag("--workers", "workers", POSITIVE, "generation slots: users served at once"),
+    Flag(
+        "--batching",
+        "batching",
+        one_of([str(b) for b in Batching]),
+        "llama.cpp engine only. per_slot: each running generation is evaluated on a context of its own; "
+        "shared: the slots are sequences of one context, and every step is one batch of every running "
+        "generation's next tokens (continuous batching; docs/engine.md compares the two)",
+    ),
     Flag(
         "--threads",
         "threads",

@@ -53,6 +53,16 @@ class AbortMode(StrEnum):
     BETWEEN_STEPS = "between_steps"
 
 
+class Batching(StrEnum):
+    """How the llama.cpp engine evaluates generations that run at once: ``--batching``."""
+
+    # Each slot is a context of its own, and each generation's evaluations its own.
+    PER_SLOT = "per_slot"
+    # The slots are the sequences of one context, and every step is one batch
+    # carrying each running generation's next tokens (continuous batching).
+    SHARED = "shared"
+
+
 class EngineName(StrEnum):
     """Which engine computes the model: ``--engine``, ``/healthz``, the ``engine`` label."""
 

@@ -14,7 +14,7 @@ import time
 from enum import Enum
 
 from stopline.protocol import GenerationResult, SamplingParams
-from stopline.vocabulary import AbortMode, EngineName
+from stopline.vocabulary import AbortMode, Batching, EngineName
 
 
 class Exit(Enum):
@@ -133,6 +133,10 @@ class FakeEngine:
         slot = FakeSlot()
         self.slots.append(slot)
         return slot
+
+    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> list[FakeSlot]:
+        assert batching is Batching.PER_SLOT
+        return [self.open_slot() for _ in range(count)]
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages or [])

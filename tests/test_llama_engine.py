@@ -21,13 +21,13 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import UNIT, http_get, make_generation, started_running
+from conftest import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 from stopline import _core
 from stopline.engine import Engine, SamplingParams
 from stopline.llama_build import cached_library
 from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.protocol import exit_outcome
-from stopline.vocabulary import AbortMode, EngineName
+from stopline.vocabulary import AbortMode, Batching, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
     http,
     test_closing_an_openai_stream_stops_the_model,
@@ -242,6 +242,158 @@ def test_a_thousand_aborts_at_random_moments(engine):
     assert len(tallies) == 2 and sum(t["cancelled"] for t in tallies) >= 900, tallies
     assert sum(t["mismatched_state"] for t in tallies) == 0, tallies
     assert sum(t["changed_continuations"] for t in tallies) == 0, tallies
+
+
+STORIES = [
+    [{"role": "user", "content": f"Tell me a short story about {thing}."}]
+    for thing in ("a dragon", "bread", "the sea", "a lighthouse keeper")
+]
+
+
+def run_together(generations: list) -> list[_core.LoopResult]:
+    """Run ``generations`` at once, each on its own thread, as the scheduler does."""
+    workers = [threading.Thread(target=g.run) for g in generations]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120 * UNIT)
+        assert not worker.is_alive(), "a loop hung"
+    return [g.result for g in generations]
+
+
+def test_generations_on_one_context_share_its_steps(engine):
+    prompts = [engine.encode(messages=story) for story in STORIES]
+    slots = engine.open_slots(4, Batching.SHARED)
+    alone = engine.open_slot()
+    try:
+        expected = [greedy(engine, alone, prompt, max_tokens=32)[0] for prompt in prompts]
+        generations = [
+            make_generation(slot, prompt, max_tokens=32, prefill_chunk=engine.prefill_chunk, **GREEDY)
+            for slot, prompt in zip(slots, prompts, strict=True)
+        ]
+        results = run_together(generations)
+        assert [r.exit for r in results] == [_core.ExitKind.MAX_TOKENS] * 4
+        # Each computed what it computes alone, token for token.
+        assert [g.take() for g in generations] == expected
+        steps, carried, reruns = slots[0].owner.step_counts
+        # 4 prompts of one chunk and 31 evaluated tokens each, mostly in shared steps.
+        assert carried == 4 * 32 and steps < carried / 2 and reruns == 0
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in (*slots, alone):
+            slot.close()
+
+
+def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
+    prompts = [engine.encode(messages=story) for story in STORIES]
+    slots = engine.open_slots(4, Batching.SHARED)
+    alone = engine.open_slot()
+    try:
+        expected = [greedy(engine, alone, prompt, max_tokens=48)[0] for prompt in prompts[1:]]
+        generations = [
+            make_generation(slot, prompt, max_tokens=48, prefill_chunk=engine.prefill_chunk, **GREEDY)
+            for slot, prompt in zip(slots, prompts, strict=True)
+        ]
+        workers = [threading.Thread(target=g.run) for g in generations]
+        for worker in workers:
+            worker.start()
+        started_running(generations[0])
+        deadline = time.monotonic() + 60 * UNIT
+        while len(generations[0].token_ids()) < 8:
+            assert time.monotonic() < deadline and not generations[0].finished
+            time.sleep(0.001)
+        generations[0].cancel()
+        for worker in workers:
+            worker.join(120 * UNIT)
+            assert not worker.is_alive()
+        cancelled = generations[0].result
+        assert cancelled.exit is _core.ExitKind.CANCELLED and cancelled.tokens_after_cancel == 0
+        # The others finished, and computed exactly what they compute alone.
+        assert [g.result.exit for g in generations[1:]] == [_core.ExitKind.MAX_TOKENS] * 3
+        assert [g.take() for g in generations[1:]] == expected
+        # A stop inside a shared step re-runs that step once for the others.
+        assert slots[0].owner.step_counts[2] <= 1
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in (*slots, alone):
+            slot.close()
+
+
+async def test_a_server_with_shared_steps_stops_one_request_and_finishes_the_other(engine, logs):
+    async with running_server(engine, workers=2, batching="shared") as server:
+        async with client_for(server) as client:
+            await client.generate("kept", messages=LONG_ANSWER, max_tokens=48, temperature=0)
+            await client.generate("stopped", messages=LONG_ANSWER, max_tokens=500, temperature=0)
+            await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "stopped" and f["index"] == 4)
+            await client.send({"type": "cancel", "id": "stopped"})
+            cancelled = await client.terminal("stopped")
+            kept = await client.terminal("kept")
+        steps, carried, _ = server.scheduler._slots[0].owner.step_counts
+    assert cancelled["type"] == "cancelled" and cancelled["tokens_after_cancel"] == 0
+    assert kept["type"] == "done" and kept["tokens_generated"] == 48
+    assert len(client.tokens("kept")) == 48
+    # The two generations shared their steps.
+    assert carried > steps
+
+
+def batched_aborts(engine: Engine, slot, count: int, seed: int) -> dict:
+    """Cancel ``count`` generations on ``slot`` at random moments while the other
+    sequences of its context do the same, and check after each that the cache holds
+    exactly the positions the slot's record says."""
+    rng = random.Random(seed)
+    prompt = engine.encode(messages=[{"role": "user", "content": "Tell me about bread. " * 20}])
+    tally = {"cancelled": 0, "finished": 0, "failed": 0, "mismatched_state": 0}
+    for n in range(count):
+        head = prompt[: rng.randrange(2, len(prompt) + 1)]
+        if rng.random() < 0.5:
+            slot.forget()
+        generation = make_generation(slot, head, max_tokens=64, prefill_chunk=engine.prefill_chunk, seed=n)
+        worker = threading.Thread(target=generation.run)
+        worker.start()
+        time.sleep(rng.uniform(0, 0.2) * UNIT)
+        generation.cancel()
+        worker.join(60 * UNIT)
+        assert not worker.is_alive(), "the loop hung after a cancel"
+        exit = generation.result.exit
+        tally["cancelled" if exit is _core.ExitKind.CANCELLED else "finished"] += 1
+        tally["failed"] += exit is _core.ExitKind.EVAL_FAILED
+        tally["mismatched_state"] += slot.kv_positions != slot.n_held
+    return tally
+
+
+@pytest.mark.parametrize("count", [12, pytest.param(250, marks=pytest.mark.slow)])
+def test_aborts_at_random_moments_in_shared_steps(engine, count):
+    # count aborts on each of 4 sequences of one context: 1,000 in the slow tier.
+    slots = engine.open_slots(4, Batching.SHARED)
+    alone = engine.open_slot()
+    prompt = engine.encode(messages=FRANCE)
+    try:
+        tallies: list[dict] = []
+        workers = [
+            threading.Thread(target=lambda s=s, i=i: tallies.append(batched_aborts(engine, s, count, i)))
+            for i, s in enumerate(slots)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert len(tallies) == 4, "a thread failed"
+        assert sum(t["mismatched_state"] + t["failed"] for t in tallies) == 0, tallies
+        assert sum(t["cancelled"] for t in tallies) >= 3 * count, tallies
+        # After the storm, every sequence resumes from what its cache holds, and
+        # from an emptied cache generates exactly what a fresh context does. (A
+        # resumed prompt is evaluated in batches of other shapes, which llama.cpp's
+        # kernels sum differently: random_aborts compares it with a control.)
+        expected, _ = greedy(engine, alone, prompt)
+        for slot in slots:
+            _, resumed = greedy(engine, slot, prompt)
+            assert resumed.exit in (_core.ExitKind.EOS, _core.ExitKind.MAX_TOKENS)
+            assert slot.kv_positions == slot.n_held
+            slot.forget()
+            assert greedy(engine, slot, prompt)[0] == expected
+    finally:
+        for slot in (*slots, alone):
+            slot.close()
 
 
 def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):

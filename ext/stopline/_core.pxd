@@ -8,8 +8,8 @@ cpdef enum GenerationState:
     FINISHED
 
 cpdef enum ExitKind:
-    # Why the token loop ended. Only C-level facts: a cancel's reason lives in
-    # Python (stopline.engine.Stream), which maps each kind to the vocabulary.
+    # Why the token loop ended. Only C-level facts: a cancel's reason lives with
+    # its request in stopline.protocol, which maps each kind to the vocabulary.
     NONE = 0                # the loop has not ended
     EOS
     MAX_TOKENS

@@ -5,10 +5,15 @@ A :class:`Slot` is one KV cache with the record of which tokens it holds, so a
 generation whose prompt starts with them evaluates only the rest. Its two
 kinds are the engines: a :class:`Context` is one ctransformers model instance
 (the weights memory-mapped and so shared between contexts of the same file),
-and a :class:`LlamaContext` is one llama.cpp context over a
-:class:`LlamaModel`, whose weights all its contexts share. The loop below is
-the same for both; only evaluating, sampling and turning a token into bytes
-differ, in three small functions that switch on the engine.
+and a :class:`LlamaSequence` is one sequence of a llama.cpp
+:class:`LlamaContext`, whose KV cache holds several. The loop below is the
+same for both; only evaluating, sampling and turning a token into bytes
+differ, in small functions that switch on the engine.
+
+The generations running on one llama.cpp context share its evaluations: each
+step is one batch carrying every running generation's next tokens (a prompt
+chunk, or the token it just sampled). The generations' own threads take turns
+leading a step; the others wait for it, then sample in parallel.
 
 A :class:`Generation` runs once on a context. Its loop runs with the GIL
 released and checks the stop conditions (the cancel flag, an atomic acquire
@@ -25,7 +30,7 @@ reader pauses the loop instead of growing a buffer.
 
 The loop knows only whether it must stop, never why a caller wanted it to:
 :meth:`Generation.cancel` takes no reason, and a :class:`LoopResult` reports an
-:class:`ExitKind`. ``stopline.engine`` maps that to the service's vocabulary.
+:class:`ExitKind`. ``stopline.protocol`` maps that to the service's vocabulary.
 
 C declarations come from three .pxd files, cimported qualified: ``ct`` (the
 ctransformers C API, ext/ctransformers_abi.h), ``ll`` (Stopline's shim over
@@ -244,7 +249,6 @@ cdef class Slot:
 cdef class Context(Slot):
     """One ctransformers model instance."""
     cdef ct.ct_llm *llm
-    cdef readonly str architecture
 
     def __cinit__(self, str model_path, str model_type="llama", int context_length=2048):
         cdef ct.ct_config config
@@ -272,7 +276,6 @@ cdef class Context(Slot):
         self.max_batch = ct.CT_MAX_BATCH
         self.context_length = API.llm_context_length(self.llm)
         self.vocab_size = API.llm_vocab_size(self.llm)
-        self.architecture = (<bytes>API.llm_architecture(self.llm)).decode("utf-8", "replace")
         cdef int token, longest = 0, size
         for token in range(self.vocab_size):
             size = <int>strlen(API.llm_detokenize(self.llm, token))
@@ -470,113 +473,25 @@ cdef class LlamaModel:
         self.close()
 
 
-cdef class LlamaContext(Slot):
-    """One llama.cpp context over a :class:`LlamaModel`: its own KV cache, one
-    sequence. ``batch`` is the most tokens one evaluation takes (the prefill chunk)."""
-    cdef ll.sll_context *ctx
-    cdef readonly LlamaModel model
+cdef struct Batcher
 
-    def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1):
-        cdef char err[512]
-        model._check_open()
-        if not 1 <= batch <= ll.SLL_MAX_BATCH:
-            raise ValueError(f"batch is 1 to {ll.SLL_MAX_BATCH}")
-        if context_length < 2 or threads < 1:
-            raise ValueError("context_length must be at least 2 and threads positive")
-        err[0] = 0
-        with nogil:
-            self.ctx = LLAMA.context_new(model.model, context_length, batch, threads, err, sizeof(err))
-        if self.ctx is NULL:
-            raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
-        self.model = model
-        self.engine = Engine.LLAMA_CPP
-        self.max_batch = batch
-        self.context_length = LLAMA.context_n_ctx(self.ctx)
-        self.vocab_size = model.vocab_size
-        self.max_token_bytes = model.max_token_bytes
-        self.allocate_record()
 
-    @property
-    def kv_positions(self):
-        """How many positions the KV cache holds, as llama.cpp reports them."""
-        self._check_open()
-        return LLAMA.pos_max(self.ctx) + 1
-
-    def forget(self):
-        self.n_held = 0
-        if self.ctx is not NULL:
-            LLAMA.truncate(self.ctx, 0)
-
-    def probe_step_abort(self, tokens):
-        """Prove the abort callback on a real evaluation of ``tokens`` (two or
-        more): with the stop flag set, the evaluation must end part-way and
-        leave nothing in the cache; with it clear, it must complete.
-
-        Returns ``(aborts, True)``: a llama.cpp evaluation computes the output
-        projection only for the tokens it is asked for, so there is nothing to trim."""
-        cdef sl.sl_watch watch
-        cdef int n = len(tokens), i
-        cdef int32_t first, second, left
-        cdef int32_t *ids
-        self._check_open()
-        if self.busy:
-            raise EngineError("the context is busy")
-        if not 2 <= n <= self.max_batch:
-            raise ValueError(f"the probe evaluates 2 to {self.max_batch} tokens at once")
-        ids = <int32_t *>malloc(n * sizeof(int32_t))
-        if ids is NULL:
-            raise c_failure(MemoryError, "cannot allocate the token ids")
-        for i in range(n):
-            ids[i] = tokens[i]
-        self.n_held = 0
-        memset(&watch, 0, sizeof(watch))
-        try:
-            with nogil:
-                LLAMA.truncate(self.ctx, 0)
-                LLAMA.set_abort(self.ctx, sl.sl_node_abort_callback, &watch)
-                watch.cancel_flag = 1
-                watch.last_poll_ns = sl.sl_monotonic_ns()
-                first = LLAMA.decode(self.ctx, ids, n, 0, 1)
-                left = LLAMA.pos_max(self.ctx)
-                LLAMA.truncate(self.ctx, 0)
-                watch.cancel_flag = 0
-                watch.aborted = 0
-                second = LLAMA.decode(self.ctx, ids, n, 0, 1)
-                LLAMA.set_abort(self.ctx, NULL, NULL)
-                LLAMA.truncate(self.ctx, 0)
-            return first == ll.SLL_ABORTED and left == -1 and second == ll.SLL_OK, True
-        finally:
-            free(ids)
-
-    def tokenize(self, str text):
-        return self.model.tokenize(text)
-
-    def token_bytes(self, int token):
-        return self.model.token_bytes(token)
-
-    cdef const float *logits_pointer(self) noexcept:
-        return LLAMA.logits(self.ctx) if self.n_held else NULL
-
-    @property
-    def closed(self):
-        return self.ctx is NULL
-
-    cdef void free_native(self) noexcept:
-        if self.ctx is not NULL:
-            LLAMA.context_free(self.ctx)
-            self.ctx = NULL
-
-    def __dealloc__(self):
-        self.free_native()
+cdef enum PostResult:
+    POST_WAITING
+    POST_DONE
+    POST_STOPPED           # a stop condition holds (s.exit says which)
+    POST_FAILED
 
 
 cdef struct LoopState:
     # Written by Python before the loop starts, read-only inside it.
     Engine engine
     ct.ct_llm *llm                 # the ctransformers engine's model instance
-    ll.sll_context *lctx           # the llama.cpp engine's context,
+    Batcher *batcher               # the llama.cpp engine's context, which other generations share,
+    int seq                        # this generation's sequence in it,
     const ll.sll_model *lmodel     # its model,
     ll.sll_sampler *sampler        # and this generation's sampler chain
+    float *logits                  # the logits sampled from (the slot's copy, written by each step)
     int max_token_bytes
     int *tokens            # prompt, then generated tokens
     int n_prompt
@@ -607,7 +522,6 @@ cdef struct LoopState:
     int seed
     int prefill_chunk
     int threads            # wanted for the next evaluation; Python may change it at any time
-    int applied_threads    # the llama.cpp context's current setting
     int window
     bint step_abort        # let the hook stop evaluations between graph nodes
     bint trim_output       # compute only the last token's logits of a chunk
@@ -637,6 +551,246 @@ cdef struct LoopState:
     int64_t end_ns
     int64_t longest_prefill_node_ns
     int64_t longest_decode_node_ns
+    # The llama.cpp engine's turn in its context's steps (guarded by the Batcher's lock).
+    bint is_present        # counted in Batcher.present
+    int post_count         # tokens posted for the next step
+    PostResult post_result
+    int batch_index        # where its sampled token is in the step's batch (-1: none)
+
+
+cdef struct Batcher:
+    # Generations running on one llama.cpp context take turns leading: the
+    # leader evaluates the tokens every present generation has posted, in one
+    # batch, while the others wait. The lock guards present, the posts and
+    # leading; the context and everything after leading belong to the thread
+    # that set leading.
+    sl.pthread_mutex_t lock
+    sl.pthread_cond_t changed
+    ll.sll_context *ctx
+    # Running generations that are not paused for their reader: a step waits
+    # until each of them has posted its tokens, so that they share it.
+    int present
+    int n_posted
+    LoopState *posted[ll.SLL_MAX_SEQUENCES]
+    # A thread is using the context (evaluating, or changing its cache).
+    bint leading
+    int applied_threads
+    int max_tokens         # the most tokens one evaluation takes
+    # Evaluations run, the generations they carried in all (their ratio is how
+    # many generations a step shared on average), and the evaluations that were
+    # stopped for one generation and run again for the others.
+    int64_t steps
+    int64_t step_members
+    int64_t reruns
+    # The stop conditions of the step being evaluated (the abort callback's data).
+    sl.sl_group_watch group
+
+
+cdef class LlamaContext:
+    """One llama.cpp context over a :class:`LlamaModel`: one KV cache holding
+    ``sequences`` sequences, each a :class:`LlamaSequence` slot. The generations
+    running on its sequences are evaluated together, one batch per step.
+    ``batch`` is the most tokens one evaluation takes (the prefill chunk)."""
+    cdef Batcher b
+    cdef readonly LlamaModel model
+    cdef readonly tuple sequences
+    cdef readonly int context_length
+    cdef readonly int max_batch
+    cdef int open_sequences
+
+    def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1,
+                  int sequences=1):
+        cdef char err[512]
+        model._check_open()
+        if not 1 <= batch <= ll.SLL_MAX_BATCH:
+            raise ValueError(f"batch is 1 to {ll.SLL_MAX_BATCH}")
+        if not 1 <= sequences <= ll.SLL_MAX_SEQUENCES:
+            raise ValueError(f"sequences is 1 to {ll.SLL_MAX_SEQUENCES}")
+        if context_length < 2 or threads < 1:
+            raise ValueError("context_length must be at least 2 and threads positive")
+        # Room for a whole prompt chunk and the next token of every other sequence.
+        self.b.max_tokens = min(batch + sequences - 1, ll.SLL_MAX_BATCH)
+        err[0] = 0
+        with nogil:
+            self.b.ctx = LLAMA.context_new(model.model, context_length, self.b.max_tokens, threads, sequences,
+                                           err, sizeof(err))
+        if self.b.ctx is NULL:
+            raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
+        sl.pthread_mutex_init(&self.b.lock, NULL)
+        sl.pthread_cond_init(&self.b.changed, NULL)
+        self.b.applied_threads = threads
+        LLAMA.set_abort(self.b.ctx, sl.sl_group_abort_callback, &self.b.group)
+        self.model = model
+        self.max_batch = batch
+        self.context_length = LLAMA.context_n_ctx(self.b.ctx)
+        self.sequences = tuple(LlamaSequence(self, seq) for seq in range(sequences))
+        self.open_sequences = sequences
+
+    @property
+    def closed(self):
+        return self.b.ctx is NULL
+
+    @property
+    def step_counts(self):
+        """``(steps, generations, reruns)``: the evaluations run, the generations they
+        carried in all, and the evaluations stopped for one generation and run again
+        for the others."""
+        claim_context(&self.b)
+        counts = (self.b.steps, self.b.step_members, self.b.reruns)
+        release_context(&self.b)
+        return counts
+
+    cdef void sequence_closed(self) noexcept:
+        self.open_sequences -= 1
+        if self.open_sequences == 0 and self.b.ctx is not NULL:
+            LLAMA.context_free(self.b.ctx)
+            self.b.ctx = NULL
+
+    def __dealloc__(self):
+        if self.b.ctx is not NULL:
+            LLAMA.context_free(self.b.ctx)
+            self.b.ctx = NULL
+        sl.pthread_cond_destroy(&self.b.changed)
+        sl.pthread_mutex_destroy(&self.b.lock)
+
+
+cdef void claim_context(Batcher *b) noexcept nogil:
+    """Wait until no thread uses the context, and take it."""
+    sl.pthread_mutex_lock(&b.lock)
+    while b.leading:
+        sl.pthread_cond_wait(&b.changed, &b.lock)
+    b.leading = True
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void release_context(Batcher *b) noexcept nogil:
+    sl.pthread_mutex_lock(&b.lock)
+    b.leading = False
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void truncate_sequence(Batcher *b, int seq, int p0) noexcept nogil:
+    """Drop ``seq``'s positions from ``p0`` on, between two evaluations of the context."""
+    claim_context(b)
+    LLAMA.truncate(b.ctx, seq, p0)
+    release_context(b)
+
+
+cdef class LlamaSequence(Slot):
+    """One sequence of a :class:`LlamaContext`: its share of the KV cache, and
+    the logits its last token was sampled from."""
+    cdef readonly LlamaContext owner
+    cdef readonly int seq
+    cdef float *logits
+    cdef bint is_closed
+
+    def __cinit__(self, LlamaContext owner, int seq):
+        self.owner = owner
+        self.seq = seq
+        self.engine = Engine.LLAMA_CPP
+        self.max_batch = owner.max_batch
+        self.context_length = owner.context_length
+        self.vocab_size = owner.model.vocab_size
+        self.max_token_bytes = owner.model.max_token_bytes
+        self.allocate_record()
+        self.logits = <float *>malloc(self.vocab_size * sizeof(float))
+        if self.logits is NULL:
+            raise c_failure(MemoryError, "cannot allocate the logits")
+
+    @property
+    def model(self):
+        return self.owner.model
+
+    @property
+    def kv_positions(self):
+        """How many positions the KV cache holds for this sequence, as llama.cpp reports them."""
+        cdef int32_t pos_max
+        self._check_open()
+        claim_context(&self.owner.b)
+        pos_max = LLAMA.pos_max(self.owner.b.ctx, self.seq)
+        release_context(&self.owner.b)
+        return pos_max + 1
+
+    def forget(self):
+        self.n_held = 0
+        if not self.closed:
+            truncate_sequence(&self.owner.b, self.seq, 0)
+
+    def probe_step_abort(self, tokens):
+        """Prove the abort callback on a real evaluation of ``tokens`` (two or
+        more): with the stop flag set, the evaluation must end part-way and
+        leave nothing in the cache; with it clear, it must complete.
+
+        Returns ``(aborts, True)``: a llama.cpp evaluation computes the output
+        projection only for the tokens it is asked for, so there is nothing to trim."""
+        cdef sl.sl_watch watch
+        cdef Batcher *b = &self.owner.b
+        cdef int n = len(tokens), i
+        cdef int32_t first, second, left
+        cdef int32_t *ids
+        self._check_open()
+        if self.busy:
+            raise EngineError("the context is busy")
+        if not 2 <= n <= self.max_batch:
+            raise ValueError(f"the probe evaluates 2 to {self.max_batch} tokens at once")
+        ids = <int32_t *>malloc(n * sizeof(int32_t))
+        if ids is NULL:
+            raise c_failure(MemoryError, "cannot allocate the token ids")
+        for i in range(n):
+            ids[i] = tokens[i]
+        self.n_held = 0
+        memset(&watch, 0, sizeof(watch))
+        try:
+            with nogil:
+                claim_context(b)
+                LLAMA.truncate(b.ctx, self.seq, 0)
+                b.group.n = 1
+                b.group.members[0] = &watch
+                watch.cancel_flag = 1
+                first = probe_decode(b, self.seq, ids, n)
+                left = LLAMA.pos_max(b.ctx, self.seq)
+                LLAMA.truncate(b.ctx, self.seq, 0)
+                watch.cancel_flag = 0
+                second = probe_decode(b, self.seq, ids, n)
+                LLAMA.truncate(b.ctx, self.seq, 0)
+                b.group.n = 0
+                release_context(b)
+            return first == ll.SLL_ABORTED and left == -1 and second == ll.SLL_OK, True
+        finally:
+            free(ids)
+
+    def tokenize(self, str text):
+        return self.owner.model.tokenize(text)
+
+    def token_bytes(self, int token):
+        return self.owner.model.token_bytes(token)
+
+    cdef const float *logits_pointer(self) noexcept:
+        return self.logits if self.n_held else NULL
+
+    @property
+    def closed(self):
+        return self.is_closed or self.owner.closed
+
+    cdef void free_native(self) noexcept:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if not self.owner.closed:
+            truncate_sequence(&self.owner.b, self.seq, 0)
+            self.owner.sequence_closed()
+
+    def __dealloc__(self):
+        free(self.logits)
+
+
+cdef int32_t probe_decode(Batcher *b, int seq, const int32_t *ids, int n) noexcept nogil:
+    LLAMA.batch_clear(b.ctx)
+    if LLAMA.batch_add(b.ctx, seq, ids, n, 0, 1) < 0:
+        return ll.SLL_REFUSED
+    b.group.last_poll_ns = sl.sl_monotonic_ns()
+    return LLAMA.batch_decode(b.ctx)
 
 
 cdef inline bint should_stop(LoopState *s) noexcept nogil:
@@ -659,32 +813,14 @@ cdef bint evaluate(LoopState *s, int count) noexcept nogil:
     """Evaluate the next ``count`` tokens into the KV cache. False when the loop
     must end instead (s.exit says why)."""
     cdef bint ok
-    cdef int32_t status
-    # Read once per evaluation: the scheduler reshares the cores as generations come and go.
-    cdef int threads = sl.sl_load_acquire(&s.threads)
+    if s.engine == Engine.LLAMA_CPP:
+        return evaluate_in_step(s, count)
     s.watch.aborted = 0
     s.watch.longest_gap_ns = 0
-    if s.engine == Engine.LLAMA_CPP:
-        if threads != s.applied_threads:
-            LLAMA.set_threads(s.lctx, threads)
-            s.applied_threads = threads
-        s.watch.last_poll_ns = sl.sl_monotonic_ns()
-        # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
-        status = LLAMA.decode(s.lctx, <const int32_t *>(s.tokens + s.n_past), count, s.n_past,
-                              s.n_past + count >= s.n_prompt)
-        ok = status == ll.SLL_OK
-        if not ok:
-            # One call is one physical batch, so an aborted or failed call
-            # leaves at most its own positions behind: drop them, so that the
-            # cache holds exactly the tokens evaluated before it.
-            LLAMA.truncate(s.lctx, s.n_past)
-    else:
-        s.watch.trim_output = s.trim_output
-        ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, threads)
-    if s.n_generated == 0 and s.watch.longest_gap_ns > s.longest_prefill_node_ns:
-        s.longest_prefill_node_ns = s.watch.longest_gap_ns
-    elif s.n_generated and s.watch.longest_gap_ns > s.longest_decode_node_ns:
-        s.longest_decode_node_ns = s.watch.longest_gap_ns
+    s.watch.trim_output = s.trim_output
+    # Threads are read once per evaluation: the scheduler reshares the cores as generations come and go.
+    ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, sl.sl_load_acquire(&s.threads))
+    record_longest_node(s, s.watch.longest_gap_ns)
     if s.watch.aborted:
         # Stopped between graph nodes: the stop condition that did it still
         # holds (the flag is sticky, deadlines only pass), and these positions
@@ -697,6 +833,187 @@ cdef bint evaluate(LoopState *s, int count) noexcept nogil:
         return False
     s.n_past += count
     return True
+
+
+cdef inline void record_longest_node(LoopState *s, int64_t gap) noexcept nogil:
+    if s.n_generated == 0:
+        if gap > s.longest_prefill_node_ns:
+            s.longest_prefill_node_ns = gap
+    elif gap > s.longest_decode_node_ns:
+        s.longest_decode_node_ns = gap
+
+
+cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
+    """The llama.cpp engine's evaluate(): post the tokens for the context's next
+    step and wait for it. Whichever waiting generation finds every present one
+    posted leads the step for all of them."""
+    cdef Batcher *b = s.batcher
+    sl.pthread_mutex_lock(&b.lock)
+    s.post_count = count
+    s.post_result = PostResult.POST_WAITING
+    b.posted[b.n_posted] = s
+    b.n_posted += 1
+    while s.post_result == PostResult.POST_WAITING:
+        if not b.leading and b.n_posted >= b.present:
+            lead_step(b)
+        elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
+            # Stopped while a step it is not part of runs: it leaves without waiting for it.
+            should_stop(s)
+            s.post_result = PostResult.POST_STOPPED
+        else:
+            # Woken by every result, every step's end, and a cancel (Generation.cancel).
+            sl.pthread_cond_wait(&b.changed, &b.lock)
+    sl.pthread_mutex_unlock(&b.lock)
+    return s.post_result == PostResult.POST_DONE
+
+
+cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
+    """Take ``s``'s tokens back if no step has taken them yet (called with the lock held)."""
+    cdef int i, j
+    for i in range(b.n_posted):
+        if b.posted[i] == s:
+            for j in range(i, b.n_posted - 1):
+                b.posted[j] = b.posted[j + 1]
+            b.n_posted -= 1
+            return True
+    return False
+
+
+cdef void lead_step(Batcher *b) noexcept nogil:
+    """Evaluate everything posted, in one batch (called and returning with the lock held)."""
+    cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
+    cdef int n = b.n_posted
+    memcpy(members, b.posted, n * sizeof(LoopState *))
+    b.n_posted = 0
+    b.leading = True
+    sl.pthread_mutex_unlock(&b.lock)
+    evaluate_together(b, members, n)
+    sl.pthread_mutex_lock(&b.lock)
+    b.leading = False
+    sl.pthread_cond_broadcast(&b.changed)
+
+
+cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
+    """One or more evaluations of the ``n`` members' posted tokens: as many as
+    the batch's room or a stop needs. A member leaves ``members`` (set to NULL)
+    as soon as it has its result: it may post again at once, for the next step."""
+    cdef LoopState *s
+    cdef int included[ll.SLL_MAX_SEQUENCES]
+    cdef int i, j, k, room, stopped, waiting = n, threads = 1
+    cdef int32_t index, status
+    cdef bint want_logits
+    cdef const float *row
+    # Every member asks for the same cores (the scheduler shares them among steps, not members).
+    for i in range(n):
+        threads = max(threads, sl.sl_load_acquire(&members[i].threads))
+    if threads != b.applied_threads:
+        LLAMA.set_threads(b.ctx, threads)
+        b.applied_threads = threads
+    while waiting:
+        LLAMA.batch_clear(b.ctx)
+        k = 0
+        room = b.max_tokens
+        b.group.n = 0
+        for i in range(n):
+            s = members[i]
+            if s is NULL:
+                continue
+            if should_stop(s):
+                waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
+                continue
+            # The batch holds one prompt chunk beside every other member's token
+            # (see LlamaContext); a second chunk waits for the next evaluation.
+            if s.post_count > room:
+                continue
+            # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
+            want_logits = s.n_past + s.post_count >= s.n_prompt
+            index = LLAMA.batch_add(b.ctx, s.seq, <const int32_t *>(s.tokens + s.n_past), s.post_count,
+                                    s.n_past, want_logits)
+            if index < 0:
+                s.exit = ExitKind.EVAL_FAILED
+                waiting -= give_result(b, members, i, PostResult.POST_FAILED)
+                continue
+            room -= s.post_count
+            s.batch_index = index if want_logits else -1
+            included[k] = i
+            k += 1
+            if s.step_abort:
+                b.group.members[b.group.n] = &s.watch
+                b.group.n += 1
+        if k == 0:
+            return
+        b.group.aborted = 0
+        b.group.longest_gap_ns = 0
+        b.group.last_poll_ns = sl.sl_monotonic_ns()
+        status = LLAMA.batch_decode(b.ctx)
+        b.steps += 1
+        b.step_members += k
+        for j in range(k):
+            record_longest_node(members[included[j]], b.group.longest_gap_ns)
+        if status == ll.SLL_OK:
+            for j in range(k):
+                s = members[included[j]]
+                row = LLAMA.logits(b.ctx, s.batch_index) if s.batch_index >= 0 else NULL
+                if s.batch_index >= 0 and row is NULL:
+                    LLAMA.truncate(b.ctx, s.seq, s.n_past)
+                    s.exit = ExitKind.EVAL_FAILED
+                    waiting -= give_result(b, members, included[j], PostResult.POST_FAILED)
+                    continue
+                if row is not NULL:
+                    memcpy(s.logits, row, s.vocab_size * sizeof(float))
+                s.n_past += s.post_count
+                waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
+            continue
+        # One call is one physical batch, so an aborted or failed step leaves
+        # at most its own positions behind: drop them, so that each sequence's
+        # cache holds exactly the tokens of its record.
+        for j in range(k):
+            s = members[included[j]]
+            LLAMA.truncate(b.ctx, s.seq, s.n_past)
+        # Stopped between graph nodes: the stop condition that did it still
+        # holds (the flag is sticky, deadlines only pass). Its generation
+        # leaves at once; the others evaluate the step again without it.
+        stopped = 0
+        if b.group.aborted:
+            for j in range(k):
+                if should_stop(members[included[j]]):
+                    stopped += give_result(b, members, included[j], PostResult.POST_STOPPED)
+        waiting -= stopped
+        if stopped and waiting:
+            b.reruns += 1
+        if stopped == 0:
+            # Failed, or aborted while no stop condition held: nothing to retry.
+            for i in range(n):
+                if members[i] is not NULL:
+                    members[i].exit = ExitKind.EVAL_FAILED
+                    give_result(b, members, i, PostResult.POST_FAILED)
+            return
+
+
+cdef int give_result(Batcher *b, LoopState **members, int i, PostResult result) noexcept nogil:
+    """Hand member ``i`` its step's result and wake it; returns 1 (one member fewer
+    waiting). Its fields the step wrote (n_past, logits, exit) are published by the
+    same lock, and from then on it is its own again."""
+    cdef LoopState *s = members[i]
+    members[i] = NULL
+    sl.pthread_mutex_lock(&b.lock)
+    s.post_result = result
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
+    return 1
+
+
+cdef void set_present(LoopState *s, bint present) noexcept nogil:
+    """Count the generation in (or out of) its context's steps: a step waits for
+    the tokens of every present generation."""
+    cdef Batcher *b = s.batcher
+    if b is NULL or s.is_present == present:
+        return
+    sl.pthread_mutex_lock(&b.lock)
+    b.present += 1 if present else -1
+    s.is_present = present
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
 
 
 cdef inline bint stop_sequence_matched(LoopState *s, int old_size, int new_size) noexcept nogil:
@@ -732,7 +1049,7 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
 cdef inline float *last_logits(LoopState *s) noexcept nogil:
     """The logits of the last evaluation's sampled position (NULL: none), which sampling reads."""
     if s.engine == Engine.LLAMA_CPP:
-        return <float *>LLAMA.logits(s.lctx)
+        return s.logits
     return API.llm_logits_data(s.llm) + API.llm_logits_size(s.llm) - s.vocab_size
 
 
@@ -801,7 +1118,7 @@ cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
     if s.counts is not NULL:
         apply_penalties(s)
     if s.engine == Engine.LLAMA_CPP:
-        return LLAMA.sample(s.sampler, s.lctx)
+        return LLAMA.sample(s.sampler, s.logits)
     if temperature <= 0:
         # Greedy: keep only the best candidate (the library divides by temperature).
         top_k = 1
@@ -870,11 +1187,14 @@ cdef void run_steps(LoopState *s) noexcept nogil:
     for step in range(s.max_tokens):
         if should_stop(s):
             return
-        # Pause while the reader is a full window behind.
-        while s.n_generated - sl.sl_load_acquire(&s.consumed) >= s.window:
-            sl.sl_sleep_ns(PAUSE_POLL_NS)
-            if should_stop(s):
-                return
+        # Pause while the reader is a full window behind, out of the context's steps.
+        if s.n_generated - sl.sl_load_acquire(&s.consumed) >= s.window:
+            set_present(s, False)
+            while s.n_generated - sl.sl_load_acquire(&s.consumed) >= s.window:
+                sl.sl_sleep_ns(PAUSE_POLL_NS)
+                if should_stop(s):
+                    return
+            set_present(s, True)
 
         token = sample_next(s, step)
         if ends_generation(s, token):
@@ -982,7 +1302,7 @@ cdef class Generation:
     """One run of the token loop on a context. Create it, call :meth:`run` once
     (from any thread; it blocks without the GIL), read tokens with :meth:`take`.
 
-    The sampling arguments have no defaults here: ``stopline.engine.SamplingParams``
+    The sampling arguments have no defaults here: ``stopline.protocol.SamplingParams``
     is their one source (``stopline.engine.sampling_args`` turns it into them)."""
 
     cdef LoopState s
@@ -1052,7 +1372,7 @@ cdef class Generation:
             sampling.penalty_last_n = LAST_N_TOKENS
             sampling.seed = <uint32_t>seed
             sampling.grammar = NULL if grammar_text is None else <const char *>grammar_text
-            self.s.sampler = LLAMA.sampler_new((<LlamaContext>context).model.model, &sampling)
+            self.s.sampler = LLAMA.sampler_new((<LlamaSequence>context).owner.model.model, &sampling)
             if self.s.sampler is NULL and grammar_text is not None:
                 raise ValueError("llama.cpp cannot parse the grammar")
             if self.s.sampler is NULL:
@@ -1171,11 +1491,17 @@ cdef class Generation:
             return False
         self.s.published_at_cancel = sl.sl_load_acquire(&self.s.published)
         sl.sl_store_release(&self.s.watch.cancel_flag, 1)
+        if self.s.batcher is not NULL:
+            # Waiting for a step it is not part of, it would otherwise see the flag only once that step ends.
+            sl.pthread_mutex_lock(&self.s.batcher.lock)
+            sl.pthread_cond_broadcast(&self.s.batcher.changed)
+            sl.pthread_mutex_unlock(&self.s.batcher.lock)
         return True
 
     def run(self):
         """Run the loop to its end and return the :class:`LoopResult`."""
         cdef Slot context = self.context
+        cdef LlamaSequence sequence
         if sl.sl_load_acquire(&self._state) != GenerationState.NEW:
             raise EngineError("a generation runs only once")
         if context.busy:
@@ -1183,12 +1509,11 @@ cdef class Generation:
         context._check_open()
         self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
         if context.engine == Engine.LLAMA_CPP:
-            self.s.lctx = (<LlamaContext>context).ctx
-            self.s.lmodel = (<LlamaContext>context).model.model
-            # Positions from n_reused on go: the cache must continue exactly where the record does.
-            LLAMA.truncate(self.s.lctx, self.s.n_reused)
-            LLAMA.set_abort(self.s.lctx, sl.sl_node_abort_callback if self.s.step_abort else <ll.sll_abort_fn>NULL,
-                            &self.s.watch)
+            sequence = <LlamaSequence>context
+            self.s.batcher = &sequence.owner.b
+            self.s.seq = sequence.seq
+            self.s.lmodel = sequence.owner.model.model
+            self.s.logits = sequence.logits
         else:
             self.s.llm = (<Context>context).llm
         sl.sl_store_release(&self._state, GenerationState.RUNNING)
@@ -1196,14 +1521,16 @@ cdef class Generation:
         # Positions from n_reused on are about to be overwritten.
         context.n_held = self.s.n_reused
         with nogil:
+            if self.s.batcher is not NULL:
+                # Positions from n_reused on go: the cache must continue exactly where the record does.
+                truncate_sequence(self.s.batcher, self.s.seq, self.s.n_reused)
+                set_present(&self.s, True)
             run_loop(&self.s)
+            set_present(&self.s, False)
             self.s.end_ns = sl.sl_monotonic_ns()
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
         context.n_held = self.s.n_past
         context.held_chunk = self.s.prefill_chunk
-        if context.engine == Engine.LLAMA_CPP:
-            # The watch dies with this generation.
-            LLAMA.set_abort(self.s.lctx, NULL, NULL)
         context.busy = 0
         # Publish in this order: the result, then the finished state (a release
         # store), then the wake-up. A reader that sees "finished", or that was

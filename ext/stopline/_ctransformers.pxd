@@ -24,12 +24,10 @@ cdef extern from "ctransformers_abi.h" nogil:
         bint (*llm_is_eos_token)(ct_llm *llm, int token) noexcept nogil
         int (*llm_vocab_size)(ct_llm *llm) noexcept nogil
         int (*llm_context_length)(ct_llm *llm) noexcept nogil
-        const char *(*llm_architecture)(ct_llm *llm) noexcept nogil
         bint (*llm_batch_eval)(ct_llm *llm, const int *tokens, int n_tokens, int n_past,
                                int batch_size, int threads) noexcept nogil
         int (*llm_sample)(ct_llm *llm, const int *last_tokens, int n_last, int top_k,
                           float top_p, float temperature, float repetition_penalty, int seed) noexcept nogil
-        void (*llm_reset)(ct_llm *llm) noexcept nogil
         float *(*llm_logits_data)(ct_llm *llm) noexcept nogil
         int (*llm_logits_size)(ct_llm *llm) noexcept nogil
 

@@ -8,6 +8,7 @@ cdef extern from "llama_abi.h" nogil:
     const char *SLL_LLAMA_COMMIT
     const char *SLL_SDIST_VERSION
     enum: SLL_MAX_BATCH
+    enum: SLL_MAX_SEQUENCES
 
     enum:
         SLL_OK
@@ -49,21 +50,23 @@ cdef extern from "llama_abi.h" nogil:
         int32_t (*bos)(const sll_model *model) noexcept nogil
         int32_t (*eos)(const sll_model *model) noexcept nogil
         int (*add_bos)(const sll_model *model) noexcept nogil
-        sll_context *(*context_new)(sll_model *model, int32_t n_ctx, int32_t n_batch, int32_t n_threads,
-                                    char *err, size_t err_size) noexcept nogil
+        sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
+                                    int32_t n_seq, char *err, size_t err_size) noexcept nogil
         void (*context_free)(sll_context *ctx) noexcept nogil
         int32_t (*context_n_ctx)(const sll_context *ctx) noexcept nogil
         void (*set_abort)(sll_context *ctx, sll_abort_fn fn, void *data) noexcept nogil
         void (*set_threads)(sll_context *ctx, int32_t n_threads) noexcept nogil
-        int32_t (*decode)(sll_context *ctx, const int32_t *tokens, int32_t n, int32_t pos0,
-                          int want_logits) noexcept nogil
-        int32_t (*pos_max)(sll_context *ctx) noexcept nogil
-        int (*truncate)(sll_context *ctx, int32_t p0) noexcept nogil
-        const float *(*logits)(sll_context *ctx) noexcept nogil
+        int32_t (*pos_max)(sll_context *ctx, int32_t seq) noexcept nogil
+        int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0) noexcept nogil
+        void (*batch_clear)(sll_context *ctx) noexcept nogil
+        int32_t (*batch_add)(sll_context *ctx, int32_t seq, const int32_t *tokens, int32_t n, int32_t pos0,
+                             int want_logits) noexcept nogil
+        int32_t (*batch_decode)(sll_context *ctx) noexcept nogil
+        const float *(*logits)(sll_context *ctx, int32_t index) noexcept nogil
         sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings) noexcept nogil
         void (*sampler_free)(sll_sampler *sampler) noexcept nogil
         void (*sampler_accept)(sll_sampler *sampler, int32_t token) noexcept nogil
-        int32_t (*sample)(sll_sampler *sampler, sll_context *ctx) noexcept nogil
+        int32_t (*sample)(sll_sampler *sampler, const float *logits) noexcept nogil
 
     # 0, or -1 with dlerror()'s text (or the version mismatch) in err.
     int sll_api_open(sll_api *api, const char *path, char *err, size_t err_size)

@@ -1,5 +1,6 @@
 # Stopline's own C helpers: atomics, the clock and the eventfd (ext/loop_support.h),
-# and the stop conditions with the in-step abort hook (ext/step_abort.h).
+# the stop conditions with the in-step abort hook (ext/step_abort.h), and the
+# POSIX mutex and condition variable the llama.cpp engine's shared steps take turns by.
 # Cimport qualified: `from stopline cimport _loop_support as sl`, then `sl.sl_check`.
 
 from libc.stdint cimport int64_t
@@ -36,9 +37,32 @@ cdef extern from "step_abort.h" nogil:
         int64_t last_poll_ns
         int64_t longest_gap_ns
 
+    enum: SL_MAX_GROUP
+
+    ctypedef struct sl_group_watch:
+        sl_watch *members[SL_MAX_GROUP]
+        int n
+        int aborted
+        int64_t last_poll_ns
+        int64_t longest_gap_ns
+
     sl_stop sl_check(const sl_watch *w)
-    # llama.cpp's abort callback: polls the watch passed as its data.
-    bint sl_node_abort_callback(void *data) noexcept nogil
+    # llama.cpp's abort callback: polls every watch of the group passed as its data.
+    bint sl_group_abort_callback(void *data) noexcept nogil
     sl_hook_status sl_step_abort_install(void *handle)
     void sl_watch_enter(sl_watch *w)
     void sl_watch_leave()
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+    int pthread_cond_init(pthread_cond_t *cond, const void *attr)
+    int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
+    int pthread_cond_broadcast(pthread_cond_t *cond)
