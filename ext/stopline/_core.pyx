@@ -147,6 +147,18 @@ def load_llama_library(str path):
     LLAMA_READY = True
 
 
+cdef int *token_ids(tokens) except NULL:
+    """A C copy of ``tokens``, for the caller to free(). (llama.cpp's token type,
+    int32_t, is int on every platform the engines build for.)"""
+    cdef int i, n = len(tokens)
+    cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
+    if ids is NULL:
+        raise c_failure(MemoryError, "cannot allocate the token ids")
+    for i in range(n):
+        ids[i] = tokens[i]
+    return ids
+
+
 def step_abort_installed():
     """Whether the hook that stops an evaluation between graph nodes is in place.
     :meth:`Context.probe_step_abort` proves that it works."""
@@ -183,14 +195,9 @@ cdef class Slot:
     def reusable_prefix(self, tokens, int chunk):
         """How many leading ``tokens`` a generation with prefill chunks of
         ``chunk`` would take from this slot's KV cache instead of evaluating them."""
-        cdef int i, n = len(tokens)
-        cdef int *ids = <int *>malloc((n + 1) * sizeof(int))
-        if ids is NULL:
-            raise c_failure(MemoryError, "cannot allocate the token ids")
+        cdef int *ids = token_ids(tokens)
         try:
-            for i in range(n):
-                ids[i] = tokens[i]
-            return self.usable_prefix(ids, n, chunk)
+            return self.usable_prefix(ids, len(tokens), chunk)
         finally:
             free(ids)
 
@@ -291,7 +298,7 @@ cdef class Context(Slot):
         flag set returned part-way, and whether the last token's logits
         computed alone are bit-identical to those of a full evaluation."""
         cdef sl.sl_watch watch
-        cdef int n = len(tokens), i, size
+        cdef int n = len(tokens), size
         cdef bint ok, aborts
         cdef int *ids
         self._check_open()
@@ -301,11 +308,7 @@ cdef class Context(Slot):
             raise ValueError(f"the probe evaluates 2 to {ct.CT_MAX_BATCH} tokens at once")
         if not STEP_ABORT:
             return False, False
-        ids = <int *>malloc(n * sizeof(int))
-        if ids is NULL:
-            raise c_failure(MemoryError, "cannot allocate the token ids")
-        for i in range(n):
-            ids[i] = tokens[i]
+        ids = token_ids(tokens)
         self.n_held = 0
         memset(&watch, 0, sizeof(watch))
         try:
@@ -726,7 +729,7 @@ cdef class LlamaSequence(Slot):
         projection only for the tokens it is asked for, so there is nothing to trim."""
         cdef sl.sl_watch watch
         cdef Batcher *b = &self.owner.b
-        cdef int n = len(tokens), i
+        cdef int n = len(tokens)
         cdef int32_t first, second, left
         cdef int32_t *ids
         self._check_open()
@@ -734,11 +737,7 @@ cdef class LlamaSequence(Slot):
             raise EngineError("the context is busy")
         if not 2 <= n <= self.max_batch:
             raise ValueError(f"the probe evaluates 2 to {self.max_batch} tokens at once")
-        ids = <int32_t *>malloc(n * sizeof(int32_t))
-        if ids is NULL:
-            raise c_failure(MemoryError, "cannot allocate the token ids")
-        for i in range(n):
-            ids[i] = tokens[i]
+        ids = <int32_t *>token_ids(tokens)
         self.n_held = 0
         memset(&watch, 0, sizeof(watch))
         try:
