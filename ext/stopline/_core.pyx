@@ -940,6 +940,9 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
                 b.group.members[b.group.n] = &s.watch
                 b.group.n += 1
         if k == 0:
+            # Nothing left fits an empty batch (Generation bounds a chunk by it, so
+            # this cannot happen): end those generations rather than leave them waiting.
+            fail_the_rest(b, members, n)
             return
         b.group.aborted = 0
         b.group.longest_gap_ns = 0
@@ -982,11 +985,17 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             b.reruns += 1
         if stopped == 0:
             # Failed, or aborted while no stop condition held: nothing to retry.
-            for i in range(n):
-                if members[i] is not NULL:
-                    members[i].exit = ExitKind.EVAL_FAILED
-                    give_result(b, members, i, PostResult.POST_FAILED)
+            fail_the_rest(b, members, n)
             return
+
+
+cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:
+    """End every member still waiting with EVAL_FAILED."""
+    cdef int i
+    for i in range(n):
+        if members[i] is not NULL:
+            members[i].exit = ExitKind.EVAL_FAILED
+            give_result(b, members, i, PostResult.POST_FAILED)
 
 
 cdef int give_result(Batcher *b, LoopState **members, int i, PostResult result) noexcept nogil:
