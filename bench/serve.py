@@ -4,7 +4,8 @@ Runs a StoplineServer on the native engine (``--engine ours``), on the native
 engine stopping only between evaluations (``--engine ours_between_steps``, the
 in-step abort switched off), on the ctransformers baseline (``--engine
 baseline``), or on the same loop over today's llama.cpp (``--engine
-ours_llama``, and ``ours_llama_between_steps``), on 127.0.0.1 and a free port,
+ours_llama``; ``ours_llama_shared``, its slots sharing each step; and
+``ours_llama_between_steps``), on 127.0.0.1 and a free port,
 and next to it, on the same event loop, a probe that sleeps 10 ms over and over
 and records how late it wakes up: the event-loop lag the server's own work
 causes. A separate process keeps the benchmark client's work off the server's

@@ -558,7 +558,6 @@ cdef struct LoopState:
     bint is_present        # counted in Batcher.present
     int post_count         # tokens posted for the next step
     PostResult post_result
-    int batch_index        # where its sampled token is in the step's batch (-1: none)
 
 
 cdef struct Batcher:
@@ -897,7 +896,9 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
     the batch's room or a stop needs. A member leaves ``members`` (set to NULL)
     as soon as it has its result: it may post again at once, for the next step."""
     cdef LoopState *s
+    # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
+    cdef int32_t output[ll.SLL_MAX_SEQUENCES]
     cdef int i, j, k, room, stopped, waiting = n, threads = 1
     cdef int32_t index, status
     cdef bint want_logits
@@ -933,7 +934,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
                 waiting -= give_result(b, members, i, PostResult.POST_FAILED)
                 continue
             room -= s.post_count
-            s.batch_index = index if want_logits else -1
+            output[k] = index if want_logits else -1
             included[k] = i
             k += 1
             if s.step_abort:
@@ -955,8 +956,8 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
         if status == ll.SLL_OK:
             for j in range(k):
                 s = members[included[j]]
-                row = LLAMA.logits(b.ctx, s.batch_index) if s.batch_index >= 0 else NULL
-                if s.batch_index >= 0 and row is NULL:
+                row = LLAMA.logits(b.ctx, output[j]) if output[j] >= 0 else NULL
+                if output[j] >= 0 and row is NULL:
                     LLAMA.truncate(b.ctx, s.seq, s.n_past)
                     s.exit = ExitKind.EVAL_FAILED
                     waiting -= give_result(b, members, included[j], PostResult.POST_FAILED)
