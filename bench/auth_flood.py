@@ -31,7 +31,7 @@ from websockets.asyncio.client import connect
 from stopline.auth import Quota, add_key
 from stopline.model import EMBEDDED_MODEL_NAME
 
-from .servers import CpuMeter
+from .servers import CpuMeter, start_stopline
 
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
 WRONG_KEY = "stopline_wrong-key-for-the-flood-0123456789"
@@ -40,42 +40,6 @@ WRONG_KEY = "stopline_wrong-key-for-the-flood-0123456789"
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def start_server(keys_file: Path) -> tuple[asyncio.subprocess.Process, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--workers",
-        "1",
-        "--threads",
-        "1",
-        "--api-keys-file",
-        str(keys_file),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    while True:
-        line = await asyncio.wait_for(process.stdout.readline(), 300)
-        if not line:
-            raise RuntimeError("the server ended before it started")
-        record = json.loads(line)
-        if record.get("event") == "server_started":
-            ws_url = record["url"].replace("http://", "ws://") + "ws"
-            # Drain its log from now on, so that a full pipe never blocks it.
-            asyncio.get_running_loop().create_task(_drain(process.stdout))
-            return process, ws_url, record["http_api"]
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
 
 
 async def token_gaps(ws_url: str, key: str, until: asyncio.Event | None, rounds: int) -> list[tuple[float, float]]:
@@ -143,7 +107,9 @@ async def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         keys_file = Path(directory) / "keys.jsonl"
         key, _ = add_key(keys_file, "bench", Quota())
-        process, ws_url, api = await start_server(keys_file)
+        process, ws_url, api = await start_stopline(
+            "--workers", "1", "--threads", "1", "--api-keys-file", str(keys_file)
+        )
         meter = CpuMeter([process.pid, os.getpid()])
         try:
             await token_gaps(ws_url, key, None, 1)  # warm up

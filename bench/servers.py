@@ -152,6 +152,39 @@ class ManagedServer:
         return ends
 
 
+async def start_stopline(*flags: str) -> tuple[asyncio.subprocess.Process, str, str]:
+    """``python -m stopline`` on free ports with ``flags``: the process, its WebSocket URL and its
+    ``/v1`` base URL, once it has started. Its log is drained from then on, so a full pipe never
+    blocks it."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "stopline",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    while True:
+        line = await asyncio.wait_for(process.stdout.readline(), 300)
+        if not line:
+            raise RuntimeError("the server ended before it started")
+        record = json.loads(line)
+        if record.get("event") == "server_started":
+            ws_url = record["url"].replace("http://", "ws://") + "ws"
+            asyncio.get_running_loop().create_task(_drain(process.stdout))
+            return process, ws_url, record["http_api"]
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
 def confine_to(cpus: frozenset[int] | None):
     """A preexec_fn that pins the child to ``cpus``, so that every engine runs on the same cores."""
     if cpus is None:
