@@ -27,6 +27,7 @@ from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server,
 from stopline import model, scheduler
 from stopline.__main__ import _in_daemon_thread
 from stopline.origin import WILDCARD_HOSTS
+from stopline.tokenizer import load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -198,6 +199,51 @@ async def test_the_advertised_urls_open_and_a_refused_name_is_told_the_flag(host
         if process.returncode is None:
             process.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+
+
+# --- --chat-template ------------------------------------------------------------------------------
+
+
+async def test_the_served_prompt_is_rendered_with_the_chat_template_flag(engine):
+    # The model's own template (SmolLM2's ChatML, with its default system prompt) and
+    # zephyr's give prompts of different lengths: the served count says which one ran.
+    zephyr = engine.tokenizer.with_chat_template(load_chat_template("zephyr"))
+    with_zephyr = len(zephyr.encode(zephyr.render_chat(CHAT_FRANCE)))
+    assert with_zephyr != len(engine.encode(messages=CHAT_FRANCE))
+    process = await spawn_stopline("--port", "0", "--chat-template", "zephyr")
+    try:
+        api = (await started(process))["http_api"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as http:
+            body = {"model": model.EMBEDDED_MODEL_NAME, "messages": CHAT_FRANCE, "max_tokens": 1}
+            async with http.post(api + "/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                answer = await response.json()
+        assert answer["usage"]["prompt_tokens"] == with_zephyr
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+
+
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("alpaca", "'alpaca' is neither a template file nor one of chatml, llama2, zephyr"),
+        ("missing.jinja", "'{folder}/missing.jinja' is neither a template file"),
+        ("broken.jinja", "{folder}/broken.jinja: not a Jinja template"),
+    ],
+)
+def test_a_chat_template_that_cannot_work_is_one_line_and_exit_2(tmp_path, template, problem):
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    if template.endswith(".jinja"):
+        template = str(tmp_path / template)
+    result = stopline("--port", "0", "--chat-template", template)
+    assert result.returncode == 2, result
+    # One line that names the flag and says why; nothing was loaded or logged.
+    [line] = result.stderr.splitlines()
+    assert line.startswith("python -m stopline: error: argument --chat-template: ")
+    assert problem.format(folder=tmp_path) in line, line
+    assert result.stdout == ""
 
 
 # --- the console -------------------------------------------------------------------------------
