@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 from dataclasses import replace
+from typing import NoReturn
 
 from . import __version__
 from . import model as embedded
@@ -31,8 +32,19 @@ from .vocabulary import EngineName
 COMMANDS: dict = {}
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad value for a flag (or for its environment variable) is one line that names
+    it: the usage, 30 lines of every flag, would bury it. Other mistakes, such as an
+    unknown flag, still show the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(("argument ", "STOPLINE_")):
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m stopline",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

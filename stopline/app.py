@@ -89,7 +89,9 @@ class StoplineServer:
             settings.host, settings.allowed_origins, settings.allowed_hosts, own_names
         )
         # What clients are told to connect to (a wildcard address is not one).
-        self.public_host = advertised_host(settings.host, socket.gethostname())
+        self.public_host = advertised_host(
+            settings.host, _reachable_own_name(settings.host) if settings.host in WILDCARD_HOSTS else ""
+        )
         self.limits = settings.limits_for(engine)
         self._server: Server  # set by start()
         self.address_quota = AddressQuota(settings.limits.requests_per_address)
@@ -448,6 +450,43 @@ def _own_names() -> list[str]:
     """The machine's host names: its short name and its fully qualified one."""
     name = socket.gethostname()
     return [name, name.split(".")[0], socket.getfqdn()]
+
+
+# Documentation addresses (RFC 5737, RFC 3849): routed like any other address, never reached.
+_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
+
+
+def _reachable_own_name(wildcard: str) -> str:
+    """How clients can reach a server listening on ``wildcard`` (0.0.0.0 or ::): the
+    machine's host name if every address it resolves to is this machine's, else the
+    address of the interface its outbound route leaves by, else loopback. A name that
+    does not resolve, or resolves elsewhere, would advertise a URL nobody can open."""
+    family = socket.AF_INET6 if ":" in wildcard else socket.AF_INET
+    name = socket.gethostname()
+    if _resolves_here(name, family):
+        return name
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            # Connecting a UDP socket picks the route and its source address; it sends nothing.
+            probe.connect((_ROUTE_PROBES[family], 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+
+
+def _resolves_here(name: str, family: socket.AddressFamily) -> bool:
+    """Whether ``name`` resolves, and only to addresses of this machine (the ones a socket can bind)."""
+    try:
+        addresses = {info[4] for info in socket.getaddrinfo(name, 0, family, socket.SOCK_DGRAM)}
+    except (OSError, UnicodeError):  # socket.gaierror is an OSError
+        return False
+    for address in addresses:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind(address)
+            except OSError:
+                return False
+    return bool(addresses)
 
 
 def _static(path: str) -> Response:

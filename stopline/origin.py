@@ -136,7 +136,7 @@ def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: 
 
 def advertised_host(bind_host: str, own_name: str) -> str:
     """The host to put in a URL for clients: a wildcard address is no address to
-    connect to, so the machine's own name (``own_name``) stands for it."""
+    connect to, so the machine's own name or address (``own_name``) stands for it."""
     host = own_name if bind_host in WILDCARD_HOSTS else bind_host
     return f"[{host}]" if ":" in host else host
 

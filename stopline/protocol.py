@@ -274,6 +274,8 @@ class Draft:
     size: int  # the prompt's UTF-8 bytes
     user: str | None = None
     id_chosen_by_server: bool = False
+    # The room the prompt must leave in the context for the answer, in tokens.
+    min_answer_tokens: int = 1
     # Cancel frames that arrived meanwhile, and when the first did.
     cancels: int = 0
     cancel_ns: int = 0
@@ -590,6 +592,9 @@ class Connection:
             )
         if user is not None:
             _text_bytes(user, "user", request_id)
+        min_answer_tokens = _number(
+            frame, "min_answer_tokens", 1, 1, self.limits.context_length, integer=True, request_id=request_id
+        )
         draft = Draft(
             request_id,
             params,
@@ -599,6 +604,7 @@ class Connection:
             size=size,
             user=user,
             id_chosen_by_server=chosen_by_server,
+            min_answer_tokens=min_answer_tokens,
         )
         self.pending[request_id] = draft
         self.quota.take(self.address)
@@ -612,11 +618,16 @@ class Connection:
             return ProtocolError(ErrorCode.INVALID_FIELD, str(exc), draft.id)
         if not tokens:
             return ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", draft.id)
-        if len(tokens) >= self.limits.context_length:
+        if len(tokens) + draft.min_answer_tokens > self.limits.context_length:
+            answer = (
+                "at least one generated token"
+                if draft.min_answer_tokens == 1
+                else f"the {draft.min_answer_tokens} generated tokens min_answer_tokens asks room for"
+            )
             return ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"the prompt has {len(tokens)} tokens; the context holds "
-                f"{self.limits.context_length}, including at least one generated token",
+                f"{self.limits.context_length}, including {answer}",
                 draft.id,
             )
         return tokens

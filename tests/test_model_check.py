@@ -1,18 +1,22 @@
 """Model files the bundled loader cannot run are refused before any of them reaches C.
 
 Every file in the matrix is real: GGUF files written with the ``gguf`` package's
-writer, a truncated copy of the embedded model, a text file. ``python -m stopline
+writer (one with its tensor type set to a number no GGML type has), a truncated
+copy of the embedded model, a text file. ``python -m stopline
 --model FILE`` must answer each with exit code 2 and one line on stderr that
 says why and what would work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -73,6 +77,18 @@ def write_gguf(
     return path
 
 
+def with_unknown_tensor_type(path: Path, type_id: int = 250) -> Path:
+    """``path`` (written by :func:`write_gguf`) with its tensor's type set to ``type_id``,
+    which no GGML type has: a file from a format newer than anything that reads it."""
+    data = bytearray(path.read_bytes())
+    # The tensor's type follows its name, its dimension count and two dimensions.
+    at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4 + 2 * 8
+    assert struct.unpack_from("<I", data, at)[0] == int(gguf.GGMLQuantizationType.F32)
+    struct.pack_into("<I", data, at, type_id)
+    path.write_bytes(bytes(data))
+    return path
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
@@ -97,7 +113,19 @@ def bad_files(tmp_path_factory):
             write_gguf(folder / "no-vocab.gguf", "llama", tokenizer=False),
             "has no tokenizer",
         ),
+        "unknown quantization type": (
+            with_unknown_tensor_type(write_gguf(folder / "future.gguf", "llama")),
+            "tensor type 250 is an unknown quantization type",
+        ),
+        "IQ4_NL tensor": (
+            write_gguf(folder / "iq4_nl.gguf", "llama", tensor_type=gguf.GGMLQuantizationType.IQ4_NL),
+            "tensor type IQ4_NL is newer than the bundled loader",
+        ),
     }
+
+
+# The refusals that llama.cpp can run instead: the line names that engine.
+LLAMA_CPP_RUNS = ("non-llama GGUF v3", "Llama 3.1 rope_freqs", "IQ4_NL tensor")
 
 
 @pytest.mark.parametrize(
@@ -109,6 +137,8 @@ def bad_files(tmp_path_factory):
         pytest.param("truncated GGUF", marks=pytest.mark.slow),
         "text file",
         "GGUF without a tokenizer",
+        "unknown quantization type",
+        "IQ4_NL tensor",
     ],
 )
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
@@ -132,7 +162,7 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
     [failure] = [json.loads(x) for x in result.stdout.splitlines() if '"startup_failed"' in x]
     assert failure["error"] == line.removeprefix("stopline: ")
     # Where the other engine can run the file, the line names it.
-    assert ("--engine llama.cpp can run this file" in line) == (case in ("non-llama GGUF v3", "Llama 3.1 rope_freqs"))
+    assert ("--engine llama.cpp can run this file" in line) == (case in LLAMA_CPP_RUNS)
     # Nothing was converted for a file that was refused.
     assert not (
         model.converted_dir() / f"{path.stem}.{path.stat().st_size}.ct-v{model.CONVERTER_VERSION}.gguf"
@@ -140,12 +170,24 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
 
 
 def test_the_llama_cpp_engine_accepts_what_ctransformers_refuses_for_it(bad_files):
-    # The verdict depends on the engine: rope_freqs and other architectures are llama.cpp's to run.
-    for case in ("non-llama GGUF v3", "Llama 3.1 rope_freqs"):
+    # The verdict depends on the engine: rope_freqs, newer tensor types and other
+    # architectures are llama.cpp's to run.
+    for case in LLAMA_CPP_RUNS:
         assert check_model_file(bad_files[case][0], None, engine="llama.cpp") is not None
-    # A file with no tensors holds no model for any engine.
+    # A file with no tensors holds no model for any engine, nor one of an unknown type.
     with pytest.raises(ModelFileError, match="has no tensors"):
         check_model_file(bad_files["GGUF without tensors"][0], None, engine="llama.cpp")
+    with pytest.raises(ModelFileError, match="tensor type 250 is an unknown quantization type"):
+        check_model_file(bad_files["unknown quantization type"][0], None, engine="llama.cpp")
+
+
+def verdict_seconds(path: Path) -> float:
+    """The CPU time of this thread that ``check_model_file`` takes to pass or refuse ``path``.
+    CPU time, not the wall clock: on a loaded machine the wall clock also counts the others."""
+    start = time.thread_time()
+    with contextlib.suppress(ModelFileError):
+        check_model_file(path, None)
+    return time.thread_time() - start
 
 
 def test_the_verdict_reads_no_vocabulary(tmp_path, monkeypatch):
@@ -153,6 +195,10 @@ def test_the_verdict_reads_no_vocabulary(tmp_path, monkeypatch):
     # refusal and for a pass alike: the verdict depends on the metadata and tensor list only.
     gemma = write_gguf(tmp_path / "gemma3.gguf", "gemma3", vocab_size=262_144)
     llama = write_gguf(tmp_path / "llama.gguf", "llama", vocab_size=262_144)
+    # Under a second, as a user waits for it: skipping the vocabulary takes tens of
+    # milliseconds, reading it (as gguf's reader does) took 12 to 20 seconds.
+    assert verdict_seconds(gemma) < 0.5 * UNIT
+    assert verdict_seconds(llama) < 0.5 * UNIT
     decoded = []
     real_contents = MetadataField.contents
 
@@ -185,13 +231,7 @@ def test_the_metadata_reader_agrees_with_gguf(engine):
 
 
 def test_an_unknown_quantization_type_is_refused(tmp_path):
-    path = write_gguf(tmp_path / "future.gguf", "llama")
-    data = bytearray(path.read_bytes())
-    # The tensor's type follows its name, its dimension count and two dimensions.
-    at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4 + 2 * 8
-    assert struct.unpack_from("<I", data, at)[0] == int(gguf.GGMLQuantizationType.F32)
-    struct.pack_into("<I", data, at, 250)
-    path.write_bytes(bytes(data))
+    path = with_unknown_tensor_type(write_gguf(tmp_path / "future.gguf", "llama"))
     with pytest.raises(ModelFileError, match="tensor type 250 is an unknown quantization type"):
         check_model_file(path, None)
 
@@ -392,6 +432,34 @@ def test_a_converted_copy_the_loader_refuses_is_deleted(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="could not create a 'llama' model"):
         Engine.load(write_gguf(tmp_path / "hollow.gguf", "llama"), context_length=64, threads=1, progress=False)
     assert list(model.converted_dir().iterdir()) == []
+
+
+@contextlib.contextmanager
+def file_size_limit(size: int):
+    """Writes past ``size`` bytes of any file fail with EFBIG, as on a full disk (Python
+    ignores SIGXFSZ, so the write raises OSError instead of killing the process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_conversion_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    source = write_spm_llama(tmp_path / "spm.gguf")
+    limit = source.stat().st_size // 2
+    with file_size_limit(limit), pytest.raises(OSError):
+        Engine.load(source, context_length=256, threads=1, progress=False)
+    # Neither the half-written copy nor its temporary file is left.
+    assert list(model.converted_dir().iterdir()) == []
+    # The next start converts the file afresh, and the copy loads.
+    loaded = Engine.load(source, context_length=256, threads=1, progress=False)
+    loaded.open_slot().close()
+    assert model.converted_files() == [loaded.model_path]
+    # The failed write had got past the copy's header and metadata into its tensor data.
+    assert read_gguf_metadata(loaded.model_path).data_offset < limit < loaded.model_path.stat().st_size
 
 
 def stopline_cache(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:

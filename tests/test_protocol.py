@@ -183,6 +183,25 @@ def test_prompt_too_long_is_measured_in_tokens():
     assert conn.live == {}
 
 
+def test_a_prompt_must_leave_the_room_asked_for_the_answer():
+    conn = connection()
+    words = " ".join(["w"] * 12)  # 12 tokens of a 16-token context: room for 4
+    [submit] = generate(conn, "four", prompt=words, min_answer_tokens=4)
+    assert isinstance(submit, Submit) and len(submit.request.prompt_tokens) == 12
+    [error] = generate(conn, "five", prompt=words, min_answer_tokens=5)
+    assert error.frame.json()["code"] == ErrorCode.PROMPT_TOO_LONG
+    assert "min_answer_tokens" in error.frame.json()["message"]
+    # Without it, a prompt needs room for one generated token only.
+    [submit] = generate(conn, "fifteen", prompt=" ".join(["w"] * 15))
+    assert isinstance(submit, Submit)
+    for bad in (0, 17, 2.5, "4"):
+        [error] = generate(conn, "bad", prompt=words, min_answer_tokens=bad)
+        assert (
+            error.frame.json()["code"] == ErrorCode.INVALID_FIELD
+            and "min_answer_tokens" in error.frame.json()["message"]
+        )
+
+
 def test_deadlines_are_capped_by_the_server():
     conn = connection(max_timeout_s=5, max_ttft_timeout_s=2)
     [submit] = generate(conn, timeout_s=1000, ttft_timeout_s=1.5)

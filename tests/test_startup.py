@@ -7,20 +7,27 @@ cases run it in a pseudo-terminal, as a person at a terminal sees it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import aiohttp
 import pexpect
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server, spawn_stopline
 from stopline import model, scheduler
 from stopline.__main__ import _in_daemon_thread
+from stopline.origin import WILDCARD_HOSTS
+from stopline.tokenizer import load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,10 +103,10 @@ def test_a_port_that_cannot_be_taken_is_one_line_and_exit_2_before_loading(case,
 # --- host names with --host 0.0.0.0 ----------------------------------------------------------
 
 
-async def get_as(server, host: str, path: str = "/") -> tuple[int, str]:
-    """A GET to the server's port over loopback, naming ``host`` in its Host header."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{server.port}\r\nConnection: close\r\n\r\n".encode())
+async def get_as(port: int, host: str, path: str = "/", address: str = "127.0.0.1") -> tuple[int, str]:
+    """A GET to ``port`` over loopback (``address``), naming ``host`` in its Host header."""
+    reader, writer = await asyncio.open_connection(address, port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
     data = await reader.read()
     writer.close()
     await writer.wait_closed()
@@ -110,15 +117,14 @@ async def get_as(server, host: str, path: str = "/") -> tuple[int, str]:
 async def test_listening_everywhere_answers_to_the_machines_own_names(engine):
     async with running_server(engine, host="0.0.0.0") as server:
         own = socket.gethostname()
-        status, _ = await get_as(server, own)
+        status, _ = await get_as(server.port, own)
         assert status == 200
-        status, body = await get_as(server, own, "/healthz")
+        status, body = await get_as(server.port, own, "/healthz")
         assert status == 200
-        # The API is advertised at an address a client can use, not 0.0.0.0.
-        assert f'"http_api": "http://{own}:' in body and "0.0.0.0" not in body
-        assert server.url == f"http://{own}:{server.port}/"
+        # The API is advertised where the page is, not at 0.0.0.0.
+        assert f'"http_api": "http://{server.public_host}:' in body and "0.0.0.0" not in body
         # Another name is still refused, and the refusal says how to allow it.
-        status, body = await get_as(server, "rebound.example")
+        status, body = await get_as(server.port, "rebound.example")
         assert status == 403
         assert "host_not_allowed" in body and "--allowed-hosts rebound.example" in body
 
@@ -126,8 +132,118 @@ async def test_listening_everywhere_answers_to_the_machines_own_names(engine):
 async def test_a_loopback_server_refuses_the_machines_name_and_names_the_flag(engine):
     async with running_server(engine) as server:
         own = socket.gethostname()
-        status, body = await get_as(server, own)
+        status, body = await get_as(server.port, own)
         assert status == 403 and f"--allowed-hosts {own.lower()}" in body
+
+
+async def open_advertised(page: str, api: str) -> None:
+    """Open the page, /healthz and the API's model list at the URLs a server advertised,
+    as a client does: resolving the host in them."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30 * UNIT)) as http:
+        async with http.get(page) as response:
+            assert response.status == 200 and "<title>" in await response.text()
+        async with http.get(page + "healthz") as response:
+            assert response.status == 200 and (await response.json())["http_api"] == api
+        async with http.get(api + "/models") as response:
+            assert response.status == 200
+            assert [m["id"] for m in (await response.json())["data"]] == [model.EMBEDDED_MODEL_NAME]
+
+
+@pytest.mark.parametrize("own_name", ["localhost", "stopline-unnamed.invalid"])
+async def test_a_server_on_every_interface_advertises_a_url_that_opens(engine, monkeypatch, own_name):
+    # A machine's name may resolve to one of its addresses, or nowhere (no entry in
+    # /etc/hosts, no DNS): then an address of the machine stands in for it.
+    monkeypatch.setattr(socket, "gethostname", lambda: own_name)
+    async with running_server(engine, host="0.0.0.0") as server:
+        advertised = urlsplit(server.url).hostname
+        if own_name == "localhost":
+            assert advertised == own_name
+        else:
+            assert ipaddress.ip_address(advertised).version == 4 and advertised != "0.0.0.0"
+        assert server.url == f"http://{advertised}:{server.port}/"
+        await open_advertised(server.url, server.http.base_url)
+
+
+async def started(process: asyncio.subprocess.Process) -> dict:
+    """The server_started record of a process whose output is a pipe (so JSON lines)."""
+    while True:
+        line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
+        if not line:
+            error = (await process.stderr.read()).decode()
+            if "cannot listen on [::]" in error:
+                pytest.skip(f"no IPv6 here: {error.strip()}")
+            raise AssertionError(f"the server exited: {error[-2000:]}")
+        record = json.loads(line)
+        if record["event"] == "server_started":
+            return record
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "127.0.0.1"])
+async def test_the_advertised_urls_open_and_a_refused_name_is_told_the_flag(host):
+    process = await spawn_stopline("--host", host, "--port", "0")
+    try:
+        record = await started(process)
+        page, api = record["url"], record["http_api"]
+        assert urlsplit(page).hostname not in WILDCARD_HOSTS and urlsplit(api).hostname not in WILDCARD_HOSTS
+        await open_advertised(page, api)
+        port, own = urlsplit(page).port, socket.gethostname()
+        loopback = "::1" if host == "::" else "127.0.0.1"
+        if host in WILDCARD_HOSTS:
+            assert (await get_as(port, own, address=loopback))[0] == 200
+            refused = "rebound.example"
+        else:
+            refused = own.lower()
+        status, body = await get_as(port, refused, address=loopback)
+        assert status == 403 and f"--allowed-hosts {refused}" in body
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+
+
+# --- --chat-template ------------------------------------------------------------------------------
+
+
+async def test_the_served_prompt_is_rendered_with_the_chat_template_flag(engine):
+    # The model's own template (SmolLM2's ChatML, with its default system prompt) and
+    # zephyr's give prompts of different lengths: the served count says which one ran.
+    zephyr = engine.tokenizer.with_chat_template(load_chat_template("zephyr"))
+    with_zephyr = len(zephyr.encode(zephyr.render_chat(CHAT_FRANCE)))
+    assert with_zephyr != len(engine.encode(messages=CHAT_FRANCE))
+    process = await spawn_stopline("--port", "0", "--chat-template", "zephyr")
+    try:
+        api = (await started(process))["http_api"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as http:
+            body = {"model": model.EMBEDDED_MODEL_NAME, "messages": CHAT_FRANCE, "max_tokens": 1}
+            async with http.post(api + "/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                answer = await response.json()
+        assert answer["usage"]["prompt_tokens"] == with_zephyr
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+
+
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("alpaca", "'alpaca' is neither a template file nor one of chatml, llama2, zephyr"),
+        ("missing.jinja", "'{folder}/missing.jinja' is neither a template file"),
+        ("broken.jinja", "{folder}/broken.jinja: not a Jinja template"),
+    ],
+)
+def test_a_chat_template_that_cannot_work_is_one_line_and_exit_2(tmp_path, template, problem):
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    if template.endswith(".jinja"):
+        template = str(tmp_path / template)
+    result = stopline("--port", "0", "--chat-template", template)
+    assert result.returncode == 2, result
+    # One line that names the flag and says why; nothing was loaded or logged.
+    [line] = result.stderr.splitlines()
+    assert line.startswith("python -m stopline: error: argument --chat-template: ")
+    assert problem.format(folder=tmp_path) in line, line
+    assert result.stdout == ""
 
 
 # --- the console -------------------------------------------------------------------------------

@@ -95,18 +95,22 @@ def small_engine():
     return Engine.load(threads=1, context_length=256, progress=False)
 
 
+SENTENCE = "Tell me about the history of bread, "
+
+
 async def test_a_chat_past_the_context_leaves_out_its_oldest_turns_and_says_so(browser, small_engine):
-    turn = "Tell me about the history of bread, " * 8
+    # Turns of about 150, 150, 165 and 35 tokens: with the system prompt and the question,
+    # the newest two fit the context of 256 tokens but leave only 33 for the answer.
     chat = {
         "id": "chat-long",
         "title": "Bread",
         "updated": 1,
         "messages": [
             m
-            for i in range(4)
+            for i, repeats in enumerate((8, 8, 9, 1))
             for m in (
-                {"role": "user", "content": f"Question {i}: {turn}"},
-                {"role": "assistant", "content": f"Answer {i}: {turn}", "state": "done", "meta": "done"},
+                {"role": "user", "content": f"Question {i}: {SENTENCE * repeats}"},
+                {"role": "assistant", "content": f"Answer {i}: {SENTENCE * repeats}", "state": "done", "meta": "done"},
             )
         ],
     }
@@ -116,13 +120,13 @@ async def test_a_chat_past_the_context_leaves_out_its_oldest_turns_and_says_so(b
         try:
             await open_app(page, server.http_url + "/")
             await seed_chat(page, chat)
-            await settings(page, max_tokens=16, temperature=0)
+            await settings(page, max_tokens=64, temperature=0)
             await page.fill("#system-prompt", "Answer briefly.")
             answer, _ = await send(page, "What is bread?")
             await expect_state(answer, "done", timeout=90)
             note = page.locator(".trim-note")
             await expect(note).to_be_visible()
-            await expect(note).to_contain_text("context of 256 tokens")
+            await expect(note).to_contain_text("context of 256 tokens with room for the answer")
             trimmed = await page.locator(".msg.trimmed").count()
             assert trimmed >= 2 and trimmed % 2 == 0
             await expect(note).to_contain_text(f"The {trimmed} oldest messages")
@@ -134,6 +138,12 @@ async def test_a_chat_past_the_context_leaves_out_its_oldest_turns_and_says_so(b
                 assert frame["messages"][0] == {"role": "system", "content": "Answer briefly."}
                 assert frame["messages"][-1] == {"role": "user", "content": "What is bread?"}
             assert frames[-1]["messages"][1]["content"].startswith(f"Question {trimmed // 2}:")
+            # Each ask keeps room for the answer: its max tokens, at most a quarter of the context.
+            assert [f["min_answer_tokens"] for f in frames] == [64] * len(frames)
+            # Trimmed until the prompt left that room, not merely until it fit: the ask before
+            # the last fit the context, but with less room than that for the answer.
+            sizes = [len(small_engine.encode(messages=f["messages"])) for f in frames]
+            assert sizes[-1] + 64 <= 256 and 256 - 64 < sizes[-2] < 256, sizes
             # No error reached the chat, and the next question starts from the trimmed history.
             assert "Error" not in await meta(answer)
             asked = len(frames)
@@ -142,6 +152,15 @@ async def test_a_chat_past_the_context_leaves_out_its_oldest_turns_and_says_so(b
             for frame in generates(page.sent)[asked:]:
                 assert not any(m["content"].startswith("Question 0:") for m in frame["messages"])
             await screenshot(page, "trimmed-to-the-context")
+
+            # A question that fits the context but not with that room, with nothing older to
+            # leave out, is still answered in the room there is.
+            await page.click("#new-chat")
+            asked = len(generates(page.sent))
+            answer, _ = await send(page, SENTENCE * 25)
+            await expect_state(answer, "done", timeout=90)
+            assert [f["min_answer_tokens"] for f in generates(page.sent)[asked:]] == [64, 1]
+            assert "Error" not in await meta(answer) and not await page.locator(".trim-note").count()
         finally:
             await close_page(page)
 

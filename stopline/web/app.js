@@ -88,7 +88,7 @@ let counter = 0;
 
 // A chat is { id, title, updated, trimmed?, messages: [{ role, content, state?, meta? }] }; only this
 // is stored. `trimmed` counts the oldest messages left out of what the model sees: they no longer
-// fit its context.
+// fit its context with room for the answer (answerRoom).
 let chats = loadChats();
 let chat = null;                  // the chat on screen, or null for a new, empty one
 const views = new Map();          // message -> its elements, for the chat on screen
@@ -370,10 +370,17 @@ function onFrame(msg) {
     }
 
     case 'error': {
-      // A chat that outgrew the context: leave its oldest turn out and ask again.
-      if (req && !req.over && msg.code === 'prompt_too_long' && trimOldestTurn(req.chat)) {
-        retry(req);
-        break;
+      // A chat that outgrew the context, or left too little room for the answer: leave its
+      // oldest turn out and ask again. With nothing left to leave out, answer in the room there is.
+      if (req && !req.over && msg.code === 'prompt_too_long') {
+        if (trimOldestTurn(req.chat)) {
+          retry(req);
+          break;
+        }
+        if (req.room > 1) {
+          retry(req, 1);
+          break;
+        }
       }
       let text = ERROR_TEXT[msg.code] ?? msg.message ?? 'Unknown error.';
       if (ERROR_DETAIL.has(msg.code) && msg.message) text += ` (${msg.message})`;
@@ -465,7 +472,16 @@ function send() {
 }
 
 // Ask for a reply to the conversation as it stands; with `partial`, continue that answer instead.
-function answer(partial = null) {
+// The room in the context each answer is asked to have (the generate frame's min_answer_tokens):
+// its max tokens, but no more than a quarter of the context. A chat is trimmed until its prompt
+// leaves that much; a prompt that merely fits the context could leave the answer a few words.
+function answerRoom() {
+  if (!contextLength) return undefined; // no hello yet: the server's own minimum
+  const wanted = readNumber(els.maxTokens, Math.round) ?? contextLength;
+  return Math.max(1, Math.min(wanted, Math.floor(contextLength / 4)));
+}
+
+function answer(partial = null, room = answerRoom()) {
   hideNotice();
   const history = conversation();
   let msg = partial;
@@ -475,7 +491,7 @@ function answer(partial = null) {
     els.messages.append(messageView(msg).el);
   }
   const id = `c${++counter}-${Math.random().toString(36).slice(2, 8)}`;
-  const req = { id, msg, chat, sock: ws, base: msg.content, text: '', next: 0, pending: new Map(), over: false, frame: 0 };
+  const req = { id, msg, chat, room, sock: ws, base: msg.content, text: '', next: 0, pending: new Map(), over: false, frame: 0 };
   requests.set(id, req);
   current = req;
   const view = views.get(msg);
@@ -485,6 +501,7 @@ function answer(partial = null) {
   setMeta(msg, partial?.content ? 'Continuing…' : 'Waiting…');
   const frame = { type: 'generate', id, messages: history };
   for (const [, input, field, round] of NUMBER_SETTINGS) frame[field] = readNumber(input, round);
+  frame.min_answer_tokens = room;
   sendFrame(frame);
   touch(chat);
   try { localStorage.setItem(OPEN_KEY, chat.id); } catch { /* storage off */ }
@@ -583,11 +600,11 @@ function startEdit(msg) {
 }
 
 // Ask again for the same answer, once its conversation has been trimmed to fit.
-function retry(req) {
+function retry(req, room = req.room) {
   req.over = true;
   requests.delete(req.id);
   if (current === req) current = null;
-  answer(req.msg);
+  answer(req.msg, room);
 }
 
 // Leave the oldest turn (a question and its answers) out of what the model sees; never the
@@ -613,8 +630,8 @@ function showTrimmed() {
   if (!n) return;
   const limit = contextLength ? ` of ${contextLength} tokens` : '';
   const note = h('p', 'trim-note',
-    `The ${n} oldest message${n === 1 ? '' : 's'} above no longer fit the model’s context${limit}: `
-    + 'the model does not see them. The system prompt is always kept.');
+    `The ${n} oldest message${n === 1 ? '' : 's'} above no longer fit the model’s context${limit} `
+    + 'with room for the answer: the model does not see them. The system prompt is always kept.');
   note.setAttribute('role', 'note');
   views.get(chat.messages[n])?.el.before(note);
 }
