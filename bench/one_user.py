@@ -5,7 +5,8 @@ Starts ``python -m stopline`` three times on the embedded model: with its defaul
 from round to round, so that drift on the shared machine favours none) streams one greedy
 generation alone, then two at once on two connections, and the client times every token frame.
 A stream's decode speed is its tokens after the first over the time from its first token to
-its last; a user's wait is the time from sending ``generate`` to the first token. The machine's
+its last; a user's wait is the time from sending ``generate`` to the first token; and what two
+users get in all is their tokens over the time from the first request to the last token. The machine's
 load average is recorded around every round, since every figure depends on it.
 
     python -m bench.one_user [--rounds 5] [--max-tokens 200] [--out bench/out]
@@ -47,7 +48,13 @@ async def stream(ws_url: str, max_tokens: int) -> dict:
             elif frame["type"] in TERMINAL_TYPES:
                 break
     decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")
-    return {"wait_ms": (times[0] - sent) * 1000, "tokens": len(times), "tokens_per_s": (len(times) - 1) / decode_s}
+    return {
+        "sent": sent,
+        "last": times[-1],
+        "wait_ms": (times[0] - sent) * 1000,
+        "tokens": len(times),
+        "tokens_per_s": (len(times) - 1) / decode_s,
+    }
 
 
 async def measure(rounds: int, max_tokens: int) -> dict:
@@ -75,6 +82,12 @@ async def measure(rounds: int, max_tokens: int) -> dict:
     return {"rounds": rounds, "max_tokens": max_tokens, "load_average": loads, "results": results}
 
 
+def served_per_s(pair: list[dict]) -> float:
+    """Both users' tokens over the time from the first request to the last token: what the server
+    delivered to the two, whether it served them together or one after the other."""
+    return sum(r["tokens"] for r in pair) / (max(r["last"] for r in pair) - min(r["sent"] for r in pair))
+
+
 def summary(result: dict) -> dict[str, dict[str, float]]:
     """Medians over the rounds, per configuration."""
     table = {}
@@ -83,7 +96,7 @@ def summary(result: dict) -> dict[str, dict[str, float]]:
         table[name] = {
             "alone_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs["alone"]),
             "together_tokens_per_s_each": statistics.median(r["tokens_per_s"] for pair in pairs for r in pair),
-            "together_tokens_per_s_total": statistics.median(sum(r["tokens_per_s"] for r in pair) for pair in pairs),
+            "together_tokens_per_s_total": statistics.median(served_per_s(pair) for pair in pairs),
             "second_user_wait_ms": statistics.median(pair[1]["wait_ms"] for pair in pairs),
         }
     return table
@@ -98,7 +111,7 @@ def main(argv=None) -> int:
     result = asyncio.run(measure(args.rounds, args.max_tokens))
     result["summary"] = table = summary(result)
     default = table["default"]["alone_tokens_per_s"]
-    print("| configuration | one user, tokens/s | two users, tokens/s each | two users, total | 2nd user's wait, ms |")
+    print("| configuration | one user, tokens/s | two users, tokens/s each | two users, in all | 2nd user's wait, ms |")
     print("|---|---|---|---|---|")
     for name, row in table.items():
         print(
