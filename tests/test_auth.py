@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import stat
+import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -35,6 +37,7 @@ from stopline.settings import Settings
 from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 
 METRICS_KEY = "metrics-key-0123456789"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -271,6 +274,62 @@ async def test_listening_beyond_loopback_without_keys_says_so_once(engine, logs)
     await server.shutdown()
     [warning] = logs.records(KeyEvent.NONE_CONFIGURED)
     assert warning["host"] == "0.0.0.0" and "anyone" in warning["detail"]
+
+
+# Secrets on the command line and in the environment ----------------------------------------
+
+
+def stopline_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m stopline`` as a real process, with no STOPLINE_ variable but those in ``env``."""
+    environ = {name: value for name, value in os.environ.items() if not name.startswith("STOPLINE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "stopline", *args],
+        cwd=ROOT,
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+    )
+
+
+SECRET = "hunter2-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    "args, env, secret, named",
+    [
+        ((), {"STOPLINE_METRICS_KEY": SECRET[:12]}, SECRET[:12], "STOPLINE_METRICS_KEY: an API key must be"),
+        # A '/' in a password ends the URL's host part: the URL parser's own message quotes what follows the ':'.
+        (
+            (),
+            {"STOPLINE_REDIS_URL": f"redis://:{SECRET}/x@cache:6379/0"},
+            SECRET,
+            "STOPLINE_REDIS_URL: not a Redis URL",
+        ),
+        (("--redis-url", f"redis://:{SECRET}/x@cache:6379/0"), {}, SECRET, "argument --redis-url: not a Redis URL"),
+        ((), {"STOPLINE_API_KEYS": f"good-key-0123456789,{SECRET}!"}, SECRET, "STOPLINE_API_KEYS: an API key must be"),
+    ],
+    ids=["metrics-key", "redis-url-environment", "redis-url-flag", "api-keys"],
+)
+def test_an_invalid_secret_stops_startup_without_showing_it(args, env, secret, named):
+    result = stopline_process(*args, env=env)
+    assert result.returncode == 2, result
+    # It says which setting is wrong and why, as for any other.
+    assert named in result.stderr, result.stderr
+    assert secret not in result.stdout + result.stderr
+
+
+def test_help_never_shows_a_secret_from_the_environment():
+    env = {
+        "STOPLINE_METRICS_KEY": SECRET,
+        "STOPLINE_REDIS_URL": f"redis://:{SECRET}@cache:6379/0",
+        "STOPLINE_PORT": "9000",
+    }
+    result = stopline_process("--help", env=env)
+    assert result.returncode == 0, result
+    # Other settings from the environment show as the defaults they become.
+    assert "(default: 9000)" in result.stdout
+    assert SECRET not in result.stdout + result.stderr
 
 
 # Quotas --------------------------------------------------------------------------------------------
