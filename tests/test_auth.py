@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import stat
@@ -22,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 from stopline.__main__ import main as stopline_main
+from stopline.__main__ import parse_args, settings_from
 from stopline.app import StoplineServer
 from stopline.auth import (
     KeyFileError,
@@ -276,7 +278,56 @@ async def test_listening_beyond_loopback_without_keys_says_so_once(engine, logs)
     assert warning["host"] == "0.0.0.0" and "anyone" in warning["detail"]
 
 
-# Secrets on the command line and in the environment ----------------------------------------
+# Keys and secrets on the command line and in the environment ----------------------------------------
+
+FIRST, SECOND, THIRD = (f"{n}-simple-key-0123456789" for n in ("first", "second", "third"))
+
+
+def simple_key_id(key: str) -> str:
+    # As docs/http.md names a key given without a file: key-<the first 8 hex digits of its SHA-256>.
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+async def chat_as(http, server, key: str) -> tuple[int, dict, dict]:
+    async with http.post(
+        f"{server.http.base_url}/chat/completions",
+        json={"messages": CHAT_FRANCE, "max_tokens": 1},
+        headers=bearer(key),
+    ) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+@pytest.mark.parametrize(
+    "environment, flags, accepted, refused",
+    [
+        ("", [FIRST, SECOND], [FIRST, SECOND], [THIRD]),
+        (f" {SECOND} ,, {THIRD}", [], [SECOND, THIRD], [FIRST]),
+        # The flags add to the environment's keys; a key given in both is one key.
+        (f"{THIRD},{FIRST}", [FIRST], [THIRD, FIRST], [SECOND]),
+    ],
+    ids=["flags", "environment", "both"],
+)
+async def test_keys_from_api_key_flags_and_stopline_api_keys(
+    engine, logs, http, monkeypatch, environment, flags, accepted, refused
+):
+    monkeypatch.setenv("STOPLINE_API_KEYS", environment)
+    args = parse_args([arg for key in flags for arg in ("--api-key", key)])
+    async with running_server(engine, api_keys=settings_from(args).api_keys) as server:
+        assert len(server.keyring) == len(accepted)
+        for key in accepted:
+            status, _, body = await chat_as(http, server, key)
+            assert status == 200, body
+            # Each key is its own user, named by its id in the request's log lines and in the metrics.
+            for event in ("generation_accepted", "generation_done"):
+                [record] = logs.records(event, request_id=body["id"])
+                assert record["user_id"] == record["key_id"] == simple_key_id(key)
+            metrics = server.metrics.render().decode()
+            assert metric_value(metrics, "stopline_key_requests_total", key_id=simple_key_id(key), outcome="done") == 1
+        for key in refused:
+            status, headers, body = await chat_as(http, server, key)
+            assert (status, body["error"]["code"]) == (401, ErrorCode.UNAUTHORIZED)
+            assert headers["WWW-Authenticate"] == 'Bearer realm="stopline"'
+        assert not [key for key in (FIRST, SECOND, THIRD) if key in all_text(server, logs)]
 
 
 def stopline_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
