@@ -2,8 +2,9 @@
 
 One count per key in Redis, whichever replica a request lands on, for each
 limit; a replica that dies holds its places only until their leases end;
-Redis going away leaves each replica counting alone, never waiting for it; no
-key ever reaches a log line, a metric or Redis.
+Redis going away leaves each replica counting alone, never waiting for it; a
+key stops its own generations on any replica, and is their user_id in Redis;
+no key ever reaches a log line, a metric or Redis.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from bench.servers import RedisServer
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from stopline.app import StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
+from stopline.cluster import CANCELLATIONS, generation_key
 from stopline.model import EMBEDDED_MODEL_NAME
 from stopline.quota import ADMIT_TIMEOUT_S, LEASE_S, quota_key
 from stopline.settings import Settings
-from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, StoreState
+from stopline.vocabulary import ErrorCode, KeyEvent, Outcome, QuotaLimit, Reason, Status, StoreEvent, StoreState
 from test_cluster import REPLICA_IDS, Nginx, Replica
 
 METRICS_KEY = "metrics-key-for-the-cluster-0123"
@@ -237,6 +239,62 @@ async def test_tokens_per_minute_are_one_count_across_replicas(engine, tmp_path,
         assert float(await pair.store.hget(bucket, "level")) < 0
         refused = [quota_refusals(server, entry.key_id, QuotaLimit.TOKENS_PER_MINUTE) for server in (pair.a, pair.b)]
         assert refused == [1, 2]
+
+
+async def _ended_hash(store: aioredis.Redis, request_id: str) -> dict | None:
+    record = await store.hgetall(generation_key(request_id))
+    return record if record.get("status") == Status.CANCELLED else None
+
+
+async def _cancellations(store: aioredis.Redis, request_id: str) -> list[dict]:
+    return [fields for _, fields in await store.xrange(CANCELLATIONS) if fields["request_id"] == request_id]
+
+
+async def test_the_key_that_started_a_generation_stops_it_from_another_replica(engine, tmp_path, http, logs):
+    """alice's generation runs on a; b answers GET and DELETE for it from Redis: bob's key is refused, alice's
+    reads it and cancels it, which a carries out. The hash and the cancellation record name alice as user_id."""
+    path = tmp_path / "keys.jsonl"
+    alice, alice_entry = add_key(path, "alice", Quota())
+    bob, _ = add_key(path, "bob", Quota())
+    async with two_replicas(engine, tmp_path, path) as pair:
+        on_b = f"{pair.b.http.base_url}/generations"
+        async with ws_client(pair.a.ws_url, alice) as client:
+            accepted = await generate(client, "long", messages=LONG_ANSWER, max_tokens=1500, user="root-says-alice")
+            assert accepted["type"] == "accepted", accepted
+            request_id = accepted["request_id"]
+            await client.recv_until(lambda f: f["type"] == "token")
+            # b does not hold it: it answers from the hash a wrote to Redis, under the same rule.
+            await wait_for(lambda: pair.store.exists(generation_key(request_id)), timeout=10)
+            for method in ("GET", "DELETE"):
+                async with http.request(method, f"{on_b}/{request_id}", headers=bearer(bob)) as response:
+                    assert response.status == 403, method
+                    assert (await response.json())["code"] == ErrorCode.INVALID_CANCEL_TOKEN
+            async with http.get(f"{on_b}/{request_id}", headers=bearer(alice)) as response:
+                assert response.status == 200
+                assert (await response.json())["status"] in (Status.QUEUED, Status.PREFILL, Status.DECODING)
+            async with http.delete(f"{on_b}/{request_id}", headers=bearer(alice)) as response:
+                assert response.status == 200 and response.headers["X-Stopline-Replica"] == "b"
+                assert await response.json() == {"request_id": request_id, "status": Status.CANCELLED}
+            terminal = await client.terminal("long")
+            assert (terminal["type"], terminal["reason"]) == (Outcome.CANCELLED, Reason.USER_CANCELLED)
+            assert terminal["tokens_after_cancel"] == 0
+            # Nothing follows the terminal frame: a cancel frame now gets only an ack.
+            await client.send({"type": "cancel", "id": "long"})
+            ack = await client.recv_until(lambda f: f["type"] != "token")
+            assert ack == {"type": "cancel_ack", "id": "long", "status": Status.CANCELLED}
+            assert client.frames[-2:] == [terminal, ack]
+        # a stopped it when b asked.
+        [remote] = logs.records(StoreEvent.REMOTE_CANCEL, request_id=request_id)
+        assert (remote["asked_by"], remote["status"]) == ("b", Status.CANCELLED)
+        record = await wait_for(lambda: _ended_hash(pair.store, request_id), timeout=10)
+        [logged] = await wait_for(lambda: _cancellations(pair.store, request_id), timeout=10)
+        assert record["owner"] == logged["replica_id"] == "a"
+        assert logged["event"] == "generation_cancelled" and logged["reason"] == Reason.USER_CANCELLED
+        for fields in (record, logged):
+            # The key's user is user_id; what the client said stays a label of its own.
+            assert (fields["user_id"], fields["key_id"]) == ("alice", alice_entry.key_id)
+            assert fields["user"] == "root-says-alice"
+            assert alice not in json.dumps(fields)
 
 
 # Three replicas behind nginx, as docs/deploy.md runs a keyed deployment --------------------------------
