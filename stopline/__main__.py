@@ -58,12 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         kind, default = flag.kind, flag.default
         raw = os.environ.get(flag.env)
         if raw is not None:
-            # An environment variable is checked like the flag, and named in the error.
+            # An environment variable is checked like the flag, and named in the error (a secret without its value).
             try:
                 default = kind(raw)
             except argparse.ArgumentTypeError as exc:
-                p.error(f"{flag.env}={raw!r}: {exc}")
-        shown = "" if default in (None, "", ()) or "default:" in flag.help else f" (default: {default})"
+                p.error(f"{flag.given(raw)}: {exc}")
+        unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
+        shown = "" if unshown else f" (default: {default})"
         p.add_argument(
             flag.flag,
             dest=flag.setting,

@@ -204,7 +204,8 @@ class Keyring:
 
     def __init__(self, keys: tuple[str, ...] | list[str] = (), path: str | None = None):
         self.path = path
-        self._simple = [simple_key(key) for key in keys]
+        # A key given twice (on the command line and in STOPLINE_API_KEYS) is one key.
+        self._simple = [simple_key(key) for key in dict.fromkeys(keys)]
         self._by_digest: dict[str, ApiKey] = {}
         self._by_id: dict[str, ApiKey] = {}
         self.reload()

@@ -258,8 +258,10 @@ class Quotas:
 
     async def close(self) -> None:
         if self._sender is not None:
-            self._sender.cancel()
-            await asyncio.gather(self._sender, return_exceptions=True)
+            from .cluster import stop_tasks  # there is a cluster: it is imported already
+
+            # A cancel alone may not end a task that uses Redis (stop_tasks says why).
+            await stop_tasks([self._sender])
 
     async def admit(self, key: ApiKey, request_id: str, prompt_tokens: int) -> QuotaRefusal | None:
         """Admit ``request_id`` under ``key``'s quota, or say which limit refuses it."""

@@ -208,8 +208,12 @@ def redis_url(text: str) -> str:
 
     try:
         parse_url(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError:
+        # Not the parser's own message: it may quote a piece of the URL, which may be of its password.
+        raise argparse.ArgumentTypeError(
+            "not a Redis URL: give redis://[user:password@]host:port/db, rediss://… or unix://PATH "
+            "(percent-encode / ? # @ in a user or password)"
+        ) from None
     return text
 
 
@@ -250,12 +254,16 @@ POSITIVE = integer(1)
 @dataclass(frozen=True)
 class Flag:
     """One command-line flag: the setting it sets (a field of Settings or of its limits), how its
-    text is read, and its help. Its default is the field's."""
+    text is read, and its help. Its default is the field's.
+
+    A secret flag's value is a credential, or may carry one (a Redis URL's password): it is never
+    shown, neither in an error about it nor as a default in --help, and its ``kind`` never quotes it."""
 
     flag: str
     setting: str
     kind: Any
     help: str
+    secret: bool = False
 
     @property
     def default(self) -> Any:
@@ -269,6 +277,11 @@ class Flag:
     def env(self) -> str:
         """The environment variable that gives this flag's value: STOPLINE_<FLAG>."""
         return "STOPLINE_" + self.flag.lstrip("-").replace("-", "_").upper()
+
+    def given(self, raw: str) -> str:
+        """What an error names for a value given in the environment: the variable, and its value
+        unless it is a secret."""
+        return self.env if self.secret else f"{self.env}={raw!r}"
 
 
 _SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}
@@ -385,6 +398,7 @@ FLAGS = [
         redis_url,
         "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
         "default: none, this process alone",
+        secret=True,
     ),
     Flag("--status-ttl", "status_ttl_s", POSITIVE, "seconds a generation's status stays in the shared store"),
     Flag(
@@ -398,7 +412,11 @@ FLAGS = [
         "see 'stopline keys add' (default: none)",
     ),
     Flag(
-        "--metrics-key", "metrics_key", api_key, "the key /metrics asks for as 'Authorization: Bearer' (default: open)"
+        "--metrics-key",
+        "metrics_key",
+        api_key,
+        "the key /metrics asks for as 'Authorization: Bearer' (default: open)",
+        secret=True,
     ),
     Flag("--log-level", "log_level", one_of(["debug", "info", "warning", "error"]), "log level"),
     Flag(

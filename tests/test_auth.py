@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import stat
+import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -20,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 from stopline.__main__ import main as stopline_main
+from stopline.__main__ import parse_args, settings_from
 from stopline.app import StoplineServer
 from stopline.auth import (
     KeyFileError,
@@ -35,6 +39,7 @@ from stopline.settings import Settings
 from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 
 METRICS_KEY = "metrics-key-0123456789"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -271,6 +276,111 @@ async def test_listening_beyond_loopback_without_keys_says_so_once(engine, logs)
     await server.shutdown()
     [warning] = logs.records(KeyEvent.NONE_CONFIGURED)
     assert warning["host"] == "0.0.0.0" and "anyone" in warning["detail"]
+
+
+# Keys and secrets on the command line and in the environment ----------------------------------------
+
+FIRST, SECOND, THIRD = (f"{n}-simple-key-0123456789" for n in ("first", "second", "third"))
+
+
+def simple_key_id(key: str) -> str:
+    # As docs/http.md names a key given without a file: key-<the first 8 hex digits of its SHA-256>.
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+async def chat_as(http, server, key: str) -> tuple[int, dict, dict]:
+    async with http.post(
+        f"{server.http.base_url}/chat/completions",
+        json={"messages": CHAT_FRANCE, "max_tokens": 1},
+        headers=bearer(key),
+    ) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+@pytest.mark.parametrize(
+    "environment, flags, accepted, refused",
+    [
+        ("", [FIRST, SECOND], [FIRST, SECOND], [THIRD]),
+        (f" {SECOND} ,, {THIRD}", [], [SECOND, THIRD], [FIRST]),
+        # The flags add to the environment's keys; a key given in both is one key.
+        (f"{THIRD},{FIRST}", [FIRST], [THIRD, FIRST], [SECOND]),
+    ],
+    ids=["flags", "environment", "both"],
+)
+async def test_keys_from_api_key_flags_and_stopline_api_keys(
+    engine, logs, http, monkeypatch, environment, flags, accepted, refused
+):
+    monkeypatch.setenv("STOPLINE_API_KEYS", environment)
+    args = parse_args([arg for key in flags for arg in ("--api-key", key)])
+    async with running_server(engine, api_keys=settings_from(args).api_keys) as server:
+        assert len(server.keyring) == len(accepted)
+        for key in accepted:
+            status, _, body = await chat_as(http, server, key)
+            assert status == 200, body
+            # Each key is its own user, named by its id in the request's log lines and in the metrics.
+            for event in ("generation_accepted", "generation_done"):
+                [record] = logs.records(event, request_id=body["id"])
+                assert record["user_id"] == record["key_id"] == simple_key_id(key)
+            metrics = server.metrics.render().decode()
+            assert metric_value(metrics, "stopline_key_requests_total", key_id=simple_key_id(key), outcome="done") == 1
+        for key in refused:
+            status, headers, body = await chat_as(http, server, key)
+            assert (status, body["error"]["code"]) == (401, ErrorCode.UNAUTHORIZED)
+            assert headers["WWW-Authenticate"] == 'Bearer realm="stopline"'
+        assert not [key for key in (FIRST, SECOND, THIRD) if key in all_text(server, logs)]
+
+
+def stopline_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m stopline`` as a real process, with no STOPLINE_ variable but those in ``env``."""
+    environ = {name: value for name, value in os.environ.items() if not name.startswith("STOPLINE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "stopline", *args],
+        cwd=ROOT,
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+    )
+
+
+SECRET = "hunter2-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    "args, env, secret, named",
+    [
+        ((), {"STOPLINE_METRICS_KEY": SECRET[:12]}, SECRET[:12], "STOPLINE_METRICS_KEY: an API key must be"),
+        # A '/' in a password ends the URL's host part: the URL parser's own message quotes what follows the ':'.
+        (
+            (),
+            {"STOPLINE_REDIS_URL": f"redis://:{SECRET}/x@cache:6379/0"},
+            SECRET,
+            "STOPLINE_REDIS_URL: not a Redis URL",
+        ),
+        (("--redis-url", f"redis://:{SECRET}/x@cache:6379/0"), {}, SECRET, "argument --redis-url: not a Redis URL"),
+        ((), {"STOPLINE_API_KEYS": f"good-key-0123456789,{SECRET}!"}, SECRET, "STOPLINE_API_KEYS: an API key must be"),
+    ],
+    ids=["metrics-key", "redis-url-environment", "redis-url-flag", "api-keys"],
+)
+def test_an_invalid_secret_stops_startup_without_showing_it(args, env, secret, named):
+    result = stopline_process(*args, env=env)
+    assert result.returncode == 2, result
+    # It says which setting is wrong and why, as for any other.
+    assert named in result.stderr, result.stderr
+    assert secret not in result.stdout + result.stderr
+
+
+def test_help_never_shows_a_secret_from_the_environment():
+    env = {
+        "STOPLINE_METRICS_KEY": SECRET,
+        "STOPLINE_REDIS_URL": f"redis://:{SECRET}@cache:6379/0",
+        "STOPLINE_PORT": "9000",
+    }
+    result = stopline_process("--help", env=env)
+    assert result.returncode == 0, result
+    # Other settings from the environment show as the defaults they become.
+    assert "(default: 9000)" in result.stdout
+    assert SECRET not in result.stdout + result.stderr
 
 
 # Quotas --------------------------------------------------------------------------------------------

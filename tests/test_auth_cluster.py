@@ -1,8 +1,10 @@
 """API keys and quotas across replicas: real redis-server, real replicas, real nginx, the real openai package.
 
-One count per key in Redis, whichever replica a request lands on; Redis going
-away leaves each replica counting alone, never waiting for it; no key ever
-reaches a log line, a metric or Redis.
+One count per key in Redis, whichever replica a request lands on, for each
+limit; a replica that dies holds its places only until their leases end;
+Redis going away leaves each replica counting alone, never waiting for it; a
+key stops its own generations on any replica, and is their user_id in Redis;
+no key ever reaches a log line, a metric or Redis.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import openai
@@ -25,10 +28,11 @@ from bench.servers import RedisServer
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from stopline.app import StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
+from stopline.cluster import CANCELLATIONS, generation_key
 from stopline.model import EMBEDDED_MODEL_NAME
-from stopline.quota import ADMIT_TIMEOUT_S, quota_key
+from stopline.quota import ADMIT_TIMEOUT_S, LEASE_S, quota_key
 from stopline.settings import Settings
-from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, StoreState
+from stopline.vocabulary import ErrorCode, KeyEvent, Outcome, QuotaLimit, Reason, Status, StoreEvent, StoreState
 from test_cluster import REPLICA_IDS, Nginx, Replica
 
 METRICS_KEY = "metrics-key-for-the-cluster-0123"
@@ -50,11 +54,20 @@ async def generate(client: Client, name: str, **fields) -> dict:
 # Two replicas in this process, sharing one redis-server ---------------------------------------------
 
 
-async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(engine, tmp_path, logs):
+@dataclass
+class Pair:
+    """Replicas a and b of one slot each, reading one keys file and sharing one redis-server; a client of it."""
+
+    a: StoplineServer
+    b: StoplineServer
+    redis_server: RedisServer
+    store: aioredis.Redis
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(engine, tmp_path, keys_file):
     redis_server = RedisServer(tmp_path / "redis").start(10 * UNIT)
-    path = tmp_path / "keys.jsonl"
-    key, entry = add_key(path, "hal", Quota(concurrent=1))
-    common = {"workers": 1, "redis_url": redis_server.url, "api_keys_file": str(path)}
+    common = {"workers": 1, "redis_url": redis_server.url, "api_keys_file": str(keys_file)}
     store = aioredis.from_url(redis_server.url, decode_responses=True)
     # Both live until both end (running_server's leak check is for one server at a time).
     a, b = (StoplineServer(engine, Settings.build(port=0, replica_id=name, **common)) for name in "ab")
@@ -64,6 +77,21 @@ async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(en
             server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
         for server in (a, b):
             await wait_for(lambda server=server: server.cluster.state is StoreState.UP, timeout=10)
+        yield Pair(a, b, redis_server, store)
+    finally:
+        for server in (a, b):
+            with contextlib.suppress(AttributeError):  # one that never started
+                await server.shutdown()
+        await store.aclose()
+        redis_server.kill()
+    assert a.scheduler.active == b.scheduler.active == 0
+
+
+async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(engine, tmp_path, logs):
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "hal", Quota(concurrent=1))
+    async with two_replicas(engine, tmp_path, path) as pair:
+        a, b, store, redis_server = pair.a, pair.b, pair.store, pair.redis_server
         async with ws_client(a.ws_url, key) as on_a, ws_client(b.ws_url, key) as on_b:
             assert (await generate(on_a, "long", messages=LONG_ANSWER, max_tokens=1500))["type"] == "accepted"
             assert await store.zcard(quota_key(entry.key_id, "concurrent")) == 1
@@ -105,17 +133,168 @@ async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(en
             await wait_for(lambda: _zcard_is(store, entry.key_id, 0), timeout=10)
             assert (await generate(on_b, "freed", max_tokens=2))["type"] == "accepted"
             await on_b.terminal("freed")
-    finally:
-        for server in (a, b):
-            with contextlib.suppress(AttributeError):  # one that never started
-                await server.shutdown()
-        await store.aclose()
-        redis_server.kill()
-    assert a.scheduler.active == b.scheduler.active == 0
 
 
 async def _zcard_is(store: aioredis.Redis, key_id: str, count: int) -> bool:
     return await store.zcard(quota_key(key_id, "concurrent")) == count
+
+
+@pytest.mark.slow
+async def test_the_place_of_a_replica_that_dies_frees_up_when_its_lease_ends(engine, tmp_path):
+    """A replica killed while it holds a key's only place never releases it: its lease, no longer renewed,
+    ends within LEASE_S, and another replica admits the key again."""
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "kim", Quota(concurrent=1))
+    async with two_replicas(engine, tmp_path, path) as pair:
+        doomed = Replica("doomed", pair.redis_server.url, tmp_path, ("--api-keys-file", str(path)))
+        try:
+            doomed.wait_started()
+            async with ws_client(doomed.ws_url, key) as on_doomed, ws_client(pair.b.ws_url, key) as on_b:
+                assert (await generate(on_doomed, "long", messages=LONG_ANSWER, max_tokens=1500))["type"] == "accepted"
+                refused = await generate(on_b, "held", max_tokens=2)
+                assert (refused["code"], refused["limit"]) == (ErrorCode.QUOTA_EXCEEDED, QuotaLimit.CONCURRENT)
+                doomed.process.kill()
+                killed = time.monotonic()
+                await wait_for(lambda: _zcard_is(pair.store, entry.key_id, 0), timeout=2 * LEASE_S)
+                assert time.monotonic() - killed <= LEASE_S + 1.0 * UNIT
+                assert (await generate(on_b, "freed", max_tokens=2))["type"] == "accepted"
+                await on_b.terminal("freed")
+        finally:
+            doomed.stop()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as session:
+        yield session
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def chat(http, server: StoplineServer, key: str, **body) -> tuple[int, dict, dict]:
+    """POST /v1/chat/completions to one replica: the status, headers and body of its answer."""
+    async with http.post(
+        f"{server.http.base_url}/chat/completions", json={"messages": CHAT_FRANCE, **body}, headers=bearer(key)
+    ) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+def retry_after(answer: tuple[int, dict, dict], limit: QuotaLimit) -> int:
+    """The Retry-After of a quota refusal by ``limit``."""
+    status, headers, body = answer
+    assert (status, body["error"]["code"]) == (429, ErrorCode.QUOTA_EXCEEDED), answer
+    assert limit.replace("_", " ") in body["error"]["message"], body
+    return int(headers["Retry-After"])
+
+
+def quota_refusals(server: StoplineServer, key_id: str, limit: QuotaLimit) -> float:
+    return metric_value(server.metrics.render().decode(), "stopline_quota_refusals_total", key_id=key_id, limit=limit)
+
+
+async def test_requests_per_minute_are_one_count_across_replicas(engine, tmp_path, http):
+    """A key of 3 requests a minute, asked alternately on a and b: 3 admitted in all. Each replica's own count
+    would admit more (a has admitted 2 itself, b 1): the refusals are the shared count's."""
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "ivy", Quota(requests_per_minute=3))
+    async with two_replicas(engine, tmp_path, path) as pair:
+        answers = [await chat(http, (pair.a, pair.b)[n % 2], key, max_tokens=1) for n in range(8)]
+        assert [status for status, _, _ in answers] == [200, 200, 200] + [429] * 5, answers
+        for answer in answers[3:]:
+            # One request comes back every 20 s.
+            assert 1 <= retry_after(answer, QuotaLimit.REQUESTS_PER_MINUTE) <= 20
+        refused = [quota_refusals(server, entry.key_id, QuotaLimit.REQUESTS_PER_MINUTE) for server in (pair.a, pair.b)]
+        assert refused == [2, 3]
+
+
+async def _changed(store: aioredis.Redis, name: str, before: dict) -> bool:
+    return await store.hgetall(name) != before
+
+
+async def test_tokens_per_minute_are_one_count_across_replicas(engine, tmp_path, http):
+    """A key of 12 generated tokens a minute, asked alternately on a and b for 5 tokens each. A request is
+    admitted while the shared bucket holds any token, and charged what it generated as it ends: the third
+    (10 charged before it) is admitted and takes the bucket into debt, and every later one is refused, on
+    both replicas, whose own buckets (a charged 10, b 5) would admit them."""
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "jay", Quota(tokens_per_minute=12))
+    bucket = quota_key(entry.key_id, "tokens")
+    async with two_replicas(engine, tmp_path, path) as pair:
+        answers = []
+        for n in range(6):
+            before = await pair.store.hgetall(bucket)
+            answer = await chat(http, (pair.a, pair.b)[n % 2], key, messages=LONG_ANSWER, max_tokens=5)
+            answers.append(answer)
+            if answer[0] == 200:
+                # The charge goes to Redis in the background as the generation ends: waiting for it, the
+                # next request is decided on every token generated before it.
+                await wait_for(lambda before=before: _changed(pair.store, bucket, before), timeout=10)
+        assert [status for status, _, _ in answers] == [200, 200, 200, 429, 429, 429], answers
+        generated = [body["usage"]["completion_tokens"] for status, _, body in answers if status == 200]
+        assert generated == [5, 5, 5] and sum(generated[:-1]) < 12 <= sum(generated)
+        for answer in answers[3:]:
+            # In debt by 3: 4 tokens must come back, one every 5 s.
+            assert 1 <= retry_after(answer, QuotaLimit.TOKENS_PER_MINUTE) <= 20
+        assert float(await pair.store.hget(bucket, "level")) < 0
+        refused = [quota_refusals(server, entry.key_id, QuotaLimit.TOKENS_PER_MINUTE) for server in (pair.a, pair.b)]
+        assert refused == [1, 2]
+
+
+async def _ended_hash(store: aioredis.Redis, request_id: str) -> dict | None:
+    record = await store.hgetall(generation_key(request_id))
+    return record if record.get("status") == Status.CANCELLED else None
+
+
+async def _cancellations(store: aioredis.Redis, request_id: str) -> list[dict]:
+    return [fields for _, fields in await store.xrange(CANCELLATIONS) if fields["request_id"] == request_id]
+
+
+async def test_the_key_that_started_a_generation_stops_it_from_another_replica(engine, tmp_path, http, logs):
+    """alice's generation runs on a; b answers GET and DELETE for it from Redis: bob's key is refused, alice's
+    reads it and cancels it, which a carries out. The hash and the cancellation record name alice as user_id."""
+    path = tmp_path / "keys.jsonl"
+    alice, alice_entry = add_key(path, "alice", Quota())
+    bob, _ = add_key(path, "bob", Quota())
+    async with two_replicas(engine, tmp_path, path) as pair:
+        on_b = f"{pair.b.http.base_url}/generations"
+        async with ws_client(pair.a.ws_url, alice) as client:
+            accepted = await generate(client, "long", messages=LONG_ANSWER, max_tokens=1500, user="root-says-alice")
+            assert accepted["type"] == "accepted", accepted
+            request_id = accepted["request_id"]
+            await client.recv_until(lambda f: f["type"] == "token")
+            # b does not hold it: it answers from the hash a wrote to Redis, under the same rule.
+            await wait_for(lambda: pair.store.exists(generation_key(request_id)), timeout=10)
+            for method in ("GET", "DELETE"):
+                async with http.request(method, f"{on_b}/{request_id}", headers=bearer(bob)) as response:
+                    assert response.status == 403, method
+                    assert (await response.json())["code"] == ErrorCode.INVALID_CANCEL_TOKEN
+            async with http.get(f"{on_b}/{request_id}", headers=bearer(alice)) as response:
+                assert response.status == 200
+                assert (await response.json())["status"] in (Status.QUEUED, Status.PREFILL, Status.DECODING)
+            async with http.delete(f"{on_b}/{request_id}", headers=bearer(alice)) as response:
+                assert response.status == 200 and response.headers["X-Stopline-Replica"] == "b"
+                assert await response.json() == {"request_id": request_id, "status": Status.CANCELLED}
+            terminal = await client.terminal("long")
+            assert (terminal["type"], terminal["reason"]) == (Outcome.CANCELLED, Reason.USER_CANCELLED)
+            assert terminal["tokens_after_cancel"] == 0
+            # Nothing follows the terminal frame: a cancel frame now gets only an ack.
+            await client.send({"type": "cancel", "id": "long"})
+            ack = await client.recv_until(lambda f: f["type"] != "token")
+            assert ack == {"type": "cancel_ack", "id": "long", "status": Status.CANCELLED}
+            assert client.frames[-2:] == [terminal, ack]
+        # a stopped it when b asked.
+        [remote] = logs.records(StoreEvent.REMOTE_CANCEL, request_id=request_id)
+        assert (remote["asked_by"], remote["status"]) == ("b", Status.CANCELLED)
+        record = await wait_for(lambda: _ended_hash(pair.store, request_id), timeout=10)
+        [logged] = await wait_for(lambda: _cancellations(pair.store, request_id), timeout=10)
+        assert record["owner"] == logged["replica_id"] == "a"
+        assert logged["event"] == "generation_cancelled" and logged["reason"] == Reason.USER_CANCELLED
+        for fields in (record, logged):
+            # The key's user is user_id; what the client said stays a label of its own.
+            assert (fields["user_id"], fields["key_id"]) == ("alice", alice_entry.key_id)
+            assert fields["user"] == "root-says-alice"
+            assert alice not in json.dumps(fields)
 
 
 # Three replicas behind nginx, as docs/deploy.md runs a keyed deployment --------------------------------
