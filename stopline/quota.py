@@ -320,6 +320,11 @@ class Quotas:
         except (RedisError, OSError, TimeoutError) as exc:
             self._decided_locally(type(exc).__name__)
             return None
+        # The Redis client can lose a cancel that lands as its command completes (cluster.stop_tasks
+        # says why), but the task still counts it: a request whose client left ends here, not admitted.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
         if limit == "ok":
             return None
         limit = QuotaLimit(limit)
