@@ -79,7 +79,7 @@ def greedy(engine: Engine, slot, prompt: list[int], max_tokens: int = 24) -> tup
 def test_the_engine_proves_its_abort_and_names_itself(engine):
     assert engine.kind is EngineName.LLAMA_CPP and engine.abort_mode is AbortMode.IN_STEP
     assert engine.name == "SmolLM2-135M-Instruct" and engine.context_length == 2048
-    assert engine.prefill_chunk == 128 and engine.trim_output is False
+    assert engine.prefill_chunk == 64 and engine.trim_output is False
 
 
 async def test_healthz_names_the_engine(server):
