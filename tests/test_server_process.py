@@ -141,6 +141,8 @@ async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
 
         for i in range(20):
             await one_cycle(i)
+        # Generations at once too: the slots' thread pool starts its threads as they are first needed.
+        await asyncio.gather(*(one_cycle(1000 + i) for i in range(2 * server.scheduler.workers)))
         threads, fds, before = len(psutil.Process().threads()), len(os.listdir("/proc/self/fd")), rss().rss
         for i in range(cycles):
             await one_cycle(i)
