@@ -221,9 +221,7 @@ cdef class Slot:
         """A copy of the logits the last token was sampled from (as float32 bytes, one per
         vocabulary id), with the penalties that sampling applied to them; None before any."""
         cdef const float *logits
-        self._check_open()
-        if self.busy:
-            raise EngineError("the context is busy")
+        self._check_idle()
         logits = self.logits_pointer()
         if logits is NULL:
             return None
@@ -239,6 +237,12 @@ cdef class Slot:
     cdef _check_open(self):
         if self.closed:
             raise EngineError("context is closed")
+
+    cdef _check_idle(self):
+        # Open, and no generation running on it: what reading or probing its state needs.
+        self._check_open()
+        if self.busy:
+            raise EngineError("the context is busy")
 
     cdef void free_native(self) noexcept:
         """Free the engine's context (each engine's own); safe to call twice."""
@@ -301,9 +305,7 @@ cdef class Context(Slot):
         cdef int n = len(tokens), size
         cdef bint ok, aborts
         cdef int *ids
-        self._check_open()
-        if self.busy:
-            raise EngineError("the context is busy")
+        self._check_idle()
         if not 2 <= n <= ct.CT_MAX_BATCH:
             raise ValueError(f"the probe evaluates 2 to {ct.CT_MAX_BATCH} tokens at once")
         if not STEP_ABORT:
@@ -731,9 +733,7 @@ cdef class LlamaSequence(Slot):
         cdef int n = len(tokens)
         cdef int32_t first, second, left
         cdef int32_t *ids
-        self._check_open()
-        if self.busy:
-            raise EngineError("the context is busy")
+        self._check_idle()
         if not 2 <= n <= self.max_batch:
             raise ValueError(f"the probe evaluates 2 to {self.max_batch} tokens at once")
         ids = <int32_t *>token_ids(tokens)
