@@ -89,9 +89,7 @@ class StoplineServer:
             settings.host, settings.allowed_origins, settings.allowed_hosts, own_names
         )
         # What clients are told to connect to (a wildcard address is not one).
-        self.public_host = advertised_host(
-            settings.host, _reachable_own_name(settings.host) if settings.host in WILDCARD_HOSTS else ""
-        )
+        self.public_host = advertised_host(settings.host, _reachable_own_name)
         self.limits = settings.limits_for(engine)
         self._server: Server  # set by start()
         self.address_quota = AddressQuota(settings.limits.requests_per_address)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
@@ -134,10 +134,11 @@ def check_request(host_header: HeaderValue, origin_header: HeaderValue, policy: 
     return Refused(HTTPStatus.FORBIDDEN, Refusal.ORIGIN_NOT_ALLOWED, "origin not allowed")
 
 
-def advertised_host(bind_host: str, own_name: str) -> str:
+def advertised_host(bind_host: str, own_name: Callable[[str], str]) -> str:
     """The host to put in a URL for clients: a wildcard address is no address to
-    connect to, so the machine's own name or address (``own_name``) stands for it."""
-    host = own_name if bind_host in WILDCARD_HOSTS else bind_host
+    connect to, so the machine's own name or address, ``own_name(bind_host)``,
+    stands for it (asked only then: finding it may take a name lookup)."""
+    host = own_name(bind_host) if bind_host in WILDCARD_HOSTS else bind_host
     return f"[{host}]" if ":" in host else host
 
 
