@@ -63,7 +63,10 @@ def store_client(redis_server: RedisServer) -> aioredis.Redis:
 
 
 class Replica:
-    """``python -m stopline`` with --redis-url: one slot, ports chosen by the system, read from its log."""
+    """``python -m stopline`` with --redis-url: one slot, ports chosen by the system, read from its log.
+
+    It has started when it serves and has reached Redis: until then it counts quotas alone.
+    """
 
     def __init__(self, replica_id: str, redis_url: str, directory: Path, extra_args: tuple[str, ...] = ()):
         self.replica_id = replica_id
@@ -71,6 +74,7 @@ class Replica:
         # Every line of its stdout, as written.
         self.lines: list[str] = []
         self._started = threading.Event()
+        self._store_up = threading.Event()
         self.stderr_path = directory / f"replica-{replica_id}.stderr"
         with open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(
@@ -110,10 +114,13 @@ class Replica:
                     self.ws_port = int(re.search(r":(\d+)/$", record["url"]).group(1))
                     self.api = record["http_api"]
                     self._started.set()
+                elif record.get("event") == StoreEvent.UP:
+                    self._store_up.set()
 
     def wait_started(self) -> Replica:
-        if not self._started.wait(180 * UNIT):
-            raise AssertionError(f"replica {self.replica_id} did not start: {self.stderr_path.read_text()[-2000:]}")
+        for started in (self._started, self._store_up):
+            if not started.wait(180 * UNIT):
+                raise AssertionError(f"replica {self.replica_id} did not start: {self.stderr_path.read_text()[-2000:]}")
         self.http_port = int(re.search(r":(\d+)/v1$", self.api).group(1))
         return self
 
