@@ -59,12 +59,15 @@ __all__ = [
     "sampling_args",
 ]
 
-# Prompt tokens per evaluation. When the step hook stops evaluations between
-# graph nodes, a chunk no longer bounds stop latency (its longest node does, a
-# few ms), so chunks are as large as prompt speed wants; without the hook, a
-# stop waits for the chunk in progress, so each chunk costs one decode step.
-# docs/engine.md has the measurements.
-DEFAULT_PREFILL_CHUNK = {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1}
+# Prompt tokens per evaluation, by engine and abort mode. When evaluations stop
+# between graph nodes, a chunk bounds stop latency only through its longest
+# node, so chunks grow while prompt speed still gains and that node stays near
+# a decode step's; without that stop, a stop waits for the chunk in progress,
+# so each chunk costs one decode step. docs/engine.md has the measurements.
+DEFAULT_PREFILL_CHUNK = {
+    EngineName.CTRANSFORMERS: {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1},
+    EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 128, AbortMode.BETWEEN_STEPS: 1},
+}
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
@@ -281,7 +284,7 @@ class CtransformersEngine(Engine):
         else:
             self.tokenizer = tokenizer
         self.abort_mode, self.trim_output = self._prove_step_abort(probe, abort_mode)
-        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
+        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][self.abort_mode]
 
     def _prove_step_abort(self, probe: _core.Context, wanted: AbortMode) -> tuple[AbortMode, bool]:
         """Abort a real evaluation before relying on the step hook, and check that
@@ -412,14 +415,14 @@ class LlamaEngine(Engine):
         if model.context_limit and context_length > model.context_limit:
             raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
-        self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[AbortMode.IN_STEP]
+        self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][AbortMode.IN_STEP]
         probe = _core.LlamaContext(model, context_length, self._batch, threads).sequences[0]
         self._probe: _core.LlamaSequence | None = probe
         self.context_length = probe.context_length
         self.vocab_size = model.vocab_size
         self.tokenizer = LlamaTokenizer(model)
         self.abort_mode = self._prove_abort(probe, abort_mode)
-        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.abort_mode]
+        self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][self.abort_mode]
         self.trim_output = False
 
     def _prove_abort(self, probe: _core.LlamaSequence, wanted: AbortMode) -> AbortMode:

@@ -342,7 +342,8 @@ FLAGS = [
         "--prefill-chunk",
         "prefill_chunk",
         integer(1, 512),
-        "prompt tokens per evaluation (default: 64 with --abort-mode in_step, else 1)",
+        "prompt tokens per evaluation (default with --abort-mode in_step: 64 on ctransformers, 128 on llama.cpp; "
+        "else 1)",
     ),
     Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot"),
     Flag(

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -76,10 +77,47 @@ def greedy(engine: Engine, slot, prompt: list[int], max_tokens: int = 24) -> tup
     return generation.take(), result
 
 
+# Two candidates this close in log probability may swap places when the same
+# tokens are evaluated in batches of other shapes (llama.cpp's kernels sum in
+# an order that depends on the shape): up to 0.062 apart, in these tests.
+NEAR_TIE_LOGPROB = 0.1
+
+
+@dataclass
+class Reference:
+    """A greedy generation's token ids, with the two likeliest tokens at each step."""
+
+    ids: list[int]
+    two_likeliest: list[list[tuple[int, float]]]
+
+    def agrees_up_to_a_near_tie(self, ids: list[int]) -> bool:
+        """``ids`` are these tokens up to the first step whose two likeliest were a near-tie,
+        where ``ids`` took the second: each token is what a fresh, lone evaluation makes likeliest."""
+        for step, (expected, token) in enumerate(zip(self.ids, ids, strict=True)):
+            if token != expected:
+                (first, first_logprob), (second, second_logprob) = self.two_likeliest[step]
+                return token == second and first_logprob - second_logprob <= NEAR_TIE_LOGPROB
+        return True
+
+
+def reference(engine: Engine, prompt: list[int], max_tokens: int) -> Reference:
+    """The greedy generation of ``prompt`` on a fresh context of its own."""
+    alone = engine.open_slot()
+    try:
+        generation = make_generation(
+            alone, prompt, max_tokens=max_tokens, prefill_chunk=engine.prefill_chunk, logprobs=2, **GREEDY
+        )
+        generation.run()
+        ids = generation.token_ids()
+        return Reference(ids, [top for _, top in generation.logprobs(0, len(ids))])
+    finally:
+        alone.close()
+
+
 def test_the_engine_proves_its_abort_and_names_itself(engine):
     assert engine.kind is EngineName.LLAMA_CPP and engine.abort_mode is AbortMode.IN_STEP
     assert engine.name == "SmolLM2-135M-Instruct" and engine.context_length == 2048
-    assert engine.prefill_chunk == 64 and engine.trim_output is False
+    assert engine.prefill_chunk == 128 and engine.trim_output is False
 
 
 async def test_healthz_names_the_engine(server):
@@ -139,15 +177,12 @@ def test_a_follow_up_turn_evaluates_only_its_new_tokens(engine, slot):
     answer = {"role": "assistant", "content": b"".join(pieces).decode()}
     turn = [*FRANCE, answer, {"role": "user", "content": "And Spain?"}]
     second = engine.encode(messages=turn)
-    reused_pieces, reused = greedy(engine, slot, second)
+    generation = make_generation(slot, second, max_tokens=24, prefill_chunk=engine.prefill_chunk, **GREEDY)
+    reused = generation.run()
     assert reused.prompt_tokens_reused > len(first) // 2
     assert reused.prompt_tokens_evaluated == reused.prompt_tokens - reused.prompt_tokens_reused
-    fresh_slot = engine.open_slot()
-    try:
-        fresh_pieces, fresh = greedy(engine, fresh_slot, second)
-    finally:
-        fresh_slot.close()
-    assert fresh.prompt_tokens_reused == 0 and reused_pieces == fresh_pieces
+    # The reused answer was evaluated token by token, a fresh one in chunks: equally valid, not bit-identical.
+    assert reference(engine, second, 24).agrees_up_to_a_near_tie(generation.token_ids())
 
 
 def test_invalid_input_is_refused_before_it_reaches_llama_cpp(engine, slot):
@@ -263,33 +298,31 @@ def run_together(generations: list) -> list[_core.LoopResult]:
 
 def test_generations_on_one_context_share_its_steps(engine):
     prompts = [engine.encode(messages=story) for story in STORIES]
+    expected = [reference(engine, prompt, 32) for prompt in prompts]
     slots = engine.open_slots(4, Batching.SHARED)
-    alone = engine.open_slot()
     try:
-        expected = [greedy(engine, alone, prompt, max_tokens=32)[0] for prompt in prompts]
         generations = [
             make_generation(slot, prompt, max_tokens=32, prefill_chunk=engine.prefill_chunk, **GREEDY)
             for slot, prompt in zip(slots, prompts, strict=True)
         ]
         results = run_together(generations)
         assert [r.exit for r in results] == [_core.ExitKind.MAX_TOKENS] * 4
-        # Each computed what it computes alone, token for token.
-        assert [g.take() for g in generations] == expected
+        # Each computed what it computes alone, token for token up to a near-tie.
+        assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations, strict=True))
         steps, carried, reruns = slots[0].owner.step_counts
         # 4 prompts of one chunk and 31 evaluated tokens each, mostly in shared steps.
         assert carried == 4 * 32 and steps < carried / 2 and reruns == 0
         assert all(slot.kv_positions == slot.n_held for slot in slots)
     finally:
-        for slot in (*slots, alone):
+        for slot in slots:
             slot.close()
 
 
 def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
     prompts = [engine.encode(messages=story) for story in STORIES]
+    expected = [reference(engine, prompt, 48) for prompt in prompts[1:]]
     slots = engine.open_slots(4, Batching.SHARED)
-    alone = engine.open_slot()
     try:
-        expected = [greedy(engine, alone, prompt, max_tokens=48)[0] for prompt in prompts[1:]]
         generations = [
             make_generation(slot, prompt, max_tokens=48, prefill_chunk=engine.prefill_chunk, **GREEDY)
             for slot, prompt in zip(slots, prompts, strict=True)
@@ -308,14 +341,14 @@ def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
             assert not worker.is_alive()
         cancelled = generations[0].result
         assert cancelled.exit is _core.ExitKind.CANCELLED and cancelled.tokens_after_cancel == 0
-        # The others finished, and computed exactly what they compute alone.
+        # The others finished, and computed what they compute alone, up to a near-tie.
         assert [g.result.exit for g in generations[1:]] == [_core.ExitKind.MAX_TOKENS] * 3
-        assert [g.take() for g in generations[1:]] == expected
+        assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations[1:], strict=True))
         # A stop inside a shared step re-runs that step once for the others.
         assert slots[0].owner.step_counts[2] <= 1
         assert all(slot.kv_positions == slot.n_held for slot in slots)
     finally:
-        for slot in (*slots, alone):
+        for slot in slots:
             slot.close()
 
 
