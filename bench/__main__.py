@@ -49,7 +49,7 @@ from .llama_server import (
     ENGINE as LLAMA_SERVER,
 )
 from .prompts import PromptMaker
-from .report import Report, plot_stop_latency_cdf, write_json
+from .report import Report, plot_stop_latency_cdf, shared_threads, write_json
 from .scenarios import (
     ALL_SCENARIOS as STOPLINE_SCENARIOS,
 )
@@ -624,7 +624,7 @@ def results_section(results: dict, tables: str, chart: str) -> str:
 - Equal resources: every server is confined to the same cores ({",".join(map(str, meta["cpus"]))}, by
   `sched_setaffinity` in the child before it starts); ours: {_ours_threads(meta, slots, threads)};
   llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
-  all){_wide_note(wide, threads, _shared(meta))}
+  all){_wide_note(wide, threads, shared_threads(meta))}
 - Interleaving: each scenario's samples are taken in {meta["rounds"]} parts, the engines taking turns
   part by part, in alternating order; while one engine is measured (or calibrated) the other servers
   are paused (SIGSTOP), because an idle server's wake-ups (its event loop's timers) preempt a thread of
@@ -677,12 +677,8 @@ def write_results_section(path: Path, model: str, section: str) -> None:
     path.write_text(text)
 
 
-def _shared(meta: dict) -> bool:
-    return "--shared-threads" in meta["command"]
-
-
 def _ours_threads(meta: dict, slots, threads) -> str:
-    if _shared(meta):
+    if shared_threads(meta):
         return (
             f"{slots} slots sharing {threads} compute threads (its default: a generation alone takes them "
             f"all, generations together divide them)"

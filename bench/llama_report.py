@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 from .llama_native import NEAR_TIE_LOGPROB
-from .report import LLAMA, OURS, OURS_LLAMA, Report, _get, _table, fmt, fmt_ratio, summary
+from .report import LLAMA, OURS, OURS_LLAMA, Report, _get, _table, fmt, fmt_ratio, shared_threads, summary
 from .scenarios import DECODE_CONCURRENT, TURNS
 
 # What a stop during a long prompt may take, beyond one decode step (the target).
@@ -305,9 +305,13 @@ class LlamaReport:
             f"The machine's 1-minute load average, read as each scenario part started: "
             f"{min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}, on 2 cores shared with "
             "other work. llama-server's threads meet at a barrier after every graph node, so a thread "
-            "preempted by other work holds back its partners, spinning while they wait; ours runs one thread "
-            "per slot and has no barrier. "
-            "Its multi-threaded figures are therefore the ones most sensitive to this load."
+            "preempted by other work holds back its partners, spinning while they wait; "
+            + (
+                "so do ours while a generation runs alone on both cores. "
+                if shared_threads(self.results["meta"])
+                else "ours runs one thread per slot and has no barrier. "
+            )
+            + "Multi-threaded figures are therefore the ones most sensitive to this load."
         )
 
     def markdown(self) -> str | None:
@@ -334,10 +338,10 @@ class LlamaReport:
             parts += [
                 "#### Aborts at random moments (in-process, each storm in a child process)",
                 "Greedy generations of 4 tokens on a 40-token prompt (16-token chunks), cancelled at random "
-                "moments within a fresh or a cached run's length; with 4 streams, 4 slots (4 llama.cpp "
-                "contexts) do it at once, one thread each. After every generation the slot's KV cache must "
-                "hold exactly the positions its record holds; every run that escaped its cancel, and a final "
-                "one per slot, must give a fresh slot's tokens.",
+                "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
+                "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's KV "
+                "cache must hold exactly the positions its record holds; every run that escaped its cancel, and "
+                "a final one per slot, must give a fresh slot's tokens.",
                 storms,
             ]
         greedy = self.greedy()

@@ -665,6 +665,11 @@ LLAMA_METHOD = (
 )
 
 
+def shared_threads(meta: dict) -> bool:
+    """Whether ours ran with its default threads: generations share the cores (``--shared-threads``)."""
+    return "--shared-threads" in meta["command"]
+
+
 def _get(stats: dict | None, key: str) -> float | None:
     return None if stats is None else stats[key]
 

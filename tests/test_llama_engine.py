@@ -3,7 +3,8 @@ real shim library, the real SmolLM2 and Gemma 3 270M files and real servers.
 
 The server-level tests of the ctransformers engine are imported below and run
 here again against this module's ``engine``: every stop path (cancel frame,
-DELETE, closed stream, disconnect, deadlines, shutdown) on the llama.cpp engine.
+DELETE, closed stream, disconnect, deadlines, slow consumer, shutdown, the
+page's Stop button in Chromium) on the llama.cpp engine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp eng
     test_shutdown_ends_http_streams_with_cancelled_shutdown,
     test_websocket_generation_cancelled_by_delete,
 )
+from test_server_input import test_slow_consumer_is_cancelled_and_memory_stays_bounded  # noqa: F401
 from test_server_lifecycle import (  # noqa: F401
     test_cancel_during_decode,
     test_cancel_during_prefill_stops_within_one_chunk,
@@ -47,6 +49,7 @@ from test_server_lifecycle import (  # noqa: F401
     test_greedy_chat_streams_tokens_then_done,
     test_total_timeout_default_override_and_cap,
 )
+from test_web import browser, page, test_stop_button_cancels_a_streaming_generation  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -93,11 +96,11 @@ class Reference:
     def agrees_up_to_a_near_tie(self, ids: list[int]) -> bool:
         """``ids`` are these tokens up to the first step whose two likeliest were a near-tie,
         where ``ids`` took the second: each token is what a fresh, lone evaluation makes likeliest."""
-        for step, (expected, token) in enumerate(zip(self.ids, ids, strict=True)):
+        for step, (expected, token) in enumerate(zip(self.ids, ids)):
             if token != expected:
-                (first, first_logprob), (second, second_logprob) = self.two_likeliest[step]
+                (_, first_logprob), (second, second_logprob) = self.two_likeliest[step]
                 return token == second and first_logprob - second_logprob <= NEAR_TIE_LOGPROB
-        return True
+        return len(ids) == len(self.ids)
 
 
 def reference(engine: Engine, prompt: list[int], max_tokens: int) -> Reference:
