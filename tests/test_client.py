@@ -43,6 +43,9 @@ def spawn(*args, **environ) -> pexpect.spawn:
         encoding="utf-8",
         timeout=60 * UNIT,
         dimensions=(40, 200),
+        # As a terminal would: a test run started in the background of a
+        # non-interactive shell ignores SIGINT, and a child inherits that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     return child
 
