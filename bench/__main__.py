@@ -205,7 +205,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run nothing: write the tables (and with --results-md, RESULTS.md) from --out's results.json",
     )
     p.add_argument(
-        "--results-md", action="store_true", help="also write bench/RESULTS.md and bench/stop_latency_cdf.png"
+        "--results-md",
+        action="store_true",
+        help="also write this run's section of bench/RESULTS.md and its chart (a section per model, and another "
+        "per model for --shared-threads runs)",
     )
     args = p.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - set(ALL_SCENARIOS)
@@ -594,6 +597,11 @@ other/reference, the reference being ours where it runs, else ours_llama.
 """
 
 
+def results_key(meta: dict) -> str:
+    """A run's section of RESULTS.md: one per model, and one more for runs whose generations share the cores."""
+    return f"{meta['model_choice']}-shared-cores" if shared_threads(meta) else meta["model_choice"]
+
+
 def results_section(results: dict, tables: str, chart: str) -> str:
     """One model's section of RESULTS.md: how it was measured, then its tables."""
     meta = results["meta"]
@@ -611,7 +619,13 @@ def results_section(results: dict, tables: str, chart: str) -> str:
     llama = LlamaReport(Report(results)).markdown()
     if llama:
         llama_section = f"### The llama.cpp engine against llama-server\n\n{llama}\n\n"
-    return f"""## {meta["model"]}
+    heading = meta["model"]
+    if shared_threads(meta):
+        heading += (
+            ", the llama.cpp engine on shared cores\n\nThe llama.cpp engine with its default threads (the running "
+            "generations share the cores), against llama-server with as many threads in all."
+        )
+    return f"""## {heading}
 
 - Command: `{meta["command"]}` ({meta["started_at"]})
 - Machine: {m["cpu"]}{" (virtual machine)" if m.get("virtual") else ""}, {m["cores"]} cores
@@ -739,7 +753,8 @@ def main(argv=None) -> int:
         results = json.loads(json_path.read_text())
     else:
         results = asyncio.run(run(args))
-    chart_name = "stop_latency_cdf.png" if args.model == "smollm2" else f"stop_latency_cdf_{args.model}.png"
+    section = results_key(results["meta"])
+    chart_name = "stop_latency_cdf.png" if section == "smollm2" else f"stop_latency_cdf_{section.replace('-', '_')}.png"
     chart_path = args.out / chart_name
     write_json(results, json_path)
     plot_stop_latency_cdf(results, chart_path)
@@ -748,7 +763,7 @@ def main(argv=None) -> int:
     print(f"samples: {json_path}\nchart: {chart_path}", file=sys.stderr)
     if args.results_md:
         shutil.copyfile(chart_path, BENCH_DIR / chart_name)
-        write_results_section(BENCH_DIR / "RESULTS.md", args.model, results_section(results, tables, chart_name))
+        write_results_section(BENCH_DIR / "RESULTS.md", section, results_section(results, tables, chart_name))
         print(f"wrote {BENCH_DIR / 'RESULTS.md'}", file=sys.stderr)
     return 0
 
