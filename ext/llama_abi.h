@@ -23,7 +23,7 @@
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
 #define SLL_SDIST_VERSION "0.3.36"
-#define SLL_ABI_VERSION 3
+#define SLL_ABI_VERSION 4
 
 /* The largest batch one evaluation takes (the context's n_batch), and the
  * most sequences one context holds. */
@@ -35,7 +35,9 @@ typedef struct sll_context sll_context;    /* one context: one KV cache, several
 typedef struct sll_sampler sll_sampler;    /* one generation's sampler chain */
 
 /* Called by the CPU backend after every graph node, on the thread that called
- * sll_decode(); a true return ends the evaluation (sll_decode returns SLL_ABORTED). */
+ * sll_batch_decode(), and with Stopline's edits between the pieces of a node,
+ * on every compute thread; a true return ends the evaluation (sll_batch_decode
+ * returns SLL_ABORTED), and must stay true until it has. */
 typedef bool (*sll_abort_fn)(void *data);
 
 /* sll_batch_decode()'s results: llama_decode()'s codes, plus the shim's own
@@ -47,6 +49,9 @@ enum {
     SLL_INVALID_BATCH = -1,
     SLL_REFUSED = -100,
 };
+
+/* sll_sample()'s answer when its stop check said stop. */
+#define SLL_SAMPLE_STOPPED (-1)
 
 /* Sampler settings. temperature <= 0 is greedy (the other fields are ignored). */
 typedef struct {
@@ -65,6 +70,9 @@ typedef struct {
 typedef struct {
     void *handle;
     int (*abi_version)(void);
+    /* Whether llama.cpp was built with Stopline's edits (stopline/llama_edits.py),
+     * which call the abort callback between the pieces of a graph node too. */
+    int (*checks_inside_nodes)(void);
     /* Models. Failures return NULL with llama.cpp's own explanation in err. */
     sll_model *(*model_load)(const char *path, char *err, size_t err_size);
     void (*model_free)(sll_model *model);
@@ -102,12 +110,14 @@ typedef struct {
     int32_t (*batch_decode)(sll_context *ctx);
     /* The logits of the last evaluation's token at batch index `index` (NULL: none asked for). */
     const float *(*logits)(sll_context *ctx, int32_t index);
-    /* Samplers. sample() draws from `logits` (one per vocabulary id) and records the token.
-     * sampler_new() returns NULL when it cannot allocate, or when llama.cpp cannot parse the grammar. */
+    /* Samplers. sample() draws from `logits` (one per vocabulary id) and records the token,
+     * or returns SLL_SAMPLE_STOPPED, having recorded nothing, as soon as stop(data) says so
+     * (it is asked between the parts of a draw). sampler_new() returns NULL when it cannot
+     * allocate, or when llama.cpp cannot parse the grammar. */
     sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings);
     void (*sampler_free)(sll_sampler *sampler);
     void (*sampler_accept)(sll_sampler *sampler, int32_t token);
-    int32_t (*sample)(sll_sampler *sampler, const float *logits);
+    int32_t (*sample)(sll_sampler *sampler, const float *logits, sll_abort_fn stop, void *data);
 } sll_api;
 
 /* Resolve every function from the shim at `path`, opened RTLD_LOCAL.
@@ -135,6 +145,7 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
         dlclose(handle);
         return -1;
     }
+    SLL_RESOLVE(checks_inside_nodes)
     SLL_RESOLVE(model_load)
     SLL_RESOLVE(model_free)
     SLL_RESOLVE(model_n_vocab)

@@ -77,6 +77,11 @@ static void backend_init(void) {
 
 SLL_EXPORT int sll_abi_version(void) { return SLL_ABI_VERSION; }
 
+/* Defined by Stopline's edits to ggml's CPU backend: linked in when present. */
+extern bool ggml_cpu_stop_requested(void) __attribute__((weak));
+
+SLL_EXPORT int sll_checks_inside_nodes(void) { return ggml_cpu_stop_requested != NULL; }
+
 SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_size) {
     pthread_once(&backend_once, backend_init);
     struct llama_model_params params = llama_model_default_params();
@@ -310,14 +315,32 @@ SLL_EXPORT void sll_sampler_free(sll_sampler *smp) {
 
 SLL_EXPORT void sll_sampler_accept(sll_sampler *smp, int32_t token) { llama_sampler_accept(smp->chain, token); }
 
-/* Draw through the chain from all candidates, after the grammar when it is given. */
-static llama_token draw(sll_sampler *smp, const float *logits, int with_grammar) {
+/* Candidates filled between two stop checks: a few microseconds' work. */
+#define FILL_BLOCK 16384
+
+/* Draw through the chain from all candidates, after the grammar when it is
+ * given; the stop is checked between blocks of the fill and between the
+ * chain's samplers, for a draw over a large vocabulary takes milliseconds.
+ * SLL_SAMPLE_STOPPED when it said stop. */
+static llama_token draw(sll_sampler *smp, const float *logits, int with_grammar, sll_abort_fn stop, void *data) {
     llama_token_data_array all = {smp->candidates, (size_t)smp->n_vocab, -1, false};
-    for (int32_t i = 0; i < smp->n_vocab; i++)
-        smp->candidates[i] = (llama_token_data){i, logits[i], 0.0f};
-    if (with_grammar)
+    for (int32_t start = 0; start < smp->n_vocab; start += FILL_BLOCK) {
+        int32_t end = start + FILL_BLOCK < smp->n_vocab ? start + FILL_BLOCK : smp->n_vocab;
+        for (int32_t i = start; i < end; i++)
+            smp->candidates[i] = (llama_token_data){i, logits[i], 0.0f};
+        if (stop(data))
+            return SLL_SAMPLE_STOPPED;
+    }
+    if (with_grammar) {
         llama_sampler_apply(smp->grammar, &all);
-    llama_sampler_apply(smp->chain, &all);
+        if (stop(data))
+            return SLL_SAMPLE_STOPPED;
+    }
+    for (int32_t i = 0, n = llama_sampler_chain_n(smp->chain); i < n; i++) {
+        llama_sampler_apply(llama_sampler_chain_get(smp->chain, i), &all);
+        if (stop(data))
+            return SLL_SAMPLE_STOPPED;
+    }
     return all.data[all.selected].id;
 }
 
@@ -328,15 +351,19 @@ static int grammar_allows(sll_sampler *smp, llama_token token) {
     return single.logit != -INFINITY;
 }
 
-SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits) {
-    llama_token token = draw(smp, logits, 0);
+SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits, sll_abort_fn stop, void *data) {
+    llama_token token = draw(smp, logits, 0, stop, data);
+    if (token == SLL_SAMPLE_STOPPED)
+        return token;
     if (smp->grammar != NULL) {
         /* As llama.cpp's common sampler does: draw without the grammar, and
          * check only that token against it; most tokens pass, and checking one
          * token is far cheaper than masking the vocabulary. Only a token that
          * breaks the grammar costs a second draw from the masked candidates. */
         if (!grammar_allows(smp, token)) {
-            token = draw(smp, logits, 1);
+            token = draw(smp, logits, 1, stop, data);
+            if (token == SLL_SAMPLE_STOPPED)
+                return token;
             /* Accepting a token the grammar refuses ends the process inside
              * llama.cpp: a grammar with no way on ends the generation instead. */
             if (!grammar_allows(smp, token))
@@ -351,6 +378,7 @@ SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits) {
 /* The compiler checks every function above against ext/llama_abi.h's table. */
 static const sll_api sll_signatures __attribute__((unused)) = {
     .abi_version = sll_abi_version,
+    .checks_inside_nodes = sll_checks_inside_nodes,
     .model_load = sll_model_load,
     .model_free = sll_model_free,
     .model_n_vocab = sll_model_n_vocab,

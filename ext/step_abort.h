@@ -52,19 +52,25 @@ typedef struct {
     int64_t longest_gap_ns;           /* longest time between two polls: the longest node */
 } sl_watch;
 
-static inline sl_stop sl_check(const sl_watch *w) {
-    int64_t now;
+/* Why `w`'s generation must stop at `now` (0: read the clock if a deadline needs it). */
+static inline sl_stop sl_check_at(const sl_watch *w, int64_t now) {
     if (sl_load_acquire(&w->cancel_flag))
         return SL_STOP_CANCELLED;
     if (w->deadline_ns == 0 && w->first_token_deadline_ns == 0)
         return SL_RUN;
-    now = sl_monotonic_ns();
+    if (now == 0)
+        now = sl_monotonic_ns();
     if (w->deadline_ns && now >= w->deadline_ns)
         return SL_STOP_TOTAL_TIMEOUT;
     if (w->first_token_deadline_ns && now >= w->first_token_deadline_ns)
         return SL_STOP_FIRST_TOKEN_TIMEOUT;
     return SL_RUN;
 }
+
+static inline sl_stop sl_check(const sl_watch *w) { return sl_check_at(w, 0); }
+
+/* The same check as a stop callback (sll_abort_fn), for one generation's watch. */
+static bool sl_watch_says_stop(void *data) { return sl_check((const sl_watch *)data) != SL_RUN; }
 
 static ggml_graph_compute_fn sl_real_graph_compute;
 static __thread sl_watch *sl_thread_watch;
@@ -92,22 +98,71 @@ typedef struct {
     sl_watch *members[SL_MAX_GROUP];
     int n;
     int aborted;
-    int64_t last_poll_ns;
-    int64_t longest_gap_ns;
+    int64_t start_ns;         /* when the evaluation started; also tells one evaluation from the next */
+    int64_t longest_gap_ns;   /* the longest a compute thread went between two clock readings of its checks */
 } sl_group_watch;
 
-/* llama.cpp's official abort callback, polling every member of the group
- * passed as its data. Its CPU backend calls it after every graph node, on the
- * thread that called llama_decode(). */
+/* A compute thread's checks during one evaluation. Between two small pieces of
+ * a node a check reads the cancel flags only; the clock (20 ns, against 1 for a
+ * flag) is read every `per_clock` checks, doubled or halved so that readings
+ * come about every SL_CLOCK_EVERY_NS. The deadlines are checked, and the gaps
+ * measured, at each reading. */
+typedef struct {
+    const sl_group_watch *group;
+    int64_t start_ns;    /* the evaluation these checks belong to */
+    int64_t clock_ns;    /* the last reading */
+    int since_clock;     /* checks since then */
+    int per_clock;
+} sl_thread_checks;
+
+#define SL_CLOCK_EVERY_NS 50000
+#define SL_MAX_CHECKS_PER_CLOCK 64
+
+static __thread sl_thread_checks sl_checks;
+
+static inline void sl_store_max(int64_t *p, int64_t value) {
+    int64_t seen = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (value > seen && !__atomic_compare_exchange_n(p, &seen, value, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
+/* llama.cpp's abort callback, polling every member of the group passed as its
+ * data. The CPU backend calls it after every graph node on the thread that
+ * called llama_decode(), and llama.cpp built with Stopline's edits
+ * (stopline/llama_edits.py) calls it from every compute thread between the
+ * pieces of a node too: it writes only its thread's own state, and atomically
+ * the longest gap and `aborted`. Once any thread has seen a stop, the outputs
+ * of the evaluation are garbage even if llama_decode() completes (the stop came
+ * during the last node, after the thread that calls it had checked): the loop
+ * reads `aborted`, not only llama_decode()'s code. */
 static bool sl_group_abort_callback(void *data) {
     sl_group_watch *g = (sl_group_watch *)data;
-    int64_t now = sl_monotonic_ns();
-    if (now - g->last_poll_ns > g->longest_gap_ns)
-        g->longest_gap_ns = now - g->last_poll_ns;
-    g->last_poll_ns = now;
+    sl_thread_checks *c = &sl_checks;
+    int64_t now = 0, gap;
+    /* A stop holds for the rest of the evaluation, whichever thread saw it. */
+    if (__atomic_load_n(&g->aborted, __ATOMIC_RELAXED))
+        return true;
+    if (c->group != g || c->start_ns != g->start_ns) {
+        c->group = g;
+        c->start_ns = c->clock_ns = g->start_ns;
+        c->since_clock = 0;
+        c->per_clock = 1;
+    }
+    if (++c->since_clock >= c->per_clock) {
+        now = sl_monotonic_ns();
+        gap = now - c->clock_ns;
+        sl_store_max(&g->longest_gap_ns, gap);
+        if (gap < SL_CLOCK_EVERY_NS / 2 && c->per_clock < SL_MAX_CHECKS_PER_CLOCK)
+            c->per_clock *= 2;
+        else if (gap > SL_CLOCK_EVERY_NS * 2 && c->per_clock > 1)
+            c->per_clock /= 2;
+        c->clock_ns = now;
+        c->since_clock = 0;
+    }
     for (int i = 0; i < g->n; i++) {
-        if (sl_check(g->members[i]) != SL_RUN) {
-            g->aborted = 1;
+        sl_watch *w = g->members[i];
+        if (now ? sl_check_at(w, now) != SL_RUN : sl_load_acquire(&w->cancel_flag)) {
+            __atomic_store_n(&g->aborted, 1, __ATOMIC_RELAXED);
             return true;
         }
     }

@@ -171,6 +171,7 @@ class Engine:
         prefill_chunk: int | None = None,
         abort_mode: AbortMode | str = AbortMode.IN_STEP,
         progress: bool = True,
+        llama_library: str | os.PathLike | None = None,
     ) -> Engine:
         """Load ``model_path`` (default: the embedded SmolLM2 model, fetched once) on ``engine``.
 
@@ -182,7 +183,9 @@ class Engine:
         if EngineName(engine) is EngineName.LLAMA_CPP:
             if model_type is not None:
                 raise ValueError("--model-type names a GGML file's type, which only the ctransformers engine loads")
-            return LlamaEngine.from_file(model_path, context_length, threads, prefill_chunk, abort_mode, progress)
+            return LlamaEngine.from_file(
+                model_path, context_length, threads, prefill_chunk, abort_mode, progress, llama_library
+            )
         return CtransformersEngine.from_file(
             model_path, model_type, context_length, threads, prefill_chunk, abort_mode, progress
         )
@@ -449,9 +452,10 @@ class LlamaEngine(Engine):
         prefill_chunk: int | None,
         abort_mode: AbortMode,
         progress: bool,
+        library: str | os.PathLike | None = None,
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
-        library is built on first use (``python -m stopline.llama_build``)."""
+        library is ``library``, or the one built on first use (``python -m stopline.llama_build``)."""
         from .llama_build import LlamaBuildError, ensure_llama_library
 
         if model_path is None:
@@ -461,7 +465,7 @@ class LlamaEngine(Engine):
             check_model_file(path, None, engine=EngineName.LLAMA_CPP)
             name = path.stem
         try:
-            _core.load_llama_library(str(ensure_llama_library(progress)))
+            _core.load_llama_library(str(library or ensure_llama_library(progress)))
         except LlamaBuildError as exc:
             raise EngineError(str(exc)) from None
         try:

@@ -2,16 +2,18 @@
 ``llama-server`` for the benchmark.
 
     python -m stopline.llama_build            # the engine's library (what --engine llama.cpp needs)
-    python -m stopline.llama_build --server   # llama-server too, for python -m bench
+    python -m stopline.llama_build --server   # and, unedited, llama-server and the library, for python -m bench
 
 llama.cpp's source is taken from the ``llama-cpp-python`` source distribution on
 PyPI, which vendors llama.cpp (``vendor/llama.cpp``) at the commit pinned by that
-release; the archive is verified against a pinned sha256. One CMake build tree,
-for the CPU, with every optional network feature off, serves both: its static
-libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
-``libstopline-llama.so``, whose only exported symbols are the shim's, and its
-``llama-server`` target is the benchmark's peer, so both run the same ggml
-compiled the same way. Nothing of llama.cpp is part of this repository.
+release; the archive is verified against a pinned sha256. It is built twice, for
+the CPU, with every optional network feature off and the same options: once with
+Stopline's edits (``stopline/llama_edits.py``: a stop inside a graph node), whose
+static libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
+``libstopline-llama.so``, exporting nothing but the shim's functions; and, for
+the benchmark only, unedited, for its ``llama-server`` (the peer as its users run
+it) and an unedited shim library to measure the edits against. Nothing of
+llama.cpp is part of this repository.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import StoplineError
+from .llama_edits import LlamaEditError, apply_edits, edits_key
 from .model import ModelFetchError, _verify, cache_dir
 
 SDIST_VERSION = "0.3.36"
@@ -101,8 +104,9 @@ def shim_source_dir() -> Path:
     return Path(str(resources.files("stopline") / "_native"))
 
 
-def _shim_key() -> str:
+def _shim_key(edited: bool) -> str:
     digest = hashlib.sha256(BUILD_KEY.encode())
+    digest.update(edits_key().encode() if edited else b"unedited")
     for name in SHIM_SOURCES:
         digest.update((shim_source_dir() / name).read_bytes())
     return digest.hexdigest()[:12]
@@ -112,40 +116,60 @@ def cached_binary() -> Path:
     return build_root() / "bin" / f"llama-server-{BUILD_KEY}"
 
 
-def cached_library() -> Path:
-    return build_root() / "lib" / f"libstopline-llama-{_shim_key()}.so"
+def cached_library(edited: bool = True) -> Path:
+    """The engine's shim library: built from the edited tree, or (``edited=False``,
+    for the benchmark's comparison) from the unedited one."""
+    kind = "" if edited else "-unedited"
+    return build_root() / "lib" / f"libstopline-llama{kind}-{_shim_key(edited)}.so"
 
 
-def ensure_llama_library(progress: bool = True, jobs: int | None = None) -> Path:
+def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited: bool = True) -> Path:
     """Return the engine's shim library, fetching and building llama.cpp on first use."""
-    library = cached_library()
+    library = cached_library(edited)
     if library.is_file():
         return library
     with _build_lock():
         if library.is_file():  # another process built it meanwhile
             return library
-        build = _build_targets(["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
+        source, build = _tree(edited)
+        _cmake_build(source, build, ["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
         library.parent.mkdir(parents=True, exist_ok=True)
         temp = library.with_name(f".{library.name}.part")
-        _link_shim(build, temp)
+        _link_shim(source, build, temp)
         os.replace(temp, library)  # a library in place means a finished build
     return library
 
 
 def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
-    """Return the cached llama-server binary, fetching and building it on first use."""
+    """Return the cached llama-server binary, built from the unedited tree on first use."""
     binary = cached_binary()
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
     with _build_lock():
         if binary.is_file():
             return binary
-        return _install_llama_server(binary, progress, jobs)
+        source, build = _tree(edited=False)
+        _cmake_build(source, build, ["llama-server"], progress, jobs, "building llama-server")
+        built = build / "bin" / "llama-server"
+        if not built.is_file():
+            raise LlamaBuildError(f"the build produced no {built}")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        temp = binary.with_name(f".{binary.name}.part")
+        shutil.copy2(built, temp)
+        os.replace(temp, binary)
+        return binary
+
+
+def llama_source_dir() -> Path:
+    """The unedited llama.cpp tree (its ``models/`` holds vocabulary files), fetched
+    and extracted on first use."""
+    with _build_lock():
+        return _tree(edited=False)[0]
 
 
 @contextlib.contextmanager
 def _build_lock():
-    """One build at a time in the shared tree, across processes (test workers, replicas)."""
+    """One build at a time in the shared trees, across processes (test workers, replicas)."""
     root = build_root()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".build.lock", "w") as lock:
@@ -156,24 +180,24 @@ def _build_lock():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _install_llama_server(binary: Path, progress: bool, jobs: int | None) -> Path:
-    build = _build_targets(["llama-server"], progress, jobs, "building llama-server")
-    built = build / "bin" / "llama-server"
-    if not built.is_file():
-        raise LlamaBuildError(f"the build produced no {built}")
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    temp = binary.with_name(f".{binary.name}.part")
-    shutil.copy2(built, temp)
-    os.replace(temp, binary)
-    return binary
-
-
-def _build_targets(targets: list[str], progress: bool, jobs: int | None, label: str) -> Path:
+def _tree(edited: bool) -> tuple[Path, Path]:
+    """The source tree (extracted, and edited when ``edited``) and its build tree."""
     root = build_root()
-    source = _extract(_download_sdist(root), root)
-    build = root / "build"
-    _cmake_build(source, build, targets, progress, jobs or os.cpu_count() or 1, label)
-    return build
+    sdist = _download_sdist(root)
+    if not edited:
+        return _extract(sdist, root / "src"), root / "build"
+    source = root / "src-edited"
+    marker = source / ".stopline-edits"
+    if not (marker.is_file() and marker.read_text() == edits_key()):
+        # Edits apply to the pristine text only: a tree edited otherwise is extracted again.
+        shutil.rmtree(source, ignore_errors=True)
+        _extract(sdist, source)
+        try:
+            apply_edits(source)
+        except LlamaEditError as exc:
+            raise LlamaBuildError(str(exc)) from None
+        marker.write_text(edits_key())
+    return source, root / "build-edited"
 
 
 def _download_sdist(root: Path) -> Path:
@@ -203,9 +227,8 @@ def _download_sdist(root: Path) -> Path:
     return sdist
 
 
-def _extract(sdist: Path, root: Path) -> Path:
-    """Extract only the vendored llama.cpp tree; return its directory."""
-    source = root / "src"
+def _extract(sdist: Path, source: Path) -> Path:
+    """Extract only the vendored llama.cpp tree into ``source`` (once); return it."""
     marker = source / "CMakeLists.txt"
     if marker.is_file():
         return source
@@ -224,9 +247,12 @@ def _extract(sdist: Path, root: Path) -> Path:
     return source
 
 
-def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, jobs: int, label: str) -> None:
-    log_path = build.parent / "build.log"
+def _cmake_build(
+    source: Path, build: Path, targets: list[str], progress: bool, jobs: int | None, label: str
+) -> None:
+    log_path = build.parent / f"{build.name}.log"
     build.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or os.cpu_count() or 1
     with open(log_path, "a") as log:
         configure = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
         print(f"configuring llama.cpp (log: {log_path}) ...", file=sys.stderr)
@@ -258,10 +284,9 @@ def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, 
             raise LlamaBuildError(f"building {', '.join(targets)} failed; see {log_path}")
 
 
-def _link_shim(build: Path, output: Path) -> None:
+def _link_shim(source: Path, build: Path, output: Path) -> None:
     """Compile the shim against llama.cpp's headers and link it with the static
     libraries, exporting nothing but the shim's own functions."""
-    source = build_root() / "src"
     ext = shim_source_dir()
     version_script = output.with_suffix(".map")
     version_script.write_text("{ global: sll_*; local: *; };\n")
@@ -303,13 +328,18 @@ def _link_shim(build: Path, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stopline.llama_build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", action="store_true", help="also build llama-server, the benchmark's peer")
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="also build, unedited, llama-server and the shim library: the benchmark's peer and comparison",
+    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
     args = parser.parse_args(argv)
     try:
         print(ensure_llama_library(jobs=args.jobs))
         if args.server:
             print(ensure_llama_server(jobs=args.jobs))
+            print(ensure_llama_library(jobs=args.jobs, edited=False))
     except LlamaBuildError as exc:
         print(f"stopline: {exc}", file=sys.stderr)
         return 1

@@ -60,6 +60,10 @@ cdef enum:
     LAST_N_TOKENS = 64
     # While paused for a slow reader, re-check the flag and deadlines this often.
     PAUSE_POLL_NS = 200000
+    # Vocabulary ids a log-probability pass covers between two stop checks.
+    SAMPLE_BLOCK = 16384
+    # sample_next()'s answer when a stop came during the draw (llama_abi.h's SLL_SAMPLE_STOPPED).
+    SAMPLE_STOPPED = -1
 
 cdef ct.ct_api API
 cdef bint API_READY = False
@@ -145,6 +149,14 @@ def load_llama_library(str path):
     if ll.sll_api_open(&LLAMA, os.fsencode(path), err, sizeof(err)) != 0:
         raise c_failure(EngineError, f"cannot load {path}", 0, err)
     LLAMA_READY = True
+
+
+def llama_checks_inside_nodes():
+    """Whether the loaded llama.cpp library was built with Stopline's edits, which stop
+    an evaluation between the pieces of a graph node, not only between nodes."""
+    if not LLAMA_READY:
+        raise EngineError("load_llama_library() has not been called")
+    return bool(LLAMA.checks_inside_nodes())
 
 
 cdef int *token_ids(tokens) except NULL:
@@ -787,8 +799,19 @@ cdef int32_t probe_decode(Batcher *b, int seq, const int32_t *ids, int n) noexce
     LLAMA.batch_clear(b.ctx)
     if LLAMA.batch_add(b.ctx, seq, ids, n, 0, 1) < 0:
         return ll.SLL_REFUSED
-    b.group.last_poll_ns = sl.sl_monotonic_ns()
-    return LLAMA.batch_decode(b.ctx)
+    return decode_batch(b)
+
+
+cdef int32_t decode_batch(Batcher *b) noexcept nogil:
+    """Evaluate the batch built in the context, with the group's stop conditions
+    watched throughout. Any check that saw a stop makes it an aborted evaluation:
+    a thread may have left a node part-way after the last check of llama.cpp's own."""
+    cdef int32_t status
+    b.group.aborted = 0
+    b.group.longest_gap_ns = 0
+    b.group.start_ns = sl.sl_monotonic_ns()
+    status = LLAMA.batch_decode(b.ctx)
+    return ll.SLL_ABORTED if b.group.aborted else status
 
 
 cdef inline bint should_stop(LoopState *s) noexcept nogil:
@@ -945,10 +968,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             # this cannot happen): end those generations rather than leave them waiting.
             fail_the_rest(b, members, n)
             return
-        b.group.aborted = 0
-        b.group.longest_gap_ns = 0
-        b.group.last_poll_ns = sl.sl_monotonic_ns()
-        status = LLAMA.batch_decode(b.ctx)
+        status = decode_batch(b)
         b.steps += 1
         b.step_members += k
         for j in range(k):
@@ -973,9 +993,9 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
         for j in range(k):
             s = members[included[j]]
             LLAMA.truncate(b.ctx, s.seq, s.n_past)
-        # Stopped between graph nodes: the stop condition that did it still
-        # holds (the flag is sticky, deadlines only pass). Its generation
-        # leaves at once; the others evaluate the step again without it.
+        # Stopped part-way: the stop condition that did it still holds (the
+        # flag is sticky, deadlines only pass). Its generation leaves at once;
+        # the others evaluate the step again without it.
         stopped = 0
         if b.group.aborted:
             for j in range(k):
@@ -1083,9 +1103,10 @@ cdef inline void count_token(LoopState *s, int token) noexcept nogil:
     s.counts[token] += 1
 
 
-cdef void record_distribution(LoopState *s) noexcept nogil:
+cdef bint record_distribution(LoopState *s) noexcept nogil:
     """Keep the draw's raw logits, their log-sum-exp and the n_top best ids, for the token
-    about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary) as a rule."""
+    about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary)
+    as a rule; the stop is checked every SAMPLE_BLOCK ids (False: it said stop)."""
     cdef int i, j, n = s.vocab_size, k = s.n_top
     cdef float *logits = last_logits(s)
     cdef double best = -1e300, total = 0
@@ -1093,13 +1114,15 @@ cdef void record_distribution(LoopState *s) noexcept nogil:
     cdef float *values = s.top_logprobs + s.n_generated * k
     cdef int filled = 0
     if logits is NULL:
-        return
+        return True
     memcpy(s.scratch, logits, n * sizeof(float))
     for i in range(n):
         if s.scratch[i] > best:
             best = s.scratch[i]
     for i in range(n):
         total += exp(s.scratch[i] - best)
+        if i % SAMPLE_BLOCK == 0 and sl.sl_check(&s.watch) != sl.SL_RUN:
+            return False
     s.log_sum = <float>(best + log(total))
     # Insertion into a sorted list of k: most candidates fail the first comparison.
     for i in range(n):
@@ -1116,18 +1139,21 @@ cdef void record_distribution(LoopState *s) noexcept nogil:
             filled += 1
     for j in range(k):
         values[j] -= s.log_sum
+    return True
 
 
 cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
-    """The next token, drawn from the logits of the last evaluation."""
+    """The next token, drawn from the logits of the last evaluation; SAMPLE_STOPPED
+    when a stop condition came to hold meanwhile (a draw over a large vocabulary
+    takes milliseconds, and a stop does not wait for it)."""
     cdef int first_last, top_k = s.top_k
     cdef float temperature = s.temperature
-    if s.n_top >= 0:
-        record_distribution(s)
+    if s.n_top >= 0 and not record_distribution(s):
+        return SAMPLE_STOPPED
     if s.counts is not NULL:
         apply_penalties(s)
     if s.engine == Engine.LLAMA_CPP:
-        return LLAMA.sample(s.sampler, s.logits)
+        return LLAMA.sample(s.sampler, s.logits, sl.sl_watch_says_stop, &s.watch)
     if temperature <= 0:
         # Greedy: keep only the best candidate (the library divides by temperature).
         top_k = 1
@@ -1206,12 +1232,12 @@ cdef void run_steps(LoopState *s) noexcept nogil:
             set_present(s, True)
 
         token = sample_next(s, step)
+        # A stop that came during the draw wins, and no token is published. (A draw
+        # that gave up, SAMPLE_STOPPED, saw a stop condition, and it still holds.)
+        if should_stop(s):
+            return
         if ends_generation(s, token):
             s.exit = ExitKind.EOS
-            return
-        # Sampling takes a while over a large vocabulary: a stop that came in the
-        # meantime wins, and the token is never published.
-        if should_stop(s):
             return
 
         # Publish: bytes and id first, then the count with release semantics.

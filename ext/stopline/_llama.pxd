@@ -16,6 +16,7 @@ cdef extern from "llama_abi.h" nogil:
         SLL_ABORTED
         SLL_INVALID_BATCH
         SLL_REFUSED
+        SLL_SAMPLE_STOPPED
 
     ctypedef struct sll_model
     ctypedef struct sll_context
@@ -36,6 +37,7 @@ cdef extern from "llama_abi.h" nogil:
     ctypedef struct sll_api:
         void *handle
         int (*abi_version)() noexcept nogil
+        int (*checks_inside_nodes)() noexcept nogil
         sll_model *(*model_load)(const char *path, char *err, size_t err_size) noexcept nogil
         void (*model_free)(sll_model *model) noexcept nogil
         int32_t (*model_n_vocab)(const sll_model *model) noexcept nogil
@@ -66,7 +68,7 @@ cdef extern from "llama_abi.h" nogil:
         sll_sampler *(*sampler_new)(const sll_model *model, const sll_sampling *settings) noexcept nogil
         void (*sampler_free)(sll_sampler *sampler) noexcept nogil
         void (*sampler_accept)(sll_sampler *sampler, int32_t token) noexcept nogil
-        int32_t (*sample)(sll_sampler *sampler, const float *logits) noexcept nogil
+        int32_t (*sample)(sll_sampler *sampler, const float *logits, sll_abort_fn stop, void *data) noexcept nogil
 
     # 0, or -1 with dlerror()'s text (or the version mismatch) in err.
     int sll_api_open(sll_api *api, const char *path, char *err, size_t err_size)

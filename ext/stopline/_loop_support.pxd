@@ -43,10 +43,12 @@ cdef extern from "step_abort.h" nogil:
         sl_watch *members[SL_MAX_GROUP]
         int n
         int aborted
-        int64_t last_poll_ns
+        int64_t start_ns
         int64_t longest_gap_ns
 
     sl_stop sl_check(const sl_watch *w)
+    # sl_check() as a stop callback, its data a watch.
+    bint sl_watch_says_stop(void *data) noexcept nogil
     # llama.cpp's abort callback: polls every watch of the group passed as its data.
     bint sl_group_abort_callback(void *data) noexcept nogil
     sl_hook_status sl_step_abort_install(void *handle)
