@@ -37,7 +37,7 @@ from stopline import model as embedded
 from stopline.engine import DEFAULT_CONTEXT_LENGTH
 from stopline.vocabulary import EngineName
 
-from . import llama_native, native
+from . import llama_native, native, random_llama
 from .llama_server import (
     BUSY_MAX_TOKENS,
     DISCONNECT_BUSY,
@@ -90,6 +90,10 @@ class BenchModel:
 MODELS = {
     "smollm2": BenchModel(f"{embedded.EMBEDDED_MODEL_NAME} Q4_1", lambda: embedded.original_gguf_path(False), True),
     "gemma3": BenchModel(embedded.GEMMA_MODEL_NAME, lambda: embedded.gemma_gguf_path(False), False),
+    # Written into the cache on first use: about 700 MB, in seconds.
+    "llama-1b-shaped": BenchModel(
+        f"{random_llama.TITLE} (Q4_0)", lambda: random_llama.random_llama_path(progress=True), False
+    ),
 }
 
 
@@ -153,7 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model",
         choices=list(MODELS),
         default="smollm2",
-        help="smollm2: the embedded SmolLM2-135M-Instruct; gemma3: Gemma 3 270M (llama.cpp engines only)",
+        help="smollm2: the embedded SmolLM2-135M-Instruct; gemma3: Gemma 3 270M (llama.cpp engines only); "
+        "llama-1b-shaped: Llama 3.2 1B's shapes and Llama 3's vocabulary with random weights, so that graph "
+        "nodes take as long as a 1B model's (llama.cpp engines only; written into the cache on first use)",
     )
     p.add_argument(
         "--cpus",

@@ -110,9 +110,11 @@ class MetadataField:
     when :meth:`contents` is called, raising UnicodeDecodeError for bytes that are not
     UTF-8. Shaped like ``gguf.ReaderField.contents()``."""
 
-    def __init__(self, name: str, value_type: int, value=None, lazy: tuple | None = None):
+    def __init__(self, name: str, value_type: int, value=None, lazy: tuple | None = None, item_type: int | None = None):
         self.name = name
         self.value_type = value_type
+        # An array's element type, so that a copy keeps it.
+        self.item_type = item_type
         self._value = value
         # (mapping, offset, count) of a string array not decoded yet.
         self._lazy = lazy
@@ -207,7 +209,7 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
             if offset + width * count > len(data):
                 raise _Truncated
             items = np.frombuffer(data, dtype=np.dtype("<" + _SCALARS[item_kind]), count=count, offset=offset)
-            fields[name] = MetadataField(name, _ARRAY, items.tolist())
+            fields[name] = MetadataField(name, _ARRAY, items.tolist(), item_type=item_kind)
             offset += width * count
         elif item_kind == _STRING:
             start = offset
@@ -216,7 +218,7 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
                 offset += 8 + length
             if offset > len(data):
                 raise _Truncated
-            fields[name] = MetadataField(name, _ARRAY, lazy=(data, start, count))
+            fields[name] = MetadataField(name, _ARRAY, lazy=(data, start, count), item_type=item_kind)
         else:
             raise ValueError(f"unsupported metadata array of type {item_kind} in {name}")
     tensors = []

@@ -224,7 +224,9 @@ def test_the_metadata_reader_agrees_with_gguf(engine):
     metadata = read_gguf_metadata(path)
     assert set(metadata.fields) == {name for name in reference.fields if not name.startswith("GGUF.")}
     for name, field in metadata.fields.items():
+        types = reference.fields[name].types
         assert field.contents() == reference.fields[name].contents(), name
+        assert (field.value_type, field.item_type) == (types[0], types[-1] if len(types) > 1 else None), name
     assert [(t.name, t.type_id, metadata.data_offset + t.offset, t.n_bytes) for t in metadata.tensors] == [
         (t.name, int(t.tensor_type), t.data_offset, t.n_bytes) for t in reference.tensors
     ]
