@@ -140,18 +140,6 @@ def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited:
     return library
 
 
-def llama_source_dir() -> Path:
-    """llama.cpp's source tree, fetched and extracted on first use: for the files it ships
-    beside its code (``models/`` holds real vocabularies as GGUF files)."""
-    root = build_root()
-    source = root / "src"
-    # An extracted tree is only read from then on: no waiting for the lock, which a build holds for minutes.
-    if (source / "CMakeLists.txt").is_file():
-        return source
-    with _build_lock():
-        return _extract(_download_sdist(root), root)
-
-
 def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     """Return the cached llama-server binary, built from the unedited tree on first use."""
     binary = cached_binary()
@@ -173,8 +161,12 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
 
 
 def llama_source_dir() -> Path:
-    """The unedited llama.cpp tree (its ``models/`` holds vocabulary files), fetched
-    and extracted on first use."""
+    """The unedited llama.cpp tree (its ``models/`` holds real vocabularies as GGUF
+    files), fetched and extracted on first use."""
+    source = build_root() / "src"
+    # An extracted tree is only read from then on: no waiting for the lock, which a build holds for minutes.
+    if (source / "CMakeLists.txt").is_file():
+        return source
     with _build_lock():
         return _tree(edited=False)[0]
 
