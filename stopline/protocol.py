@@ -58,14 +58,21 @@ class SamplingParams:
     """What a generation asks of the sampler, and its deadlines.
 
     These defaults are the only ones: a generate frame that leaves a field out
-    gets the value here (the deadlines come from :class:`Limits` instead).
+    gets the value here (the deadlines come from :class:`Limits` instead), on the
+    WebSocket, over SSE and through the OpenAI endpoints alike. They are
+    llama-server's, the peer that runs the same GGUF files on the same llama.cpp:
+    no penalty unless one is asked for (vLLM and OpenAI apply none either), so
+    ``temperature: 0`` draws the model's most likely token every time.
     """
 
     max_tokens: int = 256
-    temperature: float = 0.7
+    # llama-server's temperature, top-k and top-p; OpenAI and vLLM default to 1.0 with
+    # neither cut-off, which lets a small model's long tail through.
+    temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
-    repetition_penalty: float = 1.1
+    # 1.0 is no penalty: llama-server's penalty_repeat, vLLM's repetition_penalty.
+    repetition_penalty: float = 1.0
     # OpenAI's: subtracted from a token's logit per time it was generated, and once if it was.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

@@ -134,7 +134,7 @@ def test_failures_are_one_line(args, code, says):
 async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
     result = await in_thread(
         run_client,
-        "What is the capital of France?",
+        "What is the capital of France? Answer in one word.",
         "--temperature",
         "0",
         "--max-tokens",

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, UNIT
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT
 from stopline.openai_fields import FIELDS, Endpoint, Treatment, fields_of
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
@@ -182,14 +182,8 @@ async def test_a_model_not_served_is_not_found(server):
 
 async def test_logprobs_with_the_openai_package_streaming_or_not(server):
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
-    # Greedy, and with no penalty: the token drawn is the model's most likely one.
-    fields = dict(
-        model=server.engine.name,
-        messages=CHAT_FRANCE,
-        temperature=0,
-        max_tokens=12,
-        extra_body={"repetition_penalty": 1.0},
-    )
+    # Greedy, and with no penalty (the default): the token drawn is the model's most likely one.
+    fields = dict(model=server.engine.name, messages=CHAT_FRANCE, temperature=0, max_tokens=12)
     answer = await client.chat.completions.create(logprobs=True, top_logprobs=3, **fields)
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens
@@ -221,3 +215,30 @@ async def test_logprobs_with_the_openai_package_streaming_or_not(server):
         await client.chat.completions.create(top_logprobs=2, **fields)
     assert caught.value.param == "top_logprobs"
     await client.close()
+
+
+@pytest.mark.parametrize(
+    "penalty", [None, {"repetition_penalty": 1.3}, {"frequency_penalty": 1.0}, {"presence_penalty": 1.0}]
+)
+async def test_greedy_draws_the_top_token_unless_a_penalty_is_asked_for(server, penalty):
+    # A request that names no penalty gets none, as from llama-server, vLLM and OpenAI: at
+    # temperature 0 every token is the first of its alternatives (an equal one, on a tie).
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    answer = await client.chat.completions.create(
+        model=server.engine.name,
+        messages=LONG_ANSWER,
+        temperature=0,
+        max_tokens=48,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=penalty,
+    )
+    await client.close()
+    content = answer.choices[0].logprobs.content
+    below_the_top = [e.token for e in content if e.logprob < e.top_logprobs[0].logprob - 1e-6]
+    assert len(content) == 48
+    if penalty is None:
+        assert below_the_top == []
+    else:
+        # The check can fail: a penalty asked for does draw tokens below the top.
+        assert below_the_top, penalty

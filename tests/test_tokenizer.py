@@ -417,13 +417,13 @@ def test_text_stream_never_releases_a_stop_sequence(text, stop, cuts, data):
 
 def test_chat_template_renders_chatml_with_the_assistant_turn_open(tokenizer):
     rendered = tokenizer.render_chat(CHAT_FRANCE)
-    assert rendered.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    question = CHAT_FRANCE[0]["content"]
+    assert rendered.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
     assert rendered.startswith("<|im_start|>system\n")  # SmolLM's template adds its default system turn
     # An explicit system message replaces the default one.
     rendered = tokenizer.render_chat([{"role": "system", "content": "Be brief."}, *CHAT_FRANCE])
     assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
@@ -441,7 +441,7 @@ def test_a_final_assistant_message_is_continued(tokenizer):
 def test_fallback_template_is_chatml(tokenizer):
     plain = dataclasses.replace(tokenizer, chat_template=None)
     assert plain.render_chat(CHAT_FRANCE) == (
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        f"<|im_start|>user\n{CHAT_FRANCE[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
