@@ -65,7 +65,9 @@ class SamplingParams:
     ``temperature: 0`` draws the model's most likely token every time.
     """
 
-    max_tokens: int = 256
+    # The longest answer: long enough for a story. The terminal client and the page take
+    # it from here (the page through the hello frame's defaults).
+    max_tokens: int = 1024
     # llama-server's temperature, top-k and top-p; OpenAI and vLLM default to 1.0 with
     # neither cut-off, which lets a small model's long tail through.
     temperature: float = 0.8
@@ -89,6 +91,16 @@ class SamplingParams:
 
 
 DEFAULT_SAMPLING = SamplingParams()
+# The defaults the hello frame tells a client, so that it shows them rather than its own copies.
+HELLO_DEFAULTS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 class Phase(Enum):
@@ -368,6 +380,8 @@ class Hello:
                 "ttft_timeout_s": lim.max_ttft_timeout_s,
                 "requests_per_connection": lim.requests_per_connection,
             },
+            # What a generate frame gets for a field it leaves out.
+            "defaults": {name: getattr(DEFAULT_SAMPLING, name) for name in HELLO_DEFAULTS},
         }
 
 

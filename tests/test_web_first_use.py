@@ -16,6 +16,7 @@ from test_web_chat import generates, record_frames
 import test_web
 from conftest import running_server
 from stopline.engine import Engine
+from stopline.protocol import DEFAULT_SAMPLING
 from test_web import close_page, expect_connected, expect_state, meta, new_page, open_app, screenshot, send, settings
 
 pytestmark = pytest.mark.browser
@@ -173,9 +174,13 @@ async def test_default_answer_length_sampler_settings_and_speed(tall_page):
     answer, _ = await send(page, "Say hello.")
     await expect_state(answer, "done", timeout=90)
     [first] = generates(page.sent)
-    # Long enough for a story by default; the sampler's fields left empty use the server's defaults.
-    assert first["max_tokens"] == 1024
-    assert not {"top_p", "top_k", "repetition_penalty", "seed"} & set(first)
+    # The answer length and the sampler's fields left empty use the server's defaults, which the
+    # boxes show: one default, in SamplingParams, for the page and the terminal client alike.
+    assert not {"max_tokens", "top_p", "top_k", "repetition_penalty", "seed"} & set(first)
+    shown = [await page.get_attribute(box, "placeholder") for box in ("#max-tokens", "#top-p", "#top-k")]
+    assert shown == [str(DEFAULT_SAMPLING.max_tokens), str(DEFAULT_SAMPLING.top_p), str(DEFAULT_SAMPLING.top_k)]
+    # Long enough for a story: the room asked for is the context's quarter, as with 1,024.
+    assert first["min_answer_tokens"] == min(DEFAULT_SAMPLING.max_tokens, 2048 // 4)
     assert re.search(r"\d+ tokens · .* · \d+\.\d tokens/s$", await meta(answer)), await meta(answer)
 
     await settings(page, max_tokens=8)
