@@ -231,6 +231,15 @@ class Ending:
     retry_after_s: float | None = None
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed: the tokens after the first, over the time from the first token to the
+        last. The page, the console and the logs show this one figure; the prompt's time is
+        ``ttft_ms``. None with fewer than two tokens, which give no interval to measure."""
+        if self.ttft_ms is None or self.tokens_generated < 2 or self.duration_ms <= self.ttft_ms:
+            return None
+        return round((self.tokens_generated - 1) / ((self.duration_ms - self.ttft_ms) / 1000), 1)
+
+    @property
     def tokens_wasted(self) -> int:
         """Every token computed for a request that did not finish with ``done``."""
         if self.outcome is Outcome.DONE:
@@ -943,15 +952,23 @@ class Connection:
 
 # What each terminal frame reports besides its reason, in frame order.
 _TERMINAL_FIELDS = {
-    Outcome.DONE: ("tokens_generated", "prompt_tokens", "prompt_tokens_reused", "ttft_ms", "duration_ms"),
+    Outcome.DONE: (
+        "tokens_generated",
+        "prompt_tokens",
+        "prompt_tokens_reused",
+        "ttft_ms",
+        "duration_ms",
+        "tokens_per_s",
+    ),
     Outcome.CANCELLED: (
         "tokens_generated",
         "tokens_after_cancel",
         "cancel_latency_ms",
         "tokens_wasted",
         "prompt_tokens_reused",
+        "tokens_per_s",
     ),
-    Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused"),
+    Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused", "tokens_per_s"),
 }
 
 

@@ -919,11 +919,8 @@ function h(tag, className, text) {
 }
 
 const countTokens = (n) => `${n ?? 0} token${n === 1 ? '' : 's'}`;
-// Decode speed: the tokens after the first, over the time after the first.
-const speed = (f) => {
-  const decoding = (f.duration_ms ?? 0) - (f.ttft_ms ?? 0);
-  return f.tokens_generated > 1 && decoding > 0 ? `${((f.tokens_generated - 1) / (decoding / 1000)).toFixed(1)} tokens/s` : '';
-};
+// The server's figure (decode speed, docs/protocol.md), the one its console shows too.
+const speed = (f) => (typeof f.tokens_per_s === 'number' ? `${f.tokens_per_s.toFixed(1)} tokens/s` : '');
 const seconds = (ms) => String(Math.round((ms ?? 0) / 100) / 10);
 const join = (parts) => parts.filter(Boolean).join(' · ');
 
