@@ -408,8 +408,9 @@ FLAGS = [
         "--api-keys-file",
         "api_keys_file",
         str,
-        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP; "
-        "see 'stopline keys add' (default: none)",
+        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP. "
+        "'stopline keys add NAME' writes keys.jsonl in the user's config folder unless given --file; "
+        'serve that one with --api-keys-file "$(stopline keys path)" (default: none, no keys)',
     ),
     Flag(
         "--metrics-key",

@@ -119,6 +119,30 @@ def test_keys_add_list_revoke(tmp_path, capsys):
     assert "exists already" in capsys.readouterr().err
 
 
+def test_keys_add_without_a_file_uses_the_config_folder_and_says_where(tmp_path):
+    # A new user's first command: no --file, no STOPLINE_API_KEYS_FILE.
+    environ = {k: v for k, v in os.environ.items() if k != "STOPLINE_API_KEYS_FILE"}
+    environ["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+
+    def keys(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "stopline", "keys", *args]
+        return subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60 * UNIT)
+
+    added = keys("add", "alice")
+    assert added.returncode == 0, added.stderr
+    path = tmp_path / "config" / "stopline" / "keys.jsonl"
+    key = added.stdout.strip()
+    # Where the key went, and how to serve it.
+    assert f"added to {path}." in added.stderr and f"--api-keys-file {path}" in added.stderr
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert Keyring(path=str(path)).lookup(key).user == "alice"
+    assert keys("path").stdout.strip() == str(path)
+    assert keys("list").stdout.startswith("alice-")
+    # The server takes the same file from the command the docs give.
+    args = parse_args(["--api-keys-file", keys("path").stdout.strip()])
+    assert settings_from(args).api_keys_file == str(path)
+
+
 @pytest.mark.parametrize(
     "line, error",
     [
