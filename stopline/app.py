@@ -43,6 +43,7 @@ from .auth import (
     KeyFileError,
     Keyring,
     bearer,
+    refusal_message,
     same_secret,
     subprotocol_key,
 )
@@ -273,12 +274,17 @@ class StoplineServer:
             connection.admitted = True
             if self.keyring.required:
                 # The key from the Authorization header, or from the subprotocol a browser can set.
-                presented = bearer(request.headers.get("Authorization")) or subprotocol_key(
-                    request.headers.get_all("Sec-WebSocket-Protocol")
-                )
+                authorization = request.headers.get("Authorization")
+                presented = bearer(authorization) or subprotocol_key(request.headers.get_all("Sec-WebSocket-Protocol"))
                 connection.api_key = self.keyring.lookup(presented)
                 # Refused once it is a WebSocket, where a browser can read why.
-                connection.unauthorized = connection.api_key is None
+                if connection.api_key is None:
+                    connection.unauthorized = refusal_message(
+                        authorization,
+                        presented,
+                        "send 'Authorization: Bearer <key>' with the handshake, "
+                        f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'",
+                    )
             return None
         if path == "/healthz":
             body = json.dumps(
@@ -318,12 +324,8 @@ class StoplineServer:
         if websocket.unauthorized:
             self.unauthorized(peer_name(websocket), "/ws")
             await asyncio.sleep(FAILURE_DELAY_S)
-            message = (
-                "this server needs an API key: send 'Authorization: Bearer <key>' with the handshake, "
-                f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'"
-            )
             with contextlib.suppress(ConnectionClosed):
-                await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, message)))
+                await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, websocket.unauthorized)))
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         transport = WebSocketTransport(websocket)
@@ -348,9 +350,10 @@ class GuardedConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self.stopline = stopline
         self.admitted = False
-        # The API key of the handshake, and whether a key was asked for and not given.
+        # The API key of the handshake; when a key was asked for and none of this server's came,
+        # what the client is told about it (else None).
         self.api_key: ApiKey | None = None
-        self.unauthorized = False
+        self.unauthorized: str | None = None
         self._refused = False
         self._handshake_bytes = 0
         self._handshake_timer: asyncio.TimerHandle | None = None

@@ -172,6 +172,8 @@ class _Connection:
 
 def _check_key(frame: dict) -> None:
     if frame.get("type") == Outcome.ERROR and frame.get("code") == ErrorCode.UNAUTHORIZED:
+        if os.environ.get("STOPLINE_API_KEY"):
+            raise ServerUnreachable("the server refused the key in STOPLINE_API_KEY: it is not one of its keys")
         raise ServerUnreachable("the server needs an API key: set STOPLINE_API_KEY to one of its keys")
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
+from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
 from .openai_fields import Refused, openai_request
@@ -437,11 +437,12 @@ class HttpApi:
         # GET and DELETE of a generation by id take its cancel token or its key, checked there.
         by_id = request.method in ("GET", "DELETE") and request.path.startswith("/v1/generations/")
         if keyring.required and not by_id:
-            key = keyring.lookup(bearer(request.headers.get("Authorization")))
+            authorization = request.headers.get("Authorization")
+            key = keyring.lookup(bearer(authorization))
             if key is None:
                 self.unauthorized(_peer(request), request.path)
                 await asyncio.sleep(FAILURE_DELAY_S)
-                message = "this server needs an API key: send 'Authorization: Bearer <key>'"
+                message = refusal_message(authorization, bearer(authorization), "send 'Authorization: Bearer <key>'")
                 return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
             request[API_KEY] = key
         try:
