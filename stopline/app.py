@@ -168,6 +168,7 @@ class StoplineServer:
         await self.http.start(
             self.settings.host, self.settings.http_port_or_default, sock=http_sock, public_host=self.public_host
         )
+        self.http.websocket_url = f"ws://{self.public_host}:{self.port}/ws"
         if self.cluster is not None:
             await self.cluster.start(self.settings.replica_id or f"{socket.gethostname()}-{self.port}")
         self.quotas.start()

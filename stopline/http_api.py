@@ -392,6 +392,9 @@ class HttpApi:
             self.app.on_response_prepare.append(self._replica_header)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
+        # Where the WebSocket is (the server sets it once it listens): a client that asks this
+        # port for /ws is told.
+        self.websocket_url = ""
 
     async def start(self, host: str, port: int, sock=None, public_host: str | None = None) -> None:
         """Listen on ``host``/``port``, or on ``sock`` if the caller has bound it already;
@@ -448,7 +451,10 @@ class HttpApi:
         try:
             return await handler(request)
         except web.HTTPNotFound:
-            return error_response(ErrorCode.NOT_FOUND, f"no such endpoint: {request.path}", openai=True)
+            message = f"no such endpoint: {request.path}"
+            if request.path.rstrip("/") == "/ws" and self.websocket_url:
+                message += f"; this port serves the HTTP API (/v1), and the WebSocket is at {self.websocket_url}"
+            return error_response(ErrorCode.NOT_FOUND, message, openai=True)
         except web.HTTPMethodNotAllowed as exc:
             return error_response(
                 ErrorCode.NOT_FOUND,
