@@ -54,23 +54,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             "with one line that says why."
         ),
     )
+    # A repeatable flag given on the command line replaces its environment variable's list.
+    repeated_defaults = {}
     for flag in FLAGS:
         kind, default = flag.kind, flag.default
         raw = os.environ.get(flag.env)
         if raw is not None:
             # An environment variable is checked like the flag, and named in the error (a secret without its value).
             try:
-                default = kind(raw)
+                default = tuple(kind(v) for v in raw.split(",") if v.strip()) if flag.repeatable else kind(raw)
             except argparse.ArgumentTypeError as exc:
                 p.error(f"{flag.given(raw)}: {exc}")
         unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
         shown = "" if unshown else f" (default: {default})"
+        if flag.repeatable:
+            repeated_defaults[flag.setting] = default
         p.add_argument(
             flag.flag,
             dest=flag.setting,
             metavar=flag.flag.lstrip("-").replace("-", "_").upper(),
             type=kind,
-            default=default,
+            default=None if flag.repeatable else default,
+            action="append" if flag.repeatable else "store",
             help=flag.help + shown,
         )
     # Repeatable, so outside FLAGS; the environment variable holds a comma-separated list.
@@ -90,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
+    for setting, default in repeated_defaults.items():
+        given = getattr(args, setting)
+        setattr(args, setting, tuple(given) if given is not None else default)
     try:
         Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
     except KeyFileError as exc:

@@ -50,6 +50,7 @@ from .auth import (
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
+from .openai_fields import ServedModels
 from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
 from .protocol import AddressQuota, ErrorFrame, encode_frame
 from .quota import Quotas
@@ -57,7 +58,7 @@ from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .vocabulary import Batching, ErrorCode, KeyEvent, Reason, Refusal
+from .vocabulary import Batching, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -113,13 +114,17 @@ class StoplineServer:
 
             self.cluster = Cluster(settings.redis_url, self.registry, self.metrics, status_ttl_s=settings.status_ttl_s)
             self.registry.listener = self.cluster
+        # The names the model is served under, and whether a request may name any model.
+        self.models = ServedModels(
+            settings.served_model_names or (engine.name,), any_name=settings.model_names == ModelNames.ANY
+        )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
         self._unauthorized = 0
         self._unauthorized_logged_at = 0.0
         # What each client's session may use of this server.
         self.services = Services(
-            model=engine.name,
+            model=self.models.primary,
             encode=lambda prompt, messages: engine.encode(prompt=prompt, messages=messages),
             limits=self.limits,
             scheduler=self.scheduler,
@@ -131,7 +136,9 @@ class StoplineServer:
             tokenizer_lanes=self.tokenizer_lanes,
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
-        self.http = HttpApi(self.services, settings, self.origin_policy, self.cluster, unauthorized=self.unauthorized)
+        self.http = HttpApi(
+            self.services, settings, self.origin_policy, self.cluster, self.models, unauthorized=self.unauthorized
+        )
 
     @property
     def sessions(self) -> set[ClientSession]:
@@ -184,7 +191,7 @@ class StoplineServer:
         log.info(
             "server_started",
             url=self.url,
-            model=self.engine.name,
+            model=self.models.primary,
             engine=str(self.engine.kind),
             workers=self.settings.workers,
             threads=self.engine.threads,
@@ -291,7 +298,7 @@ class StoplineServer:
             body = json.dumps(
                 {
                     "status": "ok",
-                    "model": self.engine.name,
+                    "model": self.models.primary,
                     "engine": str(self.engine.kind),
                     "slots": self.scheduler.workers,
                     "active": self.scheduler.active,

@@ -27,7 +27,7 @@ from aiohttp import web
 from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
-from .openai_fields import Refused, openai_request
+from .openai_fields import Refused, ServedModels, openai_request
 from .origin import OriginPolicy, check_request
 from .protocol import (
     Accepted,
@@ -365,10 +365,14 @@ class HttpApi:
         settings: Settings,
         origin_policy: OriginPolicy,
         cluster: Cluster | None,
+        models: ServedModels,
         *,
         unauthorized: Callable[[str, str], None],
     ):
         self.services = services
+        self.models = models
+        # When the models were first served: /v1/models' "created".
+        self.created = int(time.time())
         self.settings = settings
         self.origin_policy = origin_policy
         self.cluster = cluster
@@ -383,7 +387,8 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.get("/v1/models", self._models),
-                web.get("/v1/models/{model}", self._model),
+                # A served name may hold slashes (OWNER/REPO:QUANT).
+                web.get("/v1/models/{model:.+}", self._model),
             ]
         )
         self.app.on_response_prepare.append(self._cors_headers)
@@ -492,7 +497,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = openai_request(body, chat=chat, model=self.services.model, grammars=self.services.limits.grammars)
+            asked = openai_request(body, chat=chat, models=self.models, grammars=self.services.limits.grammars)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True)
         except Refused as exc:
@@ -502,7 +507,7 @@ class HttpApi:
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(
             request,
-            self.services.model,
+            asked.model,
             chat=chat,
             stream=stream,
             include_usage=include_usage,
@@ -594,22 +599,26 @@ class HttpApi:
             return error_response(exc.code, message, openai=False, status=exc.status)
         return web.json_response(body, headers=_NO_STORE)
 
-    def _model_object(self) -> dict:
-        return {"id": self.services.model, "object": "model", "created": 0, "owned_by": "stopline"}
+    def _model_object(self, name: str) -> dict:
+        # The fields the openai package and Open WebUI read.
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "stopline"}
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_object()]}, headers=_NO_STORE)
+        data = [self._model_object(name) for name in self.models.names]
+        return web.json_response({"object": "list", "data": data}, headers=_NO_STORE)
 
     async def _model(self, request: web.Request) -> web.Response:
+        # The served names only, as listed: answering any name is about requests, not the list.
         name = request.match_info["model"]
-        if name != self.services.model:
+        if name not in self.models.names:
             return error_response(
                 ErrorCode.MODEL_NOT_FOUND,
-                f"the model {name!r} is not served here; this server runs {self.services.model!r}",
+                f"the model {name!r} is not served here; this server serves "
+                f"{', '.join(repr(n) for n in self.models.names)}",
                 openai=True,
                 param="model",
             )
-        return web.json_response(self._model_object(), headers=_NO_STORE)
+        return web.json_response(self._model_object(name), headers=_NO_STORE)
 
 
 def _peer(request: web.Request) -> str:

@@ -22,7 +22,7 @@ from .observability import LOG_FORMATS
 from .origin import OriginPolicy
 from .protocol import MAX_SECONDS, Limits
 from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
-from .vocabulary import AbortMode, Batching, EngineName
+from .vocabulary import AbortMode, Batching, EngineName, ModelNames
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class Settings:
     model: str | None = None
     model_type: str | None = None
     chat_template: str | None = None
+    # The names the model is served under (the first is the one reported unasked); none: its own name.
+    served_model_names: tuple[str, ...] = ()
+    # Which model names a request may send: any (one model is served, whatever it is called), or
+    # only the served names (others get 404 model_not_found).
+    model_names: str = str(ModelNames.ANY)
     engine: str = str(EngineName.CTRANSFORMERS)
     context_length: int = DEFAULT_CONTEXT_LENGTH
     abort_mode: str = str(AbortMode.IN_STEP)
@@ -225,6 +230,14 @@ def chat_template(text: str) -> str:
     return text
 
 
+def model_name(text: str) -> str:
+    # Sent back in every answer's "model", and listed by /v1/models.
+    name = text.strip()
+    if not name or len(name) > 256 or any(ord(c) < 0x20 or c == "," for c in name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model name: give 1 to 256 printable characters, no comma")
+    return name
+
+
 def replica_id(text: str) -> str:
     # It becomes part of Redis key and channel names, inside a {hash tag}.
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
@@ -264,6 +277,8 @@ class Flag:
     kind: Any
     help: str
     secret: bool = False
+    # Given once per value on the command line; its environment variable holds a comma-separated list.
+    repeatable: bool = False
 
     @property
     def default(self) -> Any:
@@ -300,6 +315,21 @@ FLAGS = [
         "model file (default: the embedded SmolLM2-135M-Instruct); see below for what works",
     ),
     Flag("--model-type", "model_type", str, "ctransformers model type of a GGML file (default: llama)"),
+    Flag(
+        "--served-model-name",
+        "served_model_names",
+        model_name,
+        "a name the model is served under, listed by /v1/models and reported in answers; repeatable, the "
+        "first is the one reported unasked (default: the model's name)",
+        repeatable=True,
+    ),
+    Flag(
+        "--model-names",
+        "model_names",
+        one_of([str(m) for m in ModelNames]),
+        "which model names an OpenAI request may send. any: any name, answered by the one model served "
+        "(as llama-server does); served: only the served names, others get 404 model_not_found (as vLLM does)",
+    ),
     Flag(
         "--chat-template",
         "chat_template",

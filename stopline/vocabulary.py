@@ -72,6 +72,15 @@ class EngineName(StrEnum):
     LLAMA_CPP = "llama.cpp"
 
 
+class ModelNames(StrEnum):
+    """Which model names an OpenAI request may send: ``--model-names``."""
+
+    # Any name: the one model served answers, and reports its own name.
+    ANY = "any"
+    # Only the served names (``--served-model-name``); another gets 404 model_not_found.
+    SERVED = "served"
+
+
 class ErrorCode(StrEnum):
     """The ``code`` of an ``error`` frame; also its ``reason`` label in metrics."""
 
