@@ -58,7 +58,7 @@ from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .vocabulary import Batching, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
+from .vocabulary import Batching, ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -116,7 +116,9 @@ class StoplineServer:
             self.registry.listener = self.cluster
         # The names the model is served under, and whether a request may name any model.
         self.models = ServedModels(
-            settings.served_model_names or (engine.name,), any_name=settings.model_names == ModelNames.ANY
+            settings.served_model_names or (engine.name,),
+            any_name=settings.model_names == ModelNames.ANY,
+            chat_format=ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template),
         )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
@@ -188,10 +190,19 @@ class StoplineServer:
                 detail="no API key is configured: anyone who can reach this port may generate "
                 "(--api-key, --api-keys-file)",
             )
+        if self.models.chat_format is ChatFormat.PLAIN_TEXT:
+            log.warning(
+                "no_chat_template",
+                model=self.models.primary,
+                chat_format=str(ChatFormat.PLAIN_TEXT),
+                detail="the model file has no chat template (a base model): a chat is completed as the plain "
+                "text of its messages; --chat-template chatml, or a template file, gives it one",
+            )
         log.info(
             "server_started",
             url=self.url,
             model=self.models.primary,
+            chat_format=str(self.models.chat_format),
             engine=str(self.engine.kind),
             workers=self.settings.workers,
             threads=self.engine.threads,
@@ -299,6 +310,7 @@ class StoplineServer:
                 {
                     "status": "ok",
                     "model": self.models.primary,
+                    "chat_format": str(self.models.chat_format),
                     "engine": str(self.engine.kind),
                     "slots": self.scheduler.workers,
                     "active": self.scheduler.active,

@@ -600,8 +600,14 @@ class HttpApi:
         return web.json_response(body, headers=_NO_STORE)
 
     def _model_object(self, name: str) -> dict:
-        # The fields the openai package and Open WebUI read.
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "stopline"}
+        # The fields the openai package and Open WebUI read, and how a chat becomes the prompt.
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "stopline",
+            "chat_format": str(self.models.chat_format),
+        }
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [self._model_object(name) for name in self.models.names]

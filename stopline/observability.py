@@ -75,6 +75,11 @@ class ConsoleRenderer:
             stop = f", stopped {latency:.1f} ms after the cancel" if isinstance(latency, int | float) else ""
             outcome = str(name).removeprefix("generation_")
             return f"request {e.get('id')} {outcome} ({e.get('reason')}): {tokens} tokens{seconds}{speed}{stop}"
+        if name == "no_chat_template":
+            return (
+                f"{e.get('model')} has no chat template (a base model): a chat is completed as the plain text "
+                "of its messages; --chat-template chatml, or a template file, gives it one"
+            )
         if name == "server_stopping":
             return "stopping: cancelling every request"
         if name == "server_stopped":

@@ -21,7 +21,7 @@ from enum import StrEnum
 from .errors import StoplineError
 from .protocol import GRAMMARS_NEED_LLAMA_CPP
 from .tool_calls import ToolChoice, call_text, instructions, is_tool
-from .vocabulary import ErrorCode
+from .vocabulary import ChatFormat, ErrorCode
 
 
 class Treatment(StrEnum):
@@ -138,6 +138,8 @@ class ServedModels:
 
     names: tuple[str, ...]
     any_name: bool = True
+    # How a chat becomes the model's prompt, which /v1/models tells.
+    chat_format: ChatFormat = ChatFormat.MODEL_TEMPLATE
 
     def __post_init__(self) -> None:
         if not self.names:

@@ -334,8 +334,8 @@ FLAGS = [
         "--chat-template",
         "chat_template",
         chat_template,
-        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own, "
-        "else chatml)",
+        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own; "
+        "a file without one, a base model, has a chat completed as the plain text of its messages)",
     ),
     Flag(
         "--engine",
