@@ -312,7 +312,8 @@ FLAGS = [
         "--model",
         "model",
         str,
-        "model file (default: the embedded SmolLM2-135M-Instruct); see below for what works",
+        "model file, or a GGUF on the Hugging Face hub: hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf, "
+        "downloaded into the hub's cache (default: the embedded SmolLM2-135M-Instruct); see below for what works",
     ),
     Flag("--model-type", "model_type", str, "ctransformers model type of a GGML file (default: llama)"),
     Flag(
