@@ -1,6 +1,8 @@
 """python -m stopline: run Stopline (by default on the embedded SmolLM2 model).
 
-python -m stopline cache list|prune: the converted copies of models given with --model."""
+python -m stopline cache list|prune: the converted copies of models given with --model.
+python -m stopline models [rm NAME]: the GGUF models in the Hugging Face hub's cache (--model hf:...).
+python -m stopline keys add|list|revoke|path: the API keys file."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from .app import StoplineServer
 from .auth import KeyFileError, Keyring
 from .engine import Engine, EngineError
 from .errors import StoplineError, UsageError
+from .hub import HubError, HubModelName, is_hub_model, models_command
+from .hub import resolve as resolve_hub_model
 from .model import EMBEDDED_CONTEXT_LIMIT
 from .model_check import WHAT_WORKS, ModelFileError
 from .observability import configure_logging, log
@@ -54,23 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             "with one line that says why."
         ),
     )
+    # A repeatable flag given on the command line replaces its environment variable's list.
+    repeated_defaults = {}
     for flag in FLAGS:
         kind, default = flag.kind, flag.default
         raw = os.environ.get(flag.env)
         if raw is not None:
             # An environment variable is checked like the flag, and named in the error (a secret without its value).
             try:
-                default = kind(raw)
+                default = tuple(kind(v) for v in raw.split(",") if v.strip()) if flag.repeatable else kind(raw)
             except argparse.ArgumentTypeError as exc:
                 p.error(f"{flag.given(raw)}: {exc}")
         unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
         shown = "" if unshown else f" (default: {default})"
+        if flag.repeatable:
+            repeated_defaults[flag.setting] = default
         p.add_argument(
             flag.flag,
             dest=flag.setting,
             metavar=flag.flag.lstrip("-").replace("-", "_").upper(),
             type=kind,
-            default=default,
+            default=None if flag.repeatable else default,
+            action="append" if flag.repeatable else "store",
             help=flag.help + shown,
         )
     # Repeatable, so outside FLAGS; the environment variable holds a comma-separated list.
@@ -90,10 +99,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
+    for setting, default in repeated_defaults.items():
+        given = getattr(args, setting)
+        setattr(args, setting, tuple(given) if given is not None else default)
     try:
         Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
     except KeyFileError as exc:
         p.error(f"argument --api-keys-file: {exc}")
+    if is_hub_model(args.model):
+        try:
+            HubModelName.parse(args.model)  # its form now; the hub is asked once the ports are taken
+        except HubError as exc:
+            p.error(f"argument --model: {exc}")
     if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
         p.error(
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
@@ -110,6 +127,19 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """The settings the flags (and their environment variables) give."""
     return Settings.build(
         **{flag.setting: getattr(args, flag.setting) for flag in FLAGS}, api_keys=tuple(args.api_keys)
+    )
+
+
+def resolve_model(settings: Settings) -> Settings:
+    """The settings with a model named on the hub (``--model hf:…``) as a file in the hub's cache,
+    downloaded if need be, served under the name it was asked for unless --served-model-name
+    names others. Raises HubError (a UsageError) with one line."""
+    if not is_hub_model(settings.model):
+        return settings
+    assert settings.model is not None
+    resolved = resolve_hub_model(settings.model)
+    return replace(
+        settings, model=str(resolved.path), served_model_names=settings.served_model_names or (resolved.name,)
     )
 
 
@@ -255,6 +285,8 @@ def main(argv=None) -> int:
         settings = settings_from(args)
         log_format = configure_logging(settings.log_level, settings.log_format)
         sock, http_sock = bind_ports(settings)
+        # After the ports: a port in use fails at once, not after a download.
+        settings = resolve_model(settings)
         return asyncio.run(serve(settings, sock, http_sock))
     except UsageError as exc:
         # Like a bad flag value: one line, before anything was loaded or logged.
@@ -305,6 +337,7 @@ def cache_command(argv: list[str]) -> int:
 
 
 COMMANDS["cache"] = cache_command
+COMMANDS["models"] = models_command
 
 
 def run() -> None:

@@ -43,12 +43,14 @@ from .auth import (
     KeyFileError,
     Keyring,
     bearer,
+    refusal_message,
     same_secret,
     subprotocol_key,
 )
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
+from .openai_fields import ServedModels
 from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
 from .protocol import AddressQuota, ErrorFrame, encode_frame
 from .quota import Quotas
@@ -56,7 +58,7 @@ from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .vocabulary import Batching, ErrorCode, KeyEvent, Reason, Refusal
+from .vocabulary import Batching, ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -112,13 +114,19 @@ class StoplineServer:
 
             self.cluster = Cluster(settings.redis_url, self.registry, self.metrics, status_ttl_s=settings.status_ttl_s)
             self.registry.listener = self.cluster
+        # The names the model is served under, and whether a request may name any model.
+        self.models = ServedModels(
+            settings.served_model_names or (engine.name,),
+            any_name=settings.model_names == ModelNames.ANY,
+            chat_format=ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template),
+        )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
         self._unauthorized = 0
         self._unauthorized_logged_at = 0.0
         # What each client's session may use of this server.
         self.services = Services(
-            model=engine.name,
+            model=self.models.primary,
             encode=lambda prompt, messages: engine.encode(prompt=prompt, messages=messages),
             limits=self.limits,
             scheduler=self.scheduler,
@@ -130,7 +138,9 @@ class StoplineServer:
             tokenizer_lanes=self.tokenizer_lanes,
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
-        self.http = HttpApi(self.services, settings, self.origin_policy, self.cluster, unauthorized=self.unauthorized)
+        self.http = HttpApi(
+            self.services, settings, self.origin_policy, self.cluster, self.models, unauthorized=self.unauthorized
+        )
 
     @property
     def sessions(self) -> set[ClientSession]:
@@ -167,6 +177,7 @@ class StoplineServer:
         await self.http.start(
             self.settings.host, self.settings.http_port_or_default, sock=http_sock, public_host=self.public_host
         )
+        self.http.websocket_url = f"ws://{self.public_host}:{self.port}/ws"
         if self.cluster is not None:
             await self.cluster.start(self.settings.replica_id or f"{socket.gethostname()}-{self.port}")
         self.quotas.start()
@@ -179,10 +190,19 @@ class StoplineServer:
                 detail="no API key is configured: anyone who can reach this port may generate "
                 "(--api-key, --api-keys-file)",
             )
+        if self.models.chat_format is ChatFormat.PLAIN_TEXT:
+            log.warning(
+                "no_chat_template",
+                model=self.models.primary,
+                chat_format=str(ChatFormat.PLAIN_TEXT),
+                detail="the model file has no chat template (a base model): a chat is completed as the plain "
+                "text of its messages; --chat-template chatml, or a template file, gives it one",
+            )
         log.info(
             "server_started",
             url=self.url,
-            model=self.engine.name,
+            model=self.models.primary,
+            chat_format=str(self.models.chat_format),
             engine=str(self.engine.kind),
             workers=self.settings.workers,
             threads=self.engine.threads,
@@ -273,18 +293,24 @@ class StoplineServer:
             connection.admitted = True
             if self.keyring.required:
                 # The key from the Authorization header, or from the subprotocol a browser can set.
-                presented = bearer(request.headers.get("Authorization")) or subprotocol_key(
-                    request.headers.get_all("Sec-WebSocket-Protocol")
-                )
+                authorization = request.headers.get("Authorization")
+                presented = bearer(authorization) or subprotocol_key(request.headers.get_all("Sec-WebSocket-Protocol"))
                 connection.api_key = self.keyring.lookup(presented)
                 # Refused once it is a WebSocket, where a browser can read why.
-                connection.unauthorized = connection.api_key is None
+                if connection.api_key is None:
+                    connection.unauthorized = refusal_message(
+                        authorization,
+                        presented,
+                        "send 'Authorization: Bearer <key>' with the handshake, "
+                        f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'",
+                    )
             return None
         if path == "/healthz":
             body = json.dumps(
                 {
                     "status": "ok",
-                    "model": self.engine.name,
+                    "model": self.models.primary,
+                    "chat_format": str(self.models.chat_format),
                     "engine": str(self.engine.kind),
                     "slots": self.scheduler.workers,
                     "active": self.scheduler.active,
@@ -318,12 +344,8 @@ class StoplineServer:
         if websocket.unauthorized:
             self.unauthorized(peer_name(websocket), "/ws")
             await asyncio.sleep(FAILURE_DELAY_S)
-            message = (
-                "this server needs an API key: send 'Authorization: Bearer <key>' with the handshake, "
-                f"or the subprotocols {SUBPROTOCOL!r} and '{SUBPROTOCOL}.bearer.<key>'"
-            )
             with contextlib.suppress(ConnectionClosed):
-                await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, message)))
+                await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, websocket.unauthorized)))
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         transport = WebSocketTransport(websocket)
@@ -348,9 +370,10 @@ class GuardedConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self.stopline = stopline
         self.admitted = False
-        # The API key of the handshake, and whether a key was asked for and not given.
+        # The API key of the handshake; when a key was asked for and none of this server's came,
+        # what the client is told about it (else None).
         self.api_key: ApiKey | None = None
-        self.unauthorized = False
+        self.unauthorized: str | None = None
         self._refused = False
         self._handshake_bytes = 0
         self._handshake_timer: asyncio.TimerHandle | None = None

@@ -250,6 +250,19 @@ class Keyring:
         return now if now is not None and now.sha256 == key.sha256 else None
 
 
+def refusal_message(authorization: str | None, presented: str | None, how: str) -> str:
+    """What a client refused for its key is told: whether a key came, and whether it was sent
+    as a key at all (``how``: the way to send one), and nothing about the keys there are; a key
+    that never existed and one revoked since read the same."""
+    if presented:
+        return (
+            "this server needs an API key, and the one sent is not one of its keys (or has been revoked): check the key"
+        )
+    if authorization:
+        return f"this server needs an API key, and the Authorization header holds none: {how}"
+    return f"this server needs an API key, and none was sent: {how}"
+
+
 def bearer(header: str | None) -> str | None:
     """The credential of an ``Authorization: Bearer <credential>`` header."""
     scheme, _, credential = (header or "").partition(" ")

@@ -13,13 +13,14 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from .errors import ServerUnreachable, UsageError
 from .protocol import DEFAULT_SAMPLING
@@ -164,7 +165,7 @@ class _Connection:
         try:
             return await self._cm.__aenter__()
         except (TimeoutError, OSError, InvalidHandshake, InvalidURI) as exc:
-            raise ServerUnreachable(f"cannot connect to {self.url}: {_reason(exc)}") from None
+            raise ServerUnreachable(f"cannot connect to {self.url}: {_reason(exc, self.url)}") from None
 
     async def __aexit__(self, *exc_info):
         return await self._cm.__aexit__(*exc_info)
@@ -172,16 +173,40 @@ class _Connection:
 
 def _check_key(frame: dict) -> None:
     if frame.get("type") == Outcome.ERROR and frame.get("code") == ErrorCode.UNAUTHORIZED:
+        if os.environ.get("STOPLINE_API_KEY"):
+            raise ServerUnreachable("the server refused the key in STOPLINE_API_KEY: it is not one of its keys")
         raise ServerUnreachable("the server needs an API key: set STOPLINE_API_KEY to one of its keys")
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, url: str) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (is the server running? start it with: python -m stopline)"
     if isinstance(exc, asyncio.TimeoutError):
         return "no answer within 10 s"
+    if isinstance(exc, InvalidStatus):
+        return _refused_upgrade(exc, url)
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text
+
+
+def _refused_upgrade(exc: InvalidStatus, url: str) -> str:
+    """An HTTP answer instead of a WebSocket: what came back, and where the WebSocket may be.
+    Stopline's HTTP API says where its WebSocket is; any other server gets the default layout."""
+    status = exc.response.status_code
+    got = f"HTTP {status} there, not a WebSocket"
+    try:
+        told = json.loads(exc.response.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        told = ""
+    found = re.search(r"the WebSocket is at (\S+)", told) if isinstance(told, str) else None
+    if found:
+        return f"{got}: this port serves Stopline's HTTP API (/v1); its WebSocket is at {found[1]} (--url {found[1]})"
+    parts = urlsplit(url)
+    hint = "Stopline's WebSocket is on its --port (8765 by default), and its HTTP API (/v1) on --port + 1"
+    if status == 404 and parts.hostname and parts.port:
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        hint += f"; if this is the HTTP API's port, try --url ws://{host}:{parts.port - 1}/ws"
+    return f"{got}. {hint}"
 
 
 def summary(frame: dict) -> str:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer
+from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
-from .openai_fields import Refused, openai_request
+from .openai_fields import Refused, ServedModels, openai_request
 from .origin import OriginPolicy, check_request
 from .protocol import (
     Accepted,
@@ -365,10 +365,14 @@ class HttpApi:
         settings: Settings,
         origin_policy: OriginPolicy,
         cluster: Cluster | None,
+        models: ServedModels,
         *,
         unauthorized: Callable[[str, str], None],
     ):
         self.services = services
+        self.models = models
+        # When the models were first served: /v1/models' "created".
+        self.created = int(time.time())
         self.settings = settings
         self.origin_policy = origin_policy
         self.cluster = cluster
@@ -383,7 +387,8 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.get("/v1/models", self._models),
-                web.get("/v1/models/{model}", self._model),
+                # A served name may hold slashes (OWNER/REPO:QUANT).
+                web.get("/v1/models/{model:.+}", self._model),
             ]
         )
         self.app.on_response_prepare.append(self._cors_headers)
@@ -392,6 +397,9 @@ class HttpApi:
             self.app.on_response_prepare.append(self._replica_header)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
+        # Where the WebSocket is (the server sets it once it listens): a client that asks this
+        # port for /ws is told.
+        self.websocket_url = ""
 
     async def start(self, host: str, port: int, sock=None, public_host: str | None = None) -> None:
         """Listen on ``host``/``port``, or on ``sock`` if the caller has bound it already;
@@ -437,17 +445,21 @@ class HttpApi:
         # GET and DELETE of a generation by id take its cancel token or its key, checked there.
         by_id = request.method in ("GET", "DELETE") and request.path.startswith("/v1/generations/")
         if keyring.required and not by_id:
-            key = keyring.lookup(bearer(request.headers.get("Authorization")))
+            authorization = request.headers.get("Authorization")
+            key = keyring.lookup(bearer(authorization))
             if key is None:
                 self.unauthorized(_peer(request), request.path)
                 await asyncio.sleep(FAILURE_DELAY_S)
-                message = "this server needs an API key: send 'Authorization: Bearer <key>'"
+                message = refusal_message(authorization, bearer(authorization), "send 'Authorization: Bearer <key>'")
                 return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
             request[API_KEY] = key
         try:
             return await handler(request)
         except web.HTTPNotFound:
-            return error_response(ErrorCode.NOT_FOUND, f"no such endpoint: {request.path}", openai=True)
+            message = f"no such endpoint: {request.path}"
+            if request.path.rstrip("/") == "/ws" and self.websocket_url:
+                message += f"; this port serves the HTTP API (/v1), and the WebSocket is at {self.websocket_url}"
+            return error_response(ErrorCode.NOT_FOUND, message, openai=True)
         except web.HTTPMethodNotAllowed as exc:
             return error_response(
                 ErrorCode.NOT_FOUND,
@@ -485,7 +497,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = openai_request(body, chat=chat, model=self.services.model, grammars=self.services.limits.grammars)
+            asked = openai_request(body, chat=chat, models=self.models, grammars=self.services.limits.grammars)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True)
         except Refused as exc:
@@ -495,7 +507,7 @@ class HttpApi:
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(
             request,
-            self.services.model,
+            asked.model,
             chat=chat,
             stream=stream,
             include_usage=include_usage,
@@ -587,22 +599,32 @@ class HttpApi:
             return error_response(exc.code, message, openai=False, status=exc.status)
         return web.json_response(body, headers=_NO_STORE)
 
-    def _model_object(self) -> dict:
-        return {"id": self.services.model, "object": "model", "created": 0, "owned_by": "stopline"}
+    def _model_object(self, name: str) -> dict:
+        # The fields the openai package and Open WebUI read, and how a chat becomes the prompt.
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "stopline",
+            "chat_format": str(self.models.chat_format),
+        }
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_object()]}, headers=_NO_STORE)
+        data = [self._model_object(name) for name in self.models.names]
+        return web.json_response({"object": "list", "data": data}, headers=_NO_STORE)
 
     async def _model(self, request: web.Request) -> web.Response:
+        # The served names only, as listed: answering any name is about requests, not the list.
         name = request.match_info["model"]
-        if name != self.services.model:
+        if name not in self.models.names:
             return error_response(
                 ErrorCode.MODEL_NOT_FOUND,
-                f"the model {name!r} is not served here; this server runs {self.services.model!r}",
+                f"the model {name!r} is not served here; this server serves "
+                f"{', '.join(repr(n) for n in self.models.names)}",
                 openai=True,
                 param="model",
             )
-        return web.json_response(self._model_object(), headers=_NO_STORE)
+        return web.json_response(self._model_object(name), headers=_NO_STORE)
 
 
 def _peer(request: web.Request) -> str:

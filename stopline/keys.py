@@ -1,19 +1,31 @@
-"""``stopline keys add|list|revoke``: manage the API keys file (docs/http.md#api-keys).
+"""``stopline keys add|list|revoke|path``: manage the API keys file (docs/http.md#api-keys).
 
 ``add`` makes a key, prints it once on stdout and appends its entry (its hash,
 never the key) to the file. A running server reads the file again on SIGHUP.
+Without ``--file`` (or STOPLINE_API_KEYS_FILE), the file is ``keys.jsonl`` in
+the user's config folder, which ``path`` prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from pathlib import Path
+
+import platformdirs
 
 from .auth import KeyFileError, Quota, add_key, read_keys_file, revoke_key
 from .vocabulary import QuotaLimit
 
 FILE_ENV = "STOPLINE_API_KEYS_FILE"
+
+
+def default_keys_file() -> Path:
+    """The keys file when none is named: keys.jsonl in the user's config folder
+    (``~/.config/stopline`` on Linux, or ``$XDG_CONFIG_HOME/stopline``)."""
+    return Path(platformdirs.user_config_dir("stopline")) / "keys.jsonl"
 
 
 def _positive(text: str) -> int:
@@ -32,9 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument(
         "--file",
-        default=os.environ.get(FILE_ENV),
-        required=FILE_ENV not in os.environ,
-        help=f"the keys file, as given to --api-keys-file (default: ${FILE_ENV})",
+        default=os.environ.get(FILE_ENV) or str(default_keys_file()),
+        help=f"the keys file, as given to --api-keys-file (default: ${FILE_ENV}, else {default_keys_file()})",
     )
     add = commands.add_parser("add", parents=[where], help="make a key for NAME, print it once, append its entry")
     add.add_argument("name", metavar="NAME", help="the user the key stands for: user_id in logs and Redis")
@@ -44,19 +55,30 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("list", parents=[where], help="the keys' ids, users and limits")
     revoke = commands.add_parser("revoke", parents=[where], help="remove a key's entry; send SIGHUP to servers")
     revoke.add_argument("key_id", metavar="ID")
+    commands.add_parser(
+        "path",
+        parents=[where],
+        help='print the keys file\'s path, for --api-keys-file "$(stopline keys path)"',
+    )
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "path":
+        print(args.file)
+        return 0
     try:
         if args.command == "add":
             quota = Quota(**{str(limit): getattr(args, limit) for limit in QuotaLimit})
+            # The config folder may not exist yet; it holds secrets' hashes, so only its owner reads it.
+            Path(args.file).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             key, entry = add_key(args.file, args.name, quota, args.id)
             print(key)
             print(
                 f"key {entry.key_id} for user {entry.user!r} added to {args.file}. The key is shown only "
-                "this once; running servers take it on SIGHUP.",
+                f"this once; start a server with --api-keys-file {shlex.quote(args.file)} "
+                "(running servers take it on SIGHUP).",
                 file=sys.stderr,
             )
         elif args.command == "list":

@@ -13,6 +13,7 @@ milliseconds even for a 128k-token vocabulary.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,13 +264,25 @@ def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFOR
             path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: {_one_line(exc)})", engine=engine
         ) from None
     fields = metadata.fields
+    parts = _split_count(fields)
+    # A later part of a split file has tensors and no metadata: the first part is the model's file.
+    part = _integer(fields, "split.no") or 0
+    if parts > 1 and part:
+        raise ModelFileError(
+            path,
+            f"the file is part {part + 1} of a GGUF split into {parts} parts, which is "
+            f"loaded from its first part, NAME-00001-of-{parts:05d}.gguf",
+            engine=engine,
+        )
     architecture = _string(fields, "general.architecture")
     if architecture is None:
         raise ModelFileError(path, "the GGUF file names no architecture (general.architecture)", engine=engine)
     has_tokenizer = "tokenizer.ggml.tokens" in fields
     # llama.cpp can run any file it knows the architecture of, with tensors and a tokenizer.
     other_engine = OTHER_ENGINE if engine != LLAMA_CPP and architecture in LLAMA_CPP_ARCHITECTURES else ""
-    if not metadata.tensors:
+    if parts > 1:
+        _check_split(path, parts, other_engine, engine)
+    elif not metadata.tensors:
         raise ModelFileError(
             path, "the GGUF file has no tensors (a vocabulary-only file holds no model)", engine=engine
         )
@@ -281,7 +294,7 @@ def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFOR
             path, f"tensor type {', '.join(map(str, unknown))} is an unknown quantization type", engine=engine
         )
     size = path.stat().st_size
-    end = metadata.data_offset + max(t.offset + (t.n_bytes or 0) for t in metadata.tensors)
+    end = metadata.data_offset + max((t.offset + (t.n_bytes or 0) for t in metadata.tensors), default=0)
     if end > size:
         raise ModelFileError(
             path, f"the file is truncated: tensor data ends at byte {end}, the file has {size}", engine=engine
@@ -318,6 +331,39 @@ def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFOR
             engine=engine,
         )
     return fields
+
+
+# The parts of a split GGUF, as llama.cpp's gguf-split names them; the first holds the metadata.
+SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<parts>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def _split_count(fields: dict) -> int:
+    value = _integer(fields, "split.count")
+    return value if value is not None else 1
+
+
+def _check_split(path: Path, parts: int, other_engine: str, engine: str) -> None:
+    """A split GGUF: only llama.cpp loads one, from its first part, with the others beside it."""
+    if engine != LLAMA_CPP:
+        raise ModelFileError(path, f"the file is the first of a GGUF split into {parts} parts", other_engine)
+    named = SPLIT_PART.match(path.name)
+    if named is None or int(named["part"]) != 1 or int(named["parts"]) != parts:
+        raise ModelFileError(
+            path,
+            f"a GGUF split into {parts} parts is loaded from its first part, NAME-00001-of-{parts:05d}.gguf",
+            engine=engine,
+        )
+    for number in range(2, parts + 1):
+        part = path.with_name(f"{named['stem']}-{number:05d}-of-{parts:05d}.gguf")
+        if not part.is_file():
+            raise ModelFileError(path, f"part {number} of {parts}, {part.name}, is not beside it", engine=engine)
+
+
+def _integer(fields: dict, key: str) -> int | None:
+    if key not in fields:
+        return None
+    value = fields[key].contents()
+    return value if isinstance(value, int) else None
 
 
 def _check_ggml(path: Path, header: bytes, model_type: str | None) -> None:

@@ -68,13 +68,18 @@ class ConsoleRenderer:
             took = e.get("duration_ms")
             seconds = f" in {took / 1000:.1f} s" if isinstance(took, int | float) else ""
             tokens = e.get("tokens_generated")
-            speed = ""
-            if isinstance(took, int | float) and isinstance(tokens, int) and took > 0 and tokens:
-                speed = f", {tokens / (took / 1000):.0f} tokens/s"
+            # The ending's own figure (Ending.tokens_per_s), as the page shows it.
+            rate = e.get("tokens_per_s")
+            speed = f", {rate:.1f} tokens/s" if isinstance(rate, int | float) else ""
             latency = e.get("cancel_latency_ms")
             stop = f", stopped {latency:.1f} ms after the cancel" if isinstance(latency, int | float) else ""
             outcome = str(name).removeprefix("generation_")
             return f"request {e.get('id')} {outcome} ({e.get('reason')}): {tokens} tokens{seconds}{speed}{stop}"
+        if name == "no_chat_template":
+            return (
+                f"{e.get('model')} has no chat template (a base model): a chat is completed as the plain text "
+                "of its messages; --chat-template chatml, or a template file, gives it one"
+            )
         if name == "server_stopping":
             return "stopping: cancelling every request"
         if name == "server_stopped":
@@ -244,6 +249,7 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         queue_ms=ending.queue_ms,
         ttft_ms=ending.ttft_ms,
         duration_ms=ending.duration_ms,
+        tokens_per_s=ending.tokens_per_s,
         longest_prefill_node_ms=ending.longest_prefill_node_ms,
         longest_decode_node_ms=ending.longest_decode_node_ms,
         **({"message": ending.message} if ending.message else {}),

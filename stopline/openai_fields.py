@@ -21,7 +21,7 @@ from enum import StrEnum
 from .errors import StoplineError
 from .protocol import GRAMMARS_NEED_LLAMA_CPP
 from .tool_calls import ToolChoice, call_text, instructions, is_tool
-from .vocabulary import ErrorCode
+from .vocabulary import ChatFormat, ErrorCode
 
 
 class Treatment(StrEnum):
@@ -132,17 +132,48 @@ def _same(value: object, neutral: object) -> bool:
 
 
 @dataclass(frozen=True)
+class ServedModels:
+    """The names this server answers to (``--served-model-name``; the first is the one it
+    reports unasked), and whether a request may name any model (``--model-names any``)."""
+
+    names: tuple[str, ...]
+    any_name: bool = True
+    # How a chat becomes the model's prompt, which /v1/models tells.
+    chat_format: ChatFormat = ChatFormat.MODEL_TEMPLATE
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("a server serves its model under at least one name")
+
+    @property
+    def primary(self) -> str:
+        return self.names[0]
+
+    def answering(self, requested: object) -> str | None:
+        """The name an answer to a request for ``requested`` reports (None or absent: the
+        primary), or None when the request is refused: a name not served, with any_name off.
+        A name not served is answered as what really answers it, the primary name."""
+        if requested is None:
+            return self.primary
+        if isinstance(requested, str) and requested in self.names:
+            return requested
+        return self.primary if self.any_name else None
+
+
+@dataclass(frozen=True)
 class OpenAIRequest:
     frame: dict
+    # The model name the answer reports.
+    model: str
     # The answer may hold function calls (auto) or is only calls (required, a named function);
     # None: it is text.
     calls: ToolChoice | None = None
 
 
-def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> OpenAIRequest:
+def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bool) -> OpenAIRequest:
     """The generate frame an OpenAI request body asks for, or :class:`Refused`.
-    ``model`` is the one model this server serves; ``grammars``, whether its engine
-    can constrain output to a grammar (``Limits.grammars``)."""
+    ``models`` are the names this server's one model is served under; ``grammars``, whether
+    its engine can constrain output to a grammar (``Limits.grammars``)."""
     table = _BY_ENDPOINT[Endpoint.CHAT if chat else Endpoint.COMPLETIONS]
     for name, value in body.items():
         field = table.get(name)
@@ -159,10 +190,14 @@ def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> Ope
             name,
         )
     requested = body.get("model")
-    if requested is not None and requested != model:
+    if requested is not None and not isinstance(requested, str):
+        raise Refused(ErrorCode.INVALID_FIELD, "model must be a string", "model")
+    model = models.answering(requested)
+    if model is None:
         raise Refused(
             ErrorCode.MODEL_NOT_FOUND,
-            f"the model {requested!r} is not served here; this server runs {model!r}",
+            f"the model {_shown_name(requested)} is not served here; this server serves "
+            f"{', '.join(repr(n) for n in models.names)} (--model-names any answers to any name)",
             "model",
         )
     frame: dict = {"type": "generate"}
@@ -203,7 +238,12 @@ def openai_request(body: dict, *, chat: bool, model: str, grammars: bool) -> Ope
         raise Refused(
             ErrorCode.INVALID_FIELD, "give response_format or a tool_choice that calls, not both", "tool_choice"
         )
-    return OpenAIRequest(frame, calls=None if call is None else call[1])
+    return OpenAIRequest(frame, model, calls=None if call is None else call[1])
+
+
+def _shown_name(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "…"
 
 
 def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[list[dict], ToolChoice] | None:

@@ -58,14 +58,23 @@ class SamplingParams:
     """What a generation asks of the sampler, and its deadlines.
 
     These defaults are the only ones: a generate frame that leaves a field out
-    gets the value here (the deadlines come from :class:`Limits` instead).
+    gets the value here (the deadlines come from :class:`Limits` instead), on the
+    WebSocket, over SSE and through the OpenAI endpoints alike. They are
+    llama-server's, the peer that runs the same GGUF files on the same llama.cpp:
+    no penalty unless one is asked for (vLLM and OpenAI apply none either), so
+    ``temperature: 0`` draws the model's most likely token every time.
     """
 
-    max_tokens: int = 256
-    temperature: float = 0.7
+    # The longest answer: long enough for a story. The terminal client and the page take
+    # it from here (the page through the hello frame's defaults).
+    max_tokens: int = 1024
+    # llama-server's temperature, top-k and top-p; OpenAI and vLLM default to 1.0 with
+    # neither cut-off, which lets a small model's long tail through.
+    temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
-    repetition_penalty: float = 1.1
+    # 1.0 is no penalty: llama-server's penalty_repeat, vLLM's repetition_penalty.
+    repetition_penalty: float = 1.0
     # OpenAI's: subtracted from a token's logit per time it was generated, and once if it was.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -82,6 +91,16 @@ class SamplingParams:
 
 
 DEFAULT_SAMPLING = SamplingParams()
+# The defaults the hello frame tells a client, so that it shows them rather than its own copies.
+HELLO_DEFAULTS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 class Phase(Enum):
@@ -210,6 +229,15 @@ class Ending:
     # A quota refusal: which limit, and when trying again may succeed (None: it will not).
     limit: QuotaLimit | None = None
     retry_after_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed: the tokens after the first, over the time from the first token to the
+        last. The page, the console and the logs show this one figure; the prompt's time is
+        ``ttft_ms``. None with fewer than two tokens, which give no interval to measure."""
+        if self.ttft_ms is None or self.tokens_generated < 2 or self.duration_ms <= self.ttft_ms:
+            return None
+        return round((self.tokens_generated - 1) / ((self.duration_ms - self.ttft_ms) / 1000), 1)
 
     @property
     def tokens_wasted(self) -> int:
@@ -361,6 +389,8 @@ class Hello:
                 "ttft_timeout_s": lim.max_ttft_timeout_s,
                 "requests_per_connection": lim.requests_per_connection,
             },
+            # What a generate frame gets for a field it leaves out.
+            "defaults": {name: getattr(DEFAULT_SAMPLING, name) for name in HELLO_DEFAULTS},
         }
 
 
@@ -922,15 +952,23 @@ class Connection:
 
 # What each terminal frame reports besides its reason, in frame order.
 _TERMINAL_FIELDS = {
-    Outcome.DONE: ("tokens_generated", "prompt_tokens", "prompt_tokens_reused", "ttft_ms", "duration_ms"),
+    Outcome.DONE: (
+        "tokens_generated",
+        "prompt_tokens",
+        "prompt_tokens_reused",
+        "ttft_ms",
+        "duration_ms",
+        "tokens_per_s",
+    ),
     Outcome.CANCELLED: (
         "tokens_generated",
         "tokens_after_cancel",
         "cancel_latency_ms",
         "tokens_wasted",
         "prompt_tokens_reused",
+        "tokens_per_s",
     ),
-    Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused"),
+    Outcome.TIMEOUT: ("tokens_generated", "duration_ms", "tokens_wasted", "prompt_tokens_reused", "tokens_per_s"),
 }
 
 

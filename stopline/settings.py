@@ -22,7 +22,7 @@ from .observability import LOG_FORMATS
 from .origin import OriginPolicy
 from .protocol import MAX_SECONDS, Limits
 from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
-from .vocabulary import AbortMode, Batching, EngineName
+from .vocabulary import AbortMode, Batching, EngineName, ModelNames
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class Settings:
     model: str | None = None
     model_type: str | None = None
     chat_template: str | None = None
+    # The names the model is served under (the first is the one reported unasked); none: its own name.
+    served_model_names: tuple[str, ...] = ()
+    # Which model names a request may send: any (one model is served, whatever it is called), or
+    # only the served names (others get 404 model_not_found).
+    model_names: str = str(ModelNames.ANY)
     engine: str = str(EngineName.CTRANSFORMERS)
     context_length: int = DEFAULT_CONTEXT_LENGTH
     abort_mode: str = str(AbortMode.IN_STEP)
@@ -225,6 +230,14 @@ def chat_template(text: str) -> str:
     return text
 
 
+def model_name(text: str) -> str:
+    # Sent back in every answer's "model", and listed by /v1/models.
+    name = text.strip()
+    if not name or len(name) > 256 or any(ord(c) < 0x20 or c == "," for c in name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model name: give 1 to 256 printable characters, no comma")
+    return name
+
+
 def replica_id(text: str) -> str:
     # It becomes part of Redis key and channel names, inside a {hash tag}.
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
@@ -264,6 +277,8 @@ class Flag:
     kind: Any
     help: str
     secret: bool = False
+    # Given once per value on the command line; its environment variable holds a comma-separated list.
+    repeatable: bool = False
 
     @property
     def default(self) -> Any:
@@ -297,15 +312,31 @@ FLAGS = [
         "--model",
         "model",
         str,
-        "model file (default: the embedded SmolLM2-135M-Instruct); see below for what works",
+        "model file, or a GGUF on the Hugging Face hub: hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf, "
+        "downloaded into the hub's cache (default: the embedded SmolLM2-135M-Instruct); see below for what works",
     ),
     Flag("--model-type", "model_type", str, "ctransformers model type of a GGML file (default: llama)"),
+    Flag(
+        "--served-model-name",
+        "served_model_names",
+        model_name,
+        "a name the model is served under, listed by /v1/models and reported in answers; repeatable, the "
+        "first is the one reported unasked (default: the model's name)",
+        repeatable=True,
+    ),
+    Flag(
+        "--model-names",
+        "model_names",
+        one_of([str(m) for m in ModelNames]),
+        "which model names an OpenAI request may send. any: any name, answered by the one model served "
+        "(as llama-server does); served: only the served names, others get 404 model_not_found (as vLLM does)",
+    ),
     Flag(
         "--chat-template",
         "chat_template",
         chat_template,
-        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own, "
-        "else chatml)",
+        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own; "
+        "a file without one, a base model, has a chat completed as the plain text of its messages)",
     ),
     Flag(
         "--engine",
@@ -408,8 +439,9 @@ FLAGS = [
         "--api-keys-file",
         "api_keys_file",
         str,
-        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP; "
-        "see 'stopline keys add' (default: none)",
+        "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP. "
+        "'stopline keys add NAME' writes keys.jsonl in the user's config folder unless given --file; "
+        'serve that one with --api-keys-file "$(stopline keys path)" (default: none, no keys)',
     ),
     Flag(
         "--metrics-key",

@@ -171,7 +171,7 @@ def _sha256(text: str) -> str:
 class NativeTokenizer:
     """ctransformers' own tokenizer, for models whose file has no byte-level BPE
     vocab (SentencePiece GGUFs, GGML files). Chat messages go through the file's
-    own template, else ChatML."""
+    own template, else become plain text."""
 
     def __init__(self, tokenize, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
         self._tokenize = tokenize
@@ -196,7 +196,7 @@ class NativeTokenizer:
 
 class LlamaTokenizer:
     """llama.cpp's tokenizer for the model it loaded (special tokens written in the
-    text stay whole), with the file's own chat template (ChatML if it has none)."""
+    text stay whole), with the file's own chat template (plain text if it has none)."""
 
     def __init__(self, model):
         self._model = model
@@ -225,19 +225,35 @@ class LlamaTokenizer:
 
 
 def render_chat(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
-    """Render ``messages`` through ``template`` (ChatML if none), opening the assistant turn.
+    """Render ``messages`` through ``template``, opening the assistant turn; without a
+    template (a base model's file), as plain text (:func:`plain_text`).
 
     A final assistant message is continued: its text goes into the opened turn, so
     a stopped answer can be picked up where it ended."""
+    if template is None:
+        return plain_text(messages)
     prefix = ""
     if messages and messages[-1]["role"] == "assistant":
         messages, prefix = messages[:-1], messages[-1]["content"]
     return (
         _template_env()
-        .from_string(template or _CHATML)
+        .from_string(template)
         .render(messages=messages, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
         + prefix
     )
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A chat as the text a base model completes: the messages' contents in order. An
+    assistant message follows the text before it with nothing between, as it was generated
+    (so a stopped answer is continued where it ended); any other message after the first
+    starts a new paragraph. A model with no chat template knows no roles: this marks none."""
+    text = ""
+    for index, message in enumerate(messages):
+        if index and message["role"] != "assistant":
+            text += "\n\n"
+        text += message["content"]
+    return text
 
 
 _CHATML = (

@@ -4,6 +4,8 @@ Frames, JSON logs, Prometheus labels, docs and the native extension all use
 these exact strings. Define a name here before using it anywhere else.
 """
 
+from __future__ import annotations
+
 from enum import StrEnum
 
 
@@ -70,6 +72,34 @@ class EngineName(StrEnum):
     CTRANSFORMERS = "ctransformers"
     # Today's llama.cpp, through Stopline's own shim (ext/llama_abi.h).
     LLAMA_CPP = "llama.cpp"
+
+
+class ChatFormat(StrEnum):
+    """How a chat's messages become the prompt: ``chat_format`` in ``/v1/models``, ``/healthz``
+    and the ``server_started`` log line."""
+
+    # The model file's own chat template.
+    MODEL_TEMPLATE = "model_template"
+    # The template --chat-template named.
+    GIVEN_TEMPLATE = "given_template"
+    # The file has none (a base model): the messages' text, completed as it is.
+    PLAIN_TEXT = "plain_text"
+
+    @classmethod
+    def of(cls, model_template: str | None, given: str | None) -> ChatFormat:
+        """The format in force: --chat-template's if given, else the file's template, else plain text."""
+        if given is not None:
+            return cls.GIVEN_TEMPLATE
+        return cls.MODEL_TEMPLATE if model_template else cls.PLAIN_TEXT
+
+
+class ModelNames(StrEnum):
+    """Which model names an OpenAI request may send: ``--model-names``."""
+
+    # Any name: the one model served answers, and reports its own name.
+    ANY = "any"
+    # Only the served names (``--served-model-name``); another gets 404 model_not_found.
+    SERVED = "served"
 
 
 class ErrorCode(StrEnum):

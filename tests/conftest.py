@@ -30,7 +30,9 @@ from stopline.vocabulary import TERMINAL_TYPES
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
 
-CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy and unpenalized (the defaults), the embedded model answers "Paris" to this question; asked
+# only "What is the capital of France?", it wanders off in French.
+CHAT_FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 # A prompt that keeps the model talking for hundreds of tokens.
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
 

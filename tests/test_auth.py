@@ -119,6 +119,30 @@ def test_keys_add_list_revoke(tmp_path, capsys):
     assert "exists already" in capsys.readouterr().err
 
 
+def test_keys_add_without_a_file_uses_the_config_folder_and_says_where(tmp_path):
+    # A new user's first command: no --file, no STOPLINE_API_KEYS_FILE.
+    environ = {k: v for k, v in os.environ.items() if k != "STOPLINE_API_KEYS_FILE"}
+    environ["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+
+    def keys(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "stopline", "keys", *args]
+        return subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60 * UNIT)
+
+    added = keys("add", "alice")
+    assert added.returncode == 0, added.stderr
+    path = tmp_path / "config" / "stopline" / "keys.jsonl"
+    key = added.stdout.strip()
+    # Where the key went, and how to serve it.
+    assert f"added to {path}." in added.stderr and f"--api-keys-file {path}" in added.stderr
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert Keyring(path=str(path)).lookup(key).user == "alice"
+    assert keys("path").stdout.strip() == str(path)
+    assert keys("list").stdout.startswith("alice-")
+    # The server takes the same file from the command the docs give.
+    args = parse_args(["--api-keys-file", keys("path").stdout.strip()])
+    assert settings_from(args).api_keys_file == str(path)
+
+
 @pytest.mark.parametrize(
     "line, error",
     [
@@ -161,11 +185,12 @@ def test_revoke_keeps_other_lines_and_is_atomic(tmp_path):
 async def test_the_websocket_asks_for_a_key(engine, tmp_path, logs):
     async with keyed_server(engine, tmp_path) as server:
         alice = server.keys.keys["alice"]
-        # No key, and a wrong one: an error frame, then close code 4401.
-        for headers in (None, bearer("stopline_not-a-key-at-all")):
+        # No key, and a wrong one: an error frame that says which, then close code 4401.
+        for headers, says in ((None, "none was sent"), (bearer("stopline_not-a-key-at-all"), "not one of its keys")):
             async with connect(server.ws_url, additional_headers=headers) as websocket:
                 frame = json.loads(await websocket.recv())
                 assert frame["type"] == "error" and frame["code"] == ErrorCode.UNAUTHORIZED
+                assert says in frame["message"], frame
                 with pytest.raises(ConnectionClosed):
                     await websocket.recv()
                 assert websocket.close_code == 4401
@@ -180,7 +205,9 @@ async def test_the_websocket_asks_for_a_key(engine, tmp_path, logs):
             assert alice not in str(websocket.response.headers)
             assert json.loads(await websocket.recv())["type"] == "hello"
         async with connect(server.ws_url, subprotocols=["stopline", "stopline.bearer.wrong-key-0123456789"]) as ws:
-            assert json.loads(await ws.recv())["code"] == ErrorCode.UNAUTHORIZED
+            # A wrong key from a browser reads as a wrong key from any client.
+            frame = json.loads(await ws.recv())
+            assert frame["code"] == ErrorCode.UNAUTHORIZED and "not one of its keys" in frame["message"]
         metrics = server.metrics.render().decode()
         assert metric_value(metrics, "stopline_refused_connections_total", code=Refusal.UNAUTHORIZED) == 3
         assert logs.records(KeyEvent.REFUSED, where="/ws")
@@ -203,13 +230,27 @@ async def test_the_http_api_asks_for_a_key_and_names_the_user(engine, tmp_path, 
     async with keyed_server(engine, tmp_path) as server:
         api, alice = server.http.base_url, server.keys.keys["alice"]
         body = {"messages": CHAT_FRANCE, "max_tokens": 4, "user": "alice-says-she-is-root"}
-        for headers in ({}, bearer("wrong-key-0123456789"), {"Authorization": f"Basic {alice}"}):
+        # Each refusal says which it was (no key, a wrong one, no Bearer key), and nothing of the keys there are.
+        told = {}
+        for case, headers in (
+            ("none", {}),
+            ("wrong", bearer("wrong-key-0123456789")),
+            ("other scheme", {"Authorization": f"Basic {alice}"}),
+        ):
             for method, path in (("POST", "/chat/completions"), ("POST", "/generations"), ("GET", "/models")):
                 async with http.request(method, api + path, json=body, headers=headers) as response:
                     assert response.status == 401, (method, path, headers)
                     assert response.headers["WWW-Authenticate"] == 'Bearer realm="stopline"'
                     error = (await response.json())["error"]
                     assert error["code"] == ErrorCode.UNAUTHORIZED and error["type"] == "authentication_error"
+                    told.setdefault(case, set()).add(error["message"])
+        assert all(len(messages) == 1 for messages in told.values())
+        assert "none was sent" in next(iter(told["none"]))
+        assert "not one of its keys" in next(iter(told["wrong"]))
+        assert "Authorization header holds none" in next(iter(told["other scheme"]))
+        # A key of the right shape, one revoked and one never made: the same words.
+        async with http.get(api + "/models", headers=bearer("stopline_" + "x" * 43)) as response:
+            assert (await response.json())["error"]["message"] in told["wrong"]
         async with http.post(api + "/chat/completions", json=body, headers=bearer(alice)) as response:
             assert response.status == 200
             request_id = (await response.json())["id"]
@@ -520,6 +561,8 @@ async def test_the_terminal_client_sends_stopline_api_key(engine, tmp_path, logs
 
         code, _, err = await client()
         assert code == 1 and "the server needs an API key: set STOPLINE_API_KEY" in err
+        code, _, err = await client(STOPLINE_API_KEY="stopline_wrong-0123456789")
+        assert code == 1 and "the server refused the key in STOPLINE_API_KEY" in err
         code, out, err = await client(STOPLINE_API_KEY=server.keys.keys["bob"])
         assert code == 0 and out.strip() and "[done" in err
         assert logs.records("generation_done", user_id="bob")

@@ -4,11 +4,13 @@ pseudo-terminal (pexpect), Ctrl-C, Ctrl-D, commands, URLs and one-line failures.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pexpect
@@ -131,10 +133,47 @@ def test_failures_are_one_line(args, code, says):
     assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
 
 
+async def test_the_http_apis_port_names_the_websocket(server):
+    # A new user's mistake: --url at the HTTP API. Stopline's answer says where the WebSocket is.
+    api_port = int(server.http.base_url.rsplit(":", 1)[1].split("/")[0])
+    result = await in_thread(run_client, "--url", f"http://127.0.0.1:{api_port}", "hi")
+    assert result.returncode == 1 and result.stdout == "" and result.stderr.count("\n") == 1, result
+    websocket = f"ws://127.0.0.1:{server.port}/ws"
+    assert f"cannot connect to ws://127.0.0.1:{api_port}/ws: HTTP 404 there, not a WebSocket" in result.stderr
+    assert f"this port serves Stopline's HTTP API (/v1); its WebSocket is at {websocket}" in result.stderr
+
+
+def test_another_servers_404_gets_the_default_layout():
+    # A port that is not Stopline's says nothing of where the WebSocket is: the client says what
+    # it got and what would work if it were Stopline's HTTP API on its default port.
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        port = httpd.server_port
+        result = run_client("--url", f"ws://127.0.0.1:{port}", "hi")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result
+    assert "HTTP 404 there, not a WebSocket. Stopline's WebSocket is on its --port (8765 by default)" in result.stderr
+    assert f"if this is the HTTP API's port, try --url ws://127.0.0.1:{port - 1}/ws" in result.stderr
+
+
 async def test_one_shot_answer_uses_stopline_port_and_host(server, logs):
     result = await in_thread(
         run_client,
-        "What is the capital of France?",
+        "What is the capital of France? Answer in one word.",
         "--temperature",
         "0",
         "--max-tokens",

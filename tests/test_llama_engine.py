@@ -28,6 +28,7 @@ from stopline import _core
 from stopline.engine import Engine, SamplingParams
 from stopline.llama_build import cached_library
 from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.observability import ConsoleRenderer
 from stopline.protocol import exit_outcome
 from stopline.vocabulary import AbortMode, Batching, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
@@ -52,7 +53,7 @@ from test_server_lifecycle import (  # noqa: F401
 from test_web import browser, page, test_stop_button_cancels_a_streaming_generation  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 GREEDY = {"temperature": 0}
 
 
@@ -163,8 +164,11 @@ def test_greedy_answer_and_the_models_own_tokenizer(engine, slot):
     pieces, result = greedy(engine, slot, prompt)
     assert "Paris" in b"".join(pieces).decode()
     assert result.tokens_generated == len(pieces)
-    # The last token was sampled, never evaluated.
-    assert slot.kv_positions == slot.n_held == result.prompt_tokens + result.tokens_generated - 1
+    # The last token was sampled, never evaluated: the answer's last at max_tokens, or the
+    # end-of-text token, which the answer does not count.
+    assert result.exit in (_core.ExitKind.MAX_TOKENS, _core.ExitKind.EOS)
+    unevaluated = 1 if result.exit is _core.ExitKind.MAX_TOKENS else 0
+    assert slot.kv_positions == slot.n_held == result.prompt_tokens + result.tokens_generated - unevaluated
 
 
 def test_detokenizing_keeps_nul_bytes(engine):
@@ -447,6 +451,32 @@ def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
     # The chunk under way was abandoned, and its positions dropped.
     assert result.prompt_tokens_evaluated % engine.prefill_chunk == 0
     assert slot.kv_positions == slot.n_held == result.prompt_tokens_evaluated
+
+
+async def test_a_base_model_says_so_and_completes_a_chat_as_plain_text(gemma, logs, http):  # noqa: F811
+    # Gemma 3 270M is a base model: its file has no chat template. ChatML, which it never saw,
+    # filled its answers with <|im_end|>; a chat is now the text of its messages, completed.
+    assert gemma.tokenizer.chat_template is None
+    async with running_server(gemma) as server:
+        # One line at startup says so, and what gives it a template.
+        [said] = logs.records("no_chat_template")
+        line = ConsoleRenderer()(None, "warning", said)
+        assert "\n" not in line and "has no chat template" in line and "--chat-template chatml" in line
+        assert logs.records("server_started")[0]["chat_format"] == "plain_text"
+        async with http.get(server.http.base_url + "/models") as response:
+            assert [m["chat_format"] for m in (await response.json())["data"]] == ["plain_text"]
+        text = "The capital of France is Paris. The capital of Italy is"
+        common = {"temperature": 0, "max_tokens": 8}
+        body = {"messages": [{"role": "user", "content": text}], **common}
+        async with http.post(server.http.base_url + "/chat/completions", json=body) as response:
+            chat = await response.json()
+        async with http.post(server.http.base_url + "/completions", json={"prompt": text, **common}) as response:
+            completion = await response.json()
+    # The chat's prompt is the text itself, and its answer the completion's.
+    assert chat["usage"]["prompt_tokens"] == len(gemma.encode(prompt=text)) == completion["usage"]["prompt_tokens"]
+    answer = chat["choices"][0]["message"]["content"]
+    assert answer == completion["choices"][0]["text"] and "Rome" in answer
+    assert "<|im_" not in answer
 
 
 def test_gemma_loads_generates_and_resumes_mid_conversation(gemma):

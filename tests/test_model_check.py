@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import UNIT
+from hub_stand_in import split_gguf
 from stopline import model
 from stopline.engine import Engine, ModelLoadError, SamplingParams
 from stopline.model_check import (
@@ -36,6 +37,7 @@ from stopline.model_check import (
 )
 from stopline.protocol import exit_outcome
 from stopline.tokenizer import TokenizerError, load_chat_template
+from stopline.vocabulary import EngineName
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -410,10 +412,10 @@ def test_a_sentencepiece_gguf_uses_its_own_chat_template(tmp_path, monkeypatch):
         assert stream.result.prompt_tokens == len(loaded.encode(messages=CHAT))
     finally:
         slot.close()
-    # Without a template in the file, ChatML.
+    # Without a template in the file, the chat's plain text.
     plain = Engine.load(write_spm_llama(tmp_path / "plain.gguf"), context_length=256, threads=1, progress=False)
     plain.open_slot().close()
-    assert plain.tokenizer.render_chat(CHAT).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert plain.tokenizer.render_chat(CHAT) == "Be brief.\n\nthe cat"
 
 
 def test_chat_template_names_and_files(tmp_path):
@@ -506,3 +508,15 @@ def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monk
         [f"deleted {copies[1]}", f"deleted {model.converted_dir() / f'.{copies[2].name}.abc.part'}"]
     )
     assert list(model.converted_dir().iterdir()) == [copies[0]]
+
+
+def test_a_split_gguf_is_for_llama_cpp_from_its_first_part_with_the_others_beside_it(tmp_path):
+    first, second = split_gguf(model.original_gguf_path(progress=False), tmp_path / "smol.gguf")
+    with pytest.raises(ModelFileError, match="the first of a GGUF split into 2 parts. --engine llama.cpp can run"):
+        check_model_file(first, None)
+    assert check_model_file(first, None, engine=EngineName.LLAMA_CPP) is not None
+    with pytest.raises(ModelFileError, match="loaded from its first part"):
+        check_model_file(second, None, engine=EngineName.LLAMA_CPP)
+    second.unlink()
+    with pytest.raises(ModelFileError, match="part 2 of 2, smol-00002-of-00002.gguf, is not beside it"):
+        check_model_file(first, None, engine=EngineName.LLAMA_CPP)

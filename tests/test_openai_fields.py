@@ -10,7 +10,8 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, UNIT
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
+from stopline.__main__ import parse_args, settings_from
 from stopline.openai_fields import FIELDS, Endpoint, Treatment, fields_of
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
@@ -157,19 +158,34 @@ async def test_messages_stopline_cannot_read_are_refused_by_name(server, http, m
     assert answer["error"]["param"] == param
 
 
-async def test_a_model_not_served_is_not_found(server):
+async def test_any_model_name_is_answered_by_the_model_served(server, http):
+    # Clients with a hard-coded name work, as with llama-server; the answer says what answered.
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    for asked in ("gpt-4o", server.engine.name):
+        answer = await client.chat.completions.create(model=asked, messages=CHAT_FRANCE, max_tokens=1)
+        assert answer.model == server.engine.name
+    completion = await client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi", max_tokens=1)
+    assert completion.model == server.engine.name
+    # The list and the lookup hold the served names only; every field the openai package and Open WebUI read.
+    async with http.get(server.http.base_url + "/models") as response:
+        listed = await response.json()
+    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == [server.engine.name]
+    [entry] = listed["data"]
+    assert entry["object"] == "model" and entry["owned_by"] == "stopline"
+    assert isinstance(entry["created"], int) and entry["created"] > 1_700_000_000
     model = await client.models.retrieve(server.engine.name)
     assert model.id == server.engine.name and model.owned_by == "stopline"
     with pytest.raises(openai.NotFoundError) as caught:
         await client.models.retrieve("gpt-4o")
     assert caught.value.code == "model_not_found"
-    with pytest.raises(openai.NotFoundError) as caught:
-        await client.chat.completions.create(model="gpt-4o", messages=CHAT_FRANCE, max_tokens=1)
-    assert caught.value.code == "model_not_found" and "gpt-4o" in caught.value.message
-    with pytest.raises(openai.NotFoundError) as caught:
-        await client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi", max_tokens=1)
-    assert caught.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=7, messages=CHAT_FRANCE, max_tokens=1)
+    assert caught.value.code == "invalid_field" and caught.value.param == "model"
+    await client.close()
+
+
+async def test_fields_the_openai_package_sends_at_their_limits(server):
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
     # n=2 and an oversized max_tokens, as the openai package sends them.
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, n=2)
@@ -182,14 +198,8 @@ async def test_a_model_not_served_is_not_found(server):
 
 async def test_logprobs_with_the_openai_package_streaming_or_not(server):
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
-    # Greedy, and with no penalty: the token drawn is the model's most likely one.
-    fields = dict(
-        model=server.engine.name,
-        messages=CHAT_FRANCE,
-        temperature=0,
-        max_tokens=12,
-        extra_body={"repetition_penalty": 1.0},
-    )
+    # Greedy, and with no penalty (the default): the token drawn is the model's most likely one.
+    fields = dict(model=server.engine.name, messages=CHAT_FRANCE, temperature=0, max_tokens=12)
     answer = await client.chat.completions.create(logprobs=True, top_logprobs=3, **fields)
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens
@@ -221,3 +231,66 @@ async def test_logprobs_with_the_openai_package_streaming_or_not(server):
         await client.chat.completions.create(top_logprobs=2, **fields)
     assert caught.value.param == "top_logprobs"
     await client.close()
+
+
+@pytest.mark.parametrize(
+    "penalty", [None, {"repetition_penalty": 1.3}, {"frequency_penalty": 1.0}, {"presence_penalty": 1.0}]
+)
+async def test_greedy_draws_the_top_token_unless_a_penalty_is_asked_for(server, penalty):
+    # A request that names no penalty gets none, as from llama-server, vLLM and OpenAI: at
+    # temperature 0 every token is the first of its alternatives (an equal one, on a tie).
+    client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+    answer = await client.chat.completions.create(
+        model=server.engine.name,
+        messages=LONG_ANSWER,
+        temperature=0,
+        max_tokens=48,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=penalty,
+    )
+    await client.close()
+    content = answer.choices[0].logprobs.content
+    below_the_top = [e.token for e in content if e.logprob < e.top_logprobs[0].logprob - 1e-6]
+    assert len(content) == 48
+    if penalty is None:
+        assert below_the_top == []
+    else:
+        # The check can fail: a penalty asked for does draw tokens below the top.
+        assert below_the_top, penalty
+
+
+async def test_served_model_names_and_only_those(engine):
+    # Aliases, as vLLM has them, and the strict choice: a name not served is 404, as from vLLM.
+    async with running_server(engine, served_model_names=("smol", "gpt-4o-mini"), model_names="served") as server:
+        client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
+        assert [m.id for m in (await client.models.list()).data] == ["smol", "gpt-4o-mini"]
+        assert (await client.models.retrieve("gpt-4o-mini")).id == "gpt-4o-mini"
+        answer = await client.chat.completions.create(model="gpt-4o-mini", messages=CHAT_FRANCE, max_tokens=1)
+        assert answer.model == "gpt-4o-mini"
+        answer = await client.chat.completions.create(model=None, messages=CHAT_FRANCE, max_tokens=1)
+        assert answer.model == "smol"
+        for name in ("gpt-4o", server.engine.name):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await client.chat.completions.create(model=name, messages=CHAT_FRANCE, max_tokens=1)
+            assert caught.value.code == "model_not_found" and caught.value.param == "model"
+            assert "'smol', 'gpt-4o-mini'" in caught.value.message and "--model-names any" in caught.value.message
+        await client.close()
+        # The first name is the one the server reports unasked.
+        async with client_for(server) as ws:
+            assert ws.hello["model"] == "smol"
+
+
+def test_served_model_names_from_the_flag_or_its_variable(monkeypatch):
+    monkeypatch.setenv("STOPLINE_SERVED_MODEL_NAME", "smol,gpt-4o-mini")
+    assert settings_from(parse_args([])).served_model_names == ("smol", "gpt-4o-mini")
+    # The command line replaces the variable's list, one name per flag.
+    args = parse_args(["--served-model-name", "a", "--served-model-name", "b", "--model-names", "served"])
+    settings = settings_from(args)
+    assert settings.served_model_names == ("a", "b") and settings.model_names == "served"
+    monkeypatch.delenv("STOPLINE_SERVED_MODEL_NAME")
+    assert settings_from(parse_args([])).served_model_names == ()
+    assert settings_from(parse_args([])).model_names == "any"
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--served-model-name", ""])
+    assert exited.value.code == 2

@@ -425,6 +425,8 @@ def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
         "cancel_latency_ms": 2.0,
         "tokens_wasted": 7,
         "prompt_tokens_reused": 0,
+        # Three tokens after the first, in the 7 ms from the first token to the loop's exit.
+        "tokens_per_s": 428.6,
     }
     assert ended.ending.queue_ms == 1.0 and ended.ending.ttft_ms == 5.0 and ended.ending.duration_ms == 12.0
 
@@ -533,6 +535,10 @@ def test_the_greeting_and_a_failed_frame_are_actions_too():
     conn = connection()
     [hello] = frames(conn.hello("m"))
     assert hello["type"] == "hello" and hello["limits"]["max_tokens"] == 16
+    # The defaults a client shows are the ones a frame that leaves a field out gets.
+    assert hello["defaults"]["max_tokens"] == DEFAULT_SAMPLING.max_tokens == 1024
+    assert hello["defaults"] == {name: getattr(DEFAULT_SAMPLING, name) for name in hello["defaults"]}
+    assert set(hello["defaults"]) >= {"max_tokens", "temperature", "top_k", "top_p", "repetition_penalty"}
     [error] = frames(conn.frame_failed())
     assert error == {
         "type": "error",
@@ -540,3 +546,11 @@ def test_the_greeting_and_a_failed_frame_are_actions_too():
         "code": "internal_error",
         "message": "the server failed to handle this frame",
     }
+
+
+def test_the_speed_is_the_decode_speed_and_needs_two_tokens():
+    ending = Ending(Outcome.DONE, Reason.EOS, tokens_generated=11, ttft_ms=900.0, duration_ms=1100.0)
+    # Ten tokens in the 0.2 s after the first: not 11 tokens over 1.1 s.
+    assert ending.tokens_per_s == 50.0
+    assert Ending(Outcome.DONE, Reason.EOS, tokens_generated=1, ttft_ms=900.0, duration_ms=900.0).tokens_per_s is None
+    assert Ending(Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT, duration_ms=900.0).tokens_per_s is None

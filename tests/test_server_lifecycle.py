@@ -16,6 +16,7 @@ from conftest import (
     running_server,
     wait_for,
 )
+from stopline.observability import ConsoleRenderer
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -33,6 +34,23 @@ async def test_greedy_chat_streams_tokens_then_done(server, logs):
         assert done["prompt_tokens"] > 20 and done["ttft_ms"] > 0 and done["duration_ms"] >= done["ttft_ms"]
     [end] = logs.records("generation_done", id="r1")
     assert end["tokens_wasted"] == 0 and end["prompt_tokens_evaluated"] == done["prompt_tokens"]
+
+
+async def test_one_speed_in_the_frame_the_log_and_the_console(server, logs):
+    # A long prompt and a short answer: all the tokens over the whole duration would give a
+    # figure several times lower than the decode speed, which is the one shown everywhere.
+    prompt = "The history of bread is long. " * 120
+    async with client_for(server) as client:
+        await client.generate("r1", prompt=prompt, temperature=0, max_tokens=12)
+        done = await client.terminal("r1")
+    assert done["tokens_generated"] == 12
+    decoding_s = (done["duration_ms"] - done["ttft_ms"]) / 1000
+    assert done["tokens_per_s"] == pytest.approx(11 / decoding_s, abs=0.05)
+    assert done["tokens_per_s"] > 2 * 12 / (done["duration_ms"] / 1000)
+    [end] = logs.records("generation_done", id="r1")
+    assert end["tokens_per_s"] == done["tokens_per_s"]
+    line = ConsoleRenderer()(None, "info", end)
+    assert line.endswith(f"{done['tokens_per_s']:.1f} tokens/s"), line
 
 
 async def test_cancel_during_decode(server, logs):

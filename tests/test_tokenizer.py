@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
 from stopline import _core
-from stopline.tokenizer import ChatTokenizer, TextStream
+from stopline.tokenizer import ChatTokenizer, TextStream, load_chat_template
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -417,13 +417,13 @@ def test_text_stream_never_releases_a_stop_sequence(text, stop, cuts, data):
 
 def test_chat_template_renders_chatml_with_the_assistant_turn_open(tokenizer):
     rendered = tokenizer.render_chat(CHAT_FRANCE)
-    assert rendered.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    question = CHAT_FRANCE[0]["content"]
+    assert rendered.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
     assert rendered.startswith("<|im_start|>system\n")  # SmolLM's template adds its default system turn
     # An explicit system message replaces the default one.
     rendered = tokenizer.render_chat([{"role": "system", "content": "Be brief."}, *CHAT_FRANCE])
     assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     )
 
 
@@ -431,18 +431,30 @@ def test_a_final_assistant_message_is_continued(tokenizer):
     # The reply turn is opened with the partial answer in it, not closed and followed by a new one.
     partial = [*CHAT_FRANCE, {"role": "assistant", "content": "The capital of France is"}]
     assert tokenizer.render_chat(partial) == tokenizer.render_chat(CHAT_FRANCE) + "The capital of France is"
+    # Without a template, the partial answer follows the question's text as it was generated.
     plain = dataclasses.replace(tokenizer, chat_template=None)
-    assert plain.render_chat(partial).endswith("<|im_start|>assistant\nThe capital of France is")
+    assert plain.render_chat(partial) == CHAT_FRANCE[0]["content"] + "The capital of France is"
     # Earlier assistant turns stay closed.
     earlier = [*partial, {"role": "user", "content": "And Spain?"}]
     assert "The capital of France is<|im_end|>" in tokenizer.render_chat(earlier)
 
 
-def test_fallback_template_is_chatml(tokenizer):
+def test_without_a_template_a_chat_is_its_plain_text(tokenizer):
+    # A base model knows no roles and no ChatML markers: it completes the conversation's text.
     plain = dataclasses.replace(tokenizer, chat_template=None)
-    assert plain.render_chat(CHAT_FRANCE) == (
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert plain.render_chat(CHAT_FRANCE) == CHAT_FRANCE[0]["content"]
+    chat = [
+        {"role": "system", "content": "A story."},
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": " there was a dragon."},
+        {"role": "user", "content": "Then"},
+    ]
+    # An answer follows its prompt as it was generated; every other message starts a paragraph.
+    assert plain.render_chat(chat) == "A story.\n\nOnce upon a time there was a dragon.\n\nThen"
+    assert "<|im_" not in plain.render_chat(chat)
+    # The named template stays the way to get ChatML.
+    chatml = plain.with_chat_template(load_chat_template("chatml"))
+    assert chatml.render_chat(CHAT_FRANCE).startswith("<|im_start|>user\n")
 
 
 def test_special_tokens_are_single_ids(engine, tokenizer, reference):

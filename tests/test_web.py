@@ -43,7 +43,7 @@ ARTIFACTS = ROOT / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
 
 LONG_STORY = "Write a very long story about a dragon."
-FRANCE = "What is the capital of France?"
+FRANCE = "What is the capital of France? Answer in one word."
 STOP_TRIES = 20
 
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.browser
 browser = test_web.browser
 
 LONG_STORY = "Write a very long story about a dragon."
-FRANCE = "What is the capital of France?"
+FRANCE = "What is the capital of France? Answer in one word."
 CODE = "Write a Python function that adds two numbers. Use a markdown code block."
 
 

@@ -16,6 +16,7 @@ from test_web_chat import generates, record_frames
 import test_web
 from conftest import running_server
 from stopline.engine import Engine
+from stopline.protocol import DEFAULT_SAMPLING
 from test_web import close_page, expect_connected, expect_state, meta, new_page, open_app, screenshot, send, settings
 
 pytestmark = pytest.mark.browser
@@ -168,15 +169,21 @@ async def test_a_chat_past_the_context_leaves_out_its_oldest_turns_and_says_so(b
 # ---------- settings, speed, export, links ----------
 
 
-async def test_default_answer_length_sampler_settings_and_speed(tall_page):
+async def test_default_answer_length_sampler_settings_and_speed(tall_page, logs):
     page = tall_page
     answer, _ = await send(page, "Say hello.")
     await expect_state(answer, "done", timeout=90)
     [first] = generates(page.sent)
-    # Long enough for a story by default; the sampler's fields left empty use the server's defaults.
-    assert first["max_tokens"] == 1024
-    assert not {"top_p", "top_k", "repetition_penalty", "seed"} & set(first)
-    assert re.search(r"\d+ tokens · .* · \d+\.\d tokens/s$", await meta(answer)), await meta(answer)
+    # The answer length and the sampler's fields left empty use the server's defaults, which the
+    # boxes show: one default, in SamplingParams, for the page and the terminal client alike.
+    assert not {"max_tokens", "top_p", "top_k", "repetition_penalty", "seed"} & set(first)
+    shown = [await page.get_attribute(box, "placeholder") for box in ("#max-tokens", "#top-p", "#top-k")]
+    assert shown == [str(DEFAULT_SAMPLING.max_tokens), str(DEFAULT_SAMPLING.top_p), str(DEFAULT_SAMPLING.top_k)]
+    # Long enough for a story: the room asked for is the context's quarter, as with 1,024.
+    assert first["min_answer_tokens"] == min(DEFAULT_SAMPLING.max_tokens, 2048 // 4)
+    # The server's decode speed, the figure its console shows too.
+    [end] = logs.records("generation_done")
+    assert (await meta(answer)).endswith(f" · {end['tokens_per_s']:.1f} tokens/s"), await meta(answer)
 
     await settings(page, max_tokens=8)
     for selector, value in (("#top-p", "0.5"), ("#top-k", "5"), ("#repetition-penalty", "1.3"), ("#seed", "7")):

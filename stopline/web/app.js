@@ -98,6 +98,7 @@ let editing = null;               // the user message being edited, or null
 let unsaved = false;              // tokens arrived since the chats were last saved
 let pinned = true;                // the view follows the conversation: the reader has not scrolled up
 let contextLength = 0;            // the model's context in tokens, from the server's hello
+let defaultMaxTokens = 0;         // the answer length a frame without max_tokens gets, from the hello
 
 // ---------- markdown ----------
 
@@ -329,6 +330,12 @@ function onFrame(msg) {
         if (els.maxTokens.valueAsNumber > contextLength) els.maxTokens.value = String(contextLength);
       }
       if (msg.limits?.timeout_s) els.timeout.max = msg.limits.timeout_s;
+      // A setting left empty is left out of the frame: its box shows the server's default.
+      for (const [field, input] of [['max_tokens', els.maxTokens], ['top_p', els.topP], ['top_k', els.topK],
+        ['repetition_penalty', els.repetitionPenalty]]) {
+        if (typeof msg.defaults?.[field] === 'number') input.placeholder = String(msg.defaults[field]);
+      }
+      if (typeof msg.defaults?.max_tokens === 'number') defaultMaxTokens = msg.defaults.max_tokens;
       break;
 
     case 'accepted':
@@ -473,11 +480,11 @@ function send() {
 
 // Ask for a reply to the conversation as it stands; with `partial`, continue that answer instead.
 // The room in the context each answer is asked to have (the generate frame's min_answer_tokens):
-// its max tokens, but no more than a quarter of the context. A chat is trimmed until its prompt
+// its max tokens (the server's default when the box is empty), but no more than a quarter of the context. A chat is trimmed until its prompt
 // leaves that much; a prompt that merely fits the context could leave the answer a few words.
 function answerRoom() {
   if (!contextLength) return undefined; // no hello yet: the server's own minimum
-  const wanted = readNumber(els.maxTokens, Math.round) ?? contextLength;
+  const wanted = readNumber(els.maxTokens, Math.round) ?? (defaultMaxTokens || contextLength);
   return Math.max(1, Math.min(wanted, Math.floor(contextLength / 4)));
 }
 
@@ -912,11 +919,8 @@ function h(tag, className, text) {
 }
 
 const countTokens = (n) => `${n ?? 0} token${n === 1 ? '' : 's'}`;
-// Decode speed: the tokens after the first, over the time after the first.
-const speed = (f) => {
-  const decoding = (f.duration_ms ?? 0) - (f.ttft_ms ?? 0);
-  return f.tokens_generated > 1 && decoding > 0 ? `${((f.tokens_generated - 1) / (decoding / 1000)).toFixed(1)} tokens/s` : '';
-};
+// The server's figure (decode speed, docs/protocol.md), the one its console shows too.
+const speed = (f) => (typeof f.tokens_per_s === 'number' ? `${f.tokens_per_s.toFixed(1)} tokens/s` : '');
 const seconds = (ms) => String(Math.round((ms ?? 0) / 100) / 10);
 const join = (parts) => parts.filter(Boolean).join(' · ');
 
