@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from stopline import model as embedded
 from stopline.engine import DEFAULT_CONTEXT_LENGTH
+from stopline.llama_build import ensure_llama_library
 from stopline.vocabulary import EngineName
 
 from . import llama_native, native, random_llama
@@ -305,6 +306,9 @@ def start_servers(args, model: BenchModel, workers: int, out_dir: Path) -> list:
         if engine == LLAMA_SERVER:
             managed.append(peer_from_args(args, out_dir, DEFAULT_CONTEXT_LENGTH, gguf, workers, args.cpu_set))
         else:
+            if SERVED_ENGINES[engine].unedited:
+                # Built here, once, rather than while the benchmark waits for the server to start.
+                ensure_llama_library(edited=False)
             # The ctransformers engines load the embedded model their own way (a converted copy).
             path = gguf if SERVED_ENGINES[engine].kind is EngineName.LLAMA_CPP else None
             managed.append(ManagedServer(engine, out_dir, workers, args.threads, model=path, cpus=args.cpu_set))
@@ -317,7 +321,6 @@ def prompt_maker(args, rng: random.Random) -> PromptMaker:
     if args.model == "smollm2":
         return PromptMaker(embedded.embedded_tokenizer(progress=False), rng)
     from stopline import _core
-    from stopline.llama_build import ensure_llama_library
     from stopline.tokenizer import LlamaTokenizer
 
     _core.load_llama_library(str(ensure_llama_library(progress=False)))
@@ -552,6 +555,9 @@ def _attach_server_log(samples: list[dict], target: Target) -> None:
             tokens_wasted=end.get("tokens_wasted"),
             prompt_tokens_evaluated=end.get("prompt_tokens_evaluated"),
             log_tokens_generated=end.get("tokens_generated"),
+            # The longest stretch between two stop checks, in the prompt and in decode: what a stop waits at most.
+            longest_prefill_node_ms=end.get("longest_prefill_node_ms"),
+            longest_decode_node_ms=end.get("longest_decode_node_ms"),
         )
         if sample["scenario"] in ("disconnect", DISCONNECT_BUSY, "openai_stream_closed"):
             sample.update(server_ms=end.get("cancel_latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
@@ -588,6 +594,9 @@ each from one run of `python -m bench` (its command at the top of the section). 
   llama.cpp context per slot (`--batching per_slot`, the default);
 - **ours_llama_shared**: the same with `--batching shared`: the slots are the sequences of one
   llama.cpp context, and every step is one batch of every running generation's next tokens;
+- **ours_llama_unedited**: ours_llama on a library built from unedited llama.cpp, without
+  Stopline's edits (`stopline/llama_edits.py`): it stops between graph nodes only, so a stop
+  waits for the node under way; the measure of what the edits cost and buy;
 - **ours_between_steps**: the same loop and server with the in-step abort switched off
   (`--abort-mode between_steps`): it stops only between evaluations, so it evaluates prompts one
   token at a time to keep a stop within about one decode step;

@@ -7,11 +7,36 @@ from __future__ import annotations
 import statistics
 
 from .llama_native import NEAR_TIE_LOGPROB
-from .report import LLAMA, OURS, OURS_LLAMA, Report, _get, _table, fmt, fmt_ratio, shared_threads, summary
+from .report import (
+    LLAMA,
+    OURS,
+    OURS_LLAMA,
+    OURS_LLAMA_SHARED,
+    OURS_LLAMA_UNEDITED,
+    Report,
+    _get,
+    _table,
+    fmt,
+    fmt_ratio,
+    shared_threads,
+    summary,
+)
 from .scenarios import DECODE_CONCURRENT, TURNS
 
-# What a stop during a long prompt may take, beyond one decode step (the issue's target).
-PREFILL_STOP_MARGIN_MS = 5.0
+# The stop targets, in ms: the server's own stop at a random moment, and what a client sees.
+SERVER_STOP_MS = 1.0
+CLIENT_STOP_MS = 3.0
+# A stop right after a token: how much a client may see beyond the server's own stop, at the median.
+CLIENT_OVER_SERVER_MS = 0.5
+# Our decode speed against the unedited build's, measured in the same run.
+UNEDITED_SPEED = 0.99
+# The stops, by scenario, and which phase's longest stretch between stop checks bounds each.
+STOPS = (
+    ("decode_after_token", "right after a token", "longest_decode_node_ms"),
+    ("decode", "random phase of decode", "longest_decode_node_ms"),
+    (DECODE_CONCURRENT, "1 of 4 concurrent streams, random phase", "longest_decode_node_ms"),
+    ("prefill_long", "during the long prompt", "longest_prefill_node_ms"),
+)
 
 
 def _show(value) -> str:
@@ -27,7 +52,8 @@ class LlamaReport:
     def __init__(self, report: Report):
         self.r = report
         self.results = report.results
-        self.engines = [t for t in (OURS_LLAMA, LLAMA, OURS) if t in report.targets]
+        self.engines = [t for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED, OURS) if t in report.targets]
+        self.ours = [t for t in (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, OURS) if t in report.targets]
 
     # Figures ---------------------------------------------------------------------------
 
@@ -52,6 +78,12 @@ class LlamaReport:
         first = _p((s["ttft_server_ms"] for s in samples if s["turn"] == 1), "p50")
         last = _p((s["ttft_server_ms"] for s in samples if s["turn"] == TURNS), "p50")
         return last / first if first and last else None
+
+    def longest_stretch(self, scenario: str, target: str, phase: str) -> float | None:
+        """The longest stretch between two stop checks, in ``phase``, over the scenario's requests
+        (from the server's end-of-request log)."""
+        stretches = [s[phase] for s in self.r.of(scenario, target) if s.get(phase)]
+        return max(stretches) if stretches else None
 
     def tokens_after_cancel_max(self, target: str) -> int | None:
         after = [
@@ -108,6 +140,8 @@ class LlamaReport:
             )
         )
         header = ["", OURS_LLAMA, LLAMA, f"{LLAMA}/{OURS_LLAMA}"]
+        if OURS_LLAMA_UNEDITED in self.engines:
+            header += [OURS_LLAMA_UNEDITED, f"{OURS_LLAMA_UNEDITED}/{OURS_LLAMA}"]
         if OURS in self.engines:
             header += [f"{OURS} (ctransformers, this run)"]
         table = []
@@ -118,84 +152,113 @@ class LlamaReport:
                 _show(values.get(LLAMA)),
                 fmt_ratio(values.get(LLAMA), values.get(OURS_LLAMA)),
             ]
+            if OURS_LLAMA_UNEDITED in self.engines:
+                row += [
+                    _show(values.get(OURS_LLAMA_UNEDITED)),
+                    fmt_ratio(values.get(OURS_LLAMA_UNEDITED), values.get(OURS_LLAMA)),
+                ]
             if OURS in self.engines:
                 row.append(_show(values.get(OURS)))
             table.append(row)
         return _table(header, table)
 
     def server_side(self) -> str:
-        """Our loop's own stop latency (cancel read → loop exited), which llama-server cannot report."""
+        """Our loop's own stop latency (cancel read → loop exited), which llama-server cannot report,
+        beside the longest stretch between two stop checks that the same requests' evaluations had."""
         rows = []
-        for scenario, title in (
-            ("decode_after_token", "right after a token"),
-            ("decode", "random phase"),
-            ("prefill_long", "during the long prompt"),
-            (DECODE_CONCURRENT, "1 of 4 concurrent streams, random phase"),
-        ):
-            for target in (t for t in (OURS_LLAMA, OURS) if t in self.engines):
+        for scenario, title, phase in STOPS:
+            for target in self.ours:
                 samples = self.r.of(scenario, target)
+                if not samples:
+                    continue
                 server = summary(s["server_ms"] for s in samples)
                 rows.append(
-                    [title, target, str(len(samples))] + [fmt(_get(server, k)) for k in ("p50", "p90", "p99", "max")]
+                    [title, target, str(len(samples))]
+                    + [fmt(_get(server, k)) for k in ("p50", "p90", "p99", "max")]
+                    + [fmt(self.longest_stretch(scenario, target, phase))]
                 )
-        return _table(["stop", "engine", "n", "server p50 ms", "p90", "p99", "max"], rows)
+        return _table(
+            ["stop", "engine", "n", "server p50 ms", "p90", "p99", "max", "longest stretch between checks, ms"],
+            rows,
+        )
 
     def targets(self) -> str:
-        """The issue's targets for the llama.cpp engine, each against what bounds it."""
-        native = self.results.get("llama_native") or {}
-        nodes = native.get("nodes") or {}
-        decode_node = max(nodes.get("longest_decode_node_ms") or [0.0]) or None
-        prefill_node = max(nodes.get("longest_prefill_node_ms") or [0.0]) or None
-        step = self.results["meta"]["targets"].get(OURS_LLAMA, {}).get("calibration", {}).get("step_ms")
+        """The stop and speed targets for the llama.cpp engine, each with what bounds it."""
         rows = []
 
         def check(ok: bool | None) -> str:
             return "–" if ok is None else "yes" if ok else "**no**"
 
-        after = self.stop("decode_after_token", OURS_LLAMA, "p99", "server_ms")
+        def at_most(value: float | None, bound: float | None) -> bool | None:
+            return None if value is None or bound is None else value <= bound
+
+        server50 = self.stop("decode_after_token", OURS_LLAMA, "p50", "server_ms")
+        client50 = self.stop("decode_after_token", OURS_LLAMA, "p50")
+        client99 = self.stop("decode_after_token", OURS_LLAMA, "p99")
+        bound50 = server50 + CLIENT_OVER_SERVER_MS if server50 is not None else None
         rows.append(
             [
-                "stop right after a token: server p50 / p99 ms",
-                f"{fmt(self.stop('decode_after_token', OURS_LLAMA, 'p50', 'server_ms'))} / {fmt(after)}",
-                "below one decode step " + (f"({fmt(step)} ms)" if step else ""),
-                check(after < step if after is not None and step else None),
+                "stop right after a token: client p50 ms",
+                fmt(client50),
+                f"server p50 + {CLIENT_OVER_SERVER_MS} = {fmt(bound50)}",
+                check(at_most(client50, bound50)),
             ]
         )
-        random_p99 = self.stop("decode", OURS_LLAMA, "p99", "server_ms")
         rows.append(
             [
-                "stop at a random phase: server p99 ms",
-                fmt(random_p99),
-                f"the longest decode node, {fmt(decode_node)} ms (in-process, max of the runs)",
-                check(random_p99 <= decode_node * 1.5 if random_p99 is not None and decode_node else None),
+                "stop right after a token: client p99 ms",
+                fmt(client99),
+                fmt(CLIENT_STOP_MS),
+                check(at_most(client99, CLIENT_STOP_MS)),
             ]
         )
-        prefill_p99 = self.stop("prefill_long", OURS_LLAMA, "p99")
-        bound = step + PREFILL_STOP_MARGIN_MS if step else None
+        for scenario, title, phase in STOPS[1:]:
+            for target in (OURS_LLAMA, OURS_LLAMA_SHARED) if scenario == DECODE_CONCURRENT else (OURS_LLAMA,):
+                if not self.r.of(scenario, target):
+                    continue
+                server = self.stop(scenario, target, "p99", "server_ms")
+                client = self.stop(scenario, target, "p99")
+                stretch = self.longest_stretch(scenario, target, phase)
+                rows.append(
+                    [
+                        f"stop, {title}, {target}: server / client p99 ms",
+                        f"{fmt(server)} / {fmt(client)} (longest stretch {fmt(stretch)})",
+                        f"{fmt(SERVER_STOP_MS)} / {fmt(CLIENT_STOP_MS)}",
+                        check(
+                            None
+                            if server is None or client is None
+                            else server <= SERVER_STOP_MS and client <= CLIENT_STOP_MS
+                        ),
+                    ]
+                )
+        ours, peer = self.prompt_rate(OURS_LLAMA), self.prompt_rate(LLAMA)
         rows.append(
             [
-                "stop during the long prompt: client p99 ms",
-                fmt(prefill_p99),
-                f"1 decode step + {PREFILL_STOP_MARGIN_MS:.0f} ms = {fmt(bound)} ms "
-                f"(longest prompt node {fmt(prefill_node)} ms)",
-                check(prefill_p99 <= bound if prefill_p99 is not None and bound else None),
+                "prompt tok/s, ours ÷ llama-server",
+                f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)})",
+                "≥ 1.0×",
+                check(None if not ours or not peer else ours >= peer),
             ]
         )
+        for streams in self.streams_seen():
+            if streams == 1:
+                ours, peer, unedited = (self.decode_rate(t) for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED))
+            else:
+                ours, peer, unedited = (self.aggregate(t, streams) for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED))
+            ok = None if not ours or not peer else ours >= peer
+            if ok is not None and unedited:
+                ok = ok and ours >= UNEDITED_SPEED * unedited
+            rows.append(
+                [
+                    f"decode tok/s, {streams} stream{'s' if streams > 1 else ''}: ours ÷ llama-server, ours ÷ unedited",
+                    f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)}), "
+                    f"{fmt_ratio(ours, unedited)} (vs {fmt(unedited)})",
+                    f"≥ 1.0×, ≥ {UNEDITED_SPEED}×",
+                    check(ok),
+                ]
+            )
         after_max = self.tokens_after_cancel_max(OURS_LLAMA)
-        none_after = after_max == 0 if after_max is not None else None
-        rows.append(["tokens after cancel: max", _show(after_max), "0", check(none_after)])
-        one = self.stop("decode", OURS_LLAMA, "p50", "server_ms")
-        four = self.stop(DECODE_CONCURRENT, OURS_LLAMA, "p50", "server_ms")
-        one99 = self.stop("decode", OURS_LLAMA, "p99", "server_ms")
-        four99 = self.stop(DECODE_CONCURRENT, OURS_LLAMA, "p99", "server_ms")
-        rows.append(
-            [
-                "4 concurrent streams: the cancelled one's server p50 / p99 ms",
-                f"{fmt(four)} / {fmt(four99)}",
-                f"1 stream: {fmt(one)} / {fmt(one99)}",
-                "–",
-            ]
-        )
+        rows.append(["tokens after cancel: max", _show(after_max), "0", check(at_most(after_max, 0))])
         lost = self.lost_tokens(OURS_LLAMA)
         peer_lost = self.lost_tokens(LLAMA)
         rows.append(
@@ -259,13 +322,11 @@ class LlamaReport:
         if not nodes:
             return None
         return (
-            f"Longest graph node between two abort checks, in-process, {len(nodes['longest_decode_node_ms'])} "
+            f"Longest stretch between two stop checks, in-process, {len(nodes['longest_decode_node_ms'])} "
             f"runs of a {nodes['prompt_tokens']}-token prompt in {nodes['prefill_chunk']}-token chunks then "
             f"decode, 1 thread: decode {', '.join(fmt(v) for v in nodes['longest_decode_node_ms'])} ms; "
             f"prompt {', '.join(fmt(v) for v in nodes['longest_prefill_node_ms'])} ms "
-            f"(prompt {fmt(nodes['prompt_tokens_per_s'])} tok/s in-process). The server reports neither "
-            "(its frames and end-of-request log carry `cancel_latency_ms` but not the loop's longest nodes), "
-            "so the random-phase bound is this in-process figure."
+            f"(prompt {fmt(nodes['prompt_tokens_per_s'])} tok/s in-process)."
         )
 
     def greedy(self) -> str | None:

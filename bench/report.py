@@ -22,11 +22,20 @@ from .scenarios import (
 OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
 OURS_LLAMA, OURS_LLAMA_BETWEEN_STEPS = "ours_llama", "ours_llama_between_steps"
 OURS_LLAMA_SHARED = "ours_llama_shared"
+OURS_LLAMA_UNEDITED = "ours_llama_unedited"
 # Engines compared with the reference engine (ours, or ours_llama where ctransformers cannot run the
 # model), each in a "<peer>/<reference>" ratio row: Stopline's loop on llama.cpp (a context per slot,
 # and all slots sharing each step), the same loops stopping between steps only, the usual Python
 # pattern, and llama.cpp's server.
-PEERS = (OURS_LLAMA, OURS_LLAMA_SHARED, BETWEEN_STEPS, OURS_LLAMA_BETWEEN_STEPS, BASELINE, LLAMA)
+PEERS = (
+    OURS_LLAMA,
+    OURS_LLAMA_SHARED,
+    OURS_LLAMA_UNEDITED,
+    BETWEEN_STEPS,
+    OURS_LLAMA_BETWEEN_STEPS,
+    BASELINE,
+    LLAMA,
+)
 # The stop scenarios in the stop-latency and tokens-after-cancel tables.
 REPORTED_STOPS = STOP_SCENARIOS + (DECODE_CONCURRENT,)
 SCENARIO_TITLES = {
@@ -694,6 +703,7 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         OURS_LLAMA: "tab:red",
         OURS_LLAMA_BETWEEN_STEPS: "tab:brown",
         OURS_LLAMA_SHARED: "tab:pink",
+        OURS_LLAMA_UNEDITED: "tab:olive",
         "server": "tab:blue",
     }
     from matplotlib.ticker import FuncFormatter, NullFormatter

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from stopline.app import StoplineServer
 from stopline.engine import Engine
+from stopline.llama_build import ensure_llama_library
 from stopline.observability import configure_logging
 from stopline.settings import Settings
 from stopline.vocabulary import AbortMode, Batching, EngineName
@@ -40,6 +41,8 @@ class ServedEngine:
     kind: EngineName
     abort_mode: AbortMode
     batching: Batching = Batching.PER_SLOT
+    # The llama.cpp engine on a library built from unedited llama.cpp: it stops between graph nodes only.
+    unedited: bool = False
 
 
 ENGINES = {
@@ -49,6 +52,7 @@ ENGINES = {
     "ours_llama": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP),
     "ours_llama_shared": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP, Batching.SHARED),
     "ours_llama_between_steps": ServedEngine(EngineName.LLAMA_CPP, AbortMode.BETWEEN_STEPS),
+    "ours_llama_unedited": ServedEngine(EngineName.LLAMA_CPP, AbortMode.IN_STEP, unedited=True),
 }
 
 
@@ -92,6 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
         threads=args.threads,
         progress=False,
         abort_mode=served.abort_mode,
+        llama_library=ensure_llama_library(progress=False, edited=False) if served.unedited else None,
     )
     if args.engine == "baseline":
         from .baseline import BaselineEngine

@@ -25,10 +25,12 @@
 #define SLL_SDIST_VERSION "0.3.36"
 #define SLL_ABI_VERSION 4
 
-/* The largest batch one evaluation takes (the context's n_batch), and the
- * most sequences one context holds. */
-#define SLL_MAX_BATCH 512
+/* The largest prompt chunk, the most sequences one context holds, and the
+ * largest batch one evaluation takes (the context's n_batch): a whole chunk
+ * beside the next token of every other sequence. */
+#define SLL_MAX_CHUNK 512
 #define SLL_MAX_SEQUENCES 64
+#define SLL_MAX_BATCH (SLL_MAX_CHUNK + SLL_MAX_SEQUENCES - 1)
 
 typedef struct sll_model sll_model;        /* a loaded model and its vocabulary */
 typedef struct sll_context sll_context;    /* one context: one KV cache, several sequences */

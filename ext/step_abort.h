@@ -105,8 +105,10 @@ typedef struct {
 /* A compute thread's checks during one evaluation. Between two small pieces of
  * a node a check reads the cancel flags only; the clock (20 ns, against 1 for a
  * flag) is read every `per_clock` checks, doubled or halved so that readings
- * come about every SL_CLOCK_EVERY_NS. The deadlines are checked, and the gaps
- * measured, at each reading. */
+ * come about every SL_CLOCK_EVERY_NS, and at most every SL_MAX_CHECKS_PER_CLOCK
+ * checks: when the pieces grow from a few microseconds to a millisecond, the
+ * next reading is that many pieces away. The deadlines are checked, and the
+ * gaps measured, at each reading. */
 typedef struct {
     const sl_group_watch *group;
     int64_t start_ns;    /* the evaluation these checks belong to */
@@ -115,8 +117,8 @@ typedef struct {
     int per_clock;
 } sl_thread_checks;
 
-#define SL_CLOCK_EVERY_NS 50000
-#define SL_MAX_CHECKS_PER_CLOCK 64
+#define SL_CLOCK_EVERY_NS 20000
+#define SL_MAX_CHECKS_PER_CLOCK 8
 
 static __thread sl_thread_checks sl_checks;
 

@@ -9,7 +9,7 @@ from typing_extensions import disjoint_base
 MAX_PREFILL_CHUNK: int
 CTRANSFORMERS_VERSION: str
 LLAMA_COMMIT: str
-LLAMA_MAX_BATCH: int
+LLAMA_MAX_CHUNK: int
 
 class GenerationState(IntEnum):
     NEW = 0

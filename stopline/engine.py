@@ -59,14 +59,16 @@ __all__ = [
     "sampling_args",
 ]
 
-# Prompt tokens per evaluation, by engine and abort mode. When evaluations stop
-# between graph nodes, a chunk bounds stop latency only through its longest
-# node, so chunks grow while prompt speed still gains and that node stays near
-# a decode step's; without that stop, a stop waits for the chunk in progress,
-# so each chunk costs one decode step. docs/engine.md has the measurements.
+# Prompt tokens per evaluation, by engine and abort mode. On ctransformers, whose
+# evaluations stop between graph nodes, a chunk bounds stop latency through its
+# longest node, so chunks grow only while prompt speed still gains; on llama.cpp,
+# whose evaluations stop inside nodes, a chunk costs a stop nothing and takes
+# llama-server's batch. Without a stop inside the evaluation, a stop waits for the
+# chunk in progress, so each chunk costs one decode step. docs/engine.md has the
+# measurements.
 DEFAULT_PREFILL_CHUNK = {
     EngineName.CTRANSFORMERS: {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1},
-    EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 128, AbortMode.BETWEEN_STEPS: 1},
+    EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 512, AbortMode.BETWEEN_STEPS: 1},
 }
 DEFAULT_CONTEXT_LENGTH = 2048
 
@@ -527,6 +529,7 @@ class Stream:
         self.tokens_read = 0
         self.ended = False
         self._result: GenerationResult | None = None
+        self._exited: asyncio.Future | None = None
 
     @property
     def result(self) -> GenerationResult | None:
@@ -584,13 +587,17 @@ class Stream:
 
     async def batches(self, executor=None):
         """Run the loop on ``executor`` and yield the text ready at each wake-up
-        (a non-empty list). Use it under ``contextlib.aclosing``: a consumer that
-        leaves early cancels the loop and waits for it to exit."""
+        (a non-empty list), until :attr:`ended`: the loop has published its result,
+        and its thread is returning (:meth:`exited`). Use it under
+        ``contextlib.aclosing``: a consumer that leaves early cancels the loop and
+        waits for it to exit."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         fd = self.generation.fileno()
         loop.add_reader(fd, wake.set)
-        done = loop.run_in_executor(executor, self.generation.run)
+        self._exited = loop.run_in_executor(executor, self.generation.run)
+        # A loop that could not start never publishes: its exception wakes the reader instead.
+        self._exited.add_done_callback(lambda _: wake.set())
         try:
             while not self.ended:
                 await wake.wait()
@@ -598,12 +605,18 @@ class Stream:
                 texts = self.read_available()
                 if texts:
                     yield texts
-            await done
+                if not self.ended and self._exited.done():
+                    await self._exited
         finally:
             loop.remove_reader(fd)
-            if not done.done():
+            if not self.ended:
                 self.cancel()
-                await asyncio.shield(done)
+                await asyncio.shield(self._exited)
+
+    async def exited(self) -> None:
+        """Wait for the loop's thread to return; then the generation can be closed."""
+        if self._exited is not None:
+            await self._exited
 
     async def __aiter__(self):
         async with contextlib.aclosing(self.batches()) as batches:

@@ -251,9 +251,7 @@ def _extract(sdist: Path, source: Path) -> Path:
     return source
 
 
-def _cmake_build(
-    source: Path, build: Path, targets: list[str], progress: bool, jobs: int | None, label: str
-) -> None:
+def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, jobs: int | None, label: str) -> None:
     log_path = build.parent / f"{build.name}.log"
     build.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 1

@@ -30,13 +30,17 @@ from .errors import StoplineError
 # The function the edited kernels call between pieces; the shim checks for it to
 # report whether a library was built with the edits.
 STOP_CHECK = "ggml_cpu_stop_requested"
-# A tinyBLAS thread's share of a node is a static range of tiles of a few
-# microseconds each: it asks once every this many tiles.
-TILES_PER_CHECK = 16
-# Pieces per compute thread in the kernels that plan their pieces per thread
-# (ggml plans 4): small enough that a piece of a 512-token prompt chunk of a
-# 1B model takes a fraction of a millisecond, and speed does not change.
-PIECES_PER_THREAD = 64
+# Where a kernel's piece is a few microseconds of work (a tile of llamafile's
+# GEMMs, a row of the input's quantization), it asks once every this many.
+SMALL_PIECES_PER_CHECK = 16
+# The repacked matmul plans this many row pieces per thread (ggml plans 4) and,
+# with one plane, pieces of this many input columns (a multiple of its 4-column
+# tiles; ggml takes them all at once): a piece of a 1B model's 512-token chunk
+# is then a fraction of a millisecond, and speed does not change.
+REPACK_PIECES_PER_THREAD = 64
+REPACK_COLUMNS = 128
+# The tiled matmul's pieces, in rows and columns of the output (ggml plans 256).
+TILED_PIECE = 64
 
 
 class LlamaEditError(StoplineError):
@@ -56,6 +60,15 @@ class Edit:
 
 _CPU = "ggml/src/ggml-cpu/"
 
+
+def _then_check(path: str, anchor: str, every: str = "", count: int = 1) -> Edit:
+    """At the top of the loop over pieces whose head is ``anchor``'s first line, leave
+    the loop when the stop check says so; ``every`` limits the check to some iterations."""
+    head, rest = anchor.split("\n", 1)
+    condition = f"{every} && {STOP_CHECK}()" if every else f"{STOP_CHECK}()"
+    return Edit(path, anchor, f"{head}\n    if ({condition}) break;  // Stopline\n{rest}", count)
+
+
 EDITS = (
     # The check, and the shared piece counter that the repacked matmul, flash
     # attention, llamafile's float GEMMs and the tiled matmul take pieces from.
@@ -63,15 +76,24 @@ EDITS = (
         _CPU + "ggml-cpu.c",
         "int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {\n",
         f"""\
-// Stopline: the graph this compute thread is computing, for {STOP_CHECK}().
+// Stopline: the graph this compute thread is computing, and its node, for {STOP_CHECK}().
 static _Thread_local struct ggml_threadpool * ggml_stop_threadpool;
+static _Thread_local int ggml_stop_node;
 
 // Stopline: whether the graph's abort callback wants the evaluation to end now.
-// Kernels ask between the pieces of a node; the callback is thread-safe.
+// Kernels ask between the pieces of a node; the callback is thread-safe. Once it
+// has said so, the graph ends after this node, as when the thread that checks
+// between nodes finds it so (it may have checked before this stop came): every
+// thread leaves the node loop at the same node, so the barriers stay matched.
 bool {STOP_CHECK}(void) {{
     struct ggml_threadpool * tp = ggml_stop_threadpool;
-    return tp != NULL && tp->cplan->abort_callback != NULL &&
-           tp->cplan->abort_callback(tp->cplan->abort_callback_data);
+    if (tp == NULL || tp->cplan->abort_callback == NULL ||
+        !tp->cplan->abort_callback(tp->cplan->abort_callback_data)) {{
+        return false;
+    }}
+    atomic_store_explicit(&tp->abort, ggml_stop_node + 1, memory_order_relaxed);
+    __atomic_store_n(&tp->ec, GGML_STATUS_ABORTED, __ATOMIC_RELAXED);
+    return true;
 }}
 
 int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
@@ -83,47 +105,116 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
     ),
     Edit(
         _CPU + "ggml-cpu.c",
-        "    struct ggml_threadpool    * tp    = state->threadpool;\n",
-        "    struct ggml_threadpool    * tp    = state->threadpool;\n"
-        "    ggml_stop_threadpool = tp;  // Stopline\n",
+        "memory_order_relaxed) != node_n; node_n++) {\n        struct ggml_tensor * node = cgraph->nodes[node_n];\n",
+        "memory_order_relaxed) != node_n; node_n++) {\n        struct ggml_tensor * node = cgraph->nodes[node_n];\n"
+        "        ggml_stop_threadpool = tp;  // Stopline\n"
+        "        ggml_stop_node = node_n;\n",
     ),
-    # The plain matmul counts its pieces with its own atomic.
+    Edit(
+        _CPU + "ggml-cpu-impl.h",
+        "int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\n",
+        f"int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\nbool {STOP_CHECK}(void);  // Stopline\n",
+    ),
+    # The plain matmul counts its pieces with its own atomic, and the mixture-of-experts
+    # matmul with one per expert.
     Edit(
         _CPU + "ggml-cpu.c",
         "current_chunk = atomic_fetch_add_explicit(&params->threadpool->current_chunk, 1, memory_order_relaxed);",
         "current_chunk = ggml_threadpool_chunk_add(params->threadpool, 1);  // Stopline",
     ),
-    # The mixture-of-experts matmul, one counter per expert.
     Edit(
         _CPU + "ggml-cpu.c",
         "current_chunk = atomic_fetch_add_explicit(current_chunk_ctr, 1, memory_order_relaxed);",
         f"current_chunk = {STOP_CHECK}() ? INT_MAX / 2  // Stopline\n"
         "                : atomic_fetch_add_explicit(current_chunk_ctr, 1, memory_order_relaxed);",
     ),
-    Edit(
-        _CPU + "ggml-cpu-impl.h",
-        "int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\n",
-        "int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\n"
-        f"bool {STOP_CHECK}(void);  // Stopline\n",
+    # Before their pieces, the matmuls quantize the input, each thread its share of
+    # every row (a millisecond for a 512-token chunk of a 1B model's FFN input).
+    _then_check(
+        _CPU + "ggml-cpu.c",
+        "for (int64_t i11 = 0; i11 < ne11; ++i11) {\n                    int64_t ne10_block_start",
+        f"i11 % {SMALL_PIECES_PER_CHECK} == 0",
     ),
-    # Finer plans where ggml plans 4 pieces per thread: a piece was 1/8 of a node on 2 threads.
+    *(
+        _then_check(
+            path,
+            "for (int64_t i11 = 0; i11 < ne11; ++i11) {\n                    size_t bs = ggml_blck_size(vec_dot_type);",
+            f"i11 % {SMALL_PIECES_PER_CHECK} == 0",
+        )
+        # The mixture-of-experts matmul, and the tiled one.
+        for path in (_CPU + "ggml-cpu.c", _CPU + "tiled/tiled.cpp")
+    ),
+    _then_check(
+        _CPU + "repack.cpp",
+        "for (int64_t i11 = ith * 4; i11 < ne11 - ne11 % 4; i11 += nth * 4) {\n",
+    ),
+    # The repacked matmul: finer row pieces, and column pieces (it took every column at once)
     Edit(
         _CPU + "repack.cpp",
         "int     nth_scaled  = nth * 4;",
-        f"int     nth_scaled  = nth * {PIECES_PER_THREAD};  // Stopline",
+        f"int     nth_scaled  = nth * {REPACK_PIECES_PER_THREAD};  // Stopline",
+    ),
+    # (and keeps them with one thread, which it gave the whole node),
+    Edit(
+        _CPU + "repack.cpp",
+        "if (nth == 1 || ((nchunk0 < nth || disable_chunking)",
+        "if (/* Stopline */ ((nchunk0 < nth || disable_chunking)",
     ),
     Edit(
+        _CPU + "repack.cpp",
+        "int64_t nchunk1 = ne12;",
+        f"int64_t nchunk1 = ne12 == 1 ? (ne11 + {REPACK_COLUMNS} - 1) / {REPACK_COLUMNS} : ne12;  // Stopline",
+    ),
+    Edit(
+        _CPU + "repack.cpp",
+        "            int64_t src1_start = ith1 * ne11;\n            int64_t src1_end = (ith1 + 1) * ne11;\n",
+        f"            int64_t src1_start = ne12 == 1 ? ith1 * {REPACK_COLUMNS} : ith1 * ne11;  // Stopline\n"
+        f"            int64_t src1_end = ne12 == 1 ? MIN(src1_start + {REPACK_COLUMNS}, ne11) : (ith1 + 1) * ne11;\n",
+    ),
+    # The tiled matmul (the K-quants of a prompt) plans 256 x 256 output pieces: 33M
+    # multiply-adds of Gemma 3's FFN, 0.8 ms here.
+    Edit(
+        _CPU + "tiled/tiled.cpp",
+        "int chunk_size = 256; //TILED_TILE_ROWS;",
+        f"int chunk_size = {TILED_PIECE};  // Stopline",
+    ),
+    # Flash attention: a piece is a tile of 64 queries against the whole cache (milliseconds
+    # at a long context), so it asks between the cache's tiles; in decode each thread takes
+    # one range of the cache for every head, and asks between heads.
+    _then_check(_CPU + "ops.cpp", "for (int64_t ic = 0; ic < nek1; ic += KV_TILE_SZ) {\n"),
+    _then_check(
         _CPU + "ops.cpp",
-        "int nth_scaled = nth * 4;",
-        f"int nth_scaled = nth * {PIECES_PER_THREAD};  // Stopline",
-        count=2,
+        "for (int64_t q_head = 0; q_head < neq2; q_head++) {\n                ggml_compute_forward_flash_attn_ext_f16_one_chunk(",
+    ),
+    # The FFN's gated activation (a 512-token chunk of a 1B model's is 4M values) splits its rows
+    # statically among the threads.
+    *(
+        _then_check(
+            _CPU + "ops.cpp",
+            f"for (int i1 = ir0; i1 < ir1; i1++) {{\n        {kind} * src0_p = ({kind} *) (src0_d + i1*src0_o);",
+            f"(i1 - ir0) % {SMALL_PIECES_PER_CHECK} == 0",
+            count,
+        )
+        for kind, count in (("float", 6), ("ggml_fp16_t", 5))
+    ),
+    # A prompt chunk's embeddings, and its RMS norms, also split their rows statically.
+    _then_check(
+        _CPU + "ops.cpp",
+        "for (int64_t i = ir0; i < ir1; ++i) {\n        const int64_t i12 = i/(ne11*ne10);",
+        f"(i - ir0) % {SMALL_PIECES_PER_CHECK} == 0",
+        count=4,
+    ),
+    _then_check(
+        _CPU + "ops.cpp",
+        "for (int64_t i01 = ith; i01 < ne01; i01 += nth) {\n"
+        "                const float * x = (float *) ((char *) src0->data + i01*nb01 + i02*nb02 + i03*nb03);",
+        f"i01 % ({SMALL_PIECES_PER_CHECK} * nth) == ith",
     ),
     # llamafile's quantized GEMMs give each thread a static range of tiles, taken from no counter.
-    Edit(
+    _then_check(
         _CPU + "llamafile/sgemm.cpp",
         "for (int64_t job = start; job < end; ++job) {\n",
-        "for (int64_t job = start; job < end; ++job) {\n"
-        f"            if ((job - start) % {TILES_PER_CHECK} == 0 && {STOP_CHECK}()) break;  // Stopline\n",
+        f"(job - start) % {SMALL_PIECES_PER_CHECK} == 0",
         count=14,
     ),
 )

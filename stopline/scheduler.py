@@ -277,13 +277,19 @@ class Scheduler:
         finally:
             del self._running[request]
             self._share_cores()
-            stream.generation.close()
-            # The slot is free the moment the loop has exited: start the next request first.
+            # The slot is free the moment the loop has published its result: start the next request first.
             self._release(slot)
-        if result is not None:
-            await sink.finished(request, result)
-        else:
-            await sink.failed(request, failure)
+        try:
+            # The client hears first; the loop's thread is still returning.
+            if result is not None:
+                await sink.finished(request, result)
+            else:
+                await sink.failed(request, failure)
+        finally:
+            # Its eventfd is closed once that thread can no longer wake it.
+            with contextlib.suppress(Exception):
+                await stream.exited()
+            stream.generation.close()
 
     def _release(self, slot) -> None:
         while self._queue and not self._closed:

@@ -121,7 +121,9 @@ def reference(engine: Engine, prompt: list[int], max_tokens: int) -> Reference:
 def test_the_engine_proves_its_abort_and_names_itself(engine):
     assert engine.kind is EngineName.LLAMA_CPP and engine.abort_mode is AbortMode.IN_STEP
     assert engine.name == "SmolLM2-135M-Instruct" and engine.context_length == 2048
-    assert engine.prefill_chunk == 128 and engine.trim_output is False
+    # llama-server's batch: a stop inside a node makes a chunk's size cost a stop nothing.
+    assert engine.prefill_chunk == 512 and engine.trim_output is False
+    assert _core.llama_checks_inside_nodes()
 
 
 async def test_healthz_names_the_engine(server):

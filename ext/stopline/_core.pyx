@@ -84,9 +84,9 @@ MAX_PREFILL_CHUNK = ct.CT_MAX_BATCH
 # The ctransformers release whose binary interface ctransformers_abi.h declares.
 CTRANSFORMERS_VERSION = ct.CT_ABI_VERSION.decode()
 # The llama.cpp commit whose shim ext/llama_abi.h declares, and the largest
-# batch its contexts take.
+# prompt chunk its contexts take.
 LLAMA_COMMIT = ll.SLL_LLAMA_COMMIT.decode()
-LLAMA_MAX_BATCH = ll.SLL_MAX_BATCH
+LLAMA_MAX_CHUNK = ll.SLL_MAX_CHUNK
 
 
 class EngineError(RuntimeError):
@@ -618,14 +618,14 @@ cdef class LlamaContext:
                   int sequences=1):
         cdef char err[512]
         model._check_open()
-        if not 1 <= batch <= ll.SLL_MAX_BATCH:
-            raise ValueError(f"batch is 1 to {ll.SLL_MAX_BATCH}")
+        if not 1 <= batch <= ll.SLL_MAX_CHUNK:
+            raise ValueError(f"batch is 1 to {ll.SLL_MAX_CHUNK}")
         if not 1 <= sequences <= ll.SLL_MAX_SEQUENCES:
             raise ValueError(f"sequences is 1 to {ll.SLL_MAX_SEQUENCES}")
         if context_length < 2 or threads < 1:
             raise ValueError("context_length must be at least 2 and threads positive")
         # Room for a whole prompt chunk and the next token of every other sequence.
-        self.b.max_tokens = min(batch + sequences - 1, ll.SLL_MAX_BATCH)
+        self.b.max_tokens = batch + sequences - 1
         err[0] = 0
         with nogil:
             self.b.ctx = LLAMA.context_new(model.model, context_length, self.b.max_tokens, threads, sequences,

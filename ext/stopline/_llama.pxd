@@ -7,6 +7,7 @@ from libc.stdint cimport int32_t, uint32_t
 cdef extern from "llama_abi.h" nogil:
     const char *SLL_LLAMA_COMMIT
     const char *SLL_SDIST_VERSION
+    enum: SLL_MAX_CHUNK
     enum: SLL_MAX_BATCH
     enum: SLL_MAX_SEQUENCES
 

@@ -1,0 +1,139 @@
+"""Stopline's edits to llama.cpp's CPU backend (stopline/llama_edits.py): every anchor is
+where the edits expect it in the pinned source, a moved one fails the build in one line
+and leaves the tree as it was, and the engine's library stops an evaluation inside a
+graph node: on the 2-layer Llama-3.2-1B-shaped model, whose output projection is most
+of a decode step and whose FFN is a quarter of a prompt chunk, a stop at a random moment
+waits a small fraction of the evaluation under way, not for the node."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.random_llama import random_llama_path
+from conftest import make_generation
+from stopline import _core
+from stopline.engine import Engine
+from stopline.llama_build import llama_source_dir
+from stopline.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
+from stopline.vocabulary import EngineName
+
+STOPS = 30
+
+
+@pytest.fixture(scope="module")
+def source() -> Path:
+    return llama_source_dir()
+
+
+@pytest.fixture
+def edited_files(source, tmp_path) -> Path:
+    """A copy of the files the edits touch, in the tree's layout."""
+    for path in {edit.path for edit in EDITS}:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / path, tmp_path / path)
+    return tmp_path
+
+
+def test_every_anchor_occurs_as_often_as_its_edit_says(source):
+    for edit in EDITS:
+        assert (source / edit.path).read_text().count(edit.anchor) == edit.count, (edit.path, edit.anchor)
+
+
+def test_the_edits_put_the_stop_check_in_every_file_they_touch(edited_files):
+    apply_edits(edited_files)
+    for path in {edit.path for edit in EDITS}:
+        assert STOP_CHECK in (edited_files / path).read_text(), path
+
+
+def test_a_moved_anchor_fails_in_one_line_and_changes_nothing(edited_files):
+    moved = EDITS[-1]
+    target = edited_files / moved.path
+    target.write_text(target.read_text().replace(moved.anchor, moved.anchor.replace("job", "task"), 1))
+    before = {path: (edited_files / path).read_text() for path in {edit.path for edit in EDITS}}
+    with pytest.raises(LlamaEditError) as failure:
+        apply_edits(edited_files)
+    message = str(failure.value)
+    assert "\n" not in message and moved.path in message and f"expected {moved.count}" in message
+    assert {path: (edited_files / path).read_text() for path in before} == before
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    # Two threads: the second takes pieces of every node too, and must see the stop as well.
+    return Engine.load(random_llama_path(2), engine=EngineName.LLAMA_CPP, threads=2, prefill_chunk=512, progress=False)
+
+
+def test_the_engine_library_is_built_with_the_edits(engine):
+    assert _core.llama_checks_inside_nodes()
+
+
+def stop_at_random_moments(engine: Engine, prompt: list[int], max_tokens: int, span_s: float) -> list[float]:
+    """Cancel generations at random moments within ``span_s`` of their start; each stop's
+    time from the cancel to the loop's exit, in seconds."""
+    rng = random.Random(7)
+    slot = engine.open_slot()
+    waits = []
+    try:
+        for _ in range(STOPS):
+            slot.forget()
+            generation = make_generation(
+                slot, prompt, max_tokens=max_tokens, prefill_chunk=engine.prefill_chunk, threads=engine.threads
+            )
+            cancelled_ns = []
+
+            def cancel(delay=rng.uniform(0.0, span_s), generation=generation, cancelled_ns=cancelled_ns):
+                time.sleep(delay)
+                cancelled_ns.append(time.monotonic_ns())
+                generation.cancel()
+
+            canceller = threading.Thread(target=cancel)
+            canceller.start()
+            result = generation.run()
+            canceller.join()
+            generation.take()
+            if result.exit is _core.ExitKind.CANCELLED:
+                waits.append((result.end_ns - cancelled_ns[0]) / 1e9)
+    finally:
+        slot.close()
+    return waits
+
+
+def timed(engine: Engine, prompt: list[int], max_tokens: int) -> _core.LoopResult:
+    slot = engine.open_slot()
+    try:
+        generation = make_generation(
+            slot, prompt, max_tokens=max_tokens, prefill_chunk=engine.prefill_chunk, threads=engine.threads
+        )
+        result = generation.run()
+        generation.take()
+        return result
+    finally:
+        slot.close()
+
+
+def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
+    prompt = engine.encode(prompt="Once upon a time")
+    result = timed(engine, prompt, 8)
+    step_s = (result.end_ns - result.first_token_ns) / 1e9 / (result.tokens_generated - 1)
+    waits = stop_at_random_moments(engine, prompt, 48, 6 * step_s)
+    assert len(waits) >= STOPS // 2
+    # Unedited, a stop that lands in the output projection (128,256 rows, most of the
+    # step) waits for its end: a tenth of the stops would wait over a quarter of a step.
+    assert statistics.quantiles(waits, n=10)[-1] < 0.1 * step_s, (waits, step_s)
+
+
+def test_a_stop_in_a_prompt_chunk_waits_a_small_part_of_the_chunk(engine):
+    prompt = engine.encode(prompt="The history of bread is long. " * 120)[:512]
+    result = timed(engine, prompt, 1)
+    chunk_s = (result.first_token_ns - result.start_ns) / 1e9
+    waits = stop_at_random_moments(engine, prompt, 1, chunk_s)
+    assert len(waits) >= STOPS // 2
+    # Unedited, each of the two layers' FFN matmuls (a quarter of the chunk each) is one node.
+    assert statistics.quantiles(waits, n=10)[-1] < 0.05 * chunk_s, (waits, chunk_s)
