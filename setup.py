@@ -1,27 +1,36 @@
 # Static metadata lives in pyproject.toml; this file only declares the extension,
-# and ships the llama.cpp shim's sources with the package.
+# and ships the llama.cpp engine's library (and its shim's sources) with the package.
+import sys
 from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-# Compiled on the user's machine against llama.cpp's headers (stopline/llama_build.py),
-# so an installed package carries them as stopline/_native/.
+# The shim is compiled against llama.cpp's headers (stopline/llama_build.py); an installed
+# package carries its sources as stopline/_native/, for a build on the user's machine.
 LLAMA_SHIM_SOURCES = ["ext/llama_shim.c", "ext/llama_abi.h"]
 
 
-class BuildPyWithShim(build_py):
+class BuildPyWithLlama(build_py):
+    """A wheel (not an editable install, which builds on first start) also carries the
+    llama.cpp engine's library, built here, so that installing it needs no compiler."""
+
     def run(self):
         super().run()
         target = Path(self.build_lib) / "stopline" / "_native"
         target.mkdir(parents=True, exist_ok=True)
         for source in LLAMA_SHIM_SOURCES:
             self.copy_file(source, str(target / Path(source).name))
+        if not getattr(self, "editable_mode", False):
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from stopline.llama_build import PACKAGED_LIBRARY, ensure_llama_library
+
+            self.copy_file(str(ensure_llama_library()), str(target / PACKAGED_LIBRARY))
 
 
 setup(
-    cmdclass={"build_py": BuildPyWithShim},
+    cmdclass={"build_py": BuildPyWithLlama},
     ext_modules=cythonize(
         # ext/stopline/ holds the Cython sources as a cimport package (qualified
         # cimports of its .pxd files); ext/ the C headers.

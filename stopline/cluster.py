@@ -49,6 +49,7 @@ from redis.exceptions import RedisError
 from .errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .observability import Metrics, log
 from .registry import Entry, Registry
+from .tasks import stop_tasks
 from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
@@ -66,8 +67,6 @@ WRITE_BATCH = 256
 # A batch that fails this many times (Redis answers, but with an error) is given up.
 WRITE_ATTEMPTS = 5
 RECONNECT_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
-# A task being stopped that is still running this long after its cancel is cancelled again (stop_tasks).
-RECANCEL_S = 0.1
 # After shutdown's last writes: how long to wait for them to reach Redis.
 FLUSH_TIMEOUT_S = 2.0
 
@@ -531,30 +530,6 @@ class _StoreCall:
         if isinstance(exc, (RedisError, OSError)):
             raise StoreUnavailable(f"Redis failed: {type(exc).__name__}") from exc
         return False
-
-
-async def stop_tasks(tasks: list[asyncio.Task]) -> None:
-    """Cancel ``tasks`` and wait until every one has ended.
-
-    A cancel alone may not end a task that uses Redis: on Python 3.11, a cancel that lands as the client
-    finishes sending a command is lost (the client sends through asyncio.wait_for, which then returns
-    instead of raising: CPython gh-86296, fixed in 3.12), and the task goes on. So a task still running
-    RECANCEL_S after its cancel is cancelled again. A caller cancelled meanwhile still waits for them all,
-    then is cancelled: no task is left running."""
-    pending = {task for task in tasks if not task.done()}
-    interrupted = False
-    while pending:
-        for task in pending:
-            task.cancel()
-        try:
-            _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
-        except asyncio.CancelledError:
-            interrupted = True
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved, as gather(return_exceptions=True) would: its owner has seen to it
-    if interrupted:
-        raise asyncio.CancelledError
 
 
 def _failed_writes(batch: list[Write], results: list) -> list[Write]:

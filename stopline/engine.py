@@ -167,7 +167,7 @@ class Engine:
         model_path: str | os.PathLike | None = None,
         model_type: str | None = None,
         *,
-        engine: EngineName | str = EngineName.CTRANSFORMERS,
+        engine: EngineName | str = EngineName.LLAMA_CPP,
         context_length: int = DEFAULT_CONTEXT_LENGTH,
         threads: int | None = None,
         prefill_chunk: int | None = None,
@@ -457,8 +457,9 @@ class LlamaEngine(Engine):
         library: str | os.PathLike | None = None,
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
-        library is ``library``, or the one built on first use (``python -m stopline.llama_build``)."""
-        from .llama_build import LlamaBuildError, ensure_llama_library
+        library is ``library``, else the one an installed wheel carries, else the one built on
+        first use (``python -m stopline.llama_build``)."""
+        from .llama_build import LlamaBuildError, NoCompiler, engine_library
 
         if model_path is None:
             path, name = embedded.original_gguf_path(progress), embedded.EMBEDDED_MODEL_NAME
@@ -467,7 +468,9 @@ class LlamaEngine(Engine):
             check_model_file(path, None, engine=EngineName.LLAMA_CPP)
             name = path.stem
         try:
-            _core.load_llama_library(str(library or ensure_llama_library(progress)))
+            _core.load_llama_library(str(library or engine_library(progress)))
+        except NoCompiler:
+            raise  # a usage error: one line, naming what to install or run instead
         except LlamaBuildError as exc:
             raise EngineError(str(exc)) from None
         try:

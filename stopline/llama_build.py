@@ -32,21 +32,25 @@ import tarfile
 from importlib import resources
 from pathlib import Path
 
+import cmake as cmake_module
+import ninja
 from tqdm import tqdm
 
-from .errors import StoplineError
+from .errors import StoplineError, UsageError
 from .llama_edits import LlamaEditError, apply_edits, edits_key
-from .model import ModelFetchError, _verify, cache_dir
+from .model import ModelFetchError, PinnedFile, cache_dir, download_pinned
 
 SDIST_VERSION = "0.3.36"
-SDIST_REQUIREMENT = f"llama-cpp-python=={SDIST_VERSION}"
 SDIST_FILENAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SDIST = PinnedFile("llama-cpp-python", SDIST_FILENAME, SDIST_SHA256)
 VENDORED_SOURCE = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
 # What the peer is called in reports: the llama.cpp that release vendors.
 SOURCE_LABEL = f"llama.cpp as vendored by llama-cpp-python {SDIST_VERSION}"
 
 CMAKE_OPTIONS = [
+    # Ninja from PyPI (a dependency, as cmake is): no make needed.
+    "-GNinja",
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
     # The static libraries go into a shared object.
@@ -83,12 +87,18 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # The static libraries the shim links, in link order, relative to the build tree.
 STATIC_LIBRARIES = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
 SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
-# A change of options builds a new binary (in the same build tree, so only what changed is rebuilt).
+# A change of options builds a new binary, in build trees of their own.
 BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
+# The shim library a wheel carries, built when the wheel was (setup.py), in the package's _native/.
+PACKAGED_LIBRARY = "libstopline-llama.so"
 
 
 class LlamaBuildError(StoplineError):
     """llama.cpp could not be fetched or built."""
+
+
+class NoCompiler(LlamaBuildError, UsageError):
+    """The machine has no C++ compiler to build llama.cpp with: a setting to change, in one line."""
 
 
 def build_root() -> Path:
@@ -123,11 +133,24 @@ def cached_library(edited: bool = True) -> Path:
     return build_root() / "lib" / f"libstopline-llama{kind}-{_shim_key(edited)}.so"
 
 
+def packaged_library() -> Path | None:
+    """The shim library an installed wheel carries, or None (an editable install, a checkout)."""
+    path = Path(str(resources.files("stopline") / "_native" / PACKAGED_LIBRARY))
+    return path if path.is_file() else None
+
+
+def engine_library(progress: bool = True) -> Path:
+    """The engine's shim library: the one the installed wheel carries, else the cache's,
+    fetched and built on first use."""
+    return packaged_library() or ensure_llama_library(progress)
+
+
 def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited: bool = True) -> Path:
     """Return the engine's shim library, fetching and building llama.cpp on first use."""
     library = cached_library(edited)
     if library.is_file():
         return library
+    _compiler()  # before anything is fetched: without one, nothing could be built
     with _build_lock():
         if library.is_file():  # another process built it meanwhile
             return library
@@ -145,6 +168,7 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     binary = cached_binary()
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
+    _compiler()
     with _build_lock():
         if binary.is_file():
             return binary
@@ -189,7 +213,7 @@ def _tree(edited: bool) -> tuple[Path, Path]:
     root = build_root()
     sdist = _download_sdist(root)
     if not edited:
-        return _extract(sdist, root / "src"), root / "build"
+        return _extract(sdist, root / "src"), root / f"build-{BUILD_KEY}"
     source = root / "src-edited"
     marker = source / ".stopline-edits"
     if not (marker.is_file() and marker.read_text() == edits_key()):
@@ -201,34 +225,14 @@ def _tree(edited: bool) -> tuple[Path, Path]:
         except LlamaEditError as exc:
             raise LlamaBuildError(str(exc)) from None
         marker.write_text(edits_key())
-    return source, root / "build-edited"
+    return source, root / f"build-{BUILD_KEY}-edited"
 
 
 def _download_sdist(root: Path) -> Path:
-    sdist = root / SDIST_FILENAME
-    if not sdist.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        print(f"fetching {SDIST_REQUIREMENT} (llama.cpp's source) ...", file=sys.stderr)
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary=:all:",
-            "--disable-pip-version-check",
-            "-d",
-            str(root),
-            SDIST_REQUIREMENT,
-        ]
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if result.returncode != 0 or not sdist.is_file():
-            raise LlamaBuildError(f"could not download {SDIST_REQUIREMENT}:\n{result.stdout[-2000:]}")
     try:
-        _verify(sdist, SDIST_SHA256)
+        return download_pinned(True, SDIST, f"llama.cpp's source ({SDIST.requirement})", root)
     except ModelFetchError as e:
         raise LlamaBuildError(str(e)) from None
-    return sdist
 
 
 def _extract(sdist: Path, source: Path) -> Path:
@@ -255,12 +259,23 @@ def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, 
     log_path = build.parent / f"{build.name}.log"
     build.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 1
+    compiler = _compiler()
+    cmake = str(Path(cmake_module.CMAKE_BIN_DIR) / "cmake")
     with open(log_path, "a") as log:
-        configure = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
+        configure = [
+            cmake,
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}",
+            f"-DCMAKE_CXX_COMPILER={compiler}",
+            *CMAKE_OPTIONS,
+        ]
         print(f"configuring llama.cpp (log: {log_path}) ...", file=sys.stderr)
         if subprocess.run(configure, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
             raise LlamaBuildError(f"cmake configure failed; see {log_path}")
-        command = ["cmake", "--build", str(build), "-j", str(jobs)]
+        command = [cmake, "--build", str(build), "-j", str(jobs)]
         for target in targets:
             command += ["--target", target]
         bar = tqdm(total=100, unit="%", desc=label, disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -286,6 +301,19 @@ def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, 
             raise LlamaBuildError(f"building {', '.join(targets)} failed; see {log_path}")
 
 
+def _compiler() -> str:
+    """The C++ compiler that builds llama.cpp and links the shim ($CXX, else g++)."""
+    name = os.environ.get("CXX", "g++")
+    path = shutil.which(name)
+    if path is None:
+        raise NoCompiler(
+            f"building llama.cpp needs a C++ compiler, and there is no {name}: install g++ "
+            "(apt-get install g++, dnf install gcc-c++), or run the 2023 engine, which needs none: "
+            "--engine ctransformers"
+        )
+    return path
+
+
 def _link_shim(source: Path, build: Path, output: Path) -> None:
     """Compile the shim against llama.cpp's headers and link it with the static
     libraries, exporting nothing but the shim's own functions."""
@@ -293,7 +321,7 @@ def _link_shim(source: Path, build: Path, output: Path) -> None:
     version_script = output.with_suffix(".map")
     version_script.write_text("{ global: sll_*; local: *; };\n")
     command = [
-        os.environ.get("CXX", "g++"),
+        _compiler(),
         "-shared",
         "-fPIC",
         "-O2",

@@ -12,11 +12,11 @@ so the graph aborts at the node's end, ``llama_decode`` returns 2, and the loop
 cuts each sequence's cache back to its record, as after any abort.
 
 Each edit replaces an anchor, text that must occur in the hash-verified source
-exactly as often as the edit says, with the anchor and a few lines of our own.
-The build fails with one line naming the file and the anchor if one moved.
-Nothing else of llama.cpp changes, and the bench's llama-server is built from
-the unedited tree. docs/engine.md ("Stopping inside a node") has the
-measurements.
+exactly as often as the edit says, with the anchor and a line or two of our
+own, marked "Stopline". The build fails with one line naming the file and the
+anchor if one moved. Nothing else of llama.cpp changes, and the bench's
+llama-server is built from the unedited tree. docs/engine.md ("Stopping inside
+a node") explains each edit and has the measurements.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ SMALL_PIECES_PER_CHECK = 16
 # The repacked matmul plans this many row pieces per thread (ggml plans 4) and,
 # with one plane, pieces of this many input columns (a multiple of its 4-column
 # tiles; ggml takes them all at once): a piece of a 1B model's 512-token chunk
-# is then a fraction of a millisecond, and speed does not change.
+# is then half a millisecond on this machine kind.
 REPACK_PIECES_PER_THREAD = 64
 REPACK_COLUMNS = 128
 # The tiled matmul's pieces, in rows and columns of the output (ggml plans 256).
@@ -59,6 +59,11 @@ class Edit:
 
 
 _CPU = "ggml/src/ggml-cpu/"
+
+
+def _after(path: str, anchor: str, lines: str) -> Edit:
+    """Insert ``lines`` after ``anchor``."""
+    return Edit(path, anchor, anchor + lines)
 
 
 def _then_check(path: str, anchor: str, every: str = "", count: int = 1) -> Edit:
@@ -103,17 +108,15 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
     }}
 """,
     ),
-    Edit(
+    _after(
         _CPU + "ggml-cpu.c",
         "memory_order_relaxed) != node_n; node_n++) {\n        struct ggml_tensor * node = cgraph->nodes[node_n];\n",
-        "memory_order_relaxed) != node_n; node_n++) {\n        struct ggml_tensor * node = cgraph->nodes[node_n];\n"
-        "        ggml_stop_threadpool = tp;  // Stopline\n"
-        "        ggml_stop_node = node_n;\n",
+        "        ggml_stop_threadpool = tp;  // Stopline\n        ggml_stop_node = node_n;\n",
     ),
-    Edit(
+    _after(
         _CPU + "ggml-cpu-impl.h",
         "int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\n",
-        f"int  ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value);\nbool {STOP_CHECK}(void);  // Stopline\n",
+        f"bool {STOP_CHECK}(void);  // Stopline\n",
     ),
     # The plain matmul counts its pieces with its own atomic, and the mixture-of-experts
     # matmul with one per expert.
@@ -184,7 +187,8 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
     _then_check(_CPU + "ops.cpp", "for (int64_t ic = 0; ic < nek1; ic += KV_TILE_SZ) {\n"),
     _then_check(
         _CPU + "ops.cpp",
-        "for (int64_t q_head = 0; q_head < neq2; q_head++) {\n                ggml_compute_forward_flash_attn_ext_f16_one_chunk(",
+        "for (int64_t q_head = 0; q_head < neq2; q_head++) {\n"
+        "                ggml_compute_forward_flash_attn_ext_f16_one_chunk(",
     ),
     # The FFN's gated activation (a 512-token chunk of a 1B model's is 4M values) splits its rows
     # statically among the threads.

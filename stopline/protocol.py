@@ -1057,7 +1057,9 @@ def _text_bytes(value: str, name: str, request_id: str) -> int:
 
 
 # What a client is told when the engine cannot constrain its output.
-GRAMMARS_NEED_LLAMA_CPP = "structured output needs the llama.cpp engine (start the server with --engine llama.cpp)"
+GRAMMARS_NEED_LLAMA_CPP = (
+    "structured output needs the llama.cpp engine (--engine llama.cpp, the default); this server runs ctransformers"
+)
 
 
 def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:

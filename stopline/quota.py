@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 
 from .auth import ApiKey, Quota
 from .observability import Metrics, log
+from .tasks import stop_tasks
 from .vocabulary import KeyEvent, QuotaLimit, StoreState
 
 if TYPE_CHECKING:
@@ -258,8 +259,6 @@ class Quotas:
 
     async def close(self) -> None:
         if self._sender is not None:
-            from .cluster import stop_tasks  # there is a cluster: it is imported already
-
             # A cancel alone may not end a task that uses Redis (stop_tasks says why).
             await stop_tasks([self._sender])
 
@@ -320,7 +319,7 @@ class Quotas:
         except (RedisError, OSError, TimeoutError) as exc:
             self._decided_locally(type(exc).__name__)
             return None
-        # The Redis client can lose a cancel that lands as its command completes (cluster.stop_tasks
+        # The Redis client can lose a cancel that lands as its command completes (tasks.stop_tasks
         # says why), but the task still counts it: a request whose client left ends here, not admitted.
         task = asyncio.current_task()
         if task is not None and task.cancelling():

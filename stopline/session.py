@@ -48,6 +48,7 @@ from .protocol import (
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
+from .tasks import stop_tasks
 from .vocabulary import Reason
 
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
@@ -149,7 +150,8 @@ class ClientSession:
             log.info("client_disconnected", peer=self.peer, live_requests=len(self.protocol.live))
         await self.stop_all(Reason.CLIENT_DISCONNECTED, time.monotonic_ns())
         if self._preparer is not None:
-            self._preparer.cancel()
+            # Waited for, so that no task of this connection outlives it.
+            await stop_tasks([self._preparer])
 
     # Carrying out what the protocol decided -----------------------------------------
 

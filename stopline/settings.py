@@ -42,7 +42,7 @@ class Settings:
     # Which model names a request may send: any (one model is served, whatever it is called), or
     # only the served names (others get 404 model_not_found).
     model_names: str = str(ModelNames.ANY)
-    engine: str = str(EngineName.CTRANSFORMERS)
+    engine: str = str(EngineName.LLAMA_CPP)
     context_length: int = DEFAULT_CONTEXT_LENGTH
     abort_mode: str = str(AbortMode.IN_STEP)
     # Prompt tokens per evaluation; None: what suits the abort mode in force.

@@ -26,7 +26,7 @@ from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
 from stopline.settings import Settings
-from stopline.vocabulary import TERMINAL_TYPES
+from stopline.vocabulary import TERMINAL_TYPES, EngineName
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
 
@@ -90,8 +90,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def engine() -> Engine:
-    # One compute thread per slot, as the server runs on two cores by default.
-    return Engine.load(threads=1, progress=False)
+    # The ctransformers engine: the modules that test the server run again on llama.cpp, the
+    # default, in test_llama_engine.py. One compute thread per slot, as on two cores by default.
+    return Engine.load(engine=EngineName.CTRANSFORMERS, threads=1, progress=False)
 
 
 @pytest.fixture(scope="session")

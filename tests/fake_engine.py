@@ -73,6 +73,9 @@ class FakeStream:
     def take_logprobs(self) -> list[dict] | None:
         return None
 
+    async def exited(self) -> None:
+        """No thread runs this loop: it has exited once its batches end."""
+
     async def batches(self, executor=None):
         start_ns = time.monotonic_ns()
         first_token_ns = 0
@@ -128,6 +131,8 @@ class FakeEngine:
         self.slots: list[FakeSlot] = []
         self.streams: list[FakeStream] = []
         self.tokenizer = None
+        # Set by a test to start every new stream held after its first word.
+        self.hold_new_streams = False
 
     def open_slot(self) -> FakeSlot:
         slot = FakeSlot()
@@ -144,5 +149,7 @@ class FakeEngine:
 
     def start(self, slot, prompt_tokens, params, *, window=64, started_ns=None, threads=None) -> FakeStream:
         stream = FakeStream(prompt_tokens, params, self.words, threads or self.threads)
+        if self.hold_new_streams:
+            stream.hold.clear()
         self.streams.append(stream)
         return stream

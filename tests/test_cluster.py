@@ -34,13 +34,13 @@ from stopline.cluster import (
     Cluster,
     generation_key,
     heartbeat_key,
-    stop_tasks,
 )
 from stopline.engine import SamplingParams
 from stopline.observability import Metrics
 from stopline.protocol import Ending, Request
 from stopline.quota import Quotas
 from stopline.registry import Registry
+from stopline.tasks import stop_tasks
 from stopline.vocabulary import (
     ErrorCode,
     Outcome,

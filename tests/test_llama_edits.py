@@ -86,9 +86,10 @@ def stop_at_random_moments(engine: Engine, prompt: list[int], max_tokens: int, s
             generation = make_generation(
                 slot, prompt, max_tokens=max_tokens, prefill_chunk=engine.prefill_chunk, threads=engine.threads
             )
-            cancelled_ns = []
+            cancelled_ns: list[int] = []
+            delay = rng.uniform(0.0, span_s)
 
-            def cancel(delay=rng.uniform(0.0, span_s), generation=generation, cancelled_ns=cancelled_ns):
+            def cancel(delay=delay, generation=generation, cancelled_ns=cancelled_ns):
                 time.sleep(delay)
                 cancelled_ns.append(time.monotonic_ns())
                 generation.cancel()
@@ -118,6 +119,9 @@ def timed(engine: Engine, prompt: list[int], max_tokens: int) -> _core.LoopResul
         slot.close()
 
 
+# Timing with two compute threads on two cores: left out of the fast tier, whose other worker
+# would preempt a thread, and a stop would wait for the OS to run it again, not for the node.
+@pytest.mark.slow
 def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
     prompt = engine.encode(prompt="Once upon a time")
     result = timed(engine, prompt, 8)
@@ -125,15 +129,18 @@ def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
     waits = stop_at_random_moments(engine, prompt, 48, 6 * step_s)
     assert len(waits) >= STOPS // 2
     # Unedited, a stop that lands in the output projection (128,256 rows, most of the
-    # step) waits for its end: a tenth of the stops would wait over a quarter of a step.
-    assert statistics.quantiles(waits, n=10)[-1] < 0.1 * step_s, (waits, step_s)
+    # step) waits for its end: the median stop would wait about a third of a step. (The
+    # median, and not a tail, so that another process preempting a thread does not decide.)
+    assert statistics.median(waits) < 0.05 * step_s, (waits, step_s)
 
 
+@pytest.mark.slow
 def test_a_stop_in_a_prompt_chunk_waits_a_small_part_of_the_chunk(engine):
     prompt = engine.encode(prompt="The history of bread is long. " * 120)[:512]
     result = timed(engine, prompt, 1)
     chunk_s = (result.first_token_ns - result.start_ns) / 1e9
     waits = stop_at_random_moments(engine, prompt, 1, chunk_s)
     assert len(waits) >= STOPS // 2
-    # Unedited, each of the two layers' FFN matmuls (a quarter of the chunk each) is one node.
-    assert statistics.quantiles(waits, n=10)[-1] < 0.05 * chunk_s, (waits, chunk_s)
+    # Unedited, each of the two layers' FFN matmuls (a quarter of the chunk each) is one node,
+    # and the median stop would wait a tenth of the chunk.
+    assert statistics.median(waits) < 0.02 * chunk_s, (waits, chunk_s)

@@ -83,8 +83,10 @@ def greedy(engine: Engine, slot, prompt: list[int], max_tokens: int = 24) -> tup
 
 # Two candidates this close in log probability may swap places when the same
 # tokens are evaluated in batches of other shapes (llama.cpp's kernels sum in
-# an order that depends on the shape): up to 0.062 apart, in these tests.
-NEAR_TIE_LOGPROB = 0.1
+# an order that depends on the shape, and a decode token batched with a
+# 512-token chunk goes through the prompt's kernels): up to 0.163 apart, in
+# these tests.
+NEAR_TIE_LOGPROB = 0.2
 
 
 @dataclass
@@ -144,7 +146,7 @@ def test_the_shim_exports_only_its_own_functions():
 
 def test_both_engines_in_one_process_keep_their_in_step_stop(engine):
     # The ctransformers engine still proves its GOT hook with llama.cpp's ggml loaded beside it.
-    other = Engine.load(threads=1, progress=False)
+    other = Engine.load(threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     assert other.kind is EngineName.CTRANSFORMERS and other.abort_mode is AbortMode.IN_STEP
     slot = other.open_slot()
     try:

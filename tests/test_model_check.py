@@ -146,7 +146,7 @@ LLAMA_CPP_RUNS = ("non-llama GGUF v3", "Llama 3.1 rope_freqs", "IQ4_NL tensor")
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
     path, why = bad_files[case]
     result = subprocess.run(
-        [sys.executable, "-m", "stopline", "--port", "0", "--model", str(path)],
+        [sys.executable, "-m", "stopline", "--engine", "ctransformers", "--port", "0", "--model", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -275,7 +275,7 @@ def test_ggml_files_need_a_known_model_type(tmp_path):
 def test_the_engine_refuses_before_loading_anything(tmp_path):
     path = write_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2' is not supported") as info:
-        Engine.load(path, progress=False)
+        Engine.load(path, progress=False, engine=EngineName.CTRANSFORMERS)
     assert isinstance(info.value, ModelFileError)
     # Nothing was converted into the cache for it.
     assert "\n" not in str(info.value)
@@ -319,7 +319,7 @@ def test_a_ggml_gpt2_file_loads_streams_and_stops(tmp_path):
     # its own tokenizer encodes, and the native loop streams and stops.
     path = write_ggml_gpt2(tmp_path / "gpt2.bin")
     assert check_model_file(path, "gpt2") is None
-    loaded = Engine.load(path, "gpt2", context_length=64, threads=1, progress=False)
+    loaded = Engine.load(path, "gpt2", context_length=64, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     assert (loaded.context_length, loaded.vocab_size) == (64, 96)
     assert type(loaded.tokenizer).__name__ == "NativeTokenizer"
     ids = loaded.encode(prompt="HELLO")
@@ -395,7 +395,11 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def test_a_sentencepiece_gguf_uses_its_own_chat_template(tmp_path, monkeypatch):
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path / "cache"))
     loaded = Engine.load(
-        write_spm_llama(tmp_path / "spm.gguf", BRACKETS), context_length=256, threads=1, progress=False
+        write_spm_llama(tmp_path / "spm.gguf", BRACKETS),
+        context_length=256,
+        threads=1,
+        progress=False,
+        engine=EngineName.CTRANSFORMERS,
     )
     assert type(loaded.tokenizer).__name__ == "NativeTokenizer"
     assert loaded.tokenizer.render_chat(CHAT) == "<<system>>Be brief.<<user>>the cat<<assistant>>"
@@ -413,7 +417,13 @@ def test_a_sentencepiece_gguf_uses_its_own_chat_template(tmp_path, monkeypatch):
     finally:
         slot.close()
     # Without a template in the file, the chat's plain text.
-    plain = Engine.load(write_spm_llama(tmp_path / "plain.gguf"), context_length=256, threads=1, progress=False)
+    plain = Engine.load(
+        write_spm_llama(tmp_path / "plain.gguf"),
+        context_length=256,
+        threads=1,
+        progress=False,
+        engine=EngineName.CTRANSFORMERS,
+    )
     plain.open_slot().close()
     assert plain.tokenizer.render_chat(CHAT) == "Be brief.\n\nthe cat"
 
@@ -434,7 +444,13 @@ def test_a_converted_copy_the_loader_refuses_is_deleted(tmp_path, monkeypatch):
     # A llama file with a vocabulary and one tensor passes the check and converts, but holds no model.
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="could not create a 'llama' model"):
-        Engine.load(write_gguf(tmp_path / "hollow.gguf", "llama"), context_length=64, threads=1, progress=False)
+        Engine.load(
+            write_gguf(tmp_path / "hollow.gguf", "llama"),
+            context_length=64,
+            threads=1,
+            progress=False,
+            engine=EngineName.CTRANSFORMERS,
+        )
     assert list(model.converted_dir().iterdir()) == []
 
 
@@ -455,11 +471,11 @@ def test_a_conversion_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypa
     source = write_spm_llama(tmp_path / "spm.gguf")
     limit = source.stat().st_size // 2
     with file_size_limit(limit), pytest.raises(OSError):
-        Engine.load(source, context_length=256, threads=1, progress=False)
+        Engine.load(source, context_length=256, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     # Neither the half-written copy nor its temporary file is left.
     assert list(model.converted_dir().iterdir()) == []
     # The next start converts the file afresh, and the copy loads.
-    loaded = Engine.load(source, context_length=256, threads=1, progress=False)
+    loaded = Engine.load(source, context_length=256, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     loaded.open_slot().close()
     assert model.converted_files() == [loaded.model_path]
     # The failed write had got past the copy's header and metadata into its tensor data.
@@ -484,7 +500,7 @@ def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monk
     files = [write_spm_llama(tmp_path / f"m{i}.gguf") for i in range(3)]
 
     def load(path: Path) -> Path:
-        loaded = Engine.load(path, context_length=256, threads=1, progress=False)
+        loaded = Engine.load(path, context_length=256, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
         loaded.open_slot().close()
         return loaded.model_path
 

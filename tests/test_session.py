@@ -219,15 +219,21 @@ async def test_a_public_cancel_and_a_shutdown_take_their_own_reasons(services):
 
 async def test_a_client_that_leaves_stops_its_requests_and_its_queue(services):
     engine = services.engine  # type: ignore[attr-defined]
+    engine.hold_new_streams = True
     session, transport = open_session(services)
     await generate(session, "running")
     await transport.frame(lambda f: f["type"] == "accepted" and f["id"] == "running")
-    engine.streams[-1].hold.clear()
     await generate(session, "queued")
     await transport.frame(lambda f: f["type"] == "accepted" and f["id"] == "queued")
     assert services.scheduler.queue_depth == 1
     requests = list(session.protocol.live.values())
     await session.client_gone()
+    # Every task the session started has ended by then: none is left for the loop to drop.
+    assert [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "cr_frame", None) and t.get_coro().cr_frame.f_locals.get("self") is session
+    ] == []
     engine.streams[0].hold.set()
     await until(lambda: all(services.registry.get(r.request_id).ending is not None for r in requests))
     for r in requests:

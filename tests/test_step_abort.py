@@ -27,7 +27,7 @@ from conftest import (
 from stopline import _core
 from stopline._core import ExitKind, Generation
 from stopline.engine import Engine
-from stopline.vocabulary import AbortMode
+from stopline.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
 ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "250"))
@@ -213,6 +213,6 @@ async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engin
 
 @pytest.mark.slow
 def test_between_steps_fallback_is_explicit(engine):
-    other = Engine.load(threads=1, progress=False, abort_mode=AbortMode.BETWEEN_STEPS)
+    other = Engine.load(threads=1, progress=False, abort_mode=AbortMode.BETWEEN_STEPS, engine=EngineName.CTRANSFORMERS)
     assert other.abort_mode is AbortMode.BETWEEN_STEPS and not other.trim_output
     assert other.prefill_chunk == 1
