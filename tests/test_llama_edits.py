@@ -128,10 +128,10 @@ def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
     step_s = (result.end_ns - result.first_token_ns) / 1e9 / (result.tokens_generated - 1)
     waits = stop_at_random_moments(engine, prompt, 48, 6 * step_s)
     assert len(waits) >= STOPS // 2
-    # Unedited, a stop that lands in the output projection (128,256 rows, most of the
-    # step) waits for its end: the median stop would wait about a third of a step. (The
-    # median, and not a tail, so that another process preempting a thread does not decide.)
-    assert statistics.median(waits) < 0.05 * step_s, (waits, step_s)
+    # Unedited, a stop that lands in the output projection (128,256 rows) waits for its end:
+    # a quarter of the stops would wait over a quarter of a step. (Not the longest tail, which
+    # a thread preempted by another process decides.)
+    assert statistics.quantiles(waits, n=4)[-1] < 0.1 * step_s, (waits, step_s)
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ from stopline cimport _llama as ll
 from stopline cimport _loop_support as sl
 
 import os
+import time
 
 cdef enum:
     # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
@@ -393,6 +394,8 @@ cdef class LlamaModel:
     cdef readonly int max_token_bytes
     # Whether a context's cache can be cut back to a prefix (not for recurrent models).
     cdef readonly bint can_truncate
+    # Calls using the model without the GIL, which close() waits for.
+    cdef int users
 
     def __cinit__(self, str model_path):
         cdef char err[512]
@@ -444,12 +447,19 @@ cdef class LlamaModel:
         cdef int32_t *ids
         self._check_open()
         data = text.encode("utf-8")
-        capacity = len(data) + 2
+        cdef const char *chars = data
+        cdef int32_t size = len(data)
+        cdef int32_t capacity = size + 2
         ids = <int32_t *>malloc(capacity * sizeof(int32_t))
         if ids is NULL:
             raise c_failure(MemoryError, "cannot allocate the token ids")
         try:
-            n = LLAMA.tokenize(self.model, data, len(data), ids, capacity, add_special, True)
+            # Without the GIL: a long prompt takes milliseconds, which the event loop
+            # (the tokenizer lanes call this from their threads) must not wait for.
+            self.users += 1
+            with nogil:
+                n = LLAMA.tokenize(self.model, chars, size, ids, capacity, add_special, True)
+            self.users -= 1
             if n < 0:
                 raise c_failure(EngineError, f"llama.cpp could not tokenize {len(data)} bytes")
             return [ids[i] for i in range(n)]
@@ -481,7 +491,10 @@ cdef class LlamaModel:
             raise EngineError("model is closed")
 
     def close(self):
-        """Free the weights. Every context made from the model must be closed first."""
+        """Free the weights, once a tokenizing thread is done with them. Every context
+        made from the model must be closed first."""
+        while self.users:
+            time.sleep(0.001)
         if self.model is not NULL:
             LLAMA.model_free(self.model)
             self.model = NULL
