@@ -154,7 +154,7 @@ def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited:
     with _build_lock():
         if library.is_file():  # another process built it meanwhile
             return library
-        source, build = _tree(edited)
+        source, build = _tree(edited, progress)
         _cmake_build(source, build, ["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
         library.parent.mkdir(parents=True, exist_ok=True)
         temp = library.with_name(f".{library.name}.part")
@@ -172,7 +172,7 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     with _build_lock():
         if binary.is_file():
             return binary
-        source, build = _tree(edited=False)
+        source, build = _tree(False, progress)
         _cmake_build(source, build, ["llama-server"], progress, jobs, "building llama-server")
         built = build / "bin" / "llama-server"
         if not built.is_file():
@@ -208,10 +208,10 @@ def _build_lock():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _tree(edited: bool) -> tuple[Path, Path]:
+def _tree(edited: bool, progress: bool = True) -> tuple[Path, Path]:
     """The source tree (extracted, and edited when ``edited``) and its build tree."""
     root = build_root()
-    sdist = _download_sdist(root)
+    sdist = _download_sdist(root, progress)
     if not edited:
         return _extract(sdist, root / "src"), root / f"build-{BUILD_KEY}"
     source = root / "src-edited"
@@ -228,9 +228,9 @@ def _tree(edited: bool) -> tuple[Path, Path]:
     return source, root / f"build-{BUILD_KEY}-edited"
 
 
-def _download_sdist(root: Path) -> Path:
+def _download_sdist(root: Path, progress: bool) -> Path:
     try:
-        return download_pinned(True, SDIST, f"llama.cpp's source ({SDIST.requirement})", root)
+        return download_pinned(progress, SDIST, f"llama.cpp's source ({SDIST.requirement})", root)
     except ModelFetchError as e:
         raise LlamaBuildError(str(e)) from None
 
