@@ -22,7 +22,7 @@ from stopline import _core
 from stopline.engine import Engine
 from stopline.llama_build import llama_source_dir
 from stopline.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
-from stopline.vocabulary import EngineName
+from stopline.vocabulary import Batching, EngineName
 
 STOPS = 30
 
@@ -144,3 +144,50 @@ def test_a_stop_in_a_prompt_chunk_waits_a_small_part_of_the_chunk(engine):
     # Unedited, each of the two layers' FFN matmuls (a quarter of the chunk each) is one node,
     # and the median stop would wait a tenth of the chunk.
     assert statistics.median(waits) < 0.02 * chunk_s, (waits, chunk_s)
+
+
+@pytest.mark.slow
+def test_a_stop_in_a_shared_step_waits_a_small_part_of_a_step_whichever_generation_leads(engine):
+    # 4 generations share each step, evaluated on the thread of the one that posted last; a
+    # quarter of the stops land on that one. It hands the others' evaluation back instead of
+    # re-running it on its own thread, so none of the stops waits for the others' step.
+    rng = random.Random(11)
+    prompt = engine.encode(prompt="Once upon a time")
+    slots = engine.open_slots(4, Batching.SHARED)
+    waits, steps = [], []
+    try:
+        for _ in range(16):
+            for slot in slots:
+                slot.forget()
+            generations = [
+                make_generation(slot, prompt, max_tokens=400, prefill_chunk=engine.prefill_chunk, threads=2)
+                for slot in slots
+            ]
+            workers = [threading.Thread(target=g.run) for g in generations]
+            for worker in workers:
+                worker.start()
+            deadline = time.monotonic() + 60
+            while min(len(g.token_ids()) for g in generations) < 4:
+                assert time.monotonic() < deadline and not any(g.finished for g in generations)
+                time.sleep(0.001)
+            stopped = rng.randrange(4)
+            time.sleep(rng.uniform(0, 0.02))
+            cancelled_ns = time.monotonic_ns()
+            generations[stopped].cancel()
+            workers[stopped].join(60)
+            for generation in generations:
+                generation.cancel()
+            for worker in workers:
+                worker.join(60)
+                assert not worker.is_alive(), "a loop hung"
+            result = generations[stopped].result
+            assert result.exit is _core.ExitKind.CANCELLED
+            waits.append((result.end_ns - cancelled_ns) / 1e9)
+            steps.append((cancelled_ns - result.first_token_ns) / 1e9 / (result.tokens_generated - 1))
+            assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+    step_s = statistics.median(steps)
+    # One re-run of the others' step would be most of a step.
+    assert max(waits) < 0.4 * step_s, (waits, step_s)

@@ -889,7 +889,7 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
     b.n_posted += 1
     while s.post_result == PostResult.POST_WAITING:
         if not b.leading and b.n_posted >= b.present:
-            lead_step(b)
+            lead_step(b, s)
         elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
             # Stopped while a step it is not part of runs: it leaves without waiting for it.
             should_stop(s)
@@ -913,24 +913,33 @@ cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
     return False
 
 
-cdef void lead_step(Batcher *b) noexcept nogil:
-    """Evaluate everything posted, in one batch (called and returning with the lock held)."""
+cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
+    """Evaluate everything posted, in one batch, on ``leader``'s thread (called
+    and returning with the lock held)."""
     cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
-    cdef int n = b.n_posted
+    cdef int i, n = b.n_posted
     memcpy(members, b.posted, n * sizeof(LoopState *))
     b.n_posted = 0
     b.leading = True
     sl.pthread_mutex_unlock(&b.lock)
-    evaluate_together(b, members, n)
+    evaluate_together(b, members, n, leader)
     sl.pthread_mutex_lock(&b.lock)
+    # Those still waiting are posted again, and one of them leads their next evaluation.
+    for i in range(n):
+        if members[i] is not NULL:
+            b.posted[b.n_posted] = members[i]
+            b.n_posted += 1
     b.leading = False
     sl.pthread_cond_broadcast(&b.changed)
 
 
-cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
+cdef void evaluate_together(Batcher *b, LoopState **members, int n, LoopState *leader) noexcept nogil:
     """One or more evaluations of the ``n`` members' posted tokens: as many as
-    the batch's room or a stop needs. A member leaves ``members`` (set to NULL)
-    as soon as it has its result: it may post again at once, for the next step."""
+    the batch's room or a stop needs, until the ``leader``'s own result is in. A
+    member leaves ``members`` (set to NULL) as soon as it has its result: it may
+    post again at once, for the next step. Members left waiting when the leader
+    has its result are handed back, so that a stopped leader's thread never
+    evaluates the others' tokens again: its stop would wait for a whole step."""
     cdef LoopState *s
     # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
@@ -976,6 +985,8 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             if s.step_abort:
                 b.group.members[b.group.n] = &s.watch
                 b.group.n += 1
+        if not leader_waiting(members, n, leader):
+            return
         if k == 0:
             # Nothing left fits an empty batch (Generation bounds a chunk by it, so
             # this cannot happen): end those generations rather than leave them waiting.
@@ -1021,6 +1032,14 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
+
+
+cdef inline bint leader_waiting(LoopState **members, int n, LoopState *leader) noexcept nogil:
+    cdef int i
+    for i in range(n):
+        if members[i] == leader:
+            return True
+    return False
 
 
 cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:
