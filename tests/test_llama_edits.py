@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.random_llama import random_llama_path
-from conftest import make_generation
+from conftest import make_generation, started_running
 from stopline import _core
 from stopline.engine import Engine
 from stopline.llama_build import llama_source_dir
@@ -156,7 +156,7 @@ def test_a_stop_in_a_shared_step_waits_a_small_part_of_a_step_whichever_generati
     slots = engine.open_slots(4, Batching.SHARED)
     waits, steps = [], []
     try:
-        for _ in range(16):
+        for _ in range(24):
             for slot in slots:
                 slot.forget()
             generations = [
@@ -189,5 +189,53 @@ def test_a_stop_in_a_shared_step_waits_a_small_part_of_a_step_whichever_generati
         for slot in slots:
             slot.close()
     step_s = statistics.median(steps)
-    # One re-run of the others' step would be most of a step.
-    assert max(waits) < 0.4 * step_s, (waits, step_s)
+    # A re-run of the others' step would be most of a step (a quarter of the stops); a stop that
+    # finds its thread preempted while 4 generations sample on 2 cores waits for the OS (rare).
+    assert sum(wait > 0.4 * step_s for wait in waits) <= 2, (waits, step_s)
+
+
+@pytest.mark.slow
+def test_a_stopped_prompt_chunk_waiting_for_room_in_a_shared_step_leaves_at_once(engine):
+    # One generation decodes; two more post a 512-token chunk each, and only one chunk fits a
+    # batch beside the decode token. The other waits for the next step, and a stop meanwhile
+    # ends it at once, not after the evaluation it is no part of (a whole chunk).
+    chunk = engine.encode(prompt="The history of bread is long. " * 120)[:512]
+    chunk_s = (lambda r: (r.first_token_ns - r.start_ns) / 1e9)(timed(engine, chunk, 1))
+    slots = engine.open_slots(3, Batching.SHARED)
+    waits = []
+    try:
+        for _ in range(4):
+            for slot in slots:
+                slot.forget()
+            decoding, first, second = (
+                make_generation(slot, prompt, max_tokens=max_tokens, prefill_chunk=512, threads=2)
+                for slot, prompt, max_tokens in zip(
+                    slots, (engine.encode(prompt="Once upon a time"), chunk, chunk[::-1]), (2000, 4, 4), strict=True
+                )
+            )
+            workers = {g: threading.Thread(target=g.run) for g in (decoding, first, second)}
+            workers[decoding].start()
+            deadline = time.monotonic() + 60
+            while len(decoding.token_ids()) < 2:
+                assert time.monotonic() < deadline and not decoding.finished
+                time.sleep(0.001)
+            # The first posts its chunk before the second does, so it is the one that fits.
+            for generation in (first, second):
+                workers[generation].start()
+                started_running(generation)
+                time.sleep(0.02)
+            time.sleep(0.1 * chunk_s)
+            cancelled_ns = time.monotonic_ns()
+            second.cancel()
+            workers[second].join(60)
+            for generation, worker in workers.items():
+                generation.cancel()
+                worker.join(60)
+                assert not worker.is_alive(), "a loop hung"
+            assert second.result.exit is _core.ExitKind.CANCELLED and second.result.tokens_generated == 0
+            waits.append((second.result.end_ns - cancelled_ns) / 1e9)
+            assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+    assert max(waits) < 0.1 * chunk_s, (waits, chunk_s)

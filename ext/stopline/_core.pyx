@@ -603,6 +603,9 @@ cdef struct Batcher:
     LoopState *posted[ll.SLL_MAX_SEQUENCES]
     # A thread is using the context (evaluating, or changing its cache).
     bint leading
+    # Per sequence, where its cache is to be cut (-1: nowhere): a cut asked for
+    # while a thread uses the context waits for that thread to end its turn.
+    int cut_from[ll.SLL_MAX_SEQUENCES]
     int applied_threads
     int max_tokens         # the most tokens one evaluation takes
     # Evaluations run, the generations they carried in all (their ratio is how
@@ -647,6 +650,8 @@ cdef class LlamaContext:
             raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
         sl.pthread_mutex_init(&self.b.lock, NULL)
         sl.pthread_cond_init(&self.b.changed, NULL)
+        for seq in range(ll.SLL_MAX_SEQUENCES):
+            self.b.cut_from[seq] = -1
         self.b.applied_threads = threads
         LLAMA.set_abort(self.b.ctx, sl.sl_group_abort_callback, &self.b.group)
         self.model = model
@@ -684,26 +689,45 @@ cdef class LlamaContext:
 
 
 cdef void claim_context(Batcher *b) noexcept nogil:
-    """Wait until no thread uses the context, and take it."""
+    """Wait until no thread uses the context, and take it, with every cut asked for made."""
     sl.pthread_mutex_lock(&b.lock)
     while b.leading:
         sl.pthread_cond_wait(&b.changed, &b.lock)
     b.leading = True
+    make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
 
 
 cdef void release_context(Batcher *b) noexcept nogil:
     sl.pthread_mutex_lock(&b.lock)
+    make_cuts(b)
     b.leading = False
     sl.pthread_cond_broadcast(&b.changed)
     sl.pthread_mutex_unlock(&b.lock)
 
 
 cdef void truncate_sequence(Batcher *b, int seq, int p0) noexcept nogil:
-    """Drop ``seq``'s positions from ``p0`` on, between two evaluations of the context."""
-    claim_context(b)
-    LLAMA.truncate(b.ctx, seq, p0)
-    release_context(b)
+    """Drop ``seq``'s positions from ``p0`` on: at once if no thread uses the
+    context, else as that thread takes or gives up the context, before any
+    evaluation of ``seq`` and any read of its cache. A generation that starts
+    during a step (or is stopped before its first evaluation) does not wait
+    for the step."""
+    sl.pthread_mutex_lock(&b.lock)
+    if b.cut_from[seq] < 0 or p0 < b.cut_from[seq]:
+        b.cut_from[seq] = p0
+    if not b.leading:
+        make_cuts(b)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void make_cuts(Batcher *b) noexcept nogil:
+    """Cut the caches as asked (called with the lock held, by the thread that
+    uses the context, or while none does)."""
+    cdef int seq
+    for seq in range(ll.SLL_MAX_SEQUENCES):
+        if b.cut_from[seq] >= 0:
+            LLAMA.truncate(b.ctx, seq, b.cut_from[seq])
+            b.cut_from[seq] = -1
 
 
 cdef class LlamaSequence(Slot):
@@ -914,32 +938,50 @@ cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
 
 
 cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
-    """Evaluate everything posted, in one batch, on ``leader``'s thread (called
-    and returning with the lock held)."""
+    """Evaluate what is posted, on ``leader``'s thread (called and returning with
+    the lock held)."""
     cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
-    cdef int i, n = b.n_posted
-    memcpy(members, b.posted, n * sizeof(LoopState *))
+    cdef int i, n = 1
+    # The leader first: its tokens always fit the batch.
+    members[0] = leader
+    for i in range(b.n_posted):
+        if b.posted[i] != leader:
+            members[n] = b.posted[i]
+            n += 1
     b.n_posted = 0
     b.leading = True
+    make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
-    evaluate_together(b, members, n, leader)
+    evaluate_together(b, members, n)
     sl.pthread_mutex_lock(&b.lock)
-    # Those still waiting are posted again, and one of them leads their next evaluation.
     for i in range(n):
         if members[i] is not NULL:
-            b.posted[b.n_posted] = members[i]
-            b.n_posted += 1
+            post_again(b, members, i)
+    make_cuts(b)
     b.leading = False
     sl.pthread_cond_broadcast(&b.changed)
 
 
-cdef void evaluate_together(Batcher *b, LoopState **members, int n, LoopState *leader) noexcept nogil:
-    """One or more evaluations of the ``n`` members' posted tokens: as many as
-    the batch's room or a stop needs, until the ``leader``'s own result is in. A
-    member leaves ``members`` (set to NULL) as soon as it has its result: it may
-    post again at once, for the next step. Members left waiting when the leader
-    has its result are handed back, so that a stopped leader's thread never
-    evaluates the others' tokens again: its stop would wait for a whole step."""
+cdef int post_again(Batcher *b, LoopState **members, int i) noexcept nogil:
+    """Hand member ``i`` back to the posted tokens (called with the lock held): a
+    step led by one of the waiting generations takes it, and until then it can
+    leave at once if it is stopped. Returns 1 (one member fewer waiting)."""
+    b.posted[b.n_posted] = members[i]
+    b.n_posted += 1
+    members[i] = NULL
+    sl.pthread_cond_broadcast(&b.changed)
+    return 1
+
+
+cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
+    """Evaluate the ``n`` members' posted tokens in one batch, led by
+    ``members[0]``, and again without a member whose stop aborted it. A member
+    leaves ``members`` (set to NULL) as soon as it has its result: it may post
+    again at once, for the next step. A member is handed back to the posted
+    tokens (see post_again) when its tokens do not fit the batch, and every
+    member still waiting once the leader has its result, so that no generation
+    waits for an evaluation it is not part of: a stopped one would wait for it
+    to end, a whole step."""
     cdef LoopState *s
     # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
@@ -967,8 +1009,11 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, LoopState *l
                 waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
                 continue
             # The batch holds one prompt chunk beside every other member's token
-            # (see LlamaContext); a second chunk waits for the next evaluation.
+            # (see LlamaContext); a second chunk waits for the next step.
             if s.post_count > room:
+                sl.pthread_mutex_lock(&b.lock)
+                waiting -= post_again(b, members, i)
+                sl.pthread_mutex_unlock(&b.lock)
                 continue
             # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
             want_logits = s.n_past + s.post_count >= s.n_prompt
@@ -985,7 +1030,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, LoopState *l
             if s.step_abort:
                 b.group.members[b.group.n] = &s.watch
                 b.group.n += 1
-        if not leader_waiting(members, n, leader):
+        if members[0] is NULL:
             return
         if k == 0:
             # Nothing left fits an empty batch (Generation bounds a chunk by it, so
@@ -1032,14 +1077,6 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, LoopState *l
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
-
-
-cdef inline bint leader_waiting(LoopState **members, int n, LoopState *leader) noexcept nogil:
-    cdef int i
-    for i in range(n):
-        if members[i] == leader:
-            return True
-    return False
 
 
 cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:
