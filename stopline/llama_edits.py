@@ -158,7 +158,8 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
         _CPU + "repack.cpp",
         "int     nth_scaled  = nth * 4;",
         "int     nth_scaled  = MAX(nth * 4,  // Stopline\n"
-        f"                                 (int) (nr0 * ne00 * MIN(ne11, {REPACK_COLUMNS}) / {REPACK_PIECE_MULTIPLY_ADDS}));",
+        "                                 "
+        f"(int) (nr0 * ne00 * MIN(ne11, {REPACK_COLUMNS}) / {REPACK_PIECE_MULTIPLY_ADDS}));",
     ),
     # (and keeps them with one thread, which it gave the whole node),
     Edit(
