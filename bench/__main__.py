@@ -34,8 +34,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from stopline import model as embedded
-from stopline.engine import DEFAULT_CONTEXT_LENGTH
 from stopline.llama_build import ensure_llama_library
+from stopline.settings import DEFAULT_CONTEXT_LENGTH
 from stopline.vocabulary import EngineName
 
 from . import llama_native, native, random_llama

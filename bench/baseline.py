@@ -39,7 +39,8 @@ from types import SimpleNamespace
 from ctransformers import AutoModelForCausalLM
 
 from stopline._core import ExitKind
-from stopline.engine import Engine, SamplingParams, Stream
+from stopline.engine import Engine, Stream
+from stopline.protocol import SamplingParams
 from stopline.tokenizer import TextStream
 from stopline.vocabulary import AbortMode
 

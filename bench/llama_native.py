@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 
 from stopline._core import Generation
-from stopline.engine import Engine, EngineName, SamplingParams, sampling_args
-from stopline.vocabulary import Batching
+from stopline.engine import Engine, sampling_args
+from stopline.protocol import SamplingParams
+from stopline.vocabulary import Batching, EngineName
 
 from .native import count_outcome, greedy_args, storm_prompt
 

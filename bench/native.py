@@ -14,8 +14,8 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine import Engine, SamplingArgs, SamplingParams, sampling_args
-from stopline.protocol import exit_outcome
+from stopline.engine import Engine, SamplingArgs, sampling_args
+from stopline.protocol import SamplingParams, exit_outcome
 from stopline.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)

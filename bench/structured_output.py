@@ -20,8 +20,9 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline.engine import Engine, sampling_args
 from stopline.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
+from stopline.protocol import SamplingParams
 from stopline.tool_calls import ToolChoice, calls_grammar
 
 SCHEMA = {

@@ -22,7 +22,8 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation
-from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline.engine import Engine, sampling_args
+from stopline.protocol import SamplingParams
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from stopline.engine import Engine, SamplingParams
-from stopline.protocol import Token, encode_frame
+from stopline.engine import Engine
+from stopline.protocol import SamplingParams, Token, encode_frame
 from stopline.tokenizer import TextStream
 
 TOKENS_PER_ROUND = 32

@@ -22,8 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_SDIST_VERSION "0.3.36"
-#define SLL_ABI_VERSION 4
+#define SLL_ABI_VERSION 5
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -60,9 +59,8 @@ typedef struct {
     float temperature;
     int32_t top_k;          /* <= 0: off */
     float top_p;            /* >= 1: off */
-    float repeat_penalty;   /* 1: off */
-    float frequency_penalty;
-    float presence_penalty;
+    /* 1: off. OpenAI's frequency and presence penalties are the loop's own (_core.pyx). */
+    float repeat_penalty;
     int32_t penalty_last_n;
     uint32_t seed;
     /* A GBNF grammar (root rule "root") every generated token must follow; NULL: none. */

@@ -286,10 +286,9 @@ SLL_EXPORT sll_sampler *sll_sampler_new(const sll_model *m, const sll_sampling *
         return NULL;
     }
     smp->chain = llama_sampler_chain_init(params);
-    if (s->repeat_penalty != 1.0f || s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f)
+    if (s->repeat_penalty != 1.0f)
         llama_sampler_chain_add(smp->chain,
-                                llama_sampler_init_penalties(m->n_vocab, s->penalty_last_n, s->repeat_penalty,
-                                                             s->frequency_penalty, s->presence_penalty));
+                                llama_sampler_init_penalties(m->n_vocab, s->penalty_last_n, s->repeat_penalty, 0.0f, 0.0f));
     if (s->temperature <= 0.0f) {
         llama_sampler_chain_add(smp->chain, llama_sampler_init_greedy());
         return smp;

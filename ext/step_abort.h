@@ -89,7 +89,8 @@ static inline bool sl_poll_between_nodes(sl_watch *w) {
     return true;
 }
 
-/* The most generations one llama.cpp evaluation carries (SLL_MAX_SEQUENCES). */
+/* The most generations one llama.cpp evaluation carries (SLL_MAX_SEQUENCES;
+ * _core.pyx asserts that they agree). */
 #define SL_MAX_GROUP 64
 
 /* The generations one batched llama.cpp evaluation carries: it must end as

@@ -14,13 +14,11 @@ import socket
 import sys
 import threading
 from dataclasses import replace
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__
 from . import model as embedded
-from .app import StoplineServer
 from .auth import KeyFileError, Keyring
-from .engine import Engine, EngineError
 from .errors import StoplineError, UsageError
 from .hub import HubError, HubModelName, is_hub_model, models_command
 from .hub import resolve as resolve_hub_model
@@ -28,9 +26,11 @@ from .model import EMBEDDED_CONTEXT_LIMIT
 from .model_check import WHAT_WORKS, ModelFileError
 from .observability import configure_logging, log
 from .origin import WILDCARD_HOSTS
-from .settings import FLAGS, Settings, api_key, integer
+from .settings import FLAGS, Settings, add_flags, converted_keep, integer
 from .tokenizer import load_chat_template
-from .vocabulary import EngineName
+
+if TYPE_CHECKING:
+    from .app import StoplineServer
 
 # Subcommands: `python -m stopline NAME ...` runs COMMANDS[NAME](argv) instead of the server.
 COMMANDS: dict = {}
@@ -58,45 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             "with one line that says why."
         ),
     )
-    # A repeatable flag given on the command line replaces its environment variable's list.
-    repeated_defaults = {}
-    for flag in FLAGS:
-        kind, default = flag.kind, flag.default
-        raw = os.environ.get(flag.env)
-        if raw is not None:
-            # An environment variable is checked like the flag, and named in the error (a secret without its value).
-            try:
-                default = tuple(kind(v) for v in raw.split(",") if v.strip()) if flag.repeatable else kind(raw)
-            except argparse.ArgumentTypeError as exc:
-                p.error(f"{flag.given(raw)}: {exc}")
-        unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
-        shown = "" if unshown else f" (default: {default})"
-        if flag.repeatable:
-            repeated_defaults[flag.setting] = default
-        p.add_argument(
-            flag.flag,
-            dest=flag.setting,
-            metavar=flag.flag.lstrip("-").replace("-", "_").upper(),
-            type=kind,
-            default=None if flag.repeatable else default,
-            action="append" if flag.repeatable else "store",
-            help=flag.help + shown,
-        )
-    # Repeatable, so outside FLAGS; the environment variable holds a comma-separated list.
-    raw_keys = os.environ.get("STOPLINE_API_KEYS", "")
-    try:
-        env_keys = [api_key(key) for key in raw_keys.split(",") if key.strip()]
-    except argparse.ArgumentTypeError as exc:
-        p.error(f"STOPLINE_API_KEYS: {exc}")  # the message never holds the value
-    p.add_argument(
-        "--api-key",
-        dest="api_keys",
-        metavar="KEY",
-        action="append",
-        type=api_key,
-        default=env_keys,
-        help="an API key that may generate, without limits; repeatable (also STOPLINE_API_KEYS=k1,k2)",
-    )
+    repeated_defaults = add_flags(p)
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
     args = p.parse_args(argv)
     for setting, default in repeated_defaults.items():
@@ -116,10 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
             f"of {EMBEDDED_CONTEXT_LIMIT}"
         )
-    if args.model_type is not None and args.engine != EngineName.CTRANSFORMERS:
-        p.error(f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads")
-    if args.prefill_chunk and args.prefill_chunk > args.context_length:
-        p.error(f"argument --prefill-chunk: {args.prefill_chunk} exceeds --context-length {args.context_length}")
+    try:
+        settings_from(args)  # the rules between settings
+    except UsageError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -176,6 +138,10 @@ def _bind(flag: str, host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socket) -> int:
+    # Imported here, not at the top: parsing the flags (and --help) needs no compiled engine.
+    from .app import StoplineServer
+    from .engine import Engine
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signalled: list[int] = []
@@ -299,7 +265,7 @@ def main(argv=None) -> int:
             log.error("startup_failed", error=str(exc))
         print(f"stopline: {exc}", file=sys.stderr)
         return 2
-    except (StoplineError, EngineError, OSError) as exc:
+    except (StoplineError, OSError) as exc:
         # Expected: the model could not be fetched, built or loaded, or the machine refused a file.
         log.error("startup_failed", error=str(exc))
         return 1
@@ -316,7 +282,7 @@ def cache_command(argv: list[str]) -> int:
         prog="python -m stopline cache",
         description=(
             f"Models given with --model are converted once into {embedded.converted_dir()}; the "
-            f"{embedded.converted_keep()} most recently used copies are kept (STOPLINE_CONVERTED_KEEP)."
+            f"{converted_keep()} most recently used copies are kept (STOPLINE_CONVERTED_KEEP)."
         ),
     )
     p.add_argument("action", choices=["list", "prune"], help="list the copies, or delete those beyond --keep")

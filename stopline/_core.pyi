@@ -6,6 +6,10 @@ from typing import Self
 
 from typing_extensions import disjoint_base
 
+from stopline.errors import ContextOverflowError as ContextOverflowError
+from stopline.errors import EngineError as EngineError
+from stopline.errors import ModelLoadError as ModelLoadError
+
 MAX_PREFILL_CHUNK: int
 CTRANSFORMERS_VERSION: str
 LLAMA_COMMIT: str
@@ -26,12 +30,6 @@ class ExitKind(IntEnum):
     TOTAL_DEADLINE = 6
     FIRST_TOKEN_DEADLINE = 7
     EVAL_FAILED = 8
-
-class EngineError(RuntimeError):
-    errno: int | None
-
-class ModelLoadError(EngineError): ...
-class ContextOverflowError(EngineError, ValueError): ...
 
 def load_library(path: str) -> None: ...
 def load_llama_library(path: str) -> None: ...

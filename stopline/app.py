@@ -58,7 +58,8 @@ from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .vocabulary import Batching, ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
+from .throttle import Throttle
+from .vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -82,7 +83,7 @@ class StoplineServer:
             window=settings.window,
             metrics=self.metrics,
             threads=settings.threads,
-            batching=Batching(settings.batching),
+            batching=settings.batching,
         )
         self.metrics.slots.set(settings.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
@@ -123,7 +124,7 @@ class StoplineServer:
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
         self._unauthorized = 0
-        self._unauthorized_logged_at = 0.0
+        self._unauthorized_log = Throttle()
         # What each client's session may use of this server.
         self.services = Services(
             model=self.models.primary,
@@ -247,10 +248,7 @@ class StoplineServer:
         """Count a request or connection refused for its key, and log it at most once a second."""
         self.metrics.refused.labels(str(Refusal.UNAUTHORIZED)).inc()
         self._unauthorized += 1
-        now = time.monotonic()
-        # A flood of wrong keys must not become a flood of log lines.
-        if now - self._unauthorized_logged_at >= 1.0:
-            self._unauthorized_logged_at = now
+        if self._unauthorized_log.due(time.monotonic()):
             log.warning(KeyEvent.REFUSED, peer=peer, where=where, refused_total=self._unauthorized)
 
     # HTTP ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import signal
 import sys
@@ -24,6 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from .errors import ServerUnreachable, UsageError
 from .protocol import DEFAULT_SAMPLING
+from .settings import client_api_key, client_url
 from .vocabulary import TERMINAL_TYPES, ErrorCode, Outcome
 
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
@@ -49,13 +49,6 @@ def websocket_url(url: str) -> str:
     if path not in ("", "/ws"):
         raise UsageError(f"bad --url {url!r}: the WebSocket path is /ws, not {parts.path}")
     return urlunsplit((SCHEMES[parts.scheme], parts.netloc, "/ws", "", ""))
-
-
-def default_url(environ=os.environ) -> str:
-    host = environ.get("STOPLINE_HOST") or "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # an IPv6 address
-    return f"ws://{host}:{environ.get('STOPLINE_PORT') or 8765}/ws"
 
 
 class Conversation:
@@ -157,7 +150,7 @@ class _Connection:
     def __init__(self, url: str):
         self.url = url
         # A server that asks for an API key reads it from the handshake (docs/protocol.md#api-keys).
-        key = os.environ.get("STOPLINE_API_KEY")
+        key = client_api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else None
         self._cm = connect(url, open_timeout=10, max_size=2**20, additional_headers=headers)
 
@@ -173,7 +166,7 @@ class _Connection:
 
 def _check_key(frame: dict) -> None:
     if frame.get("type") == Outcome.ERROR and frame.get("code") == ErrorCode.UNAUTHORIZED:
-        if os.environ.get("STOPLINE_API_KEY"):
+        if client_api_key():
             raise ServerUnreachable("the server refused the key in STOPLINE_API_KEY: it is not one of its keys")
         raise ServerUnreachable("the server needs an API key: set STOPLINE_API_KEY to one of its keys")
 
@@ -345,7 +338,7 @@ def main(argv=None) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
     args = p.parse_args(argv)
     try:
-        url = websocket_url(args.url) if args.url is not None else websocket_url(default_url())
+        url = websocket_url(args.url) if args.url is not None else websocket_url(client_url())
     except UsageError as exc:
         print(f"stopline: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ from .errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, Unkn
 from .observability import Metrics, log
 from .registry import Entry, Registry
 from .tasks import stop_tasks
+from .throttle import Throttle
 from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
@@ -153,7 +154,7 @@ class Cluster:
         # Writes taken off the queue whose pipeline has not come back yet.
         self._sending = 0
         self._dropped = 0
-        self._drops_logged_at = 0.0
+        self._drops_log = Throttle()
         # Live generations' (status, tokens) as last written, so a heartbeat writes only what changed.
         self._synced: dict[str, tuple[str, int]] = {}
         self._replies: dict[str, asyncio.Future] = {}
@@ -319,10 +320,7 @@ class Cluster:
     def _drop(self, count: int, cause: DropCause) -> None:
         self._dropped += count
         self.metrics.store_writes_dropped.inc(count)
-        # At most one line a second, with the running total: a long outage must not flood the log.
-        now = time.monotonic()
-        if now - self._drops_logged_at >= 1.0 or cause is DropCause.SHUTDOWN:
-            self._drops_logged_at = now
+        if self._drops_log.due(time.monotonic(), always=cause is DropCause.SHUTDOWN):
             log.warning(
                 StoreEvent.WRITES_DROPPED, cause=cause, dropped_total=self._dropped, queue_limit=self.queue_limit
             )

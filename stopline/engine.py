@@ -34,30 +34,18 @@ from typing import TypedDict
 import structlog
 
 from stopline import _core
-from stopline._core import ContextOverflowError, EngineError, ModelLoadError
 
 from . import model as embedded
-from .errors import SettingError
+from .errors import EngineError, ModelLoadError, SettingError
 from .model_check import ModelFileError, check_model_file
 from .protocol import GenerationResult, SamplingParams
+from .settings import DEFAULT_CONTEXT_LENGTH
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 from .vocabulary import AbortMode, Batching, EngineName
 
 log = structlog.get_logger("stopline")
 
-__all__ = [
-    "Engine",
-    "EngineName",
-    "SamplingParams",
-    "Stream",
-    "EngineError",
-    "ModelLoadError",
-    "ContextOverflowError",
-    "GenerationResult",
-    "DEFAULT_PREFILL_CHUNK",
-    "AbortMode",
-    "sampling_args",
-]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Engine", "SamplingArgs", "Stream", "sampling_args"]
 
 # Prompt tokens per evaluation, by engine and abort mode. On ctransformers, whose
 # evaluations stop between graph nodes, a chunk bounds stop latency through its
@@ -70,7 +58,6 @@ DEFAULT_PREFILL_CHUNK = {
     EngineName.CTRANSFORMERS: {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1},
     EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 512, AbortMode.BETWEEN_STEPS: 1},
 }
-DEFAULT_CONTEXT_LENGTH = 2048
 
 
 def usable_cores() -> int:

@@ -27,7 +27,7 @@ from aiohttp import web
 from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
-from .openai_fields import Refused, ServedModels, openai_request
+from .openai_fields import ServedModels, openai_request
 from .origin import OriginPolicy, check_request
 from .protocol import (
     Accepted,
@@ -499,8 +499,6 @@ class HttpApi:
             body = parse_json_object(await request.text(), "body")
             asked = openai_request(body, chat=chat, models=self.models, grammars=self.services.limits.grammars)
         except ProtocolError as exc:
-            return error_response(exc.code, exc.message, openai=True)
-        except Refused as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
         options = body.get("stream_options")

@@ -9,7 +9,6 @@ the user's config folder, which ``path`` prints.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -17,9 +16,8 @@ from pathlib import Path
 import platformdirs
 
 from .auth import KeyFileError, Quota, add_key, read_keys_file, revoke_key
+from .settings import flag_from_environment
 from .vocabulary import QuotaLimit
-
-FILE_ENV = "STOPLINE_API_KEYS_FILE"
 
 
 def default_keys_file() -> Path:
@@ -44,8 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument(
         "--file",
-        default=os.environ.get(FILE_ENV) or str(default_keys_file()),
-        help=f"the keys file, as given to --api-keys-file (default: ${FILE_ENV}, else {default_keys_file()})",
+        default=flag_from_environment("api_keys_file") or str(default_keys_file()),
+        help="the keys file, as given to --api-keys-file "
+        f"(default: $STOPLINE_API_KEYS_FILE, else {default_keys_file()})",
     )
     add = commands.add_parser("add", parents=[where], help="make a key for NAME, print it once, append its entry")
     add.add_argument("name", metavar="NAME", help="the user the key stands for: user_id in logs and Redis")

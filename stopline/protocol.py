@@ -44,6 +44,7 @@ from typing import ClassVar, TypeGuard
 
 from .errors import StoplineError
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
+from .throttle import Throttle
 from .tool_calls import ToolChoice, calls_grammar, is_tool
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Reason, Refusal, Status
 
@@ -354,13 +355,65 @@ Action = Send | Tokenize | Submit | Cancel | Ended
 
 
 class ProtocolError(StoplineError):
-    """A frame or a request refused, with the error code its error frame names."""
+    """A frame or a request refused; each subclass names the error code its answer carries.
+    ``request_id`` is the request it answers, where one is known; ``param`` is the field of
+    an OpenAI request body it is about, where there is one."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None):
+    def __init__(self, message: str, request_id: str | None = None, *, param: str | None = None):
         super().__init__(message)
-        self.code = code
         self.message = message
         self.request_id = request_id
+        self.param = param
+
+
+class InvalidJson(ProtocolError):
+    code = ErrorCode.INVALID_JSON
+
+
+class InvalidFrame(ProtocolError):
+    code = ErrorCode.INVALID_FRAME
+
+
+class UnknownType(ProtocolError):
+    code = ErrorCode.UNKNOWN_TYPE
+
+
+class InvalidField(ProtocolError):
+    code = ErrorCode.INVALID_FIELD
+
+
+class DuplicateId(ProtocolError):
+    code = ErrorCode.DUPLICATE_ID
+
+
+class PromptTooLong(ProtocolError):
+    code = ErrorCode.PROMPT_TOO_LONG
+
+
+class TooManyRequests(ProtocolError):
+    code = ErrorCode.TOO_MANY_REQUESTS
+
+
+class TooManyRequestsFromAddress(ProtocolError):
+    code = ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS
+
+
+class UnsupportedParameter(ProtocolError):
+    """An OpenAI body field Stopline does not honour."""
+
+    code = ErrorCode.UNSUPPORTED_PARAMETER
+
+
+class ModelNotFound(ProtocolError):
+    """An OpenAI request names a model this server does not serve."""
+
+    code = ErrorCode.MODEL_NOT_FOUND
+
+
+class PreparationFailed(ProtocolError):
+    """The server could not prepare a request (a bug): it ends alone, with internal_error."""
+
+    code = ErrorCode.INTERNAL_ERROR
 
 
 # Frames: what the protocol sends, typed. They become JSON (``Frame.json()``, then
@@ -569,7 +622,7 @@ class Connection:
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
         self._tokens = float(limits.frame_burst)
         self._tokens_at = now_ns
-        self._rate_limited_reported_ns = -(10**18)
+        self._rate_limited_report = Throttle()
         self._bytes = float(limits.byte_burst)
 
     def hello(self, model: str) -> list[Action]:
@@ -594,9 +647,7 @@ class Connection:
                 return self._generate(frame, now_ns)
             if kind == "cancel":
                 return self._cancel(frame, now_ns)
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_TYPE, f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame)
-            )
+            raise UnknownType(f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame))
         except ProtocolError as exc:
             return [Send(ErrorFrame(exc.code, exc.message, exc.request_id))]
 
@@ -612,14 +663,12 @@ class Connection:
         elif _is_id(client_id):
             request_id = client_id
         else:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, "id must be a string of 1 to 128 characters")
+            raise InvalidField("id must be a string of 1 to 128 characters")
         self._check_room(request_id)
         params, prompt, messages, size = _validate_generate(frame, self.limits, request_id)
         user = frame.get("user")
         if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD, f"user must be a string of at most {MAX_USER_CHARS} characters", request_id
-            )
+            raise InvalidField(f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
         if user is not None:
             _text_bytes(user, "user", request_id)
         min_answer_tokens = _number(
@@ -645,17 +694,16 @@ class Connection:
         try:
             tokens = self._tokenize(draft.prompt, draft.messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
-            return ProtocolError(ErrorCode.INVALID_FIELD, str(exc), draft.id)
+            return InvalidField(str(exc), draft.id)
         if not tokens:
-            return ProtocolError(ErrorCode.INVALID_FIELD, "the prompt is empty", draft.id)
+            return InvalidField("the prompt is empty", draft.id)
         if len(tokens) + draft.min_answer_tokens > self.limits.context_length:
             answer = (
                 "at least one generated token"
                 if draft.min_answer_tokens == 1
                 else f"the {draft.min_answer_tokens} generated tokens min_answer_tokens asks room for"
             )
-            return ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG,
+            return PromptTooLong(
                 f"the prompt has {len(tokens)} tokens; the context holds "
                 f"{self.limits.context_length}, including {answer}",
                 draft.id,
@@ -691,24 +739,20 @@ class Connection:
 
     def preparation_failed(self, draft: Draft, message: str) -> list[Action]:
         """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
-        return self.tokenized(draft, ProtocolError(ErrorCode.INTERNAL_ERROR, message, draft.id))
+        return self.tokenized(draft, PreparationFailed(message, draft.id))
 
     def _check_room(self, request_id: str) -> None:
         if request_id in self.live or request_id in self.pending:
-            raise ProtocolError(
-                ErrorCode.DUPLICATE_ID, f"request {request_id!r} is still live on this connection", request_id
-            )
+            raise DuplicateId(f"request {request_id!r} is still live on this connection", request_id)
         count = len(self.live) + len(self.pending)
         if count >= self.limits.requests_per_connection:
-            raise ProtocolError(
-                ErrorCode.TOO_MANY_REQUESTS,
+            raise TooManyRequests(
                 f"this connection already has {count} live requests "
                 f"(the limit is {self.limits.requests_per_connection})",
                 request_id,
             )
         if self.quota.used(self.address) >= self.quota.limit:
-            raise ProtocolError(
-                ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS,
+            raise TooManyRequestsFromAddress(
                 f"this client address already has {self.quota.used(self.address)} live requests "
                 f"(the limit is {self.quota.limit})",
                 request_id,
@@ -717,9 +761,7 @@ class Connection:
     def _cancel(self, frame: dict, now_ns: int) -> list[Action]:
         request_id = frame.get("id")
         if not _is_id(request_id):
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD, "cancel needs the id of a request: a string of 1 to 128 characters"
-            )
+            raise InvalidField("cancel needs the id of a request: a string of 1 to 128 characters")
         draft = self.pending.get(request_id)
         if draft is not None:
             draft.cancels += 1
@@ -935,10 +977,8 @@ class Connection:
         return True
 
     def _rate_limited(self, now_ns: int) -> list[Action]:
-        # One error a second at most: answering every frame of a flood would be a flood too.
-        if now_ns - self._rate_limited_reported_ns < 1_000_000_000:
+        if not self._rate_limited_report.due(now_ns / 1e9):
             return []
-        self._rate_limited_reported_ns = now_ns
         return [
             Send(
                 ErrorFrame(
@@ -980,16 +1020,16 @@ def parse_json_object(data: str, what: str = "frame") -> dict:
     try:
         value = json.loads(data)
     except (ValueError, RecursionError):
-        raise ProtocolError(ErrorCode.INVALID_JSON, f"the {what} is not valid JSON") from None
+        raise InvalidJson(f"the {what} is not valid JSON") from None
     if not isinstance(value, dict):
-        raise ProtocolError(ErrorCode.INVALID_FRAME, f"the {what} must be a JSON object")
+        raise InvalidFrame(f"the {what} must be a JSON object")
     return value
 
 
 def _parse(data: str) -> dict:
     frame = parse_json_object(data)
     if not isinstance(frame.get("type"), str):
-        raise ProtocolError(ErrorCode.INVALID_FRAME, "the frame needs a string field 'type'", _id_of(frame))
+        raise InvalidFrame("the frame needs a string field 'type'", _id_of(frame))
     return frame
 
 
@@ -1029,7 +1069,7 @@ def _number(frame: dict, name: str, default, low, high, *, integer: bool, reques
     kind = "an integer" if integer else "a number"
     # bool is an int in Python, but true is not a number in JSON.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{name} must be {kind}", request_id)
+        raise InvalidField(f"{name} must be {kind}", request_id)
     # Integers are compared as integers: a 400-digit one does not fit a float.
     if (
         (isinstance(value, float) and not math.isfinite(value))
@@ -1038,9 +1078,7 @@ def _number(frame: dict, name: str, default, low, high, *, integer: bool, reques
         or (low_open and value == low)
     ):
         bound = f"({low:g}" if low_open else f"[{low:g}"
-        raise ProtocolError(
-            ErrorCode.INVALID_FIELD, f"{name} must be in {bound}, {high:g}]; got {_shown(value)}", request_id
-        )
+        raise InvalidField(f"{name} must be in {bound}, {high:g}]; got {_shown(value)}", request_id)
     return value
 
 
@@ -1049,8 +1087,7 @@ def _text_bytes(value: str, name: str, request_id: str) -> int:
     try:
         return len(value.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ProtocolError(
-            ErrorCode.INVALID_FIELD,
+        raise InvalidField(
             f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
             request_id,
         ) from None
@@ -1066,18 +1103,18 @@ def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
     """The grammar that ``json_schema``, ``json_object`` or ``tools`` asks for, if any does."""
     schema, json_object, tools = frame.get("json_schema"), frame.get("json_object"), frame.get("tools")
     if json_object is not None and not isinstance(json_object, bool):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "json_object must be true or false", request_id)
+        raise InvalidField("json_object must be true or false", request_id)
     asked = [
         name
         for name, given in (("json_schema", schema is not None), ("json_object", json_object), ("tools", tools))
         if given
     ]
     if len(asked) > 1:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"give {asked[0]} or {asked[1]}, not both", request_id)
+        raise InvalidField(f"give {asked[0]} or {asked[1]}, not both", request_id)
     if not asked:
         return None
     if not limits.grammars:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{asked[0]}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
+        raise InvalidField(f"{asked[0]}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
     try:
         if tools:
             return _tools_grammar(frame, request_id)
@@ -1085,38 +1122,42 @@ def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
             return JSON_OBJECT_GRAMMAR
         return schema_grammar(schema)
     except SchemaError as exc:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{asked[0]}: {exc}", request_id) from None
+        raise InvalidField(f"{asked[0]}: {exc}", request_id) from None
+
+
+def checked_tools(tools: object, request_id: str | None = None, *, param: str | None = None) -> list[dict]:
+    """``tools``, if it is a list of function tools, for a generate frame or an OpenAI body."""
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise InvalidField(
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            request_id,
+            param=param,
+        )
+    return tools
 
 
 def _tools_grammar(frame: dict, request_id: str) -> str:
     """The grammar of an answer that calls ``tools`` (docs/protocol.md#tool-calls)."""
-    tools, choice, parallel = frame["tools"], frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
-    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
-        raise ProtocolError(
-            ErrorCode.INVALID_FIELD,
-            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
-            request_id,
-        )
+    tools = checked_tools(frame["tools"], request_id)
+    choice, parallel = frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
     if choice not in tuple(ToolChoice):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, 'tool_choice must be "auto" or "required"', request_id)
+        raise InvalidField('tool_choice must be "auto" or "required"', request_id)
     if not isinstance(parallel, bool):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "parallel_tool_calls must be true or false", request_id)
+        raise InvalidField("parallel_tool_calls must be true or false", request_id)
     return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
 
 
 def _validate_generate(frame: dict, limits: Limits, request_id: str):
     prompt, messages = frame.get("prompt"), frame.get("messages")
     if (prompt is None) == (messages is None):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "give exactly one of 'prompt' or 'messages'", request_id)
+        raise InvalidField("give exactly one of 'prompt' or 'messages'", request_id)
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, "prompt must be a string", request_id)
+            raise InvalidField("prompt must be a string", request_id)
         size = _text_bytes(prompt, "prompt", request_id)
     else:
         if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD, f"messages must be a list of 1 to {limits.max_messages} messages", request_id
-            )
+            raise InvalidField(f"messages must be a list of 1 to {limits.max_messages} messages", request_id)
         size = 0
         for message in messages:
             if (
@@ -1124,16 +1165,14 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
                 or message.get("role") not in ("system", "user", "assistant")
                 or not isinstance(message.get("content"), str)
             ):
-                raise ProtocolError(
-                    ErrorCode.INVALID_FIELD,
+                raise InvalidField(
                     'each message must be {"role": "system"|"user"|"assistant", "content": string}',
                     request_id,
                 )
             size += _text_bytes(message["content"], "a message's content", request_id)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if size > limits.max_prompt_bytes:
-        raise ProtocolError(
-            ErrorCode.PROMPT_TOO_LONG,
+        raise PromptTooLong(
             f"the prompt has {size} bytes; no prompt over {limits.max_prompt_bytes} bytes fits "
             f"the context of {limits.context_length} tokens",
             request_id,
@@ -1149,8 +1188,7 @@ def _validate_generate(frame: dict, limits: Limits, request_id: str):
             isinstance(s, str) and 1 <= _text_bytes(s, "stop", request_id) <= limits.max_stop_bytes for s in stop
         )
     ):
-        raise ProtocolError(
-            ErrorCode.INVALID_FIELD,
+        raise InvalidField(
             f"stop must be a list of at most {limits.max_stop_sequences} strings of 1 to {limits.max_stop_bytes} bytes",
             request_id,
         )

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from .auth import ApiKey, Quota
 from .observability import Metrics, log
 from .tasks import stop_tasks
+from .throttle import Throttle
 from .vocabulary import KeyEvent, QuotaLimit, StoreState
 
 if TYPE_CHECKING:
@@ -245,7 +246,7 @@ class Quotas:
         self._queue: deque[tuple[list[str], list[str | int]]] = deque()
         self._wake = asyncio.Event()
         self._sender: asyncio.Task | None = None
-        self._local_logged_at = 0.0
+        self._local_log = Throttle()
         self._local_decisions = 0
         if cluster is not None:
             client = cluster.client
@@ -333,10 +334,7 @@ class Quotas:
     def _decided_locally(self, cause: str) -> None:
         self._local_decisions += 1
         self.metrics.quota_local_decisions.inc()
-        # At most one line a second: a long outage must not flood the log.
-        now = time.monotonic()
-        if now - self._local_logged_at >= 1.0:
-            self._local_logged_at = now
+        if self._local_log.due(time.monotonic()):
             log.warning(KeyEvent.QUOTA_LOCAL, cause=cause, decisions_total=self._local_decisions)
 
     # The ordered queue to Redis --------------------------------------------------------

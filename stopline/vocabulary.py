@@ -74,6 +74,14 @@ class EngineName(StrEnum):
     LLAMA_CPP = "llama.cpp"
 
 
+class BuiltinTemplate(StrEnum):
+    """The chat templates ``--chat-template`` names without a file (stopline/tokenizer.py holds them)."""
+
+    CHATML = "chatml"
+    LLAMA2 = "llama2"
+    ZEPHYR = "zephyr"
+
+
 class ChatFormat(StrEnum):
     """How a chat's messages become the prompt: ``chat_format`` in ``/v1/models``, ``/healthz``
     and the ``server_started`` log line."""

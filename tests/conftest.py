@@ -22,9 +22,10 @@ from websockets.asyncio.client import connect
 
 from stopline._core import Generation, GenerationState
 from stopline.app import StoplineServer
-from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline.engine import Engine, sampling_args
 from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
+from stopline.protocol import SamplingParams
 from stopline.settings import Settings
 from stopline.vocabulary import TERMINAL_TYPES, EngineName
 

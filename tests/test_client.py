@@ -17,8 +17,9 @@ import pexpect
 import pytest
 
 from conftest import UNIT, fetch_metrics, metric_value
-from stopline.client import UsageError, default_url, summary, websocket_url
+from stopline.client import UsageError, summary, websocket_url
 from stopline.protocol import Ending, Terminal
+from stopline.settings import client_url
 from stopline.vocabulary import Outcome, Reason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,9 +98,9 @@ def test_the_summary_reads_the_fields_the_protocol_sends():
 
 
 def test_host_and_port_come_from_the_environment():
-    assert default_url({}) == "ws://127.0.0.1:8765/ws"
-    assert default_url({"STOPLINE_HOST": "localhost", "STOPLINE_PORT": "9100"}) == "ws://localhost:9100/ws"
-    assert default_url({"STOPLINE_HOST": "::1"}) == "ws://[::1]:8765/ws"
+    assert client_url({}) == "ws://127.0.0.1:8765/ws"
+    assert client_url({"STOPLINE_HOST": "localhost", "STOPLINE_PORT": "9100"}) == "ws://localhost:9100/ws"
+    assert client_url({"STOPLINE_HOST": "::1"}) == "ws://[::1]:8765/ws"
 
 
 # ---------- one-line failures ----------

@@ -35,9 +35,8 @@ from stopline.cluster import (
     generation_key,
     heartbeat_key,
 )
-from stopline.engine import SamplingParams
 from stopline.observability import Metrics
-from stopline.protocol import Ending, Request
+from stopline.protocol import Ending, Request, SamplingParams
 from stopline.quota import Quotas
 from stopline.registry import Registry
 from stopline.tasks import stop_tasks

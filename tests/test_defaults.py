@@ -4,12 +4,15 @@ the values are checked against it, so they cannot drift. No model, no server."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from stopline.protocol import DEFAULT_SAMPLING, Limits
 from stopline.settings import FLAGS, Settings
+from stopline.vocabulary import AbortMode, Batching, EngineName, ModelNames
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,3 +93,23 @@ def test_the_readme_shows_each_flag_default(flag, default):
                 assert shown[0] == default, (flag, row[1])
                 return
     pytest.fail(f"README's flag table shows no default for {flag}")
+
+
+def test_the_flags_parse_to_members_without_the_compiled_engine():
+    # --help, a bad flag and the settings all come before the native loop is loaded.
+    script = (
+        "import sys\n"
+        "from stopline import __main__ as cli\n"
+        "settings = cli.settings_from(cli.parse_args(['--engine', 'ctransformers', '--batching', 'shared']))\n"
+        "print(type(settings.engine).__name__, type(settings.batching).__name__, 'stopline._core' in sys.modules)\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert shown.stdout.split() == ["EngineName", "Batching", "False"]
+
+
+def test_a_choice_given_by_its_name_is_held_as_its_member():
+    settings = Settings.build(engine="ctransformers", abort_mode="between_steps", batching="shared")
+    assert settings.engine is EngineName.CTRANSFORMERS and settings.batching is Batching.SHARED
+    assert settings.abort_mode is AbortMode.BETWEEN_STEPS and settings.model_names is ModelNames.ANY
+    with pytest.raises(ValueError):
+        Settings.build(batching="sometimes")

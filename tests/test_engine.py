@@ -27,15 +27,9 @@ import pytest
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
-from stopline.engine import (
-    ContextOverflowError,
-    Engine,
-    EngineError,
-    ModelLoadError,
-    SamplingParams,
-    sampling_args,
-)
-from stopline.protocol import exit_outcome
+from stopline.engine import Engine, sampling_args
+from stopline.errors import ContextOverflowError, EngineError, ModelLoadError
+from stopline.protocol import SamplingParams, exit_outcome
 from stopline.vocabulary import EngineName, Outcome, Reason
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
@@ -889,7 +883,8 @@ def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
     code = f"""
 import os, resource
 from stopline import _core
-from stopline.engine import SamplingParams, _ctransformers_library_path, sampling_args
+from stopline.engine import _ctransformers_library_path, sampling_args
+from stopline.protocol import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -978,7 +973,8 @@ def test_failed_construction_leaves_other_fds_alone(engine):
     code = f"""
 import os, sys
 from stopline import _core
-from stopline.engine import SamplingParams, _ctransformers_library_path, sampling_args
+from stopline.engine import _ctransformers_library_path, sampling_args
+from stopline.protocol import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 context.close()

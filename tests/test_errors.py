@@ -2,45 +2,63 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from http import HTTPStatus
 
 import pytest
 
+import stopline
 from stopline import __main__ as cli
-from stopline import errors
-from stopline.auth import KeyFileError
-from stopline.json_grammar import SchemaError
-from stopline.llama_build import LlamaBuildError
-from stopline.model import ModelFetchError
-from stopline.model_check import ModelFileError
-from stopline.openai_fields import Refused
-from stopline.protocol import ProtocolError
-from stopline.tokenizer import TokenizerError
+from stopline import errors, protocol
 from stopline.vocabulary import ErrorCode
 
-RAISED_ON_PURPOSE = [
-    errors.UsageError,
-    errors.SettingError,
-    errors.UnknownRequest,
-    errors.InvalidCancelToken,
-    errors.StoreUnavailable,
-    errors.OwnerUnreachable,
-    errors.Busy,
-    errors.ServerUnreachable,
-    KeyFileError,
-    SchemaError,
-    LlamaBuildError,
-    ModelFetchError,
-    ModelFileError,
-    Refused,
-    ProtocolError,
-    TokenizerError,
-]
+
+def _exceptions_defined_in_the_package() -> list[type[BaseException]]:
+    found = []
+    for module_info in pkgutil.walk_packages(stopline.__path__, "stopline."):
+        module = importlib.import_module(module_info.name)
+        found += [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == module.__name__
+        ]
+    return found
 
 
-@pytest.mark.parametrize("kind", RAISED_ON_PURPOSE, ids=lambda kind: kind.__name__)
-def test_every_error_has_one_root(kind):
+DEFINED = _exceptions_defined_in_the_package()
+
+
+def test_the_walk_finds_the_errors_of_every_layer():
+    names = {kind.__qualname__ for kind in DEFINED}
+    # The pure protocol, the engine's native errors, the model checks, the build, the keys.
+    assert {"InvalidField", "EngineError", "ContextOverflowError", "ModelFileError", "LlamaBuildError"} <= names
+    assert {"KeyFileError", "SchemaError", "TokenizerError", "HubError"} <= names
+
+
+@pytest.mark.parametrize("kind", DEFINED, ids=lambda kind: f"{kind.__module__}.{kind.__qualname__}")
+def test_every_error_has_one_root_and_its_code_on_the_class(kind):
     assert issubclass(kind, errors.StoplineError)
+    assert isinstance(kind.code, ErrorCode)
+
+
+def test_each_refusal_of_a_request_names_its_own_code():
+    refusals = protocol.ProtocolError.__subclasses__()
+    assert len({kind.code for kind in refusals}) == len(refusals)
+    refused = protocol.UnsupportedParameter("n is not supported (only 1)", param="n")
+    assert (refused.code, refused.message, refused.param, refused.request_id) == (
+        ErrorCode.UNSUPPORTED_PARAMETER,
+        "n is not supported (only 1)",
+        "n",
+        None,
+    )
+    assert "code" not in vars(refused)
+
+
+def test_an_engine_failure_is_a_stopline_error_that_a_caller_of_the_engine_also_knows():
+    assert issubclass(errors.ContextOverflowError, ValueError)
+    assert issubclass(errors.ModelLoadError, errors.EngineError)
+    assert issubclass(errors.EngineError, RuntimeError)
 
 
 @pytest.mark.parametrize("kind", [errors.StoreUnavailable, errors.OwnerUnreachable, errors.ServerUnreachable])

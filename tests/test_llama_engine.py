@@ -25,11 +25,11 @@ import pytest
 
 from conftest import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 from stopline import _core
-from stopline.engine import Engine, SamplingParams
+from stopline.engine import Engine
 from stopline.llama_build import cached_library
 from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.observability import ConsoleRenderer
-from stopline.protocol import exit_outcome
+from stopline.protocol import SamplingParams, exit_outcome
 from stopline.vocabulary import AbortMode, Batching, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
     http,

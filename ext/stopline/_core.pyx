@@ -51,8 +51,17 @@ from stopline cimport _ctransformers as ct
 from stopline cimport _llama as ll
 from stopline cimport _loop_support as sl
 
+# The step hook watches every generation of one evaluation: a group must hold as
+# many as one llama.cpp context runs at once.
+cdef extern from *:
+    """
+    _Static_assert(SL_MAX_GROUP == SLL_MAX_SEQUENCES, "SL_MAX_GROUP must equal SLL_MAX_SEQUENCES");
+    """
+
 import os
 import time
+
+from stopline.errors import ContextOverflowError, EngineError, ModelLoadError
 
 cdef enum:
     # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
@@ -88,19 +97,6 @@ CTRANSFORMERS_VERSION = ct.CT_ABI_VERSION.decode()
 # prompt chunk its contexts take.
 LLAMA_COMMIT = ll.SLL_LLAMA_COMMIT.decode()
 LLAMA_MAX_CHUNK = ll.SLL_MAX_CHUNK
-
-
-class EngineError(RuntimeError):
-    """A failure inside the native engine. ``errno`` is set when a system call failed."""
-    errno = None
-
-
-class ModelLoadError(EngineError):
-    """ctransformers could not create the model."""
-
-
-class ContextOverflowError(EngineError, ValueError):
-    """The prompt does not fit in the context."""
 
 
 cdef object c_failure(type kind, str what, int errnum=0, const char *detail=NULL):
@@ -1471,8 +1467,6 @@ cdef class Generation:
             sampling.top_k = top_k
             sampling.top_p = top_p
             sampling.repeat_penalty = repetition_penalty
-            sampling.frequency_penalty = 0
-            sampling.presence_penalty = 0
             sampling.penalty_last_n = LAST_N_TOKENS
             sampling.seed = <uint32_t>seed
             sampling.grammar = NULL if grammar_text is None else <const char *>grammar_text

@@ -6,7 +6,6 @@ from libc.stdint cimport int32_t, uint32_t
 
 cdef extern from "llama_abi.h" nogil:
     const char *SLL_LLAMA_COMMIT
-    const char *SLL_SDIST_VERSION
     enum: SLL_MAX_CHUNK
     enum: SLL_MAX_BATCH
     enum: SLL_MAX_SEQUENCES
@@ -29,8 +28,6 @@ cdef extern from "llama_abi.h" nogil:
         int32_t top_k
         float top_p
         float repeat_penalty
-        float frequency_penalty
-        float presence_penalty
         int32_t penalty_last_n
         uint32_t seed
         const char *grammar
