@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from stopline import model as embedded
 from stopline.llama_build import ensure_llama_library
+from stopline.protocol.vocabulary import EngineName
 from stopline.settings import DEFAULT_CONTEXT_LENGTH
-from stopline.vocabulary import EngineName
 
 from . import llama_native, native, random_llama
 from .llama_server import (

@@ -40,9 +40,9 @@ from ctransformers import AutoModelForCausalLM
 
 from stopline._core import ExitKind
 from stopline.engine import Engine, Stream
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
+from stopline.protocol.vocabulary import AbortMode
 from stopline.tokenizer import TextStream
-from stopline.vocabulary import AbortMode
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from stopline.vocabulary import TERMINAL_TYPES
+from stopline.protocol.vocabulary import TERMINAL_TYPES
 
 _ids = itertools.count()
 

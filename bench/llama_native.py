@@ -37,8 +37,8 @@ from pathlib import Path
 
 from stopline._core import Generation
 from stopline.engine import Engine, sampling_args
-from stopline.protocol import SamplingParams
-from stopline.vocabulary import Batching, EngineName
+from stopline.protocol.requests import SamplingParams
+from stopline.protocol.vocabulary import Batching, EngineName
 
 from .native import count_outcome, greedy_args, storm_prompt
 

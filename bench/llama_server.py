@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stopline.llama_build import SOURCE_LABEL, cached_binary, ensure_llama_server
-from stopline.protocol import DEFAULT_SAMPLING
-from stopline.vocabulary import Outcome, Reason
+from stopline.protocol.requests import DEFAULT_SAMPLING
+from stopline.protocol.vocabulary import Outcome, Reason
 
 from .scenarios import (
     CONCURRENT_OTHER_TOKENS,

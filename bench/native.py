@@ -15,8 +15,8 @@ import time
 
 from stopline._core import Generation
 from stopline.engine import Engine, SamplingArgs, sampling_args
-from stopline.protocol import SamplingParams, exit_outcome
-from stopline.vocabulary import Outcome
+from stopline.protocol.requests import SamplingParams, exit_outcome
+from stopline.protocol.vocabulary import Outcome
 
 CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 512

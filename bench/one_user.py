@@ -25,7 +25,7 @@ from pathlib import Path
 
 from websockets.asyncio.client import connect
 
-from stopline.vocabulary import TERMINAL_TYPES
+from stopline.protocol.vocabulary import TERMINAL_TYPES
 
 from .servers import start_stopline
 

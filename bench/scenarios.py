@@ -55,8 +55,8 @@ from dataclasses import dataclass
 import aiohttp
 import openai
 
-from stopline.protocol import DEFAULT_SAMPLING
-from stopline.vocabulary import Outcome, Reason, Status
+from stopline.protocol.requests import DEFAULT_SAMPLING
+from stopline.protocol.vocabulary import Outcome, Reason, Status
 
 from .client import Call, Session, healthz, metrics
 from .prompts import PromptMaker

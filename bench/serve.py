@@ -30,8 +30,8 @@ from stopline.app import StoplineServer
 from stopline.engine import Engine
 from stopline.llama_build import ensure_llama_library
 from stopline.observability import configure_logging
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 from stopline.settings import Settings
-from stopline.vocabulary import AbortMode, Batching, EngineName
 
 
 @dataclass(frozen=True)

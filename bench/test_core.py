@@ -23,7 +23,7 @@ import pytest
 from stopline import _core
 from stopline._core import ExitKind, Generation
 from stopline.engine import Engine, sampling_args
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
 
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 512

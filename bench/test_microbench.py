@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from stopline.engine import Engine
-from stopline.protocol import SamplingParams, Token, encode_frame
+from stopline.protocol.frames import Token, encode_frame
+from stopline.protocol.requests import SamplingParams
 from stopline.tokenizer import TextStream
 
 TOKENS_PER_ROUND = 32

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, NoReturn
 from . import __version__
 from . import model as embedded
 from .auth import KeyFileError, Keyring
-from .errors import StoplineError, UsageError
 from .hub import HubError, HubModelName, is_hub_model, models_command
 from .hub import resolve as resolve_hub_model
 from .model import EMBEDDED_CONTEXT_LIMIT
 from .model_check import WHAT_WORKS, ModelFileError
 from .observability import configure_logging, log
-from .origin import WILDCARD_HOSTS
+from .protocol.errors import StoplineError, UsageError
+from .protocol.origin import WILDCARD_HOSTS
 from .settings import FLAGS, Settings, add_flags, converted_keep, integer
 from .tokenizer import load_chat_template
 
@@ -138,10 +138,6 @@ def _bind(flag: str, host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socket) -> int:
-    # Imported here, not at the top: parsing the flags (and --help) needs no compiled engine.
-    from .app import StoplineServer
-    from .engine import Engine
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signalled: list[int] = []
@@ -165,6 +161,12 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
         log.warning("listening_on_every_interface", host=settings.host)
     if "*" in settings.allowed_origins:
         log.warning("any_origin_allowed", detail="any web page may drive this server")
+    # Imported here, not at the top: the flags (and --help) need no compiled engine. And only
+    # once the signal handlers are in: a Ctrl-C during the import ends the start as one would
+    # during the load.
+    from .app import StoplineServer
+    from .engine import Engine
+
     # Without --threads, each generation takes the cores the others leave (Scheduler).
     loaded = _in_daemon_thread(
         loop,

@@ -6,9 +6,9 @@ from typing import Self
 
 from typing_extensions import disjoint_base
 
-from stopline.errors import ContextOverflowError as ContextOverflowError
-from stopline.errors import EngineError as EngineError
-from stopline.errors import ModelLoadError as ModelLoadError
+from stopline.protocol.errors import ContextOverflowError as ContextOverflowError
+from stopline.protocol.errors import EngineError as EngineError
+from stopline.protocol.errors import ModelLoadError as ModelLoadError
 
 MAX_PREFILL_CHUNK: int
 CTRANSFORMERS_VERSION: str

@@ -50,16 +50,17 @@ from .auth import (
 from .engine import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
-from .openai_fields import ServedModels
-from .origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
-from .protocol import AddressQuota, ErrorFrame, encode_frame
+from .protocol.connection import AddressQuota
+from .protocol.frames import ErrorFrame, encode_frame
+from .protocol.openai_fields import ServedModels
+from .protocol.origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
+from .protocol.throttle import Throttle
+from .protocol.vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport, peer_name
 from .settings import Settings
-from .throttle import Throttle
-from .vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 
 if TYPE_CHECKING:
     from .cluster import Cluster

@@ -27,8 +27,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import StoplineError
-from .vocabulary import QuotaLimit
+from .protocol.errors import StoplineError
+from .protocol.vocabulary import QuotaLimit
 
 # Generated keys carry a prefix that secret scanners and people recognise.
 KEY_PREFIX = "stopline_"

@@ -21,10 +21,10 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from .errors import ServerUnreachable, UsageError
-from .protocol import DEFAULT_SAMPLING
+from .protocol.errors import ServerUnreachable, UsageError
+from .protocol.requests import DEFAULT_SAMPLING
+from .protocol.vocabulary import TERMINAL_TYPES, ErrorCode, Outcome
 from .settings import client_api_key, client_url
-from .vocabulary import TERMINAL_TYPES, ErrorCode, Outcome
 
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
 EXIT_CODES = {Outcome.DONE: 0, Outcome.CANCELLED: 130, Outcome.TIMEOUT: 2, Outcome.ERROR: 1}

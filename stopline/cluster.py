@@ -46,12 +46,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .observability import Metrics, log
+from .protocol.errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
+from .protocol.throttle import Throttle
+from .protocol.vocabulary import END_EVENTS, STATUS_BY_OUTCOME, DropCause, Outcome, Status, StoreEvent, StoreState
 from .registry import Entry, Registry
 from .tasks import stop_tasks
-from .throttle import Throttle
-from .vocabulary import END_EVENTS, DropCause, Outcome, Status, StoreEvent, StoreState
 
 CANCELLATIONS = "stopline:cancellations"
 # The stream keeps about this many records (MAXLEN ~ trims whole nodes, cheaply).
@@ -71,7 +71,7 @@ RECONNECT_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # After shutdown's last writes: how long to wait for them to reach Redis.
 FLUSH_TIMEOUT_S = 2.0
 
-ENDED_STATUSES = frozenset(str(status) for status in (Status.FINISHED, Status.CANCELLED, Status.TIMEOUT, Status.ERROR))
+ENDED_STATUSES = frozenset(str(status) for status in STATUS_BY_OUTCOME.values())
 LOGGED_OUTCOMES = (Outcome.CANCELLED, Outcome.TIMEOUT)
 
 

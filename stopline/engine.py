@@ -36,12 +36,12 @@ import structlog
 from stopline import _core
 
 from . import model as embedded
-from .errors import EngineError, ModelLoadError, SettingError
 from .model_check import ModelFileError, check_model_file
-from .protocol import GenerationResult, SamplingParams
+from .protocol.errors import EngineError, ModelLoadError, SettingError
+from .protocol.requests import GenerationResult, SamplingParams
+from .protocol.vocabulary import AbortMode, Batching, EngineName
 from .settings import DEFAULT_CONTEXT_LENGTH
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
-from .vocabulary import AbortMode, Batching, EngineName
 
 log = structlog.get_logger("stopline")
 

@@ -25,29 +25,28 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
-from .errors import InvalidCancelToken, RequestLookupError, StoreUnavailable, UnknownRequest
 from .observability import log
-from .openai_fields import ServedModels, openai_request
-from .origin import OriginPolicy, check_request
-from .protocol import (
+from .protocol.errors import InvalidCancelToken, ProtocolError, RequestLookupError, StoreUnavailable, UnknownRequest
+from .protocol.frames import (
     Accepted,
     ErrorFrame,
     Frame,
-    ProtocolError,
-    Request,
     Terminal,
     Token,
     as_error,
     encode_frame,
     encode_json,
     ends_request,
-    parse_json_object,
 )
+from .protocol.openai_fields import ServedModels, openai_request
+from .protocol.origin import OriginPolicy, check_request
+from .protocol.requests import Request
+from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
+from .protocol.validation import parse_json_object
+from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
-from .tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
-from .vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 
 if TYPE_CHECKING:
     from .cluster import Cluster

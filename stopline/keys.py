@@ -16,8 +16,8 @@ from pathlib import Path
 import platformdirs
 
 from .auth import KeyFileError, Quota, add_key, read_keys_file, revoke_key
+from .protocol.vocabulary import QuotaLimit
 from .settings import flag_from_environment
-from .vocabulary import QuotaLimit
 
 
 def default_keys_file() -> Path:

@@ -36,9 +36,9 @@ import cmake as cmake_module
 import ninja
 from tqdm import tqdm
 
-from .errors import StoplineError, UsageError
 from .llama_edits import LlamaEditError, apply_edits, edits_key
 from .model import ModelFetchError, PinnedFile, download_pinned
+from .protocol.errors import StoplineError, UsageError
 from .settings import cache_dir
 
 SDIST_VERSION = "0.3.36"

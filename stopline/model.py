@@ -38,7 +38,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 import structlog
 
-from .errors import StoplineError
+from .protocol.errors import StoplineError
 from .settings import cache_dir, converted_keep, index_url
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""JSON logs (structlog) and Prometheus metrics, named from stopline/vocabulary.py."""
+"""JSON logs (structlog) and Prometheus metrics, named from stopline/protocol/vocabulary.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .protocol import Ending, Request
-from .vocabulary import END_EVENTS, AbortMode, Outcome
+from .protocol.requests import Ending, Request
+from .protocol.vocabulary import END_EVENTS, AbortMode, Outcome
 
 
 def configure_logging(level: str = "info", log_format: str = "json", stream=None) -> str:

@@ -35,9 +35,9 @@ from redis.exceptions import RedisError
 
 from .auth import ApiKey, Quota
 from .observability import Metrics, log
+from .protocol.throttle import Throttle
+from .protocol.vocabulary import KeyEvent, QuotaLimit, StoreState
 from .tasks import stop_tasks
-from .throttle import Throttle
-from .vocabulary import KeyEvent, QuotaLimit, StoreState
 
 if TYPE_CHECKING:
     from .cluster import Cluster

@@ -17,9 +17,9 @@ import time
 from collections import OrderedDict
 from typing import Protocol
 
-from .errors import InvalidCancelToken, UnknownRequest
-from .protocol import Ending, Phase, Request
-from .vocabulary import STATUS_BY_OUTCOME, Reason, Status
+from .protocol.errors import InvalidCancelToken, UnknownRequest
+from .protocol.requests import Ending, Phase, Request
+from .protocol.vocabulary import STATUS_BY_OUTCOME, Reason, Status
 
 
 class Owner(Protocol):

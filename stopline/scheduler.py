@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from .engine import Engine, Stream
-from .errors import Busy
 from .observability import log
-from .protocol import GenerationResult, Request
-from .vocabulary import Batching
+from .protocol.errors import Busy
+from .protocol.requests import GenerationResult, Request
+from .protocol.vocabulary import Batching
 
 
 class Sink(Protocol):

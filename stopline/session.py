@@ -26,30 +26,16 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from .auth import ApiKey, Keyring
-from .errors import Busy
 from .observability import Metrics, log, log_accepted, log_end
-from .protocol import (
-    Action,
-    AddressQuota,
-    Cancel,
-    Connection,
-    Draft,
-    Ended,
-    Frame,
-    GenerationResult,
-    Limits,
-    Request,
-    Send,
-    Submit,
-    Tokenize,
-    as_error,
-    encode_frame,
-)
+from .protocol.connection import Action, AddressQuota, Cancel, Connection, Draft, Ended, Send, Submit, Tokenize
+from .protocol.errors import Busy
+from .protocol.frames import Frame, as_error, encode_frame
+from .protocol.requests import GenerationResult, Limits, Request
+from .protocol.vocabulary import Reason
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .tasks import stop_tasks
-from .vocabulary import Reason
 
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
 SHORT_PROMPT_BYTES = 16 * 1024

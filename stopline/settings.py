@@ -23,10 +23,10 @@ from typing import Any, Protocol
 import platformdirs
 
 from .auth import check_key
-from .errors import UsageError
-from .origin import OriginPolicy
-from .protocol import MAX_SECONDS, Limits
-from .vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
+from .protocol.errors import UsageError
+from .protocol.origin import OriginPolicy
+from .protocol.requests import MAX_SECONDS, Limits
+from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
 
 # The tokens each slot holds when no context length is asked for, whatever the model.
 DEFAULT_CONTEXT_LENGTH = 2048

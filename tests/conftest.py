@@ -25,9 +25,9 @@ from stopline.app import StoplineServer
 from stopline.engine import Engine, sampling_args
 from stopline.model import original_gguf_path
 from stopline.observability import configure_logging
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
+from stopline.protocol.vocabulary import TERMINAL_TYPES, EngineName
 from stopline.settings import Settings
-from stopline.vocabulary import TERMINAL_TYPES, EngineName
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
 

@@ -13,8 +13,8 @@ import asyncio
 import time
 from enum import Enum
 
-from stopline.protocol import GenerationResult, SamplingParams
-from stopline.vocabulary import AbortMode, Batching, EngineName
+from stopline.protocol.requests import GenerationResult, SamplingParams
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 
 
 class Exit(Enum):

@@ -35,8 +35,8 @@ from stopline.auth import (
     revoke_key,
     subprotocol_key,
 )
+from stopline.protocol.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 from stopline.settings import Settings
-from stopline.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 
 METRICS_KEY = "metrics-key-0123456789"
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,9 +30,18 @@ from stopline.app import StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
 from stopline.cluster import CANCELLATIONS, generation_key
 from stopline.model import EMBEDDED_MODEL_NAME
+from stopline.protocol.vocabulary import (
+    ErrorCode,
+    KeyEvent,
+    Outcome,
+    QuotaLimit,
+    Reason,
+    Status,
+    StoreEvent,
+    StoreState,
+)
 from stopline.quota import ADMIT_TIMEOUT_S, LEASE_S, quota_key
 from stopline.settings import Settings
-from stopline.vocabulary import ErrorCode, KeyEvent, Outcome, QuotaLimit, Reason, Status, StoreEvent, StoreState
 from test_cluster import REPLICA_IDS, Nginx, Replica
 
 METRICS_KEY = "metrics-key-for-the-cluster-0123"

@@ -18,9 +18,10 @@ import pytest
 
 from conftest import UNIT, fetch_metrics, metric_value
 from stopline.client import UsageError, summary, websocket_url
-from stopline.protocol import Ending, Terminal
+from stopline.protocol.frames import Terminal
+from stopline.protocol.requests import Ending
+from stopline.protocol.vocabulary import Outcome, Reason
 from stopline.settings import client_url
-from stopline.vocabulary import Outcome, Reason
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_STORY = "Write a very long story about a dragon."

@@ -36,18 +36,11 @@ from stopline.cluster import (
     heartbeat_key,
 )
 from stopline.observability import Metrics
-from stopline.protocol import Ending, Request, SamplingParams
+from stopline.protocol.requests import Ending, Request, SamplingParams
+from stopline.protocol.vocabulary import ErrorCode, Outcome, Reason, Status, StoreEvent, StoreState
 from stopline.quota import Quotas
 from stopline.registry import Registry
 from stopline.tasks import stop_tasks
-from stopline.vocabulary import (
-    ErrorCode,
-    Outcome,
-    Reason,
-    Status,
-    StoreEvent,
-    StoreState,
-)
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX_CONF = REPO / "deploy" / "nginx.conf"

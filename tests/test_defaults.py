@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stopline.protocol import DEFAULT_SAMPLING, Limits
+from stopline.protocol.requests import DEFAULT_SAMPLING, Limits
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName, ModelNames
 from stopline.settings import FLAGS, Settings
-from stopline.vocabulary import AbortMode, Batching, EngineName, ModelNames
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,9 +28,9 @@ from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_ru
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine import Engine, sampling_args
-from stopline.errors import ContextOverflowError, EngineError, ModelLoadError
-from stopline.protocol import SamplingParams, exit_outcome
-from stopline.vocabulary import EngineName, Outcome, Reason
+from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
+from stopline.protocol.requests import SamplingParams, exit_outcome
+from stopline.protocol.vocabulary import EngineName, Outcome, Reason
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)
@@ -884,7 +884,7 @@ def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
 import os, resource
 from stopline import _core
 from stopline.engine import _ctransformers_library_path, sampling_args
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -974,7 +974,7 @@ def test_failed_construction_leaves_other_fds_alone(engine):
 import os, sys
 from stopline import _core
 from stopline.engine import _ctransformers_library_path, sampling_args
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
 context.close()

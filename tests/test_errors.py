@@ -10,8 +10,8 @@ import pytest
 
 import stopline
 from stopline import __main__ as cli
-from stopline import errors, protocol
-from stopline.vocabulary import ErrorCode
+from stopline.protocol import errors
+from stopline.protocol.vocabulary import ErrorCode
 
 
 def _exceptions_defined_in_the_package() -> list[type[BaseException]]:
@@ -43,9 +43,9 @@ def test_every_error_has_one_root_and_its_code_on_the_class(kind):
 
 
 def test_each_refusal_of_a_request_names_its_own_code():
-    refusals = protocol.ProtocolError.__subclasses__()
+    refusals = errors.ProtocolError.__subclasses__()
     assert len({kind.code for kind in refusals}) == len(refusals)
-    refused = protocol.UnsupportedParameter("n is not supported (only 1)", param="n")
+    refused = errors.UnsupportedParameter("n is not supported (only 1)", param="n")
     assert (refused.code, refused.message, refused.param, refused.request_id) == (
         ErrorCode.UNSUPPORTED_PARAMETER,
         "n is not supported (only 1)",

@@ -22,7 +22,7 @@ from stopline import _core
 from stopline.engine import Engine
 from stopline.llama_build import SDIST_VERSION, llama_source_dir
 from stopline.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
-from stopline.vocabulary import Batching, EngineName
+from stopline.protocol.vocabulary import Batching, EngineName
 
 STOPS = 30
 

@@ -29,8 +29,8 @@ from stopline.engine import Engine
 from stopline.llama_build import cached_library
 from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.observability import ConsoleRenderer
-from stopline.protocol import SamplingParams, exit_outcome
-from stopline.vocabulary import AbortMode, Batching, EngineName
+from stopline.protocol.requests import SamplingParams, exit_outcome
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
     http,
     test_closing_an_openai_stream_stops_the_model,

@@ -27,7 +27,6 @@ from conftest import UNIT
 from hub_stand_in import split_gguf
 from stopline import model
 from stopline.engine import Engine
-from stopline.errors import ModelLoadError
 from stopline.model_check import (
     GGML_MODEL_TYPES,
     GGUF_ARCHITECTURES,
@@ -36,9 +35,10 @@ from stopline.model_check import (
     check_model_file,
     read_gguf_metadata,
 )
-from stopline.protocol import SamplingParams, exit_outcome
+from stopline.protocol.errors import ModelLoadError
+from stopline.protocol.requests import SamplingParams, exit_outcome
+from stopline.protocol.vocabulary import EngineName
 from stopline.tokenizer import TokenizerError, load_chat_template
-from stopline.vocabulary import EngineName
 
 ROOT = Path(__file__).resolve().parent.parent
 

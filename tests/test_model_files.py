@@ -20,9 +20,9 @@ import pytest
 from package_index import PackageIndex
 from stopline import _core, model, settings
 from stopline.engine import Engine, sampling_args
-from stopline.protocol import SamplingParams
+from stopline.protocol.requests import SamplingParams
+from stopline.protocol.vocabulary import EngineName
 from stopline.tokenizer import ChatTokenizer
-from stopline.vocabulary import EngineName
 
 
 def sha256(path) -> str:

@@ -1,5 +1,5 @@
 """Every field of OpenAI's request bodies is honoured or refused by name: the table in
-stopline/openai_fields.py, the one in docs/http.md, and a real server agree."""
+stopline/protocol/openai_fields.py, the one in docs/http.md, and a real server agree."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline.__main__ import parse_args, settings_from
-from stopline.openai_fields import FIELDS, Endpoint, Treatment, fields_of
+from stopline.protocol.openai_fields import FIELDS, Endpoint, Treatment, fields_of
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
 # The fields whose value the test sets itself, around the one it sends.

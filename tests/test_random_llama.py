@@ -17,7 +17,7 @@ from stopline import _core
 from stopline.engine import Engine
 from stopline.llama_build import llama_source_dir
 from stopline.model_check import read_gguf_metadata
-from stopline.vocabulary import AbortMode, EngineName
+from stopline.protocol.vocabulary import AbortMode, EngineName
 
 LAYERS = 2
 # llama.cpp's own tokenizer test for this vocabulary: texts, and the ids Llama 3's tokenizer gives them.

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from stopline.errors import InvalidCancelToken, UnknownRequest
-from stopline.protocol import Connection, Ending, Limits, Send, Submit, Tokenize
+from stopline.protocol.connection import Connection, Send, Submit, Tokenize
+from stopline.protocol.errors import InvalidCancelToken, UnknownRequest
+from stopline.protocol.requests import Ending, Limits
+from stopline.protocol.vocabulary import ErrorCode, Outcome, Reason
 from stopline.registry import Registry
-from stopline.vocabulary import ErrorCode, Outcome, Reason
 
 
 def fake_tokenize(prompt, messages):

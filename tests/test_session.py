@@ -14,13 +14,15 @@ from fake_engine import FakeEngine
 
 from stopline.auth import Keyring
 from stopline.observability import Metrics
-from stopline.protocol import AddressQuota, Frame, Request
+from stopline.protocol.connection import AddressQuota
+from stopline.protocol.frames import Frame
+from stopline.protocol.requests import Request
+from stopline.protocol.vocabulary import STATUS_BY_OUTCOME, Outcome, Reason
 from stopline.quota import Quotas
 from stopline.registry import Registry
 from stopline.scheduler import Scheduler
 from stopline.session import ClientSession, Services
 from stopline.settings import Settings
-from stopline.vocabulary import STATUS_BY_OUTCOME, Outcome, Reason
 
 
 class FakeTransport:
@@ -79,7 +81,7 @@ class Recorder:
 
 
 def request(request_id: str, max_tokens: int = 16) -> Request:
-    from stopline.protocol import SamplingParams
+    from stopline.protocol.requests import SamplingParams
 
     return Request(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), received_ns=0)
 
@@ -107,7 +109,7 @@ async def test_the_scheduler_fills_its_slots_then_queues_then_starts_the_next_at
 
 
 async def test_the_scheduler_refuses_past_its_queue_and_stops_where_the_request_is():
-    from stopline.errors import Busy
+    from stopline.protocol.errors import Busy
 
     engine = FakeEngine()
     scheduler = Scheduler(engine, workers=1, max_queue=1, threads=1)

@@ -27,7 +27,7 @@ from conftest import (
 from stopline import _core
 from stopline._core import ExitKind, Generation
 from stopline.engine import Engine
-from stopline.vocabulary import AbortMode, EngineName
+from stopline.protocol.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
 ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "250"))

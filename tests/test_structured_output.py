@@ -13,9 +13,10 @@ import pytest
 
 from conftest import UNIT, make_generation
 from stopline.engine import Engine
-from stopline.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
-from stopline.protocol import Connection, Limits, Tokenize
-from stopline.vocabulary import EngineName
+from stopline.protocol.connection import Connection, Tokenize
+from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
+from stopline.protocol.requests import Limits
+from stopline.protocol.vocabulary import EngineName
 from test_http_api import delete, http, sse_events  # noqa: F401  (http: the fixture)
 from test_openai_fields import test_every_field_is_honoured_or_refused_by_name  # noqa: F401  (run again on llama.cpp)
 

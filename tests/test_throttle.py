@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stopline.throttle import Throttle
+from stopline.protocol.throttle import Throttle
 
 
 def test_a_throttled_warning_is_due_once_an_interval_unless_it_must_be_written():

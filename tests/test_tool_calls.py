@@ -13,8 +13,8 @@ import openai
 import pytest
 from test_structured_output import PARAMETERS, SLOW_TOOL, TOOLS, _ended, engine, openai_client  # noqa: F401
 
-from stopline.json_grammar import SchemaError, schema_grammar
-from stopline.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
+from stopline.protocol.json_grammar import SchemaError, schema_grammar
+from stopline.protocol.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
 
 # A conversation with one call and its result already in it: the small model then calls again.
 HISTORY = [

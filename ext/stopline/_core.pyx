@@ -61,7 +61,7 @@ cdef extern from *:
 import os
 import time
 
-from stopline.errors import ContextOverflowError, EngineError, ModelLoadError
+from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 
 cdef enum:
     # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).

@@ -18,8 +18,9 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .protocol import GRAMMARS_NEED_LLAMA_CPP, InvalidField, ModelNotFound, UnsupportedParameter, checked_tools
+from .errors import InvalidField, ModelNotFound, UnsupportedParameter
 from .tool_calls import ToolChoice, call_text, instructions
+from .validation import GRAMMARS_NEED_LLAMA_CPP, checked_tools
 from .vocabulary import ChatFormat
 
 

@@ -4,7 +4,7 @@ An ``except`` clause names a class from here, or :class:`StoplineError` for
 all of them, and never catches a stranger by accident: a store failure is not
 an :class:`OSError` that a socket handler might swallow. An error that answers
 a client carries its protocol code (:attr:`StoplineError.code`) and HTTP status
-(:attr:`StoplineError.status`) as class attributes; the message is its only
+(:attr:`StoplineError.status`) as class attributes; the message is its first
 argument.
 
 The native engine raises :class:`EngineError` and its subclasses, defined here
@@ -114,3 +114,68 @@ class Busy(StoplineError):
 
 class ServerUnreachable(StoplineError):
     """The server could not be reached or refused the WebSocket; one line for the user."""
+
+
+# Refusing a request ------------------------------------------------------------
+
+
+class ProtocolError(StoplineError):
+    """A frame or a request refused; each subclass names the error code its answer carries.
+    ``request_id`` is the request it answers, where one is known; ``param`` is the field of
+    an OpenAI request body it is about, where there is one."""
+
+    def __init__(self, message: str, request_id: str | None = None, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+        self.param = param
+
+
+class InvalidJson(ProtocolError):
+    code = ErrorCode.INVALID_JSON
+
+
+class InvalidFrame(ProtocolError):
+    code = ErrorCode.INVALID_FRAME
+
+
+class UnknownType(ProtocolError):
+    code = ErrorCode.UNKNOWN_TYPE
+
+
+class InvalidField(ProtocolError):
+    code = ErrorCode.INVALID_FIELD
+
+
+class DuplicateId(ProtocolError):
+    code = ErrorCode.DUPLICATE_ID
+
+
+class PromptTooLong(ProtocolError):
+    code = ErrorCode.PROMPT_TOO_LONG
+
+
+class TooManyRequests(ProtocolError):
+    code = ErrorCode.TOO_MANY_REQUESTS
+
+
+class TooManyRequestsFromAddress(ProtocolError):
+    code = ErrorCode.TOO_MANY_REQUESTS_FROM_ADDRESS
+
+
+class UnsupportedParameter(ProtocolError):
+    """An OpenAI body field Stopline does not honour."""
+
+    code = ErrorCode.UNSUPPORTED_PARAMETER
+
+
+class ModelNotFound(ProtocolError):
+    """An OpenAI request names a model this server does not serve."""
+
+    code = ErrorCode.MODEL_NOT_FOUND
+
+
+class PreparationFailed(ProtocolError):
+    """The server could not prepare a request (a bug): it ends alone, with internal_error."""
+
+    code = ErrorCode.INTERNAL_ERROR

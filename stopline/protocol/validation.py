@@ -1,0 +1,250 @@
+"""The checks of a generate frame's fields: each refusal is a :class:`~stopline.protocol.errors.ProtocolError`
+that names its code, the request and what the field must be."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TypeGuard
+
+from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong
+from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
+from .requests import DEFAULT_SAMPLING, MAX_SECONDS, Limits, SamplingParams
+from .tool_calls import ToolChoice, calls_grammar, is_tool
+
+
+def parse_json_object(data: str, what: str = "frame") -> dict:
+    """``data`` as a JSON object (a frame, or an HTTP body), or the ProtocolError that refuses it."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        raise InvalidJson(f"the {what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise InvalidFrame(f"the {what} must be a JSON object")
+    return value
+
+
+def parse_frame(data: str) -> dict:
+    frame = parse_json_object(data)
+    if not isinstance(frame.get("type"), str):
+        raise InvalidFrame("the frame needs a string field 'type'", id_of(frame))
+    return frame
+
+
+def _encodable(text: str) -> bool:
+    """False for text holding a lone surrogate (a JSON escape such as \\ud800), which no UTF-8 frame can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def is_id(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 1 <= len(value) <= 128 and _encodable(value)
+
+
+def id_of(frame: dict) -> str | None:
+    """The frame's id if it can be echoed back in an error frame."""
+    value = frame.get("id")
+    return value if is_id(value) else None
+
+
+def shown(value, limit: int = 40) -> str:
+    """A short repr of a client's value for an error message."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**limit
+        else f"an integer of {len(str(abs(value)))} digits"
+    )
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def number_field(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str, low_open: bool = False):
+    value = frame.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    # bool is an int in Python, but true is not a number in JSON.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise InvalidField(f"{name} must be {kind}", request_id)
+    # Integers are compared as integers: a 400-digit one does not fit a float.
+    if (
+        (isinstance(value, float) and not math.isfinite(value))
+        or value < low
+        or value > high
+        or (low_open and value == low)
+    ):
+        bound = f"({low:g}" if low_open else f"[{low:g}"
+        raise InvalidField(f"{name} must be in {bound}, {high:g}]; got {shown(value)}", request_id)
+    return value
+
+
+def text_bytes(value: str, name: str, request_id: str) -> int:
+    """The UTF-8 size of a client's text; text that has none (a lone surrogate) is refused."""
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidField(
+            f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
+            request_id,
+        ) from None
+
+
+# What a client is told when the engine cannot constrain its output.
+GRAMMARS_NEED_LLAMA_CPP = (
+    "structured output needs the llama.cpp engine (--engine llama.cpp, the default); this server runs ctransformers"
+)
+
+
+def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
+    """The grammar that ``json_schema``, ``json_object`` or ``tools`` asks for, if any does."""
+    schema, json_object, tools = frame.get("json_schema"), frame.get("json_object"), frame.get("tools")
+    if json_object is not None and not isinstance(json_object, bool):
+        raise InvalidField("json_object must be true or false", request_id)
+    asked = [
+        name
+        for name, given in (("json_schema", schema is not None), ("json_object", json_object), ("tools", tools))
+        if given
+    ]
+    if len(asked) > 1:
+        raise InvalidField(f"give {asked[0]} or {asked[1]}, not both", request_id)
+    if not asked:
+        return None
+    if not limits.grammars:
+        raise InvalidField(f"{asked[0]}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
+    try:
+        if tools:
+            return _tools_grammar(frame, request_id)
+        if schema is None:
+            return JSON_OBJECT_GRAMMAR
+        return schema_grammar(schema)
+    except SchemaError as exc:
+        raise InvalidField(f"{asked[0]}: {exc}", request_id) from None
+
+
+def checked_tools(tools: object, request_id: str | None = None, *, param: str | None = None) -> list[dict]:
+    """``tools``, if it is a list of function tools, for a generate frame or an OpenAI body."""
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise InvalidField(
+            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+            request_id,
+            param=param,
+        )
+    return tools
+
+
+def _tools_grammar(frame: dict, request_id: str) -> str:
+    """The grammar of an answer that calls ``tools`` (docs/protocol.md#tool-calls)."""
+    tools = checked_tools(frame["tools"], request_id)
+    choice, parallel = frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
+    if choice not in tuple(ToolChoice):
+        raise InvalidField('tool_choice must be "auto" or "required"', request_id)
+    if not isinstance(parallel, bool):
+        raise InvalidField("parallel_tool_calls must be true or false", request_id)
+    return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
+
+
+def validate_generate(frame: dict, limits: Limits, request_id: str):
+    prompt, messages = frame.get("prompt"), frame.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidField("give exactly one of 'prompt' or 'messages'", request_id)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidField("prompt must be a string", request_id)
+        size = text_bytes(prompt, "prompt", request_id)
+    else:
+        if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
+            raise InvalidField(f"messages must be a list of 1 to {limits.max_messages} messages", request_id)
+        size = 0
+        for message in messages:
+            if (
+                not isinstance(message, dict)
+                or message.get("role") not in ("system", "user", "assistant")
+                or not isinstance(message.get("content"), str)
+            ):
+                raise InvalidField(
+                    'each message must be {"role": "system"|"user"|"assistant", "content": string}',
+                    request_id,
+                )
+            size += text_bytes(message["content"], "a message's content", request_id)
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if size > limits.max_prompt_bytes:
+        raise PromptTooLong(
+            f"the prompt has {size} bytes; no prompt over {limits.max_prompt_bytes} bytes fits "
+            f"the context of {limits.context_length} tokens",
+            request_id,
+        )
+
+    stop = frame.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if (
+        not isinstance(stop, list)
+        or len(stop) > limits.max_stop_sequences
+        or not all(isinstance(s, str) and 1 <= text_bytes(s, "stop", request_id) <= limits.max_stop_bytes for s in stop)
+    ):
+        raise InvalidField(
+            f"stop must be a list of at most {limits.max_stop_sequences} strings of 1 to {limits.max_stop_bytes} bytes",
+            request_id,
+        )
+
+    grammar = _grammar(frame, limits, request_id)
+    d = DEFAULT_SAMPLING
+    params = SamplingParams(
+        max_tokens=number_field(
+            frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, request_id=request_id
+        ),
+        temperature=float(
+            number_field(frame, "temperature", d.temperature, 0, 5, integer=False, request_id=request_id)
+        ),
+        top_k=number_field(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, request_id=request_id),
+        top_p=float(number_field(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
+        repetition_penalty=float(
+            number_field(
+                frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id
+            )
+        ),
+        frequency_penalty=float(
+            number_field(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
+        ),
+        presence_penalty=float(
+            number_field(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
+        ),
+        seed=number_field(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
+        stop=tuple(stop),
+        grammar=grammar,
+        logprobs=number_field(frame, "logprobs", d.logprobs, 0, 20, integer=True, request_id=request_id),
+        # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
+        timeout_s=min(
+            limits.max_timeout_s,
+            float(
+                number_field(
+                    frame,
+                    "timeout_s",
+                    limits.default_timeout_s,
+                    0,
+                    MAX_SECONDS,
+                    integer=False,
+                    low_open=True,
+                    request_id=request_id,
+                )
+            ),
+        ),
+        ttft_timeout_s=min(
+            limits.max_ttft_timeout_s,
+            float(
+                number_field(
+                    frame,
+                    "ttft_timeout_s",
+                    limits.default_ttft_timeout_s,
+                    0,
+                    MAX_SECONDS,
+                    integer=False,
+                    low_open=True,
+                    request_id=request_id,
+                )
+            ),
+        ),
+    )
+    return params, prompt, messages, size

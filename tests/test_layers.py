@@ -1,0 +1,94 @@
+"""The package's layers, read from the source: no import cycle among stopline's modules, and
+the pure layer (stopline/protocol/) imports only the standard library and itself."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "stopline"
+PURE = "stopline.protocol"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, *, at_load: bool) -> set[str]:
+    """The modules ``path`` imports: all of them, or (``at_load``) only those its loading runs, not
+    those inside functions (run on demand) or under ``if TYPE_CHECKING:``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if at_load and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return
+        if at_load and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            # `from . import model` imports a module, not a name.
+            found.update(f"{module}.{alias.name}" for alias in node.names if (module + "." + alias.name) in MODULES)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _load_graph() -> dict[str, set[str]]:
+    return {name: _imports(path, at_load=True) & MODULES.keys() for name, path in MODULES.items()}
+
+
+def test_the_walk_reads_every_layer():
+    graph = _load_graph()
+    assert {"stopline.app", "stopline.engine", "stopline.protocol.connection", "stopline.protocol.errors"} <= set(graph)
+    assert "stopline.protocol.connection" in graph["stopline.session"]
+    assert "stopline.protocol.vocabulary" in graph["stopline.protocol.connection"]
+
+
+def test_no_module_imports_itself_back():
+    graph = _load_graph()
+    done: set[str] = set()
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name) :] + [name]
+        if name in done:
+            return None
+        for imported in sorted(graph[name]):
+            found = cycle_from(imported, path + [name])
+            if found:
+                return found
+        done.add(name)
+        return None
+
+    cycles = [cycle for name in sorted(graph) if (cycle := cycle_from(name, []))]
+    assert cycles == [], " -> ".join(cycles[0])
+
+
+def test_the_pure_layer_imports_only_the_standard_library_and_itself():
+    pure = {name: path for name, path in MODULES.items() if name == PURE or name.startswith(PURE + ".")}
+    assert len(pure) >= 10
+    strangers = {
+        name: sorted(
+            module
+            for module in _imports(path, at_load=False)
+            if module.split(".")[0] not in sys.stdlib_module_names and not module.startswith(PURE)
+        )
+        for name, path in pure.items()
+    }
+    assert {name: found for name, found in strangers.items() if found} == {}
