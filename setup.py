@@ -7,7 +7,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-# The shim is compiled against llama.cpp's headers (stopline/llama_build.py); an installed
+# The shim is compiled against llama.cpp's headers (stopline/engine/llama_build.py); an installed
 # package carries its sources as stopline/_native/, for a build on the user's machine.
 LLAMA_SHIM_SOURCES = ["ext/llama_shim.c", "ext/llama_abi.h"]
 
@@ -24,7 +24,7 @@ class BuildPyWithLlama(build_py):
             self.copy_file(source, str(target / Path(source).name))
         if not getattr(self, "editable_mode", False):
             sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from stopline.llama_build import PACKAGED_LIBRARY, ensure_llama_library
+            from stopline.engine.llama_build import PACKAGED_LIBRARY, ensure_llama_library
 
             self.copy_file(str(ensure_llama_library()), str(target / PACKAGED_LIBRARY))
 

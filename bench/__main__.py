@@ -33,8 +33,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from stopline import model as embedded
-from stopline.llama_build import ensure_llama_library
+from stopline.engine import model as embedded
+from stopline.engine.llama_build import ensure_llama_library
 from stopline.protocol.vocabulary import EngineName
 from stopline.settings import DEFAULT_CONTEXT_LENGTH
 
@@ -321,7 +321,7 @@ def prompt_maker(args, rng: random.Random) -> PromptMaker:
     if args.model == "smollm2":
         return PromptMaker(embedded.embedded_tokenizer(progress=False), rng)
     from stopline import _core
-    from stopline.tokenizer import LlamaTokenizer
+    from stopline.engine.tokenizer import LlamaTokenizer
 
     _core.load_llama_library(str(ensure_llama_library(progress=False)))
     return PromptMaker(LlamaTokenizer(_core.LlamaModel(str(MODELS[args.model].gguf()))), rng)
@@ -595,7 +595,7 @@ each from one run of `python -m bench` (its command at the top of the section). 
 - **ours_llama_shared**: the same with `--batching shared`: the slots are the sequences of one
   llama.cpp context, and every step is one batch of every running generation's next tokens;
 - **ours_llama_unedited**: ours_llama on a library built from unedited llama.cpp, without
-  Stopline's edits (`stopline/llama_edits.py`): it stops between graph nodes only, so a stop
+  Stopline's edits (`stopline/engine/llama_edits.py`): it stops between graph nodes only, so a stop
   waits for the node under way; the measure of what the edits cost and buy;
 - **ours_between_steps**: the same loop and server with the in-step abort switched off
   (`--abort-mode between_steps`): it stops only between evaluations, so it evaluates prompts one

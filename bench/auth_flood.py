@@ -29,7 +29,7 @@ import aiohttp
 from websockets.asyncio.client import connect
 
 from stopline.auth import Quota, add_key
-from stopline.model import EMBEDDED_MODEL_NAME
+from stopline.engine.model import EMBEDDED_MODEL_NAME
 
 from .servers import CpuMeter, start_stopline
 

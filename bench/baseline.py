@@ -10,7 +10,7 @@ articles describe::
         queue.put(token)
 
 :class:`BaselineEngine` duck-types what :class:`stopline.scheduler.Scheduler` and
-:class:`stopline.app.StoplineServer` use from :class:`stopline.engine.Engine`, so
+:class:`stopline.app.StoplineServer` use from :class:`stopline.engine.loop.Engine`, so
 the baseline is served by the very same WebSocket protocol, scheduler and
 metrics code; only the token loop differs. The loop here has two blind spots
 that the native loop does not:
@@ -39,10 +39,10 @@ from types import SimpleNamespace
 from ctransformers import AutoModelForCausalLM
 
 from stopline._core import ExitKind
-from stopline.engine import Engine, Stream
+from stopline.engine.loop import Engine, Stream
+from stopline.engine.tokenizer import TextStream
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import AbortMode
-from stopline.tokenizer import TextStream
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8

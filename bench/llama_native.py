@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from stopline._core import Generation
-from stopline.engine import Engine, sampling_args
+from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import Batching, EngineName
 

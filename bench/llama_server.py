@@ -1,7 +1,7 @@
 """llama.cpp's llama-server as a peer engine ("llama-server") in the benchmark.
 
 The benchmark starts the binary (``--llama-server PATH``, or one built by
-``--build-llama-server``, see ``stopline/llama_build.py``) on the same GGUF file
+``--build-llama-server``, see ``stopline/engine/llama_build.py``) on the same GGUF file
 the other engines load, with the same context per slot, slots and sampling, as
 many compute threads in all as ours has (slots × threads per slot), on the same
 cores, and maps the scenarios onto its HTTP API (``POST /completion`` with
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stopline.llama_build import SOURCE_LABEL, cached_binary, ensure_llama_server
+from stopline.engine.llama_build import SOURCE_LABEL, cached_binary, ensure_llama_server
 from stopline.protocol.requests import DEFAULT_SAMPLING
 from stopline.protocol.vocabulary import Outcome, Reason
 

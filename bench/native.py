@@ -14,7 +14,7 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine import Engine, SamplingArgs, sampling_args
+from stopline.engine.loop import Engine, SamplingArgs, sampling_args
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import Outcome
 

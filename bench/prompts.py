@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from stopline.tokenizer import ChatTokenizer, LlamaTokenizer
+from stopline.engine.tokenizer import ChatTokenizer, LlamaTokenizer
 
 _WORDS = """time year people way day man thing woman life child world school state family student
 group country problem hand part place case week company system program question work government

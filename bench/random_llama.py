@@ -32,8 +32,8 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from stopline.llama_build import llama_source_dir
-from stopline.model_check import read_gguf_metadata
+from stopline.engine.llama_build import llama_source_dir
+from stopline.engine.model_check import read_gguf_metadata
 from stopline.settings import cache_dir
 
 # Bump when what is written changes (a shape, the weights, the metadata), so that a new file is written.

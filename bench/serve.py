@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 
 from stopline.app import StoplineServer
-from stopline.engine import Engine
-from stopline.llama_build import ensure_llama_library
+from stopline.engine.llama_build import ensure_llama_library
+from stopline.engine.loop import Engine
 from stopline.observability import configure_logging
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 from stopline.settings import Settings

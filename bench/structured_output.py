@@ -20,7 +20,7 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine import Engine, sampling_args
+from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.tool_calls import ToolChoice, calls_grammar

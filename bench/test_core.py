@@ -22,7 +22,7 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation
-from stopline.engine import Engine, sampling_args
+from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.requests import SamplingParams
 
 DECODE_TOKENS = 64

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from stopline.engine import Engine
+from stopline.engine.loop import Engine
+from stopline.engine.tokenizer import TextStream
 from stopline.protocol.frames import Token, encode_frame
 from stopline.protocol.requests import SamplingParams
-from stopline.tokenizer import TextStream
 
 TOKENS_PER_ROUND = 32
 

@@ -5,7 +5,7 @@
  * (2026-10-01), as vendored by the llama-cpp-python 0.3.36 source
  * distribution, and linked with that llama.cpp's static libraries into one
  * shared object whose only exported symbols are the sll_* functions below
- * (stopline/llama_build.py builds it). The loop loads it RTLD_LOCAL, so its
+ * (stopline/engine/llama_build.py builds it). The loop loads it RTLD_LOCAL, so its
  * ggml can never bind the ggml symbols of libctransformers.so, or the other
  * way round. No other file of the project declares a llama.cpp type: the shim
  * passes scalars and opaque handles only, and it includes this header, so
@@ -70,7 +70,7 @@ typedef struct {
 typedef struct {
     void *handle;
     int (*abi_version)(void);
-    /* Whether llama.cpp was built with Stopline's edits (stopline/llama_edits.py),
+    /* Whether llama.cpp was built with Stopline's edits (stopline/engine/llama_edits.py),
      * which call the abort callback between the pieces of a graph node too. */
     int (*checks_inside_nodes)(void);
     /* Models. Failures return NULL with llama.cpp's own explanation in err. */

@@ -132,7 +132,7 @@ static inline void sl_store_max(int64_t *p, int64_t value) {
 /* llama.cpp's abort callback, polling every member of the group passed as its
  * data. The CPU backend calls it after every graph node on the thread that
  * called llama_decode(), and llama.cpp built with Stopline's edits
- * (stopline/llama_edits.py) calls it from every compute thread between the
+ * (stopline/engine/llama_edits.py) calls it from every compute thread between the
  * pieces of a node too: it writes only its thread's own state, and atomically
  * the longest gap and `aborted`. Once any thread has seen a stop, the outputs
  * of the evaluation are garbage even if llama_decode() completes (the stop came

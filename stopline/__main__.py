@@ -17,17 +17,17 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__
-from . import model as embedded
 from .auth import KeyFileError, Keyring
-from .hub import HubError, HubModelName, is_hub_model, models_command
-from .hub import resolve as resolve_hub_model
-from .model import EMBEDDED_CONTEXT_LIMIT
-from .model_check import WHAT_WORKS, ModelFileError
+from .engine import model as embedded
+from .engine.hub import HubError, HubModelName, is_hub_model, models_command
+from .engine.hub import resolve as resolve_hub_model
+from .engine.model import EMBEDDED_CONTEXT_LIMIT
+from .engine.model_check import WHAT_WORKS, ModelFileError
+from .engine.tokenizer import load_chat_template
 from .observability import configure_logging, log
 from .protocol.errors import StoplineError, UsageError
 from .protocol.origin import WILDCARD_HOSTS
 from .settings import FLAGS, Settings, add_flags, converted_keep, integer
-from .tokenizer import load_chat_template
 
 if TYPE_CHECKING:
     from .app import StoplineServer
@@ -165,7 +165,7 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
     # once the signal handlers are in: a Ctrl-C during the import ends the start as one would
     # during the load.
     from .app import StoplineServer
-    from .engine import Engine
+    from .engine.loop import Engine
 
     # Without --threads, each generation takes the cores the others leave (Scheduler).
     loaded = _in_daemon_thread(

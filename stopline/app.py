@@ -47,7 +47,7 @@ from .auth import (
     same_secret,
     subprotocol_key,
 )
-from .engine import Engine
+from .engine.loop import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .protocol.connection import AddressQuota

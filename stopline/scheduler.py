@@ -27,7 +27,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from .engine import Engine, Stream
+from .engine.loop import Engine, Stream
 from .observability import log
 from .protocol.errors import Busy
 from .protocol.requests import GenerationResult, Request

@@ -257,7 +257,7 @@ def redis_url(text: str) -> str:
 
 def chat_template(text: str) -> str:
     # Compiling a template needs Jinja; the rest of the settings need nothing beyond the standard library.
-    from .tokenizer import TokenizerError, load_chat_template
+    from .engine.tokenizer import TokenizerError, load_chat_template
 
     try:
         load_chat_template(text)
@@ -379,7 +379,7 @@ FLAGS = [
         "engine",
         one_of(EngineName),
         "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
-        "for any GGUF it knows (built once on first use; python -m stopline.llama_build builds it ahead)",
+        "for any GGUF it knows (built once on first use; python -m stopline.engine.llama_build builds it ahead)",
     ),
     Flag("--workers", "workers", POSITIVE, "generation slots: users served at once"),
     Flag(

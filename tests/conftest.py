@@ -22,8 +22,8 @@ from websockets.asyncio.client import connect
 
 from stopline._core import Generation, GenerationState
 from stopline.app import StoplineServer
-from stopline.engine import Engine, sampling_args
-from stopline.model import original_gguf_path
+from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.model import original_gguf_path
 from stopline.observability import configure_logging
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import TERMINAL_TYPES, EngineName

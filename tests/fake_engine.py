@@ -1,7 +1,7 @@
 """A small in-process stand-in for the engine interface, for the model-free tier.
 
-It speaks the scheduler's side of :class:`stopline.engine.Engine` (open a slot,
-start a stream on it) and the :class:`stopline.engine.Stream` the scheduler
+It speaks the scheduler's side of :class:`stopline.engine.loop.Engine` (open a slot,
+start a stream on it) and the :class:`stopline.engine.loop.Stream` the scheduler
 reads (batches of text, a cancel, a result), with no model, no native loop and
 no threads: a generation publishes one word per event-loop turn, so a test
 drives it in milliseconds. Integration tests keep the real engine.

@@ -6,7 +6,7 @@ import http.server
 import json
 import threading
 
-from stopline import model
+from stopline.engine import model
 
 
 class PackageIndex:

@@ -29,7 +29,7 @@ from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_
 from stopline.app import StoplineServer
 from stopline.auth import Quota, add_key, revoke_key
 from stopline.cluster import CANCELLATIONS, generation_key
-from stopline.model import EMBEDDED_MODEL_NAME
+from stopline.engine.model import EMBEDDED_MODEL_NAME
 from stopline.protocol.vocabulary import (
     ErrorCode,
     KeyEvent,

@@ -16,7 +16,7 @@ from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, Llam
 from bench.prompts import PromptMaker
 from bench.report import LLAMA, OURS, Report
 from bench.scenarios import CONCURRENT_STREAMS, DECODE_CONCURRENT, TURNS, Plan, share, share_range
-from stopline import model as embedded
+from stopline.engine import model as embedded
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 SLOTS = 2

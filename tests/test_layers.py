@@ -1,5 +1,6 @@
-"""The package's layers, read from the source: no import cycle among stopline's modules, and
-the pure layer (stopline/protocol/) imports only the standard library and itself."""
+"""The package's layers, read from the source: no import cycle among stopline's modules, the
+pure layer (stopline/protocol/) imports only the standard library and itself, and the engine
+layer (stopline/engine/) imports nothing of the servers above it."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def _load_graph() -> dict[str, set[str]]:
 
 def test_the_walk_reads_every_layer():
     graph = _load_graph()
-    assert {"stopline.app", "stopline.engine", "stopline.protocol.connection", "stopline.protocol.errors"} <= set(graph)
+    assert {"stopline.app", "stopline.engine.loop", "stopline.protocol.connection", "stopline.protocol.errors"} <= set(
+        graph
+    )
     assert "stopline.protocol.connection" in graph["stopline.session"]
     assert "stopline.protocol.vocabulary" in graph["stopline.protocol.connection"]
 
@@ -92,3 +95,19 @@ def test_the_pure_layer_imports_only_the_standard_library_and_itself():
         for name, path in pure.items()
     }
     assert {name: found for name, found in strangers.items() if found} == {}
+
+
+def test_the_engine_layer_imports_no_serving_module():
+    # Below the servers: the pure layer, the settings (the config every layer reads) and the native loop.
+    allowed = (PURE, "stopline.engine", "stopline.settings", "stopline._core")
+    engine = {name: path for name, path in MODULES.items() if name.startswith("stopline.engine")}
+    assert len(engine) >= 7
+    upward = {
+        name: sorted(
+            module
+            for module in _imports(path, at_load=False)
+            if module.startswith("stopline.") and not module.startswith(allowed)
+        )
+        for name, path in engine.items()
+    }
+    assert {name: found for name, found in upward.items() if found} == {}

@@ -1,4 +1,4 @@
-"""Stopline's edits to llama.cpp's CPU backend (stopline/llama_edits.py): every anchor is
+"""Stopline's edits to llama.cpp's CPU backend (stopline/engine/llama_edits.py): every anchor is
 where the edits expect it in the pinned source, a moved one fails the build in one line
 and leaves the tree as it was, and the engine's library stops an evaluation inside a
 graph node: on the 2-layer Llama-3.2-1B-shaped model, whose output projection is most
@@ -19,9 +19,9 @@ import pytest
 from bench.random_llama import random_llama_path
 from conftest import make_generation, started_running
 from stopline import _core
-from stopline.engine import Engine
-from stopline.llama_build import SDIST_VERSION, llama_source_dir
-from stopline.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
+from stopline.engine.llama_build import SDIST_VERSION, llama_source_dir
+from stopline.engine.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
+from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import Batching, EngineName
 
 STOPS = 30

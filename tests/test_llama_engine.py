@@ -25,9 +25,9 @@ import pytest
 
 from conftest import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 from stopline import _core
-from stopline.engine import Engine
-from stopline.llama_build import cached_library
-from stopline.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.engine.llama_build import cached_library
+from stopline.engine.loop import Engine
+from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName

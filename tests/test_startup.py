@@ -24,10 +24,11 @@ import pexpect
 import pytest
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server, spawn_stopline
-from stopline import model, scheduler, settings
+from stopline import scheduler, settings
 from stopline.__main__ import _in_daemon_thread
+from stopline.engine import model
+from stopline.engine.tokenizer import load_chat_template
 from stopline.protocol.origin import WILDCARD_HOSTS
-from stopline.tokenizer import load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,7 +26,7 @@ from conftest import (
 )
 from stopline import _core
 from stopline._core import ExitKind, Generation
-from stopline.engine import Engine
+from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).

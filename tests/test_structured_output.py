@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from conftest import UNIT, make_generation
-from stopline.engine import Engine
+from stopline.engine.loop import Engine
 from stopline.protocol.connection import Connection, Tokenize
 from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from stopline.protocol.requests import Limits

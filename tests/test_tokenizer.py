@@ -1,6 +1,6 @@
 """Tokenization must be exactly the model's own, and streamed text must be exact.
 
-Prompt ids come from ``stopline/tokenizer.py`` (the ``tokenizers`` library rebuilt
+Prompt ids come from ``stopline/engine/tokenizer.py`` (the ``tokenizers`` library rebuilt
 from the GGUF). They are checked here against an independent, deliberately
 plain Python implementation of byte-level BPE (the GPT-2 algorithm) that reads
 the same vocab and merges from the original GGUF. Generated text comes from
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
 from stopline import _core
-from stopline.tokenizer import ChatTokenizer, TextStream, load_chat_template
+from stopline.engine.tokenizer import ChatTokenizer, TextStream, load_chat_template
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 

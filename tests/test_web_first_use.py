@@ -15,7 +15,7 @@ from test_web_chat import generates, record_frames
 
 import test_web
 from conftest import running_server
-from stopline.engine import Engine
+from stopline.engine.loop import Engine
 from stopline.protocol.requests import DEFAULT_SAMPLING
 from test_web import close_page, expect_connected, expect_state, meta, new_page, open_app, screenshot, send, settings
 

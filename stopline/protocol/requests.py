@@ -237,7 +237,7 @@ class GenerationResult:
     """What the engine reports once a generation's native loop has exited: which way
     out it took (``exit``, a ``_core.ExitKind``), its counts, and its CLOCK_MONOTONIC
     timestamps in ns (0: never). The fields are the native ``LoopResult``'s, one for one
-    (``stopline.engine`` copies them over); what they mean to a client is decided here."""
+    (``stopline.engine.loop`` copies them over); what they mean to a client is decided here."""
 
     exit: Enum
     prompt_tokens: int

@@ -75,7 +75,7 @@ class EngineName(StrEnum):
 
 
 class BuiltinTemplate(StrEnum):
-    """The chat templates ``--chat-template`` names without a file (stopline/tokenizer.py holds them)."""
+    """The chat templates ``--chat-template`` names without a file (stopline/engine/tokenizer.py holds them)."""
 
     CHATML = "chatml"
     LLAMA2 = "llama2"

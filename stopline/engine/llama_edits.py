@@ -25,7 +25,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol.errors import StoplineError
+from ..protocol.errors import StoplineError
 
 # The function the edited kernels call between pieces; the shim checks for it to
 # report whether a library was built with the edits.

@@ -14,7 +14,7 @@ as it is, so :func:`convert_for_ctransformers` rewrites it once:
    Detokenizing then yields raw bytes, which is what the token loop wants.
 
 Prompts are never tokenized by ctransformers (its tokenizer is wrong for this
-vocab); see ``stopline/tokenizer.py``.
+vocab); see ``stopline/engine/tokenizer.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 import structlog
 
-from .protocol.errors import StoplineError
-from .settings import cache_dir, converted_keep, index_url
+from ..protocol.errors import StoplineError
+from ..settings import cache_dir, converted_keep, index_url
 
 if TYPE_CHECKING:
     from .tokenizer import ChatTokenizer

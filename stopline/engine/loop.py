@@ -1,7 +1,8 @@
 """The Python face of the native loop: load a model, open slots, stream generations.
 
-    engine = Engine.load()                      # the embedded model, on ctransformers
-    engine = Engine.load(path, engine="llama.cpp")  # any GGUF llama.cpp runs
+    engine = Engine.load()                      # the embedded model, on llama.cpp
+    engine = Engine.load(path)                  # any GGUF llama.cpp runs
+    engine = Engine.load(engine="ctransformers")  # the 2023 engine
     slot = engine.open_slot()                   # one native context
     stream = engine.start(slot, engine.encode(messages=[...]), SamplingParams(max_tokens=64))
     async for text in stream:                   # or: for text in stream
@@ -35,12 +36,12 @@ import structlog
 
 from stopline import _core
 
-from . import model as embedded
+from ..engine import model as embedded
+from ..protocol.errors import EngineError, ModelLoadError, SettingError
+from ..protocol.requests import GenerationResult, SamplingParams
+from ..protocol.vocabulary import AbortMode, Batching, EngineName
+from ..settings import DEFAULT_CONTEXT_LENGTH
 from .model_check import ModelFileError, check_model_file
-from .protocol.errors import EngineError, ModelLoadError, SettingError
-from .protocol.requests import GenerationResult, SamplingParams
-from .protocol.vocabulary import AbortMode, Batching, EngineName
-from .settings import DEFAULT_CONTEXT_LENGTH
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 
 log = structlog.get_logger("stopline")
@@ -445,7 +446,7 @@ class LlamaEngine(Engine):
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
         library is ``library``, else the one an installed wheel carries, else the one built on
-        first use (``python -m stopline.llama_build``)."""
+        first use (``python -m stopline.engine.llama_build``)."""
         from .llama_build import LlamaBuildError, NoCompiler, engine_library
 
         if model_path is None:

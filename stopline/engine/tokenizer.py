@@ -24,8 +24,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .protocol.errors import StoplineError
-from .protocol.vocabulary import BuiltinTemplate
+from ..protocol.errors import StoplineError
+from ..protocol.vocabulary import BuiltinTemplate
 
 # The format of a saved tokenizer (ChatTokenizer.dumps). Bump it whenever that
 # format or the way from_fields builds a tokenizer changes, so saved ones are rebuilt.

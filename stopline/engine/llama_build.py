@@ -1,14 +1,14 @@
 """Build llama.cpp once, into the user cache: the llama.cpp engine's shim library, and
 ``llama-server`` for the benchmark.
 
-    python -m stopline.llama_build            # the engine's library (what --engine llama.cpp needs)
-    python -m stopline.llama_build --server   # and, unedited, llama-server and the library, for python -m bench
+    python -m stopline.engine.llama_build            # the engine's library (what --engine llama.cpp needs)
+    python -m stopline.engine.llama_build --server   # and, unedited, llama-server and the library, for python -m bench
 
 llama.cpp's source is taken from the ``llama-cpp-python`` source distribution on
 PyPI, which vendors llama.cpp (``vendor/llama.cpp``) at the commit pinned by that
 release; the archive is verified against a pinned sha256. It is built twice, for
 the CPU, with every optional network feature off and the same options: once with
-Stopline's edits (``stopline/llama_edits.py``: a stop inside a graph node), whose
+Stopline's edits (``stopline/engine/llama_edits.py``: a stop inside a graph node), whose
 static libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
 ``libstopline-llama.so``, exporting nothing but the shim's functions; and, for
 the benchmark only, unedited, for its ``llama-server`` (the peer as its users run
@@ -36,10 +36,10 @@ import cmake as cmake_module
 import ninja
 from tqdm import tqdm
 
+from ..protocol.errors import StoplineError, UsageError
+from ..settings import cache_dir
 from .llama_edits import LlamaEditError, apply_edits, edits_key
 from .model import ModelFetchError, PinnedFile, download_pinned
-from .protocol.errors import StoplineError, UsageError
-from .settings import cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_FILENAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
@@ -109,7 +109,7 @@ def build_root() -> Path:
 def shim_source_dir() -> Path:
     """Where ext/llama_shim.c and ext/llama_abi.h are: the checkout's ext/, or the
     copy an installed package carries as ``stopline/_native``."""
-    checkout = Path(__file__).resolve().parent.parent / "ext"
+    checkout = Path(__file__).resolve().parents[2] / "ext"
     if (checkout / SHIM_SOURCES[0]).is_file():
         return checkout
     return Path(str(resources.files("stopline") / "_native"))
@@ -358,7 +358,7 @@ def _link_shim(source: Path, build: Path, output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stopline.llama_build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m stopline.engine.llama_build", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--server",
         action="store_true",

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..protocol.errors import UsageError
 from .model_check import SPLIT_PART
-from .protocol.errors import UsageError
 
 if TYPE_CHECKING:
     from huggingface_hub import HFCacheInfo
