@@ -44,6 +44,7 @@ setup(
                     "ext/llama_abi.h",
                     "ext/step_abort.h",
                     "ext/loop_support.h",
+                    "ext/stopline/_batcher.pxi",
                     "ext/stopline/_core.pxd",
                     "ext/stopline/_ctransformers.pxd",
                     "ext/stopline/_llama.pxd",

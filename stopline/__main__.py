@@ -23,7 +23,7 @@ from .engine.hub import HubError, HubModelName, is_hub_model, models_command
 from .engine.hub import resolve as resolve_hub_model
 from .engine.model import EMBEDDED_CONTEXT_LIMIT
 from .engine.model_check import WHAT_WORKS, ModelFileError
-from .engine.tokenizer import load_chat_template
+from .engine.tokenizer import TokenizerError, load_chat_template
 from .observability import configure_logging, log
 from .protocol.errors import StoplineError, UsageError
 from .protocol.origin import WILDCARD_HOSTS
@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for setting, default in repeated_defaults.items():
         given = getattr(args, setting)
         setattr(args, setting, tuple(given) if given is not None else default)
+    if args.chat_template is not None:
+        try:
+            load_chat_template(args.chat_template)  # compiled now, before the model loads
+        except (OSError, TokenizerError) as exc:
+            p.error(f"argument --chat-template: {exc}")
     try:
         Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
     except KeyFileError as exc:

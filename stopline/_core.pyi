@@ -31,7 +31,7 @@ class ExitKind(IntEnum):
     FIRST_TOKEN_DEADLINE = 7
     EVAL_FAILED = 8
 
-def load_library(path: str) -> None: ...
+def load_ctransformers_library(path: str) -> None: ...
 def load_llama_library(path: str) -> None: ...
 def step_abort_installed() -> bool: ...
 def step_abort_failure() -> EngineError | None: ...
@@ -59,7 +59,7 @@ class Slot:
     def tokenize(self, text: str) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
 
-class Context(Slot):
+class CtransformersSlot(Slot):
     def __new__(cls, model_path: str, model_type: str = "llama", context_length: int = 2048) -> Self: ...
 
 @disjoint_base
@@ -161,7 +161,7 @@ class Generation:
         stop: Iterable[bytes] = (),
         prefill_chunk: int = 1,
         threads: int = 1,
-        window: int = 64,
+        window: int = ...,
         deadline_ns: int = 0,
         first_token_deadline_ns: int = 0,
         step_abort: bool = True,

@@ -3,7 +3,8 @@ The HTTP API (/v1) is served from the same event loop by :mod:`stopline.http_api
 
 This module owns the listening sockets, the slots and the shared state
 (scheduler, registry, metrics, the optional Redis store) and the HTTP side of
-the WebSocket port (the page, /healthz, /metrics, Host and Origin checks).
+the WebSocket port (the page, /healthz, /metrics), whose checks at the door
+are :mod:`stopline.edge`'s, as the HTTP API's are.
 Each WebSocket connection is a :class:`session.ClientSession` over a
 :class:`session.WebSocketTransport`; the session hands its frames to
 :class:`protocol.Connection` and carries out the actions returned, and sees
@@ -36,7 +37,6 @@ from websockets.http11 import Response
 from websockets.typing import Subprotocol
 
 from .auth import (
-    FAILURE_DELAY_S,
     SUBPROTOCOL,
     WWW_AUTHENTICATE,
     ApiKey,
@@ -47,19 +47,19 @@ from .auth import (
     same_secret,
     subprotocol_key,
 )
+from .edge import Edge, host_rules, peer_name
 from .engine.loop import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .protocol.connection import AddressQuota
 from .protocol.frames import ErrorFrame, encode_frame
 from .protocol.openai_fields import ServedModels
-from .protocol.origin import LOOPBACK_NAMES, WILDCARD_HOSTS, OriginPolicy, advertised_host, check_request
-from .protocol.throttle import Throttle
+from .protocol.origin import LOOPBACK_NAMES
 from .protocol.vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
-from .session import ClientSession, Services, WebSocketTransport, peer_name
+from .session import ClientSession, Services, WebSocketTransport
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -88,12 +88,8 @@ class StoplineServer:
         )
         self.metrics.slots.set(settings.workers)
         self.metrics.set_abort_mode(engine.abort_mode)
-        own_names = _own_names() if settings.host in WILDCARD_HOSTS else ()
-        self.origin_policy = OriginPolicy.build(
-            settings.host, settings.allowed_origins, settings.allowed_hosts, own_names
-        )
-        # What clients are told to connect to (a wildcard address is not one).
-        self.public_host = advertised_host(settings.host, _reachable_own_name)
+        # The Host and Origin rules, and what clients are told to connect to (a wildcard address is not one).
+        origin_policy, self.public_host = host_rules(settings.host, settings.allowed_origins, settings.allowed_hosts)
         self.limits = settings.limits_for(engine)
         self._server: Server  # set by start()
         self.address_quota = AddressQuota(settings.limits.requests_per_address)
@@ -124,8 +120,7 @@ class StoplineServer:
         )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
-        self._unauthorized = 0
-        self._unauthorized_log = Throttle()
+        self.edge = Edge(origin_policy, self.metrics, socket_send_buffer=settings.socket_send_buffer)
         # What each client's session may use of this server.
         self.services = Services(
             model=self.models.primary,
@@ -140,9 +135,7 @@ class StoplineServer:
             tokenizer_lanes=self.tokenizer_lanes,
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
-        self.http = HttpApi(
-            self.services, settings, self.origin_policy, self.cluster, self.models, unauthorized=self.unauthorized
-        )
+        self.http = HttpApi(self.services, settings, self.edge, self.cluster, self.models)
 
     @property
     def sessions(self) -> set[ClientSession]:
@@ -245,42 +238,22 @@ class StoplineServer:
             return
         log.info(KeyEvent.LOADED, keys=count, file=self.settings.api_keys_file)
 
-    def unauthorized(self, peer: str, where: str) -> None:
-        """Count a request or connection refused for its key, and log it at most once a second."""
-        self.metrics.refused.labels(str(Refusal.UNAUTHORIZED)).inc()
-        self._unauthorized += 1
-        if self._unauthorized_log.due(time.monotonic()):
-            log.warning(KeyEvent.REFUSED, peer=peer, where=where, refused_total=self._unauthorized)
-
     # HTTP ----------------------------------------------------------------------
 
     def _create_connection(self, *args, **kwargs) -> GuardedConnection:
         return GuardedConnection(self, *args, **kwargs)
 
-    def refuse(self, connection: ServerConnection, code: Refusal, **details) -> None:
-        """Count and log a connection refused before it became a WebSocket."""
-        self.metrics.refused.labels(str(code)).inc()
-        log.warning("connection_refused", code=str(code), peer=peer_name(connection), **details)
-
     def _process_request(self, connection: ServerConnection, request: HTTPRequest) -> Response | None:
         path = urlsplit(request.path).path
-        refused = check_request(
-            request.headers.get_all("Host"),
-            request.headers.get_all("Origin") if path == "/ws" else None,
-            self.origin_policy,
+        peer = peer_name(connection.remote_address)
+        refused = self.edge.check(
+            request.headers.get_all("Host"), request.headers.get_all("Origin") if path == "/ws" else None, peer
         )
         if refused is not None:
-            # Header values are the client's; log them shortened.
-            self.refuse(
-                connection,
-                refused.code,
-                host=request.headers.get_all("Host")[:2],
-                origin=request.headers.get_all("Origin")[:2] if path == "/ws" else None,
-            )
             return _response(refused.status, f"{refused.code}: {refused.message}\n".encode(), "text/plain")
         if path == "/ws":
             if self.websocket_connections >= self.settings.max_connections:
-                self.refuse(connection, Refusal.TOO_MANY_CONNECTIONS)
+                self.edge.refused(Refusal.TOO_MANY_CONNECTIONS, peer)
                 return _response(
                     HTTPStatus.SERVICE_UNAVAILABLE,
                     f"{Refusal.TOO_MANY_CONNECTIONS}: the server has its maximum of "
@@ -323,7 +296,7 @@ class StoplineServer:
         if path == "/metrics":
             key = self.settings.metrics_key
             if key is not None and not same_secret(bearer(request.headers.get("Authorization")), key):
-                self.unauthorized(peer_name(connection), path)
+                self.edge.unauthorized(peer, path)
                 return _response(
                     HTTPStatus.UNAUTHORIZED,
                     f"{Refusal.UNAUTHORIZED}: /metrics needs its key as 'Authorization: Bearer <key>'\n".encode(),
@@ -336,13 +309,10 @@ class StoplineServer:
     # WebSocket -------------------------------------------------------------------
 
     async def _handle(self, websocket: ServerConnection) -> None:
-        sock = websocket.transport.get_extra_info("socket")
-        if sock is not None and self.settings.socket_send_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.socket_send_buffer)
+        self.edge.accepted(websocket.transport.get_extra_info("socket"))
         assert isinstance(websocket, GuardedConnection)
         if websocket.unauthorized:
-            self.unauthorized(peer_name(websocket), "/ws")
-            await asyncio.sleep(FAILURE_DELAY_S)
+            await self.edge.refuse_key(peer_name(websocket.remote_address), "/ws")
             with contextlib.suppress(ConnectionClosed):
                 await websocket.send(encode_frame(ErrorFrame(ErrorCode.UNAUTHORIZED, websocket.unauthorized)))
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
@@ -418,7 +388,7 @@ class GuardedConnection(ServerConnection):
             )
 
     def _refuse(self, status: HTTPStatus, code: Refusal, message: str) -> None:
-        self.stopline.refuse(self, code)
+        self.stopline.edge.refused(code, peer_name(self.remote_address))
         body = f"{code}: {message}\n".encode()
         self._refused = True
         self.transport.write(
@@ -464,49 +434,6 @@ PAGE_SECURITY_POLICY = (
     "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
-
-
-def _own_names() -> list[str]:
-    """The machine's host names: its short name and its fully qualified one."""
-    name = socket.gethostname()
-    return [name, name.split(".")[0], socket.getfqdn()]
-
-
-# Documentation addresses (RFC 5737, RFC 3849): routed like any other address, never reached.
-_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
-
-
-def _reachable_own_name(wildcard: str) -> str:
-    """How clients can reach a server listening on ``wildcard`` (0.0.0.0 or ::): the
-    machine's host name if every address it resolves to is this machine's, else the
-    address of the interface its outbound route leaves by, else loopback. A name that
-    does not resolve, or resolves elsewhere, would advertise a URL nobody can open."""
-    family = socket.AF_INET6 if ":" in wildcard else socket.AF_INET
-    name = socket.gethostname()
-    if _resolves_here(name, family):
-        return name
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            # Connecting a UDP socket picks the route and its source address; it sends nothing.
-            probe.connect((_ROUTE_PROBES[family], 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "::1" if family == socket.AF_INET6 else "127.0.0.1"
-
-
-def _resolves_here(name: str, family: socket.AddressFamily) -> bool:
-    """Whether ``name`` resolves, and only to addresses of this machine (the ones a socket can bind)."""
-    try:
-        addresses = {info[4] for info in socket.getaddrinfo(name, 0, family, socket.SOCK_DGRAM)}
-    except (OSError, UnicodeError):  # socket.gaierror is an OSError
-        return False
-    for address in addresses:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.bind(address)
-            except OSError:
-                return False
-    return bool(addresses)
 
 
 def _static(path: str) -> Response:

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import time
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .auth import FAILURE_DELAY_S, WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
-from .observability import log
+from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
+from .edge import Edge, peer_name
 from .protocol.errors import InvalidCancelToken, ProtocolError, RequestLookupError, StoreUnavailable, UnknownRequest
 from .protocol.frames import (
     Accepted,
     ErrorFrame,
     Frame,
+    GenerateFrame,
     Terminal,
     Token,
     as_error,
@@ -39,10 +38,9 @@ from .protocol.frames import (
     ends_request,
 )
 from .protocol.openai_fields import ServedModels, openai_request
-from .protocol.origin import OriginPolicy, check_request
 from .protocol.requests import Request
 from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
-from .protocol.validation import parse_json_object
+from .protocol.validation import generate_frame, parse_json_object
 from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
@@ -359,24 +357,15 @@ class OpenAIReply(HttpReply):
 
 class HttpApi:
     def __init__(
-        self,
-        services: Services,
-        settings: Settings,
-        origin_policy: OriginPolicy,
-        cluster: Cluster | None,
-        models: ServedModels,
-        *,
-        unauthorized: Callable[[str, str], None],
+        self, services: Services, settings: Settings, edge: Edge, cluster: Cluster | None, models: ServedModels
     ):
         self.services = services
         self.models = models
         # When the models were first served: /v1/models' "created".
         self.created = int(time.time())
         self.settings = settings
-        self.origin_policy = origin_policy
+        self.edge = edge
         self.cluster = cluster
-        # Counts and logs a request refused for its key.
-        self.unauthorized = unauthorized
         self.app = web.Application(middlewares=[self._guard], client_max_size=settings.max_frame_bytes)
         self.app.add_routes(
             [
@@ -424,12 +413,10 @@ class HttpApi:
         origin = request.headers.get("Origin")
         # The same rules as /ws: the Host must be one this server answers to (no
         # DNS rebinding), and a browser page from elsewhere may not drive the model.
-        refused = check_request(
-            request.headers.getall("Host", None), request.headers.getall("Origin", None), self.origin_policy
+        refused = self.edge.check(
+            request.headers.getall("Host", None), request.headers.getall("Origin", None), _peer(request)
         )
         if refused is not None:
-            log.warning("request_refused", code=str(refused.code), origin=origin, peer=_peer(request))
-            self.services.metrics.refused.labels(str(refused.code)).inc()
             return error_response(refused.code, refused.message, openai=True, status=refused.status)
         if request.method == "OPTIONS" and origin is not None:
             return web.Response(
@@ -447,8 +434,7 @@ class HttpApi:
             authorization = request.headers.get("Authorization")
             key = keyring.lookup(bearer(authorization))
             if key is None:
-                self.unauthorized(_peer(request), request.path)
-                await asyncio.sleep(FAILURE_DELAY_S)
+                await self.edge.refuse_key(_peer(request), request.path)
                 message = refusal_message(authorization, bearer(authorization), "send 'Authorization: Bearer <key>'")
                 return error_response(ErrorCode.UNAUTHORIZED, message, openai=True)
             request[API_KEY] = key
@@ -482,9 +468,9 @@ class HttpApi:
 
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
         try:
-            frame = {**parse_json_object(await request.text(), "body"), "type": "generate"}
+            frame = generate_frame(parse_json_object(await request.text(), "body"), self.services.limits)
         except ProtocolError as exc:
-            return error_response(exc.code, exc.message, openai=False)
+            return error_response(exc.code, exc.message, openai=False, frame=ErrorFrame.refusing(exc))
         return await self._generate(request, frame, SseReply(request))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -496,7 +482,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = openai_request(body, chat=chat, models=self.models, grammars=self.services.limits.grammars)
+            asked = openai_request(body, chat=chat, models=self.models, limits=self.services.limits)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
@@ -512,15 +498,13 @@ class HttpApi:
         )
         return await self._generate(request, asked.frame, reply)
 
-    async def _generate(self, request: web.Request, frame: dict, reply: HttpReply) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, frame: GenerateFrame, reply: HttpReply) -> web.StreamResponse:
         """Run one generation for this HTTP request; a lost connection cancels it."""
-        sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None and self.settings.socket_send_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.socket_send_buffer)
+        self.edge.accepted(request.transport.get_extra_info("socket") if request.transport else None)
         session = ClientSession(self.services, reply, request.remote or "unknown", request.get(API_KEY))
         self.services.sessions.add(session)
         try:
-            await session.receive_text(encode_json(frame), time.monotonic_ns())
+            await session.generate(frame, time.monotonic_ns())
             await reply.answered.wait()
         finally:
             # Reached with the request still live only when the client went away.
@@ -625,5 +609,4 @@ class HttpApi:
 
 
 def _peer(request: web.Request) -> str:
-    address = request.transport.get_extra_info("peername") if request.transport else None
-    return f"{address[0]}:{address[1]}" if address else "unknown"
+    return peer_name(request.transport.get_extra_info("peername") if request.transport else None)

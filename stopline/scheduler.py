@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from .engine.cores import LOOK_INTERVAL_S, MachineLoad
 from .engine.loop import Engine, Stream
 from .observability import log
 from .protocol.errors import Busy
 from .protocol.requests import GenerationResult, Request
 from .protocol.vocabulary import Batching
+from .settings import Settings
 
 
 class Sink(Protocol):
@@ -58,71 +59,16 @@ class Sink(Protocol):
         """It was still queued at its deadline, ``now_ns``."""
 
 
-class MachineLoad:
-    """How many cores the other processes on this machine kept busy lately: the
-    machine's busy CPU time (``/proc/stat``) minus this process's own, over the time
-    between two looks. ggml's threads spin while they wait for each other, so a
-    generation given more threads than the cores left to it runs several times
-    slower than on one thread."""
-
-    def __init__(self) -> None:
-        self._last = _cpu_sample()
-        self._others = 0.0
-
-    def others(self) -> float:
-        """Look again (if the last look is old enough to measure anything) and return the
-        cores the other processes kept busy since the look before."""
-        now = _cpu_sample()
-        wall = now[0] - self._last[0]
-        if wall < LOOK_MIN_S:
-            return self._others
-        # A longer gap (this process was stopped, or starved of a core) says nothing
-        # about now: keep the last figure until the next look.
-        if wall <= LOOK_MAX_S:
-            machine, own = now[1] - self._last[1], now[2] - self._last[2]
-            self._others = max(0.0, (machine - own) / wall)
-        self._last = now
-        return self._others
-
-
-def _cpu_sample() -> tuple[float, float, float]:
-    """(wall clock, CPU seconds every process used, CPU seconds this one used)."""
-    times = os.times()
-    return time.monotonic(), _machine_busy_seconds(), times.user + times.system
-
-
-def _machine_busy_seconds() -> float:
-    # user, nice, system, idle, iowait, irq, softirq, steal: busy is all but idle,
-    # iowait and steal (which another virtual machine took). Zero where there is
-    # no /proc: every core then counts as free.
-    try:
-        with open("/proc/stat", "rb") as stat:
-            fields = stat.readline().split()
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[1:8])
-    return (user + nice + system + irq + softirq) / _CLOCK_TICKS
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-# The machine's load is looked at this often while generations run, and the cores
-# reshared; a look measures at least LOOK_MIN_S and at most LOOK_MAX_S.
-LOOK_INTERVAL_S = 0.5
-LOOK_MIN_S = 0.2
-LOOK_MAX_S = 2.0
-
-
 class Scheduler:
     def __init__(
         self,
         engine: Engine,
         workers: int,
         max_queue: int,
-        window: int = 64,
+        window: int = Settings.window,
         metrics=None,
         threads: int | None = None,
-        batching: Batching = Batching.PER_SLOT,
+        batching: Batching = Settings.batching,
     ):
         if workers < 1 or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")

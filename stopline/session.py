@@ -26,10 +26,11 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from .auth import ApiKey, Keyring
+from .edge import peer_name
 from .observability import Metrics, log, log_accepted, log_end
 from .protocol.connection import Action, AddressQuota, Cancel, Connection, Draft, Ended, Send, Submit, Tokenize
 from .protocol.errors import Busy
-from .protocol.frames import Frame, as_error, encode_frame
+from .protocol.frames import Frame, GenerateFrame, as_error, encode_frame
 from .protocol.requests import GenerationResult, Limits, Request
 from .protocol.vocabulary import Reason
 from .quota import Quotas
@@ -109,6 +110,10 @@ class ClientSession:
 
     async def receive_text(self, text: str, now_ns: int) -> None:
         await self._feed(lambda: self.protocol.receive_text(text, now_ns))
+
+    async def generate(self, frame: GenerateFrame, now_ns: int) -> None:
+        """A generate frame checked at the edge: an HTTP request's body."""
+        await self._feed(lambda: self.protocol.generate(frame, now_ns))
 
     async def receive_binary(self, size: int, now_ns: int) -> None:
         await self._feed(lambda: self.protocol.receive_binary(now_ns, size))
@@ -200,7 +205,7 @@ class ClientSession:
         while True:
             draft = await self._drafts.get()
             try:
-                lane = self.services.tokenizer_lanes[draft.size > SHORT_PROMPT_BYTES]
+                lane = self.services.tokenizer_lanes[draft.frame.size > SHORT_PROMPT_BYTES]
                 actions = self.protocol.tokenized(
                     draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft)
                 )
@@ -293,8 +298,8 @@ class WebSocketTransport:
 
     def __init__(self, websocket: ServerConnection):
         self.websocket = websocket
-        self.peer = peer_name(websocket)
         address = websocket.remote_address
+        self.peer = peer_name(address)
         self.address = address[0] if address else "unknown"
 
     async def send(self, frame: Frame) -> None:
@@ -318,8 +323,3 @@ class WebSocketTransport:
             pass
         finally:
             await session.client_gone()
-
-
-def peer_name(connection: ServerConnection) -> str:
-    address = connection.remote_address
-    return f"{address[0]}:{address[1]}" if address else "unknown"

@@ -15,6 +15,7 @@ from enum import Enum
 
 from stopline.protocol.requests import GenerationResult, SamplingParams
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
+from stopline.settings import Settings
 
 
 class Exit(Enum):
@@ -139,7 +140,7 @@ class FakeEngine:
         self.slots.append(slot)
         return slot
 
-    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> list[FakeSlot]:
+    def open_slots(self, count: int, batching: Batching = Settings.batching) -> list[FakeSlot]:
         assert batching is Batching.PER_SLOT
         return [self.open_slot() for _ in range(count)]
 
@@ -147,7 +148,9 @@ class FakeEngine:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages or [])
         return [ord(c) % self.vocab_size for c in text][: self.context_length - 1]
 
-    def start(self, slot, prompt_tokens, params, *, window=64, started_ns=None, threads=None) -> FakeStream:
+    def start(
+        self, slot, prompt_tokens, params, *, window=Settings.window, started_ns=None, threads=None
+    ) -> FakeStream:
         stream = FakeStream(prompt_tokens, params, self.words, threads or self.threads)
         if self.hold_new_streams:
             stream.hold.clear()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import time
@@ -27,7 +28,7 @@ from websockets.asyncio.client import connect
 from bench.servers import RedisServer
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from stopline.app import StoplineServer
-from stopline.auth import Quota, add_key, revoke_key
+from stopline.auth import ApiKey, Quota, add_key, revoke_key
 from stopline.cluster import CANCELLATIONS, generation_key
 from stopline.engine.model import EMBEDDED_MODEL_NAME
 from stopline.protocol.vocabulary import (
@@ -40,7 +41,14 @@ from stopline.protocol.vocabulary import (
     StoreEvent,
     StoreState,
 )
-from stopline.quota import ADMIT_TIMEOUT_S, LEASE_S, quota_key
+from stopline.quota import (
+    ADMIT_SCRIPT,
+    ADMIT_TIMEOUT_S,
+    LEASE_S,
+    RELEASE_SCRIPT,
+    LocalQuotas,
+    quota_key,
+)
 from stopline.settings import Settings
 from test_cluster import REPLICA_IDS, Nginx, Replica
 
@@ -94,6 +102,64 @@ async def two_replicas(engine, tmp_path, keys_file):
         await store.aclose()
         redis_server.kill()
     assert a.scheduler.active == b.scheduler.active == 0
+
+
+async def test_the_shared_count_decides_as_each_replicas_own_count_does(tmp_path):
+    """The quota rules are kept twice, by necessity: as Lua in Redis (the count replicas
+    share) and in Python (each replica's own, which decides while Redis is away). Driven
+    through the same admissions and releases, within a few milliseconds of each other, the
+    two refuse the same requests for the same limits, and say the same Retry-After."""
+    redis_server = RedisServer(tmp_path / "redis").start(10 * UNIT)
+    store = aioredis.from_url(redis_server.url, decode_responses=True)
+    admit, release = store.register_script(ADMIT_SCRIPT), store.register_script(RELEASE_SCRIPT)
+    local, now = LocalQuotas(), time.monotonic()
+    keys = {
+        "k1": ApiKey("k1", "user", "digest", Quota(concurrent=2, requests_per_minute=5, tokens_per_minute=10)),
+        "k2": ApiKey("k2", "user", "digest", Quota(requests_per_minute=2)),
+    }
+
+    async def shared_take(key: ApiKey, request_id: str) -> tuple[str, int] | None:
+        quota = key.quota
+        names = [quota_key(key.key_id, kind) for kind in ("concurrent", "requests", "tokens")]
+        limits = [quota.concurrent or 0, quota.requests_per_minute or 0, quota.tokens_per_minute or 0]
+        limit, retry_ms = await admit(keys=names, args=[request_id, int(LEASE_S * 1000), *limits])
+        # A concurrent place has no known retry time: both give the same fixed one.
+        return None if limit == "ok" else (limit, 0 if limit == "concurrent" else math.ceil(int(retry_ms) / 1000))
+
+    def local_take(key: ApiKey, request_id: str) -> tuple[str, int] | None:
+        refused = local.take(key, request_id, now)
+        if refused is None:
+            return None
+        retry = 0 if refused.limit is QuotaLimit.CONCURRENT else math.ceil(refused.retry_after_s or 0)
+        return str(refused.limit), retry
+
+    async def both_release(key: ApiKey, request_id: str, tokens: int) -> None:
+        local.release(key, request_id, tokens, now)
+        names = [quota_key(key.key_id, "concurrent"), quota_key(key.key_id, "tokens")]
+        await release(keys=names, args=[request_id, tokens, key.quota.tokens_per_minute or 0])
+
+    steps = [
+        "k1 take a", "k1 take b", "k1 take c", "k1 release a 3", "k1 take c", "k1 release b 2",
+        "k1 release c 7", "k1 take d",
+        "k2 take a", "k2 release a 0", "k2 take b", "k2 take c",
+    ]  # fmt: skip
+    shared, own = [], []
+    try:
+        for step in steps:
+            key_id, verb, request_id, *tokens = step.split()
+            if verb == "release":
+                await both_release(keys[key_id], request_id, int(tokens[0]))
+                continue
+            shared.append(await shared_take(keys[key_id], request_id))
+            own.append(local_take(keys[key_id], request_id))
+    finally:
+        await store.aclose()
+        redis_server.kill()
+    assert shared == own
+    # Every limit was met on the way: the places, the tokens in debt, the requests.
+    assert shared == [
+        None, None, ("concurrent", 0), None, ("tokens_per_minute", 18), None, None, ("requests_per_minute", 30)
+    ]  # fmt: skip
 
 
 async def test_replicas_share_one_count_and_redis_trouble_leaves_each_its_own(engine, tmp_path, logs):

@@ -634,7 +634,7 @@ def test_max_tokens(engine, slot):
 
 @pytest.mark.slow
 def test_max_tokens_is_clamped_to_the_context(engine):
-    context = _core.Context(str(engine.model_path), engine.model_type, 64)
+    context = _core.CtransformersSlot(str(engine.model_path), engine.model_type, 64)
     try:
         prompt = engine.encode(prompt=COUNTING_TEXT)
         assert len(prompt) < 64
@@ -871,10 +871,10 @@ def test_native_context_refuses_a_non_model_file(engine, tmp_path):
     path = tmp_path / "random.bin"
     path.write_bytes(random.Random(8).randbytes(1 << 16))
     with pytest.raises(ModelLoadError, match="could not create"):
-        _core.Context(str(path), "llama", 64)
+        _core.CtransformersSlot(str(path), "llama", 64)
     # A failed system call brings its errno and the system's words for it.
     with pytest.raises(ModelLoadError, match="No such file or directory") as info:
-        _core.Context(str(tmp_path / "missing.gguf"), "llama", 64)
+        _core.CtransformersSlot(str(tmp_path / "missing.gguf"), "llama", 64)
     assert info.value.errno == errno.ENOENT
 
 
@@ -885,8 +885,8 @@ import os, resource
 from stopline import _core
 from stopline.engine.loop import _ctransformers_library_path, sampling_args
 from stopline.protocol.requests import SamplingParams
-_core.load_library(_ctransformers_library_path())
-context = _core.Context({str(engine.model_path)!r}, "llama", 64)
+_core.load_ctransformers_library(_ctransformers_library_path())
+context = _core.CtransformersSlot({str(engine.model_path)!r}, "llama", 64)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 try:
     while True:
@@ -911,7 +911,7 @@ def test_a_library_that_cannot_be_loaded_says_why(tmp_path):
     code = f"""
 from stopline import _core
 try:
-    _core.load_library({str(path)!r})
+    _core.load_ctransformers_library({str(path)!r})
 except _core.EngineError as error:
     print(error)
 """
@@ -959,7 +959,7 @@ def test_a_generation_runs_once(engine, slot):
 
 
 def test_closed_context(engine):
-    context = _core.Context(str(engine.model_path), engine.model_type, 64)
+    context = _core.CtransformersSlot(str(engine.model_path), engine.model_type, 64)
     context.close()
     assert context.closed
     context.close()  # idempotent
@@ -975,8 +975,8 @@ import os, sys
 from stopline import _core
 from stopline.engine.loop import _ctransformers_library_path, sampling_args
 from stopline.protocol.requests import SamplingParams
-_core.load_library(_ctransformers_library_path())
-context = _core.Context({str(engine.model_path)!r}, "llama", 64)
+_core.load_ctransformers_library(_ctransformers_library_path())
+context = _core.CtransformersSlot({str(engine.model_path)!r}, "llama", 64)
 context.close()
 r, w = os.pipe()
 os.dup2(r, 0)

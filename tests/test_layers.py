@@ -1,6 +1,7 @@
 """The package's layers, read from the source: no import cycle among stopline's modules, the
 pure layer (stopline/protocol/) imports only the standard library and itself, and the engine
-layer (stopline/engine/) imports nothing of the servers above it."""
+layer (stopline/engine/) imports nothing of the servers above it, nor the settings it reads anything
+of the engine."""
 
 from __future__ import annotations
 
@@ -111,3 +112,9 @@ def test_the_engine_layer_imports_no_serving_module():
         for name, path in engine.items()
     }
     assert {name: found for name, found in upward.items() if found} == {}
+
+
+def test_the_settings_the_engine_reads_import_no_engine():
+    # The engine reads its defaults and STOPLINE_ variables from the settings: they stand below it.
+    settings = _imports(MODULES["stopline.settings"], at_load=False)
+    assert {module for module in settings if module.startswith(("stopline.engine", "stopline._core"))} == set()

@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from stopline.protocol.connection import AddressQuota, Cancel, Connection, Ended, Send, Submit, Tokenize
-from stopline.protocol.frames import Token, encode_frame
+from stopline.protocol.errors import InvalidField
+from stopline.protocol.frames import CancelFrame, GenerateFrame, Token, encode_frame
 from stopline.protocol.requests import DEFAULT_SAMPLING, EXIT_OUTCOMES, Ending, GenerationResult, Limits, Phase
+from stopline.protocol.validation import generate_frame, incoming_frame
 from stopline.protocol.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
 
 MS = 1_000_000
@@ -78,6 +80,34 @@ def test_generate_submits_a_queued_request():
     assert submit.request.params == replace(
         DEFAULT_SAMPLING, timeout_s=limits.default_timeout_s, ttft_timeout_s=limits.default_ttft_timeout_s
     )
+
+
+def test_a_websocket_frame_and_an_http_body_are_checked_into_one_type():
+    limits = Limits(context_length=16, vocab_size=100)
+    fields = {"id": "r1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "user": "u"}
+    frame = incoming_frame(json.dumps({"type": "generate", **fields}), limits)
+    assert isinstance(frame, GenerateFrame) and frame == generate_frame(fields, limits)
+    assert (frame.prompt, frame.size, frame.user, frame.params.temperature) == (None, 2, "u", 0.5)
+    assert incoming_frame('{"type": "cancel", "id": "r1"}', limits) == CancelFrame("r1")
+    # A body is refused by the same checks, with the same words.
+    with pytest.raises(InvalidField, match="temperature must be in"):
+        generate_frame({**fields, "temperature": 9}, limits)
+
+
+def test_a_checked_frame_takes_the_websocket_frames_path_and_shares_its_limits():
+    """An HTTP body reaches the protocol as a GenerateFrame: no JSON again, and the live
+    requests of its address and connection bound it as they bind a WebSocket frame."""
+    conn = connection(requests_per_connection=2)
+    body = generate_frame({"prompt": "a b c"}, conn.limits)
+    [tokenize] = conn.generate(body, 0)
+    [submit] = prepare(conn, [tokenize])
+    assert isinstance(submit, Submit) and submit.request.prompt_tokens == [0, 1, 2]
+    # The server chose the id, and it is the request id too.
+    assert submit.request.id == submit.request.request_id and len(submit.request.id) == 36
+    generate(conn, "r2")
+    [refused] = conn.generate(body, 0)
+    assert refused.frame.json()["code"] == ErrorCode.TOO_MANY_REQUESTS
+    assert conn.cancel(CancelFrame(submit.request.id), 1) == [Cancel(submit.request)]
 
 
 def test_the_transition_table_is_enforced():

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import logging
 
 import pytest
+from websockets.asyncio.client import connect
 
 from conftest import (
     CHAT_FRANCE,
@@ -137,6 +141,45 @@ async def test_client_disconnect_stops_every_request_of_the_connection(server, l
     metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="client_disconnected") == 2
     assert metric_value(metrics, "stopline_active_generations") == 0
+
+
+async def test_clients_that_leave_at_once_leave_no_task_behind(engine):
+    """200 clients, on the WebSocket and over HTTP, each send a long prompt and leave while
+    it is tokenized or evaluated: every task their sessions started has ended when they
+    are gone, so asyncio destroys none still pending."""
+    destroyed: list[str] = []
+
+    class Pending(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "destroyed but it is pending" in record.getMessage():
+                destroyed.append(record.getMessage())
+
+    handler = Pending()
+    logging.getLogger("asyncio").addHandler(handler)
+    prompt = "Tell me everything about the sea. " * 200
+    body = json.dumps({"prompt": prompt}).encode()
+    try:
+        async with running_server(engine, max_queue=64) as server:
+            host, port = "127.0.0.1", int(server.http.base_url.rsplit(":", 1)[1].split("/")[0])
+            for cycle in range(100):
+                async with connect(server.ws_url) as websocket:
+                    await websocket.recv()  # the greeting
+                    await websocket.send(json.dumps({"type": "generate", "id": f"c{cycle}", "prompt": prompt}))
+                # An HTTP client that sends its request and closes the connection at once.
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(
+                    f"POST /v1/generations HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+                writer.close()
+                await writer.wait_closed()
+            await wait_for(lambda: server.scheduler.active == 0 and not server.sessions, timeout=60)
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert destroyed == []
 
 
 # A four-token raw prompt: its prefill is short, so a deadline lands in decode.

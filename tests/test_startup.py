@@ -24,9 +24,9 @@ import pexpect
 import pytest
 
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server, spawn_stopline
-from stopline import scheduler, settings
+from stopline import settings
 from stopline.__main__ import _in_daemon_thread
-from stopline.engine import model
+from stopline.engine import cores, model
 from stopline.engine.tokenizer import load_chat_template
 from stopline.protocol.origin import WILDCARD_HOSTS
 
@@ -387,7 +387,7 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
 
     monkeypatch.setattr(type(engine), "start", start)
     # An otherwise idle machine; how busy this one is depends on who else uses it.
-    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 0.0)
+    monkeypatch.setattr(cores.MachineLoad, "others", lambda self: 0.0)
     async with running_server(engine, workers=2) as server, client_for(server) as client:
         await ask(client, "alone")
         await client.generate("first", messages=LONG_ANSWER, max_tokens=400, temperature=0)
@@ -407,7 +407,7 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
     assert started == [2, 2, 1, 2]
     # A core kept busy by another process is left to it: more threads than free cores spin.
     started.clear()
-    monkeypatch.setattr(scheduler.MachineLoad, "others", lambda self: 1.0)
+    monkeypatch.setattr(cores.MachineLoad, "others", lambda self: 1.0)
     async with running_server(engine, workers=2) as server, client_for(server) as client:
         await ask(client, "beside another process")
     assert started == [1]
@@ -435,14 +435,14 @@ def test_the_load_of_other_processes_leaves_out_this_ones_own(monkeypatch):
             (1030.5, 60.1, 1.6),
         ]
     )
-    monkeypatch.setattr(scheduler, "_cpu_sample", lambda: next(samples))
-    machine = scheduler.MachineLoad()
+    monkeypatch.setattr(cores, "_cpu_sample", lambda: next(samples))
+    machine = cores.MachineLoad()
     assert [machine.others() for _ in range(5)] == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
 
 
 def test_the_machine_busy_time_counts_other_processes():
-    first = scheduler._cpu_sample()
+    first = cores._cpu_sample()
     subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 1\nwhile time.time() < end: pass"])
-    second = scheduler._cpu_sample()
+    second = cores._cpu_sample()
     machine, own = second[1] - first[1], second[2] - first[2]
     assert machine - own >= 0.5 and own < 0.2

@@ -129,9 +129,9 @@ def test_the_protocol_turns_a_schema_into_a_grammar_or_refuses_it():
         return conn.receive_text(json.dumps({"type": "generate", "id": "g", "prompt": "a", **frame}), 0)
 
     [action] = send({"json_schema": PERSON}, grammars=True)
-    assert isinstance(action, Tokenize) and action.draft.params.grammar == schema_grammar(PERSON)
+    assert isinstance(action, Tokenize) and action.draft.frame.params.grammar == schema_grammar(PERSON)
     [action] = send({"json_object": True}, grammars=True)
-    assert isinstance(action, Tokenize) and action.draft.params.grammar == JSON_OBJECT_GRAMMAR
+    assert isinstance(action, Tokenize) and action.draft.frame.params.grammar == JSON_OBJECT_GRAMMAR
     for frame, words in [
         ({"json_schema": PERSON}, "--engine llama.cpp"),
         ({"json_object": True}, "--engine llama.cpp"),

@@ -147,7 +147,7 @@ def tokenizer(engine) -> ChatTokenizer:
 @pytest.fixture(scope="module")
 def token_table(engine) -> list[bytes]:
     """Every token's bytes as the token loop sees them (ctransformers' detokenize)."""
-    context = _core.Context(str(engine.model_path), engine.model_type, 16)
+    context = _core.CtransformersSlot(str(engine.model_path), engine.model_type, 16)
     try:
         return [context.token_bytes(i) for i in range(context.vocab_size)]
     finally:

@@ -3,17 +3,19 @@
 
 A :class:`Slot` is one KV cache with the record of which tokens it holds, so a
 generation whose prompt starts with them evaluates only the rest. Its two
-kinds are the engines: a :class:`Context` is one ctransformers model instance
-(the weights memory-mapped and so shared between contexts of the same file),
-and a :class:`LlamaSequence` is one sequence of a llama.cpp
-:class:`LlamaContext`, whose KV cache holds several. The loop below is the
-same for both; only evaluating, sampling and turning a token into bytes
-differ, in small functions that switch on the engine.
+kinds are the engines: a :class:`CtransformersSlot` is one ctransformers model
+instance (the weights memory-mapped and so shared between instances of the same
+file), and a :class:`LlamaSequence` is one sequence of a llama.cpp
+:class:`LlamaContext`, whose KV cache holds several. The loop below is written
+once for both: what differs (evaluating, sampling, the end of generation,
+turning a token into bytes) is each engine's row of operations, an
+``EngineOps`` table its slot gives the generation (``Slot.prepare``).
 
 The generations running on one llama.cpp context share its evaluations: each
 step is one batch carrying every running generation's next tokens (a prompt
 chunk, or the token it just sampled). The generations' own threads take turns
-leading a step; the others wait for it, then sample in parallel.
+leading a step; the others wait for it, then sample in parallel. That is
+_batcher.pxi, included below.
 
 A :class:`Generation` runs once on a context. Its loop runs with the GIL
 released and checks the stop conditions (the cancel flag, an atomic acquire
@@ -62,6 +64,7 @@ import os
 import time
 
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
+from stopline.protocol.requests import DEFAULT_WINDOW
 
 cdef enum:
     # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
@@ -84,9 +87,22 @@ cdef object STEP_ABORT_FAILURE = None
 cdef ll.sll_api LLAMA
 cdef bint LLAMA_READY = False
 
-cdef enum Engine:
-    CTRANSFORMERS
-    LLAMA_CPP
+cdef struct LoopState
+
+
+cdef struct EngineOps:
+    # What the token loop asks of an engine, one table per engine (set by the slot a
+    # generation runs on), so that the loop is written once for both.
+    void (*begin)(LoopState *s) noexcept nogil               # before the first evaluation
+    bint (*evaluate)(LoopState *s, int count) noexcept nogil  # the next count tokens into the KV cache
+    float *(*logits)(LoopState *s) noexcept nogil             # the last evaluation's sampled logits
+    int (*sample)(LoopState *s, int step) noexcept nogil      # a draw from them
+    bint (*is_end)(LoopState *s, int token) noexcept nogil    # whether token ends the generation
+    int (*write_piece)(LoopState *s, int token, char *out) noexcept nogil  # its bytes
+
+
+cdef EngineOps CTRANSFORMERS_OPS
+cdef EngineOps LLAMA_OPS
 
 
 # The largest prefill chunk the library can evaluate at once.
@@ -115,7 +131,7 @@ cdef object c_failure(type kind, str what, int errnum=0, const char *detail=NULL
     return error
 
 
-def load_library(str path):
+def load_ctransformers_library(str path):
     """Resolve the ctransformers C API from ``path`` and install the step hook (once per process)."""
     global API_READY, STEP_ABORT, STEP_ABORT_FAILURE
     cdef char err[512]
@@ -170,7 +186,7 @@ cdef int *token_ids(tokens) except NULL:
 
 def step_abort_installed():
     """Whether the hook that stops an evaluation between graph nodes is in place.
-    :meth:`Context.probe_step_abort` proves that it works."""
+    :meth:`CtransformersSlot.probe_step_abort` proves that it works."""
     return STEP_ABORT
 
 
@@ -182,7 +198,6 @@ def step_abort_failure():
 cdef class Slot:
     """What both engines' contexts share: one KV cache, and the record of the
     tokens it holds. Generations run on a slot one at a time."""
-    cdef Engine engine
     cdef readonly int context_length
     cdef readonly int vocab_size
     cdef readonly int max_token_bytes
@@ -239,6 +254,13 @@ cdef class Slot:
     cdef const float *logits_pointer(self) noexcept:
         return NULL
 
+    cdef int prepare(self, LoopState *s, bint step_abort, bint trim_output, bytes grammar) except -1:
+        """Set the engine's part of a new generation's state: its operations and options."""
+        raise NotImplementedError
+
+    cdef void attach(self, LoopState *s) noexcept:
+        """Point a generation about to run at this slot's native context."""
+
     @property
     def closed(self):
         return True
@@ -266,7 +288,7 @@ cdef class Slot:
         free(self.held)
 
 
-cdef class Context(Slot):
+cdef class CtransformersSlot(Slot):
     """One ctransformers model instance."""
     cdef ct.ct_llm *llm
 
@@ -274,7 +296,7 @@ cdef class Context(Slot):
         cdef ct.ct_config config
         cdef int fd
         if not API_READY:
-            raise EngineError("load_library() has not been called")
+            raise EngineError("load_ctransformers_library() has not been called")
         config.context_length = context_length
         config.gpu_layers = 0
         config.mmap = True
@@ -292,7 +314,6 @@ cdef class Context(Slot):
             self.llm = API.llm_create(path, kind, config)
         if self.llm is NULL:
             raise c_failure(ModelLoadError, f"ctransformers could not create a {model_type!r} model from {model_path}")
-        self.engine = Engine.CTRANSFORMERS
         self.max_batch = ct.CT_MAX_BATCH
         self.context_length = API.llm_context_length(self.llm)
         self.vocab_size = API.llm_vocab_size(self.llm)
@@ -303,6 +324,18 @@ cdef class Context(Slot):
                 longest = size
         self.max_token_bytes = longest
         self.allocate_record()
+
+    cdef int prepare(self, LoopState *s, bint step_abort, bint trim_output, bytes grammar) except -1:
+        if grammar is not None:
+            raise ValueError("a grammar needs the llama.cpp engine")
+        s.ops = &CTRANSFORMERS_OPS
+        s.step_abort = step_abort and STEP_ABORT
+        # Trimming needs the hook, which only runs when step_abort is on.
+        s.trim_output = trim_output and s.step_abort
+        return 0
+
+    cdef void attach(self, LoopState *s) noexcept:
+        s.llm = self.llm
 
     def probe_step_abort(self, tokens):
         """Prove the step hook on a real evaluation of ``tokens`` (two or more).
@@ -511,7 +544,7 @@ cdef enum PostResult:
 
 cdef struct LoopState:
     # Written by Python before the loop starts, read-only inside it.
-    Engine engine
+    const EngineOps *ops           # the engine's side of the loop
     ct.ct_llm *llm                 # the ctransformers engine's model instance
     Batcher *batcher               # the llama.cpp engine's context, which other generations share,
     int seq                        # this generation's sequence in it,
@@ -583,35 +616,8 @@ cdef struct LoopState:
     PostResult post_result
 
 
-cdef struct Batcher:
-    # Generations running on one llama.cpp context take turns leading: the
-    # leader evaluates the tokens every present generation has posted, in one
-    # batch, while the others wait. The lock guards present, the posts and
-    # leading; the context and everything after leading belong to the thread
-    # that set leading.
-    sl.pthread_mutex_t lock
-    sl.pthread_cond_t changed
-    ll.sll_context *ctx
-    # Running generations that are not paused for their reader: a step waits
-    # until each of them has posted its tokens, so that they share it.
-    int present
-    int n_posted
-    LoopState *posted[ll.SLL_MAX_SEQUENCES]
-    # A thread is using the context (evaluating, or changing its cache).
-    bint leading
-    # Per sequence, where its cache is to be cut (-1: nowhere): a cut asked for
-    # while a thread uses the context waits for that thread to end its turn.
-    int cut_from[ll.SLL_MAX_SEQUENCES]
-    int applied_threads
-    int max_tokens         # the most tokens one evaluation takes
-    # Evaluations run, the generations they carried in all (their ratio is how
-    # many generations a step shared on average), and the evaluations that were
-    # stopped for one generation and run again for the others.
-    int64_t steps
-    int64_t step_members
-    int64_t reruns
-    # The stop conditions of the step being evaluated (the abort callback's data).
-    sl.sl_group_watch group
+# How generations share one llama.cpp context's steps.
+include "_batcher.pxi"
 
 
 cdef class LlamaContext:
@@ -684,48 +690,6 @@ cdef class LlamaContext:
         sl.pthread_mutex_destroy(&self.b.lock)
 
 
-cdef void claim_context(Batcher *b) noexcept nogil:
-    """Wait until no thread uses the context, and take it, with every cut asked for made."""
-    sl.pthread_mutex_lock(&b.lock)
-    while b.leading:
-        sl.pthread_cond_wait(&b.changed, &b.lock)
-    b.leading = True
-    make_cuts(b)
-    sl.pthread_mutex_unlock(&b.lock)
-
-
-cdef void release_context(Batcher *b) noexcept nogil:
-    sl.pthread_mutex_lock(&b.lock)
-    make_cuts(b)
-    b.leading = False
-    sl.pthread_cond_broadcast(&b.changed)
-    sl.pthread_mutex_unlock(&b.lock)
-
-
-cdef void truncate_sequence(Batcher *b, int seq, int p0) noexcept nogil:
-    """Drop ``seq``'s positions from ``p0`` on: at once if no thread uses the
-    context, else as that thread takes or gives up the context, before any
-    evaluation of ``seq`` and any read of its cache. A generation that starts
-    during a step (or is stopped before its first evaluation) does not wait
-    for the step."""
-    sl.pthread_mutex_lock(&b.lock)
-    if b.cut_from[seq] < 0 or p0 < b.cut_from[seq]:
-        b.cut_from[seq] = p0
-    if not b.leading:
-        make_cuts(b)
-    sl.pthread_mutex_unlock(&b.lock)
-
-
-cdef void make_cuts(Batcher *b) noexcept nogil:
-    """Cut the caches as asked (called with the lock held, by the thread that
-    uses the context, or while none does)."""
-    cdef int seq
-    for seq in range(ll.SLL_MAX_SEQUENCES):
-        if b.cut_from[seq] >= 0:
-            LLAMA.truncate(b.ctx, seq, b.cut_from[seq])
-            b.cut_from[seq] = -1
-
-
 cdef class LlamaSequence(Slot):
     """One sequence of a :class:`LlamaContext`: its share of the KV cache, and
     the logits its last token was sampled from."""
@@ -737,7 +701,6 @@ cdef class LlamaSequence(Slot):
     def __cinit__(self, LlamaContext owner, int seq):
         self.owner = owner
         self.seq = seq
-        self.engine = Engine.LLAMA_CPP
         self.max_batch = owner.max_batch
         self.context_length = owner.context_length
         self.vocab_size = owner.model.vocab_size
@@ -750,6 +713,35 @@ cdef class LlamaSequence(Slot):
     @property
     def model(self):
         return self.owner.model
+
+    cdef int prepare(self, LoopState *s, bint step_abort, bint trim_output, bytes grammar) except -1:
+        cdef ll.sll_sampling sampling
+        s.ops = &LLAMA_OPS
+        # llama.cpp's abort callback is official, and it computes only the
+        # logits asked for: nothing to trim.
+        s.step_abort = step_abort
+        s.trim_output = False
+        sampling.temperature = s.temperature
+        sampling.top_k = s.top_k
+        sampling.top_p = s.top_p
+        sampling.repeat_penalty = s.repetition_penalty
+        sampling.penalty_last_n = LAST_N_TOKENS
+        sampling.seed = <uint32_t>s.seed
+        sampling.grammar = NULL
+        if grammar is not None:
+            sampling.grammar = grammar
+        s.sampler = LLAMA.sampler_new(self.owner.model.model, &sampling)
+        if s.sampler is NULL and grammar is not None:
+            raise ValueError("llama.cpp cannot parse the grammar")
+        if s.sampler is NULL:
+            raise c_failure(MemoryError, "cannot allocate the sampler")
+        return 0
+
+    cdef void attach(self, LoopState *s) noexcept:
+        s.batcher = &self.owner.b
+        s.seq = self.seq
+        s.lmodel = self.owner.model.model
+        s.logits = self.logits
 
     @property
     def kv_positions(self):
@@ -828,25 +820,6 @@ cdef class LlamaSequence(Slot):
         free(self.logits)
 
 
-cdef int32_t probe_decode(Batcher *b, int seq, const int32_t *ids, int n) noexcept nogil:
-    LLAMA.batch_clear(b.ctx)
-    if LLAMA.batch_add(b.ctx, seq, ids, n, 0, 1) < 0:
-        return ll.SLL_REFUSED
-    return decode_batch(b)
-
-
-cdef int32_t decode_batch(Batcher *b) noexcept nogil:
-    """Evaluate the batch built in the context, with the group's stop conditions
-    watched throughout. Any check that saw a stop makes it an aborted evaluation:
-    a thread may have left a node part-way after the last check of llama.cpp's own."""
-    cdef int32_t status
-    b.group.aborted = 0
-    b.group.longest_gap_ns = 0
-    b.group.start_ns = sl.sl_monotonic_ns()
-    status = LLAMA.batch_decode(b.ctx)
-    return ll.SLL_ABORTED if b.group.aborted else status
-
-
 cdef inline bint should_stop(LoopState *s) noexcept nogil:
     """The poll done before every chunk and token; records why the loop ends."""
     cdef sl.sl_stop why = sl.sl_check(&s.watch)
@@ -863,251 +836,12 @@ cdef inline bint should_stop(LoopState *s) noexcept nogil:
     return True
 
 
-cdef bint evaluate(LoopState *s, int count) noexcept nogil:
-    """Evaluate the next ``count`` tokens into the KV cache. False when the loop
-    must end instead (s.exit says why)."""
-    cdef bint ok
-    if s.engine == Engine.LLAMA_CPP:
-        return evaluate_in_step(s, count)
-    s.watch.aborted = 0
-    s.watch.longest_gap_ns = 0
-    s.watch.trim_output = s.trim_output
-    # Threads are read once per evaluation: the scheduler reshares the cores as generations come and go.
-    ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, sl.sl_load_acquire(&s.threads))
-    record_longest_node(s, s.watch.longest_gap_ns)
-    if s.watch.aborted:
-        # Stopped between graph nodes: the stop condition that did it still
-        # holds (the flag is sticky, deadlines only pass), and these positions
-        # of the KV cache hold nothing usable.
-        if not should_stop(s):
-            s.exit = ExitKind.EVAL_FAILED
-        return False
-    if not ok:
-        s.exit = ExitKind.EVAL_FAILED
-        return False
-    s.n_past += count
-    return True
-
-
 cdef inline void record_longest_node(LoopState *s, int64_t gap) noexcept nogil:
     if s.n_generated == 0:
         if gap > s.longest_prefill_node_ns:
             s.longest_prefill_node_ns = gap
     elif gap > s.longest_decode_node_ns:
         s.longest_decode_node_ns = gap
-
-
-cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
-    """The llama.cpp engine's evaluate(): post the tokens for the context's next
-    step and wait for it. Whichever waiting generation finds every present one
-    posted leads the step for all of them."""
-    cdef Batcher *b = s.batcher
-    sl.pthread_mutex_lock(&b.lock)
-    s.post_count = count
-    s.post_result = PostResult.POST_WAITING
-    b.posted[b.n_posted] = s
-    b.n_posted += 1
-    while s.post_result == PostResult.POST_WAITING:
-        if not b.leading and b.n_posted >= b.present:
-            lead_step(b, s)
-        elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
-            # Stopped while a step it is not part of runs: it leaves without waiting for it.
-            should_stop(s)
-            s.post_result = PostResult.POST_STOPPED
-        else:
-            # Woken by every result, every step's end, and a cancel (Generation.cancel).
-            sl.pthread_cond_wait(&b.changed, &b.lock)
-    sl.pthread_mutex_unlock(&b.lock)
-    return s.post_result == PostResult.POST_DONE
-
-
-cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
-    """Take ``s``'s tokens back if no step has taken them yet (called with the lock held)."""
-    cdef int i, j
-    for i in range(b.n_posted):
-        if b.posted[i] == s:
-            for j in range(i, b.n_posted - 1):
-                b.posted[j] = b.posted[j + 1]
-            b.n_posted -= 1
-            return True
-    return False
-
-
-cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
-    """Evaluate what is posted, on ``leader``'s thread (called and returning with
-    the lock held)."""
-    cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
-    cdef int i, n = 1
-    # The leader first: its tokens always fit the batch.
-    members[0] = leader
-    for i in range(b.n_posted):
-        if b.posted[i] != leader:
-            members[n] = b.posted[i]
-            n += 1
-    b.n_posted = 0
-    b.leading = True
-    make_cuts(b)
-    sl.pthread_mutex_unlock(&b.lock)
-    evaluate_together(b, members, n)
-    sl.pthread_mutex_lock(&b.lock)
-    for i in range(n):
-        if members[i] is not NULL:
-            post_again(b, members, i)
-    make_cuts(b)
-    b.leading = False
-    sl.pthread_cond_broadcast(&b.changed)
-
-
-cdef int post_again(Batcher *b, LoopState **members, int i) noexcept nogil:
-    """Hand member ``i`` back to the posted tokens (called with the lock held): a
-    step led by one of the waiting generations takes it, and until then it can
-    leave at once if it is stopped. Returns 1 (one member fewer waiting)."""
-    b.posted[b.n_posted] = members[i]
-    b.n_posted += 1
-    members[i] = NULL
-    sl.pthread_cond_broadcast(&b.changed)
-    return 1
-
-
-cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
-    """Evaluate the ``n`` members' posted tokens in one batch, led by
-    ``members[0]``, and again without a member whose stop aborted it. A member
-    leaves ``members`` (set to NULL) as soon as it has its result: it may post
-    again at once, for the next step. A member is handed back to the posted
-    tokens (see post_again) when its tokens do not fit the batch, and every
-    member still waiting once the leader has its result, so that no generation
-    waits for an evaluation it is not part of: a stopped one would wait for it
-    to end, a whole step."""
-    cdef LoopState *s
-    # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
-    cdef int included[ll.SLL_MAX_SEQUENCES]
-    cdef int32_t output[ll.SLL_MAX_SEQUENCES]
-    cdef int i, j, k, room, stopped, waiting = n, threads = 1
-    cdef int32_t index, status
-    cdef bint want_logits
-    cdef const float *row
-    # Every member asks for the same cores (the scheduler shares them among steps, not members).
-    for i in range(n):
-        threads = max(threads, sl.sl_load_acquire(&members[i].threads))
-    if threads != b.applied_threads:
-        LLAMA.set_threads(b.ctx, threads)
-        b.applied_threads = threads
-    while waiting:
-        LLAMA.batch_clear(b.ctx)
-        k = 0
-        room = b.max_tokens
-        b.group.n = 0
-        for i in range(n):
-            s = members[i]
-            if s is NULL:
-                continue
-            if should_stop(s):
-                waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
-                continue
-            # The batch holds one prompt chunk beside every other member's token
-            # (see LlamaContext); a second chunk waits for the next step.
-            if s.post_count > room:
-                sl.pthread_mutex_lock(&b.lock)
-                waiting -= post_again(b, members, i)
-                sl.pthread_mutex_unlock(&b.lock)
-                continue
-            # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
-            want_logits = s.n_past + s.post_count >= s.n_prompt
-            index = LLAMA.batch_add(b.ctx, s.seq, <const int32_t *>(s.tokens + s.n_past), s.post_count,
-                                    s.n_past, want_logits)
-            if index < 0:
-                s.exit = ExitKind.EVAL_FAILED
-                waiting -= give_result(b, members, i, PostResult.POST_FAILED)
-                continue
-            room -= s.post_count
-            output[k] = index if want_logits else -1
-            included[k] = i
-            k += 1
-            if s.step_abort:
-                b.group.members[b.group.n] = &s.watch
-                b.group.n += 1
-        if members[0] is NULL:
-            return
-        if k == 0:
-            # Nothing left fits an empty batch (Generation bounds a chunk by it, so
-            # this cannot happen): end those generations rather than leave them waiting.
-            fail_the_rest(b, members, n)
-            return
-        status = decode_batch(b)
-        b.steps += 1
-        b.step_members += k
-        for j in range(k):
-            record_longest_node(members[included[j]], b.group.longest_gap_ns)
-        if status == ll.SLL_OK:
-            for j in range(k):
-                s = members[included[j]]
-                row = LLAMA.logits(b.ctx, output[j]) if output[j] >= 0 else NULL
-                if output[j] >= 0 and row is NULL:
-                    LLAMA.truncate(b.ctx, s.seq, s.n_past)
-                    s.exit = ExitKind.EVAL_FAILED
-                    waiting -= give_result(b, members, included[j], PostResult.POST_FAILED)
-                    continue
-                if row is not NULL:
-                    memcpy(s.logits, row, s.vocab_size * sizeof(float))
-                s.n_past += s.post_count
-                waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
-            continue
-        # One call is one physical batch, so an aborted or failed step leaves
-        # at most its own positions behind: drop them, so that each sequence's
-        # cache holds exactly the tokens of its record.
-        for j in range(k):
-            s = members[included[j]]
-            LLAMA.truncate(b.ctx, s.seq, s.n_past)
-        # Stopped part-way: the stop condition that did it still holds (the
-        # flag is sticky, deadlines only pass). Its generation leaves at once;
-        # the others evaluate the step again without it.
-        stopped = 0
-        if b.group.aborted:
-            for j in range(k):
-                if should_stop(members[included[j]]):
-                    stopped += give_result(b, members, included[j], PostResult.POST_STOPPED)
-        waiting -= stopped
-        if stopped and waiting:
-            b.reruns += 1
-        if stopped == 0:
-            # Failed, or aborted while no stop condition held: nothing to retry.
-            fail_the_rest(b, members, n)
-            return
-
-
-cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:
-    """End every member still waiting with EVAL_FAILED."""
-    cdef int i
-    for i in range(n):
-        if members[i] is not NULL:
-            members[i].exit = ExitKind.EVAL_FAILED
-            give_result(b, members, i, PostResult.POST_FAILED)
-
-
-cdef int give_result(Batcher *b, LoopState **members, int i, PostResult result) noexcept nogil:
-    """Hand member ``i`` its step's result and wake it; returns 1 (one member fewer
-    waiting). Its fields the step wrote (n_past, logits, exit) are published by the
-    same lock, and from then on it is its own again."""
-    cdef LoopState *s = members[i]
-    members[i] = NULL
-    sl.pthread_mutex_lock(&b.lock)
-    s.post_result = result
-    sl.pthread_cond_broadcast(&b.changed)
-    sl.pthread_mutex_unlock(&b.lock)
-    return 1
-
-
-cdef void set_present(LoopState *s, bint present) noexcept nogil:
-    """Count the generation in (or out of) its context's steps: a step waits for
-    the tokens of every present generation."""
-    cdef Batcher *b = s.batcher
-    if b is NULL or s.is_present == present:
-        return
-    sl.pthread_mutex_lock(&b.lock)
-    b.present += 1 if present else -1
-    s.is_present = present
-    sl.pthread_cond_broadcast(&b.changed)
-    sl.pthread_mutex_unlock(&b.lock)
 
 
 cdef inline bint stop_sequence_matched(LoopState *s, int old_size, int new_size) noexcept nogil:
@@ -1140,18 +874,11 @@ cdef inline bint memcmp_n(const char *a, const char *b, int n) noexcept nogil:
     return True
 
 
-cdef inline float *last_logits(LoopState *s) noexcept nogil:
-    """The logits of the last evaluation's sampled position (NULL: none), which sampling reads."""
-    if s.engine == Engine.LLAMA_CPP:
-        return s.logits
-    return API.llm_logits_data(s.llm) + API.llm_logits_size(s.llm) - s.vocab_size
-
-
 cdef inline void apply_penalties(LoopState *s) noexcept nogil:
     """OpenAI's frequency and presence penalties, on the logits in place: only the
     ids generated so far change, so a step costs as many subtractions as there are."""
     cdef int i, token
-    cdef float *logits = last_logits(s)
+    cdef float *logits = s.ops.logits(s)
     if logits is NULL:
         return
     for i in range(s.n_seen):
@@ -1173,7 +900,7 @@ cdef bint record_distribution(LoopState *s) noexcept nogil:
     about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary)
     as a rule; the stop is checked every SAMPLE_BLOCK ids (False: it said stop)."""
     cdef int i, j, n = s.vocab_size, k = s.n_top
-    cdef float *logits = last_logits(s)
+    cdef float *logits = s.ops.logits(s)
     cdef double best = -1e300, total = 0
     cdef int *ids = s.top_ids + s.n_generated * k
     cdef float *values = s.top_logprobs + s.n_generated * k
@@ -1211,57 +938,17 @@ cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
     """The next token, drawn from the logits of the last evaluation; SAMPLE_STOPPED
     when a stop condition came to hold meanwhile (a draw over a large vocabulary
     takes milliseconds, and a stop does not wait for it)."""
-    cdef int first_last, top_k = s.top_k
-    cdef float temperature = s.temperature
     if s.n_top >= 0 and not record_distribution(s):
         return SAMPLE_STOPPED
     if s.counts is not NULL:
         apply_penalties(s)
-    if s.engine == Engine.LLAMA_CPP:
-        return LLAMA.sample(s.sampler, s.logits, sl.sl_watch_says_stop, &s.watch)
-    if temperature <= 0:
-        # Greedy: keep only the best candidate (the library divides by temperature).
-        top_k = 1
-        temperature = 1.0
-    first_last = s.n_past - LAST_N_TOKENS
-    if first_last < 0:
-        first_last = 0
-    return API.llm_sample(s.llm, s.tokens + first_last, s.n_past - first_last, top_k, s.top_p,
-                          temperature, s.repetition_penalty,
-                          <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
-
-
-cdef inline bint ends_generation(LoopState *s, int token) noexcept nogil:
-    if s.engine == Engine.LLAMA_CPP:
-        return LLAMA.is_end(s.lmodel, token)
-    return API.llm_is_eos_token(s.llm, token)
-
-
-cdef inline int write_piece(LoopState *s, int token, char *out) noexcept nogil:
-    """Write ``token``'s bytes to ``out`` (room for max_token_bytes); returns their count."""
-    cdef const char *piece
-    cdef int size
-    if s.engine == Engine.LLAMA_CPP:
-        # Control tokens write nothing: they belong to the template, not the text.
-        size = LLAMA.token_piece(s.lmodel, token, out, s.max_token_bytes, False)
-        return size if size > 0 else 0
-    piece = API.llm_detokenize(s.llm, token)
-    size = <int>strlen(piece)
-    memcpy(out, piece, size)
-    return size
+    return s.ops.sample(s, step)
 
 
 cdef void run_loop(LoopState *s) noexcept nogil:
-    cdef int i
     s.start_ns = sl.sl_monotonic_ns()
     s.n_past = s.n_reused
-    if s.engine == Engine.LLAMA_CPP:
-        # The repetition penalty looks at recent tokens, the prompt's included.
-        i = s.n_prompt - LAST_N_TOKENS
-        for i in range(i if i > 0 else 0, s.n_prompt):
-            LLAMA.sampler_accept(s.sampler, s.tokens[i])
-    elif s.step_abort:
-        sl.sl_watch_enter(&s.watch)
+    s.ops.begin(s)
     run_steps(s)
     sl.sl_watch_leave()
 
@@ -1280,7 +967,7 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         chunk = s.prefill_chunk - s.n_past % s.prefill_chunk
         if chunk > s.n_prompt - s.n_past:
             chunk = s.n_prompt - s.n_past
-        if not evaluate(s, chunk):
+        if not s.ops.evaluate(s, chunk):
             return
         s.n_prompt_evaluated = s.n_past - s.n_reused
 
@@ -1301,13 +988,13 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         # that gave up, SAMPLE_STOPPED, saw a stop condition, and it still holds.)
         if should_stop(s):
             return
-        if ends_generation(s, token):
+        if s.ops.is_end(s, token):
             s.exit = ExitKind.EOS
             return
 
         # Publish: bytes and id first, then the count with release semantics.
         old_size = s.text_end[s.n_generated - 1] if s.n_generated else 0
-        size = write_piece(s, token, s.text + old_size)
+        size = s.ops.write_piece(s, token, s.text + old_size)
         s.text_end[s.n_generated] = old_size + size
         s.tokens[s.n_past] = token
         if s.n_top >= 0:
@@ -1329,9 +1016,109 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         # Don't start a decode step for a request that is already cancelled.
         if should_stop(s):
             return
-        if not evaluate(s, 1):
+        if not s.ops.evaluate(s, 1):
             return
     s.exit = ExitKind.CONTEXT_FULL if s.max_tokens_capped else ExitKind.MAX_TOKENS
+
+
+# Each engine's side of the loop ------------------------------------------------
+
+cdef bint ct_evaluate(LoopState *s, int count) noexcept nogil:
+    """The ctransformers engine's evaluation of the next ``count`` tokens into the KV
+    cache. False when the loop must end instead (s.exit says why)."""
+    cdef bint ok
+    s.watch.aborted = 0
+    s.watch.longest_gap_ns = 0
+    s.watch.trim_output = s.trim_output
+    # Threads are read once per evaluation: the scheduler reshares the cores as generations come and go.
+    ok = API.llm_batch_eval(s.llm, s.tokens + s.n_past, count, s.n_past, count, sl.sl_load_acquire(&s.threads))
+    record_longest_node(s, s.watch.longest_gap_ns)
+    if s.watch.aborted:
+        # Stopped between graph nodes: the stop condition that did it still
+        # holds (the flag is sticky, deadlines only pass), and these positions
+        # of the KV cache hold nothing usable.
+        if not should_stop(s):
+            s.exit = ExitKind.EVAL_FAILED
+        return False
+    if not ok:
+        s.exit = ExitKind.EVAL_FAILED
+        return False
+    s.n_past += count
+    return True
+
+
+cdef void ct_begin(LoopState *s) noexcept nogil:
+    if s.step_abort:
+        sl.sl_watch_enter(&s.watch)
+
+
+cdef float *ct_logits(LoopState *s) noexcept nogil:
+    return API.llm_logits_data(s.llm) + API.llm_logits_size(s.llm) - s.vocab_size
+
+
+cdef int ct_sample(LoopState *s, int step) noexcept nogil:
+    cdef int first_last, top_k = s.top_k
+    cdef float temperature = s.temperature
+    if temperature <= 0:
+        # Greedy: keep only the best candidate (the library divides by temperature).
+        top_k = 1
+        temperature = 1.0
+    first_last = s.n_past - LAST_N_TOKENS
+    if first_last < 0:
+        first_last = 0
+    return API.llm_sample(s.llm, s.tokens + first_last, s.n_past - first_last, top_k, s.top_p,
+                          temperature, s.repetition_penalty,
+                          <int>((<unsigned int>s.seed + <unsigned int>step) & 0x7fffffffu))
+
+
+cdef bint ct_is_end(LoopState *s, int token) noexcept nogil:
+    return API.llm_is_eos_token(s.llm, token)
+
+
+cdef int ct_write_piece(LoopState *s, int token, char *out) noexcept nogil:
+    cdef const char *piece = API.llm_detokenize(s.llm, token)
+    cdef int size = <int>strlen(piece)
+    memcpy(out, piece, size)
+    return size
+
+
+cdef void llama_begin(LoopState *s) noexcept nogil:
+    # The repetition penalty looks at recent tokens, the prompt's included.
+    cdef int i = s.n_prompt - LAST_N_TOKENS
+    for i in range(i if i > 0 else 0, s.n_prompt):
+        LLAMA.sampler_accept(s.sampler, s.tokens[i])
+
+
+cdef float *llama_logits(LoopState *s) noexcept nogil:
+    return s.logits
+
+
+cdef int llama_sample(LoopState *s, int step) noexcept nogil:
+    return LLAMA.sample(s.sampler, s.logits, sl.sl_watch_says_stop, &s.watch)
+
+
+cdef bint llama_is_end(LoopState *s, int token) noexcept nogil:
+    return LLAMA.is_end(s.lmodel, token)
+
+
+cdef int llama_write_piece(LoopState *s, int token, char *out) noexcept nogil:
+    # Control tokens write nothing: they belong to the template, not the text.
+    cdef int size = LLAMA.token_piece(s.lmodel, token, out, s.max_token_bytes, False)
+    return size if size > 0 else 0
+
+
+CTRANSFORMERS_OPS.begin = ct_begin
+CTRANSFORMERS_OPS.evaluate = ct_evaluate
+CTRANSFORMERS_OPS.logits = ct_logits
+CTRANSFORMERS_OPS.sample = ct_sample
+CTRANSFORMERS_OPS.is_end = ct_is_end
+CTRANSFORMERS_OPS.write_piece = ct_write_piece
+LLAMA_OPS.begin = llama_begin
+LLAMA_OPS.evaluate = evaluate_in_step
+LLAMA_OPS.logits = llama_logits
+LLAMA_OPS.sample = llama_sample
+LLAMA_OPS.is_end = llama_is_end
+LLAMA_OPS.write_piece = llama_write_piece
 
 
 def measure_flag_poll(int iterations=1000000):
@@ -1417,11 +1204,10 @@ cdef class Generation:
     def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
                   int top_k, double top_p, double repetition_penalty, double frequency_penalty,
                   double presence_penalty, int seed, grammar, int logprobs,
-                  stop=(), int prefill_chunk=1, int threads=1, int window=64,
+                  stop=(), int prefill_chunk=1, int threads=1, int window=DEFAULT_WINDOW,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
-        cdef ll.sll_sampling sampling
         cdef bytes grammar_text = None if grammar is None else str(grammar).encode("utf-8")
         context._check_open()
         if n_prompt == 0:
@@ -1430,8 +1216,6 @@ cdef class Generation:
             raise ContextOverflowError(
                 f"the prompt has {n_prompt} tokens; the context holds {context.context_length} "
                 "and needs room for at least one generated token")
-        if grammar_text is not None and context.engine != Engine.LLAMA_CPP:
-            raise ValueError("a grammar needs the llama.cpp engine")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
         if prefill_chunk > context.max_batch:
@@ -1456,29 +1240,8 @@ cdef class Generation:
         self.s.window = window
         self.s.watch.deadline_ns = deadline_ns
         self.s.watch.first_token_deadline_ns = first_token_deadline_ns
-        self.s.engine = context.engine
         self.s.max_token_bytes = context.max_token_bytes
-        if context.engine == Engine.LLAMA_CPP:
-            # llama.cpp's abort callback is official, and it computes only the
-            # logits asked for: nothing to trim.
-            self.s.step_abort = step_abort
-            self.s.trim_output = False
-            sampling.temperature = temperature
-            sampling.top_k = top_k
-            sampling.top_p = top_p
-            sampling.repeat_penalty = repetition_penalty
-            sampling.penalty_last_n = LAST_N_TOKENS
-            sampling.seed = <uint32_t>seed
-            sampling.grammar = NULL if grammar_text is None else <const char *>grammar_text
-            self.s.sampler = LLAMA.sampler_new((<LlamaSequence>context).owner.model.model, &sampling)
-            if self.s.sampler is NULL and grammar_text is not None:
-                raise ValueError("llama.cpp cannot parse the grammar")
-            if self.s.sampler is NULL:
-                raise c_failure(MemoryError, "cannot allocate the sampler")
-        else:
-            self.s.step_abort = step_abort and STEP_ABORT
-            # Trimming needs the hook, which only runs when step_abort is on.
-            self.s.trim_output = trim_output and self.s.step_abort
+        context.prepare(&self.s, step_abort, trim_output, grammar_text)
         self.s.tokens = <int *>malloc((n_prompt + max_tokens) * sizeof(int))
         self.s.text = <char *>malloc(<size_t>max_tokens * context.max_token_bytes + 1)
         self.s.text_end = <uint32_t *>calloc(max_tokens, sizeof(uint32_t))
@@ -1599,21 +1362,13 @@ cdef class Generation:
     def run(self):
         """Run the loop to its end and return the :class:`LoopResult`."""
         cdef Slot context = self.context
-        cdef LlamaSequence sequence
         if sl.sl_load_acquire(&self._state) != GenerationState.NEW:
             raise EngineError("a generation runs only once")
         if context.busy:
             raise EngineError("another generation is running on this context")
         context._check_open()
         self.s.n_reused = context.usable_prefix(self.s.tokens, self.s.n_prompt, self.s.prefill_chunk)
-        if context.engine == Engine.LLAMA_CPP:
-            sequence = <LlamaSequence>context
-            self.s.batcher = &sequence.owner.b
-            self.s.seq = sequence.seq
-            self.s.lmodel = sequence.owner.model.model
-            self.s.logits = sequence.logits
-        else:
-            self.s.llm = (<Context>context).llm
+        context.attach(&self.s)
         sl.sl_store_release(&self._state, GenerationState.RUNNING)
         context.busy = 1
         # Positions from n_reused on are about to be overwritten.

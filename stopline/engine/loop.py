@@ -40,7 +40,8 @@ from ..engine import model as embedded
 from ..protocol.errors import EngineError, ModelLoadError, SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
-from ..settings import DEFAULT_CONTEXT_LENGTH
+from ..settings import Settings
+from .cores import usable_cores
 from .model_check import ModelFileError, check_model_file
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 
@@ -59,15 +60,6 @@ DEFAULT_PREFILL_CHUNK = {
     EngineName.CTRANSFORMERS: {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1},
     EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 512, AbortMode.BETWEEN_STEPS: 1},
 }
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: a generation's compute threads unless told otherwise
-    (the scheduler shares them among the generations running together)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class SamplingArgs(TypedDict):
@@ -155,11 +147,11 @@ class Engine:
         model_path: str | os.PathLike | None = None,
         model_type: str | None = None,
         *,
-        engine: EngineName | str = EngineName.LLAMA_CPP,
-        context_length: int = DEFAULT_CONTEXT_LENGTH,
+        engine: EngineName | str = Settings.engine,
+        context_length: int = Settings.context_length,
         threads: int | None = None,
         prefill_chunk: int | None = None,
-        abort_mode: AbortMode | str = AbortMode.IN_STEP,
+        abort_mode: AbortMode | str = Settings.abort_mode,
         progress: bool = True,
         llama_library: str | os.PathLike | None = None,
     ) -> Engine:
@@ -184,7 +176,7 @@ class Engine:
         """A new native context for this model. Close it with ``slot.close()``."""
         raise NotImplementedError
 
-    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> Sequence[_core.Slot]:
+    def open_slots(self, count: int, batching: Batching = Settings.batching) -> Sequence[_core.Slot]:
         """``count`` slots for generations that run at the same time."""
         if batching is not Batching.PER_SLOT:
             raise SettingError("--batching shared needs the llama.cpp engine")
@@ -204,7 +196,7 @@ class Engine:
         prompt_tokens: list[int],
         params: SamplingParams,
         *,
-        window: int = 64,
+        window: int = Settings.window,
         started_ns: int | None = None,
         threads: int | None = None,
     ) -> Stream:
@@ -263,23 +255,23 @@ class CtransformersEngine(Engine):
         self.model_type = model_type
         self.name = name
         self.threads = threads
-        _core.load_library(_ctransformers_library_path())
+        _core.load_ctransformers_library(_ctransformers_library_path())
         # The first context proves the model loads and gives the real context length.
-        probe = _core.Context(str(model_path), model_type, context_length)
+        probe = _core.CtransformersSlot(str(model_path), model_type, context_length)
         # Handed out as the first slot.
-        self._probe: _core.Context | None = probe
+        self._probe: _core.CtransformersSlot | None = probe
         self.context_length = probe.context_length
         self.vocab_size = probe.vocab_size
         if tokenizer is None:
             # A context of its own (with a tiny KV cache), so tokenizing never touches a busy slot.
-            self._tokenizer_context = _core.Context(str(model_path), model_type, 8)
+            self._tokenizer_context = _core.CtransformersSlot(str(model_path), model_type, 8)
             self.tokenizer = NativeTokenizer(self._tokenizer_context.tokenize)
         else:
             self.tokenizer = tokenizer
         self.abort_mode, self.trim_output = self._prove_step_abort(probe, abort_mode)
         self.prefill_chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][self.abort_mode]
 
-    def _prove_step_abort(self, probe: _core.Context, wanted: AbortMode) -> tuple[AbortMode, bool]:
+    def _prove_step_abort(self, probe: _core.CtransformersSlot, wanted: AbortMode) -> tuple[AbortMode, bool]:
         """Abort a real evaluation before relying on the step hook, and check that
         computing only the last token's logits changes no bit of them."""
         if wanted is AbortMode.BETWEEN_STEPS:
@@ -374,11 +366,11 @@ class CtransformersEngine(Engine):
         )
         return _with_file_template(loaded, fields)
 
-    def open_slot(self) -> _core.Context:
+    def open_slot(self) -> _core.CtransformersSlot:
         if self._probe is not None:
             slot, self._probe = self._probe, None
             return slot
-        return _core.Context(str(self.model_path), self.model_type, self.context_length)
+        return _core.CtransformersSlot(str(self.model_path), self.model_type, self.context_length)
 
 
 class LlamaEngine(Engine):
@@ -474,7 +466,7 @@ class LlamaEngine(Engine):
             return slot
         return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads).sequences[0]
 
-    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> Sequence[_core.LlamaSequence]:
+    def open_slots(self, count: int, batching: Batching = Settings.batching) -> Sequence[_core.LlamaSequence]:
         """``count`` contexts of one sequence each, or with ``Batching.SHARED`` the
         ``count`` sequences of one context."""
         if batching is Batching.PER_SLOT:

@@ -404,7 +404,11 @@ def byte_level_to_bytes(token: str, decoder: dict[str, int] | None = None) -> by
 
 
 def convert_for_ctransformers(source: Path, target: Path, progress: bool = True) -> None:
-    """Rewrite a byte-level-BPE llama GGUF (v3) into one ctransformers 0.2.27 loads."""
+    """Rewrite a byte-level-BPE llama GGUF (v3) into one ctransformers 0.2.27 loads.
+
+    This is the one place that reads a GGUF with the gguf package's reader rather than
+    :func:`~.model_check.read_gguf_metadata`: it copies the tensors too, through the
+    same package's writer, which takes that reader's tensors as they are."""
     import gguf
     import numpy as np
 

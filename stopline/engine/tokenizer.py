@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from ..protocol.errors import StoplineError
 from ..protocol.vocabulary import BuiltinTemplate
+from .model_check import read_gguf_metadata
 
 # The format of a saved tokenizer (ChatTokenizer.dumps). Bump it whenever that
 # format or the way from_fields builds a tokenizer changes, so saved ones are rebuilt.
@@ -45,11 +46,11 @@ class ChatTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ChatTokenizer:
-        return cls.from_fields(gguf.GGUFReader(str(path)).fields, str(path))
+        return cls.from_fields(read_gguf_metadata(Path(path)).fields, str(path))
 
     @classmethod
     def from_fields(cls, fields: dict, source: str) -> ChatTokenizer:
-        """Build from the metadata of a GGUF already read (``GGUFReader.fields``)."""
+        """Build from the metadata of a GGUF already read (:func:`~.model_check.read_gguf_metadata`)."""
         kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
         if kind != "gpt2":
             raise TokenizerError(f"{source}: tokenizer model {kind!r} is not byte-level BPE ('gpt2')")

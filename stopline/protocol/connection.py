@@ -4,7 +4,8 @@
 (:mod:`stopline.app` for the WebSocket, :mod:`stopline.http_api` for HTTP)
 tells it what happened, in plain calls stamped with CLOCK_MONOTONIC ns:
 
-- what the client did: sent a text or binary frame, asked to cancel, left;
+- what the client did: sent a text or binary frame (or an HTTP body, checked
+  into a :class:`~.frames.GenerateFrame`), asked to cancel, left;
 - what the server saw: a prompt tokenized, a request accepted or refused by
   the scheduler, a request that took a slot, generated text, a native loop that
   exited (the engine's result), a request cancelled or expired while queued, a
@@ -47,39 +48,29 @@ from .errors import (
     ProtocolError,
     TooManyRequests,
     TooManyRequestsFromAddress,
-    UnknownType,
 )
-from .frames import Accepted, CancelAck, ErrorFrame, Frame, Hello, Terminal, Token
+from .frames import Accepted, CancelAck, CancelFrame, ErrorFrame, Frame, GenerateFrame, Hello, Terminal, Token
 from .requests import (
-    MAX_USER_CHARS,
     Ending,
     GenerationResult,
     Limits,
     Phase,
     Request,
-    SamplingParams,
     exit_outcome,
     first_deadline,
 )
 from .throttle import Throttle
-from .validation import id_of, is_id, number_field, parse_frame, shown, text_bytes, validate_generate
+from .validation import incoming_frame
 from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 
 
 @dataclass(eq=False)
 class Draft:
-    """A validated generate frame whose prompt is still being tokenized."""
+    """A generate frame whose prompt is still being tokenized, under the id its request will have."""
 
     id: str
-    params: SamplingParams
-    prompt: str | None
-    messages: list[dict] | None
+    frame: GenerateFrame
     received_ns: int
-    size: int  # the prompt's UTF-8 bytes
-    user: str | None = None
-    id_chosen_by_server: bool = False
-    # The room the prompt must leave in the context for the answer, in tokens.
-    min_answer_tokens: int = 1
     # Cancel frames that arrived meanwhile, and when the first did.
     cancels: int = 0
     cancel_ns: int = 0
@@ -199,71 +190,50 @@ class Connection:
         return [Send(ErrorFrame(ErrorCode.BINARY_FRAME, "frames must be JSON text frames, not binary"))]
 
     def receive_text(self, data: str, now_ns: int) -> list[Action]:
+        """A WebSocket text frame."""
         # Characters, not bytes: counting bytes would cost as much as the parse it guards.
         if not self._admit(now_ns, len(data)):
             return self._rate_limited(now_ns)
         try:
-            frame = parse_frame(data)
-            kind = frame["type"]
-            if kind == "generate":
-                return self._generate(frame, now_ns)
-            if kind == "cancel":
-                return self._cancel(frame, now_ns)
-            raise UnknownType(f"unknown type {shown(kind)}; expected 'generate' or 'cancel'", id_of(frame))
+            frame = incoming_frame(data, self.limits)
         except ProtocolError as exc:
-            return [Send(ErrorFrame(exc.code, exc.message, exc.request_id))]
+            return [Send(ErrorFrame.refusing(exc))]
+        if isinstance(frame, CancelFrame):
+            return self.cancel(frame, now_ns)
+        return self.generate(frame, now_ns)
 
     def frame_failed(self) -> list[Action]:
         """Handling a frame raised (a bug): that frame is answered, and the connection lives on."""
         return [Send(ErrorFrame(ErrorCode.INTERNAL_ERROR, "the server failed to handle this frame"))]
 
-    def _generate(self, frame: dict, now_ns: int) -> list[Action]:
-        client_id = frame.get("id")
-        chosen_by_server = client_id is None
-        if chosen_by_server:
-            request_id = str(uuid.uuid4())
-        elif is_id(client_id):
-            request_id = client_id
-        else:
-            raise InvalidField("id must be a string of 1 to 128 characters")
-        self._check_room(request_id)
-        params, prompt, messages, size = validate_generate(frame, self.limits, request_id)
-        user = frame.get("user")
-        if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-            raise InvalidField(f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
-        if user is not None:
-            text_bytes(user, "user", request_id)
-        min_answer_tokens = number_field(
-            frame, "min_answer_tokens", 1, 1, self.limits.context_length, integer=True, request_id=request_id
-        )
-        draft = Draft(
-            request_id,
-            params,
-            prompt,
-            messages,
-            received_ns=now_ns,
-            size=size,
-            user=user,
-            id_chosen_by_server=chosen_by_server,
-            min_answer_tokens=min_answer_tokens,
-        )
+    def generate(self, frame: GenerateFrame, now_ns: int) -> list[Action]:
+        """Start the request ``frame`` asks for, from a WebSocket frame or an HTTP body.
+        An HTTP request is one frame on a connection of its own, so the rates that bound a
+        WebSocket's flood of frames (:meth:`receive_text`) do not apply to it; the live
+        requests of its address do."""
+        request_id = frame.id if frame.id is not None else str(uuid.uuid4())
+        refusal = self._room_refusal(request_id)
+        if refusal is not None:
+            return [Send(ErrorFrame.refusing(refusal))]
+        draft = Draft(request_id, frame, received_ns=now_ns)
         self.pending[request_id] = draft
         self.quota.take(self.address)
         return [Tokenize(draft)]
 
     def tokenize(self, draft: Draft) -> list[int] | ProtocolError:
         """The prompt's tokens, or the error that refuses it. Safe to call from any thread."""
+        frame = draft.frame
         try:
-            tokens = self._tokenize(draft.prompt, draft.messages)
+            tokens = self._tokenize(frame.prompt, frame.messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
             return InvalidField(str(exc), draft.id)
         if not tokens:
             return InvalidField("the prompt is empty", draft.id)
-        if len(tokens) + draft.min_answer_tokens > self.limits.context_length:
+        if len(tokens) + frame.min_answer_tokens > self.limits.context_length:
             answer = (
                 "at least one generated token"
-                if draft.min_answer_tokens == 1
-                else f"the {draft.min_answer_tokens} generated tokens min_answer_tokens asks room for"
+                if frame.min_answer_tokens == 1
+                else f"the {frame.min_answer_tokens} generated tokens min_answer_tokens asks room for"
             )
             return PromptTooLong(
                 f"the prompt has {len(tokens)} tokens; the context holds "
@@ -279,18 +249,18 @@ class Connection:
             return []  # the client left meanwhile
         if isinstance(tokens, ProtocolError):
             self.quota.give_back(self.address)
-            refusal: list[Action] = [Send(ErrorFrame(tokens.code, tokens.message, tokens.request_id))]
+            refusal: list[Action] = [Send(ErrorFrame.refusing(tokens))]
             return refusal + [Send(CancelAck.of(draft.id, Outcome.ERROR))] * draft.cancels
         request = Request(
             draft.id,
             tokens,
-            draft.params,
+            draft.frame.params,
             received_ns=draft.received_ns,
-            user=draft.user,
+            user=draft.frame.user,
             user_id=self.user_id,
             key_id=self.key_id,
         )
-        if draft.id_chosen_by_server:
+        if draft.frame.id is None:
             request.request_id = draft.id  # one id is enough when the client gave none
         self.live[draft.id] = request
         actions: list[Action] = [Submit(request)]
@@ -303,27 +273,29 @@ class Connection:
         """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
         return self.tokenized(draft, PreparationFailed(message, draft.id))
 
-    def _check_room(self, request_id: str) -> None:
+    def _room_refusal(self, request_id: str) -> ProtocolError | None:
+        """Why this connection, or its address, has no room for another request, if it has none."""
         if request_id in self.live or request_id in self.pending:
-            raise DuplicateId(f"request {request_id!r} is still live on this connection", request_id)
+            return DuplicateId(f"request {request_id!r} is still live on this connection", request_id)
         count = len(self.live) + len(self.pending)
         if count >= self.limits.requests_per_connection:
-            raise TooManyRequests(
+            return TooManyRequests(
                 f"this connection already has {count} live requests "
                 f"(the limit is {self.limits.requests_per_connection})",
                 request_id,
             )
         if self.quota.used(self.address) >= self.quota.limit:
-            raise TooManyRequestsFromAddress(
+            return TooManyRequestsFromAddress(
                 f"this client address already has {self.quota.used(self.address)} live requests "
                 f"(the limit is {self.quota.limit})",
                 request_id,
             )
+        return None
 
-    def _cancel(self, frame: dict, now_ns: int) -> list[Action]:
-        request_id = frame.get("id")
-        if not is_id(request_id):
-            raise InvalidField("cancel needs the id of a request: a string of 1 to 128 characters")
+    def cancel(self, frame: CancelFrame, now_ns: int) -> list[Action]:
+        """Stop the request ``frame`` names: a pending prompt once it is tokenized, a live
+        request now; a request that has ended is answered with its outcome."""
+        request_id = frame.id
         draft = self.pending.get(request_id)
         if draft is not None:
             draft.cancels += 1

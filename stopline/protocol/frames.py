@@ -1,6 +1,9 @@
-"""The frames the protocol sends, typed. They become JSON (``Frame.json()``, then
-:func:`encode_frame`) only at the transport, so a consumer reads attributes, and a
-renamed field is a type error rather than a KeyError in an adapter."""
+"""The frames, typed both ways. A frame the protocol sends becomes JSON (``Frame.json()``,
+then :func:`encode_frame`) only at the transport, so a consumer reads attributes, and a
+renamed field is a type error rather than a KeyError in an adapter. A frame a client
+sends is checked into a :class:`GenerateFrame` or a :class:`CancelFrame` before the
+protocol acts on it (:mod:`.validation`), whether it came as WebSocket text or as an
+HTTP body."""
 
 from __future__ import annotations
 
@@ -8,10 +11,44 @@ import json
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from .requests import DEFAULT_SAMPLING, HELLO_DEFAULTS, Ending, Limits
+from .errors import ProtocolError
+from .requests import DEFAULT_SAMPLING, HELLO_DEFAULTS, Ending, Limits, SamplingParams
 from .vocabulary import STATUS_BY_OUTCOME, ErrorCode, Outcome, QuotaLimit, Refusal, Status
 
 PROTOCOL_VERSION = 1
+
+
+# Frames a client sends --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateFrame:
+    """A generate frame whose every field has been checked: what a request asks for."""
+
+    # The client's id for the request; None: the server chooses one.
+    id: str | None
+    params: SamplingParams
+    # Exactly one of the two.
+    prompt: str | None
+    messages: list[dict] | None
+    # The prompt's UTF-8 bytes.
+    size: int
+    user: str | None = None
+    # The room the prompt must leave in the context for the answer, in tokens.
+    min_answer_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class CancelFrame:
+    """Stop the request ``id``, wherever it is."""
+
+    id: str
+
+
+Incoming = GenerateFrame | CancelFrame
+
+
+# Frames the server sends ------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -81,6 +118,10 @@ class ErrorFrame:
     id: str | None = None
     limit: QuotaLimit | None = None
     retry_after_s: float | None = None
+
+    @classmethod
+    def refusing(cls, error: ProtocolError) -> ErrorFrame:
+        return cls(error.code, error.message, error.request_id)
 
     def json(self) -> dict:
         frame: dict = {"type": self.type, "id": self.id, "code": str(self.code), "message": self.message}

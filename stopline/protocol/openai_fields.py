@@ -7,9 +7,9 @@ table for readers, and a test checks that the two agree. Nothing is ignored in
 silence: a field that is not honoured is refused with 400
 ``unsupported_parameter`` naming it, and so is a field that is not in the table.
 
-No I/O here: :func:`openai_request` turns a parsed body into a ``generate``
-frame, which the protocol then validates like any other, and says whether the
-answer may hold function calls for the reply to read.
+No I/O here: :func:`openai_request` turns a parsed body into a checked
+:class:`~.frames.GenerateFrame`, by the same checks as a WebSocket frame, and says
+whether the answer may hold function calls for the reply to read.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from .errors import InvalidField, ModelNotFound, UnsupportedParameter
+from .frames import GenerateFrame
+from .requests import Limits
 from .tool_calls import ToolChoice, call_text, instructions
-from .validation import GRAMMARS_NEED_LLAMA_CPP, checked_tools
+from .validation import GRAMMARS_NEED_LLAMA_CPP, checked_tools, generate_frame
 from .vocabulary import ChatFormat
 
 
@@ -152,7 +154,7 @@ class ServedModels:
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    frame: dict
+    frame: GenerateFrame
     # The model name the answer reports.
     model: str
     # The answer may hold function calls (auto) or is only calls (required, a named function);
@@ -160,10 +162,11 @@ class OpenAIRequest:
     calls: ToolChoice | None = None
 
 
-def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bool) -> OpenAIRequest:
+def openai_request(body: dict, *, chat: bool, models: ServedModels, limits: Limits) -> OpenAIRequest:
     """The generate frame an OpenAI request body asks for, or the ProtocolError that refuses it.
-    ``models`` are the names this server's one model is served under; ``grammars``, whether
-    its engine can constrain output to a grammar (``Limits.grammars``)."""
+    ``models`` are the names this server's one model is served under; ``limits``, what a
+    request may ask of it (among them whether its engine can constrain output to a grammar)."""
+    grammars = limits.grammars
     table = _BY_ENDPOINT[Endpoint.CHAT if chat else Endpoint.COMPLETIONS]
     for name, value in body.items():
         field = table.get(name)
@@ -188,7 +191,7 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bo
             f"{', '.join(repr(n) for n in models.names)} (--model-names any answers to any name)",
             param="model",
         )
-    frame: dict = {"type": "generate"}
+    frame: dict = {}
     call = None
     if chat:
         messages = body.get("messages")
@@ -224,7 +227,7 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, grammars: bo
             frame.setdefault(field.frame_name, body[name])
     if call is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise InvalidField("give response_format or a tool_choice that calls, not both", param="tool_choice")
-    return OpenAIRequest(frame, model, calls=None if call is None else call[1])
+    return OpenAIRequest(generate_frame(frame, limits), model, calls=None if call is None else call[1])
 
 
 def _shown_name(value: object) -> str:

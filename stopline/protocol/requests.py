@@ -13,6 +13,9 @@ from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+# How far (in tokens) a generation may run ahead of what its client has been sent: the loop
+# waits there, so a client that stops reading stops the computing too (--window).
+DEFAULT_WINDOW = 64
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""The checks of a generate frame's fields: each refusal is a :class:`~stopline.protocol.errors.ProtocolError`
-that names its code, the request and what the field must be."""
+"""A client's frame checked into its type (:mod:`.frames`): each refusal is a
+:class:`~stopline.protocol.errors.ProtocolError` that names its code, the request and what the
+field must be. A WebSocket text frame comes through :func:`incoming_frame`; an HTTP body, which
+is a generate frame without its ``type``, through :func:`generate_frame`."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import json
 import math
 from typing import TypeGuard
 
-from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong
+from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong, UnknownType
+from .frames import CancelFrame, GenerateFrame, Incoming
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
-from .requests import DEFAULT_SAMPLING, MAX_SECONDS, Limits, SamplingParams
+from .requests import DEFAULT_SAMPLING, MAX_SECONDS, MAX_USER_CHARS, Limits, SamplingParams
 from .tool_calls import ToolChoice, calls_grammar, is_tool
 
 
@@ -24,11 +27,20 @@ def parse_json_object(data: str, what: str = "frame") -> dict:
     return value
 
 
-def parse_frame(data: str) -> dict:
+def incoming_frame(data: str, limits: Limits) -> Incoming:
+    """A WebSocket text frame, checked."""
     frame = parse_json_object(data)
-    if not isinstance(frame.get("type"), str):
-        raise InvalidFrame("the frame needs a string field 'type'", id_of(frame))
-    return frame
+    kind = frame.get("type")
+    if not isinstance(kind, str):
+        raise InvalidFrame("the frame needs a string field 'type'", _id_of(frame))
+    if kind == "generate":
+        return generate_frame(frame, limits)
+    if kind == "cancel":
+        request_id = frame.get("id")
+        if not _is_id(request_id):
+            raise InvalidField("cancel needs the id of a request: a string of 1 to 128 characters")
+        return CancelFrame(request_id)
+    raise UnknownType(f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame))
 
 
 def _encodable(text: str) -> bool:
@@ -40,17 +52,17 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def is_id(value: object) -> TypeGuard[str]:
+def _is_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 1 <= len(value) <= 128 and _encodable(value)
 
 
-def id_of(frame: dict) -> str | None:
+def _id_of(frame: dict) -> str | None:
     """The frame's id if it can be echoed back in an error frame."""
     value = frame.get("id")
-    return value if is_id(value) else None
+    return value if _is_id(value) else None
 
 
-def shown(value, limit: int = 40) -> str:
+def _shown(value, limit: int = 40) -> str:
     """A short repr of a client's value for an error message."""
     text = (
         repr(value)
@@ -60,7 +72,9 @@ def shown(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def number_field(frame: dict, name: str, default, low, high, *, integer: bool, request_id: str, low_open: bool = False):
+def _number_field(
+    frame: dict, name: str, default, low, high, *, integer: bool, request_id: str | None, low_open: bool = False
+):
     value = frame.get(name)
     if value is None:
         return default
@@ -76,11 +90,11 @@ def number_field(frame: dict, name: str, default, low, high, *, integer: bool, r
         or (low_open and value == low)
     ):
         bound = f"({low:g}" if low_open else f"[{low:g}"
-        raise InvalidField(f"{name} must be in {bound}, {high:g}]; got {shown(value)}", request_id)
+        raise InvalidField(f"{name} must be in {bound}, {high:g}]; got {_shown(value)}", request_id)
     return value
 
 
-def text_bytes(value: str, name: str, request_id: str) -> int:
+def _text_bytes(value: str, name: str, request_id: str | None) -> int:
     """The UTF-8 size of a client's text; text that has none (a lone surrogate) is refused."""
     try:
         return len(value.encode("utf-8"))
@@ -97,7 +111,7 @@ GRAMMARS_NEED_LLAMA_CPP = (
 )
 
 
-def _grammar(frame: dict, limits: Limits, request_id: str) -> str | None:
+def _grammar(frame: dict, limits: Limits, request_id: str | None) -> str | None:
     """The grammar that ``json_schema``, ``json_object`` or ``tools`` asks for, if any does."""
     schema, json_object, tools = frame.get("json_schema"), frame.get("json_object"), frame.get("tools")
     if json_object is not None and not isinstance(json_object, bool):
@@ -134,7 +148,7 @@ def checked_tools(tools: object, request_id: str | None = None, *, param: str | 
     return tools
 
 
-def _tools_grammar(frame: dict, request_id: str) -> str:
+def _tools_grammar(frame: dict, request_id: str | None) -> str:
     """The grammar of an answer that calls ``tools`` (docs/protocol.md#tool-calls)."""
     tools = checked_tools(frame["tools"], request_id)
     choice, parallel = frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
@@ -145,14 +159,20 @@ def _tools_grammar(frame: dict, request_id: str) -> str:
     return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
 
 
-def validate_generate(frame: dict, limits: Limits, request_id: str):
+def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
+    """A generate frame's fields, checked (its ``type``, if any, is not read)."""
+    client_id = frame.get("id")
+    if client_id is not None and not _is_id(client_id):
+        raise InvalidField("id must be a string of 1 to 128 characters")
+    # Refusals echo the client's id; a request whose id the server would choose has none yet.
+    request_id = client_id
     prompt, messages = frame.get("prompt"), frame.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidField("give exactly one of 'prompt' or 'messages'", request_id)
     if prompt is not None:
         if not isinstance(prompt, str):
             raise InvalidField("prompt must be a string", request_id)
-        size = text_bytes(prompt, "prompt", request_id)
+        size = _text_bytes(prompt, "prompt", request_id)
     else:
         if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
             raise InvalidField(f"messages must be a list of 1 to {limits.max_messages} messages", request_id)
@@ -167,7 +187,7 @@ def validate_generate(frame: dict, limits: Limits, request_id: str):
                     'each message must be {"role": "system"|"user"|"assistant", "content": string}',
                     request_id,
                 )
-            size += text_bytes(message["content"], "a message's content", request_id)
+            size += _text_bytes(message["content"], "a message's content", request_id)
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if size > limits.max_prompt_bytes:
         raise PromptTooLong(
@@ -182,7 +202,9 @@ def validate_generate(frame: dict, limits: Limits, request_id: str):
     if (
         not isinstance(stop, list)
         or len(stop) > limits.max_stop_sequences
-        or not all(isinstance(s, str) and 1 <= text_bytes(s, "stop", request_id) <= limits.max_stop_bytes for s in stop)
+        or not all(
+            isinstance(s, str) and 1 <= _text_bytes(s, "stop", request_id) <= limits.max_stop_bytes for s in stop
+        )
     ):
         raise InvalidField(
             f"stop must be a list of at most {limits.max_stop_sequences} strings of 1 to {limits.max_stop_bytes} bytes",
@@ -192,34 +214,34 @@ def validate_generate(frame: dict, limits: Limits, request_id: str):
     grammar = _grammar(frame, limits, request_id)
     d = DEFAULT_SAMPLING
     params = SamplingParams(
-        max_tokens=number_field(
+        max_tokens=_number_field(
             frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, request_id=request_id
         ),
         temperature=float(
-            number_field(frame, "temperature", d.temperature, 0, 5, integer=False, request_id=request_id)
+            _number_field(frame, "temperature", d.temperature, 0, 5, integer=False, request_id=request_id)
         ),
-        top_k=number_field(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, request_id=request_id),
-        top_p=float(number_field(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
+        top_k=_number_field(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, request_id=request_id),
+        top_p=float(_number_field(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
         repetition_penalty=float(
-            number_field(
+            _number_field(
                 frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id
             )
         ),
         frequency_penalty=float(
-            number_field(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
+            _number_field(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
         ),
         presence_penalty=float(
-            number_field(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
+            _number_field(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
         ),
-        seed=number_field(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
+        seed=_number_field(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
         stop=tuple(stop),
         grammar=grammar,
-        logprobs=number_field(frame, "logprobs", d.logprobs, 0, 20, integer=True, request_id=request_id),
+        logprobs=_number_field(frame, "logprobs", d.logprobs, 0, 20, integer=True, request_id=request_id),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
         timeout_s=min(
             limits.max_timeout_s,
             float(
-                number_field(
+                _number_field(
                     frame,
                     "timeout_s",
                     limits.default_timeout_s,
@@ -234,7 +256,7 @@ def validate_generate(frame: dict, limits: Limits, request_id: str):
         ttft_timeout_s=min(
             limits.max_ttft_timeout_s,
             float(
-                number_field(
+                _number_field(
                     frame,
                     "ttft_timeout_s",
                     limits.default_ttft_timeout_s,
@@ -247,4 +269,13 @@ def validate_generate(frame: dict, limits: Limits, request_id: str):
             ),
         ),
     )
-    return params, prompt, messages, size
+    user = frame.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise InvalidField(f"user must be a string of at most {MAX_USER_CHARS} characters", request_id)
+    if user is not None:
+        _text_bytes(user, "user", request_id)
+    min_answer_tokens = _number_field(
+        frame, "min_answer_tokens", 1, 1, limits.context_length, integer=True, request_id=request_id
+    )
+
+    return GenerateFrame(client_id, params, prompt, messages, size, user, min_answer_tokens)

@@ -1,0 +1,310 @@
+# Included by _core.pyx: how generations that run on one llama.cpp context share
+# its steps. Each generation's loop posts its tokens (evaluate_in_step, the llama.cpp
+# engine's evaluation); whichever finds every present generation posted leads
+# the step, evaluating all their tokens in one batch, and hands each its result.
+# A stop is seen by the generation it concerns at once, whoever leads.
+
+
+cdef struct Batcher:
+    # Generations running on one llama.cpp context take turns leading: the
+    # leader evaluates the tokens every present generation has posted, in one
+    # batch, while the others wait. The lock guards present, the posts and
+    # leading; the context and everything after leading belong to the thread
+    # that set leading.
+    sl.pthread_mutex_t lock
+    sl.pthread_cond_t changed
+    ll.sll_context *ctx
+    # Running generations that are not paused for their reader: a step waits
+    # until each of them has posted its tokens, so that they share it.
+    int present
+    int n_posted
+    LoopState *posted[ll.SLL_MAX_SEQUENCES]
+    # A thread is using the context (evaluating, or changing its cache).
+    bint leading
+    # Per sequence, where its cache is to be cut (-1: nowhere): a cut asked for
+    # while a thread uses the context waits for that thread to end its turn.
+    int cut_from[ll.SLL_MAX_SEQUENCES]
+    int applied_threads
+    int max_tokens         # the most tokens one evaluation takes
+    # Evaluations run, the generations they carried in all (their ratio is how
+    # many generations a step shared on average), and the evaluations that were
+    # stopped for one generation and run again for the others.
+    int64_t steps
+    int64_t step_members
+    int64_t reruns
+    # The stop conditions of the step being evaluated (the abort callback's data).
+    sl.sl_group_watch group
+
+
+cdef void claim_context(Batcher *b) noexcept nogil:
+    """Wait until no thread uses the context, and take it, with every cut asked for made."""
+    sl.pthread_mutex_lock(&b.lock)
+    while b.leading:
+        sl.pthread_cond_wait(&b.changed, &b.lock)
+    b.leading = True
+    make_cuts(b)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void release_context(Batcher *b) noexcept nogil:
+    sl.pthread_mutex_lock(&b.lock)
+    make_cuts(b)
+    b.leading = False
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void truncate_sequence(Batcher *b, int seq, int p0) noexcept nogil:
+    """Drop ``seq``'s positions from ``p0`` on: at once if no thread uses the
+    context, else as that thread takes or gives up the context, before any
+    evaluation of ``seq`` and any read of its cache. A generation that starts
+    during a step (or is stopped before its first evaluation) does not wait
+    for the step."""
+    sl.pthread_mutex_lock(&b.lock)
+    if b.cut_from[seq] < 0 or p0 < b.cut_from[seq]:
+        b.cut_from[seq] = p0
+    if not b.leading:
+        make_cuts(b)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void make_cuts(Batcher *b) noexcept nogil:
+    """Cut the caches as asked (called with the lock held, by the thread that
+    uses the context, or while none does)."""
+    cdef int seq
+    for seq in range(ll.SLL_MAX_SEQUENCES):
+        if b.cut_from[seq] >= 0:
+            LLAMA.truncate(b.ctx, seq, b.cut_from[seq])
+            b.cut_from[seq] = -1
+
+
+cdef int32_t probe_decode(Batcher *b, int seq, const int32_t *ids, int n) noexcept nogil:
+    LLAMA.batch_clear(b.ctx)
+    if LLAMA.batch_add(b.ctx, seq, ids, n, 0, 1) < 0:
+        return ll.SLL_REFUSED
+    return decode_batch(b)
+
+
+cdef int32_t decode_batch(Batcher *b) noexcept nogil:
+    """Evaluate the batch built in the context, with the group's stop conditions
+    watched throughout. Any check that saw a stop makes it an aborted evaluation:
+    a thread may have left a node part-way after the last check of llama.cpp's own."""
+    cdef int32_t status
+    b.group.aborted = 0
+    b.group.longest_gap_ns = 0
+    b.group.start_ns = sl.sl_monotonic_ns()
+    status = LLAMA.batch_decode(b.ctx)
+    return ll.SLL_ABORTED if b.group.aborted else status
+
+
+cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
+    """The llama.cpp engine's evaluation: post the tokens for the context's next
+    step and wait for it. Whichever waiting generation finds every present one
+    posted leads the step for all of them."""
+    cdef Batcher *b = s.batcher
+    sl.pthread_mutex_lock(&b.lock)
+    s.post_count = count
+    s.post_result = PostResult.POST_WAITING
+    b.posted[b.n_posted] = s
+    b.n_posted += 1
+    while s.post_result == PostResult.POST_WAITING:
+        if not b.leading and b.n_posted >= b.present:
+            lead_step(b, s)
+        elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
+            # Stopped while a step it is not part of runs: it leaves without waiting for it.
+            should_stop(s)
+            s.post_result = PostResult.POST_STOPPED
+        else:
+            # Woken by every result, every step's end, and a cancel (Generation.cancel).
+            sl.pthread_cond_wait(&b.changed, &b.lock)
+    sl.pthread_mutex_unlock(&b.lock)
+    return s.post_result == PostResult.POST_DONE
+
+
+cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
+    """Take ``s``'s tokens back if no step has taken them yet (called with the lock held)."""
+    cdef int i, j
+    for i in range(b.n_posted):
+        if b.posted[i] == s:
+            for j in range(i, b.n_posted - 1):
+                b.posted[j] = b.posted[j + 1]
+            b.n_posted -= 1
+            return True
+    return False
+
+
+cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
+    """Evaluate what is posted, on ``leader``'s thread (called and returning with
+    the lock held)."""
+    cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
+    cdef int i, n = 1
+    # The leader first: its tokens always fit the batch.
+    members[0] = leader
+    for i in range(b.n_posted):
+        if b.posted[i] != leader:
+            members[n] = b.posted[i]
+            n += 1
+    b.n_posted = 0
+    b.leading = True
+    make_cuts(b)
+    sl.pthread_mutex_unlock(&b.lock)
+    evaluate_together(b, members, n)
+    sl.pthread_mutex_lock(&b.lock)
+    for i in range(n):
+        if members[i] is not NULL:
+            post_again(b, members, i)
+    make_cuts(b)
+    b.leading = False
+    sl.pthread_cond_broadcast(&b.changed)
+
+
+cdef int post_again(Batcher *b, LoopState **members, int i) noexcept nogil:
+    """Hand member ``i`` back to the posted tokens (called with the lock held): a
+    step led by one of the waiting generations takes it, and until then it can
+    leave at once if it is stopped. Returns 1 (one member fewer waiting)."""
+    b.posted[b.n_posted] = members[i]
+    b.n_posted += 1
+    members[i] = NULL
+    sl.pthread_cond_broadcast(&b.changed)
+    return 1
+
+
+cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
+    """Evaluate the ``n`` members' posted tokens in one batch, led by
+    ``members[0]``, and again without a member whose stop aborted it. A member
+    leaves ``members`` (set to NULL) as soon as it has its result: it may post
+    again at once, for the next step. A member is handed back to the posted
+    tokens (see post_again) when its tokens do not fit the batch, and every
+    member still waiting once the leader has its result, so that no generation
+    waits for an evaluation it is not part of: a stopped one would wait for it
+    to end, a whole step."""
+    cdef LoopState *s
+    # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
+    cdef int included[ll.SLL_MAX_SEQUENCES]
+    cdef int32_t output[ll.SLL_MAX_SEQUENCES]
+    cdef int i, j, k, room, stopped, waiting = n, threads = 1
+    cdef int32_t index, status
+    cdef bint want_logits
+    cdef const float *row
+    # Every member asks for the same cores (the scheduler shares them among steps, not members).
+    for i in range(n):
+        threads = max(threads, sl.sl_load_acquire(&members[i].threads))
+    if threads != b.applied_threads:
+        LLAMA.set_threads(b.ctx, threads)
+        b.applied_threads = threads
+    while waiting:
+        LLAMA.batch_clear(b.ctx)
+        k = 0
+        room = b.max_tokens
+        b.group.n = 0
+        for i in range(n):
+            s = members[i]
+            if s is NULL:
+                continue
+            if should_stop(s):
+                waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
+                continue
+            # The batch holds one prompt chunk beside every other member's token
+            # (see LlamaContext); a second chunk waits for the next step.
+            if s.post_count > room:
+                sl.pthread_mutex_lock(&b.lock)
+                waiting -= post_again(b, members, i)
+                sl.pthread_mutex_unlock(&b.lock)
+                continue
+            # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
+            want_logits = s.n_past + s.post_count >= s.n_prompt
+            index = LLAMA.batch_add(b.ctx, s.seq, <const int32_t *>(s.tokens + s.n_past), s.post_count,
+                                    s.n_past, want_logits)
+            if index < 0:
+                s.exit = ExitKind.EVAL_FAILED
+                waiting -= give_result(b, members, i, PostResult.POST_FAILED)
+                continue
+            room -= s.post_count
+            output[k] = index if want_logits else -1
+            included[k] = i
+            k += 1
+            if s.step_abort:
+                b.group.members[b.group.n] = &s.watch
+                b.group.n += 1
+        if members[0] is NULL:
+            return
+        if k == 0:
+            # Nothing left fits an empty batch (Generation bounds a chunk by it, so
+            # this cannot happen): end those generations rather than leave them waiting.
+            fail_the_rest(b, members, n)
+            return
+        status = decode_batch(b)
+        b.steps += 1
+        b.step_members += k
+        for j in range(k):
+            record_longest_node(members[included[j]], b.group.longest_gap_ns)
+        if status == ll.SLL_OK:
+            for j in range(k):
+                s = members[included[j]]
+                row = LLAMA.logits(b.ctx, output[j]) if output[j] >= 0 else NULL
+                if output[j] >= 0 and row is NULL:
+                    LLAMA.truncate(b.ctx, s.seq, s.n_past)
+                    s.exit = ExitKind.EVAL_FAILED
+                    waiting -= give_result(b, members, included[j], PostResult.POST_FAILED)
+                    continue
+                if row is not NULL:
+                    memcpy(s.logits, row, s.vocab_size * sizeof(float))
+                s.n_past += s.post_count
+                waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
+            continue
+        # One call is one physical batch, so an aborted or failed step leaves
+        # at most its own positions behind: drop them, so that each sequence's
+        # cache holds exactly the tokens of its record.
+        for j in range(k):
+            s = members[included[j]]
+            LLAMA.truncate(b.ctx, s.seq, s.n_past)
+        # Stopped part-way: the stop condition that did it still holds (the
+        # flag is sticky, deadlines only pass). Its generation leaves at once;
+        # the others evaluate the step again without it.
+        stopped = 0
+        if b.group.aborted:
+            for j in range(k):
+                if should_stop(members[included[j]]):
+                    stopped += give_result(b, members, included[j], PostResult.POST_STOPPED)
+        waiting -= stopped
+        if stopped and waiting:
+            b.reruns += 1
+        if stopped == 0:
+            # Failed, or aborted while no stop condition held: nothing to retry.
+            fail_the_rest(b, members, n)
+            return
+
+
+cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:
+    """End every member still waiting with EVAL_FAILED."""
+    cdef int i
+    for i in range(n):
+        if members[i] is not NULL:
+            members[i].exit = ExitKind.EVAL_FAILED
+            give_result(b, members, i, PostResult.POST_FAILED)
+
+
+cdef int give_result(Batcher *b, LoopState **members, int i, PostResult result) noexcept nogil:
+    """Hand member ``i`` its step's result and wake it; returns 1 (one member fewer
+    waiting). Its fields the step wrote (n_past, logits, exit) are published by the
+    same lock, and from then on it is its own again."""
+    cdef LoopState *s = members[i]
+    members[i] = NULL
+    sl.pthread_mutex_lock(&b.lock)
+    s.post_result = result
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
+    return 1
+
+
+cdef void set_present(LoopState *s, bint present) noexcept nogil:
+    """Count the generation in (or out of) its context's steps: a step waits for
+    the tokens of every present generation."""
+    cdef Batcher *b = s.batcher
+    if b is NULL or s.is_present == present:
+        return
+    sl.pthread_mutex_lock(&b.lock)
+    b.present += 1 if present else -1
+    s.is_present = present
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
