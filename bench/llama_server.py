@@ -1,7 +1,7 @@
 """llama.cpp's llama-server as a peer engine ("llama-server") in the benchmark.
 
 The benchmark starts the binary (``--llama-server PATH``, or one built by
-``--build-llama-server``, see ``stopline/engine/llama_build.py``) on the same GGUF file
+``--build-llama-server``: :func:`ensure_llama_server`, below) on the same GGUF file
 the other engines load, with the same context per slot, slots and sampling, as
 many compute threads in all as ours has (slots × threads per slot), on the same
 cores, and maps the scenarios onto its HTTP API (``POST /completion`` with
@@ -31,12 +31,13 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stopline.engine.llama_build import SOURCE_LABEL, cached_binary, ensure_llama_server
+from stopline.engine.llama_build import BUILD_KEY, SOURCE_LABEL, LlamaBuildError, build_root, build_unedited
 from stopline.protocol.requests import DEFAULT_SAMPLING
 from stopline.protocol.vocabulary import Outcome, Reason
 
@@ -203,7 +204,7 @@ class LlamaServer:
             await process.wait()
             output = ""
         version = next((line.strip() for line in output.splitlines() if line.startswith("version")), "version unknown")
-        built_here = self.binary.resolve() == cached_binary().resolve()
+        built_here = self.binary.resolve() == llama_server_binary().resolve()
         return f"{SOURCE_LABEL}, {version}" if built_here else version
 
     async def _read_log(self, port: asyncio.Future) -> None:
@@ -874,3 +875,24 @@ def peer_from_args(
     else:
         binary = ensure_llama_server()
     return LlamaServer(binary, model, out_dir, slots, threads, context_length, cpus)
+
+
+def llama_server_binary() -> Path:
+    """Where the llama-server the benchmark builds is kept, built or not."""
+    return build_root() / "bin" / f"llama-server-{BUILD_KEY}"
+
+
+def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
+    """The cached llama-server binary, built on first use from the pinned llama.cpp tree,
+    unedited and with the engine's build options."""
+    binary = llama_server_binary()
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    built = build_unedited("llama-server", progress, jobs) / "bin" / "llama-server"
+    if not built.is_file():
+        raise LlamaBuildError(f"the build produced no {built}")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    temp = binary.with_name(f".{binary.name}.part")
+    shutil.copy2(built, temp)
+    os.replace(temp, binary)
+    return binary

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__
 from .auth import KeyFileError, Keyring
+from .engine import conversion
 from .engine import model as embedded
 from .engine.hub import HubError, HubModelName, is_hub_model, models_command
 from .engine.hub import resolve as resolve_hub_model
@@ -288,7 +289,7 @@ def cache_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m stopline cache",
         description=(
-            f"Models given with --model are converted once into {embedded.converted_dir()}; the "
+            f"Models given with --model are converted once into {conversion.converted_dir()}; the "
             f"{converted_keep()} most recently used copies are kept (STOPLINE_CONVERTED_KEEP)."
         ),
     )
@@ -298,14 +299,14 @@ def cache_command(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     if args.action == "prune":
-        for path in embedded.prune_converted(args.keep):
+        for path in conversion.prune_converted(args.keep):
             print(f"deleted {path}")
         return 0
-    files = embedded.converted_files()
+    files = conversion.converted_files()
     for path in files:
         print(f"{path.stat().st_size / 1e6:10.1f} MB  {path}")
     total_mb = sum(p.stat().st_size for p in files) / 1e6
-    print(f"{len(files)} converted copies, {total_mb:.1f} MB in {embedded.converted_dir()}")
+    print(f"{len(files)} converted copies, {total_mb:.1f} MB in {conversion.converted_dir()}")
     return 0
 
 

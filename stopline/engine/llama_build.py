@@ -1,8 +1,6 @@
-"""Build llama.cpp once, into the user cache: the llama.cpp engine's shim library, and
-``llama-server`` for the benchmark.
+"""Build llama.cpp once, into the user cache: the llama.cpp engine's shim library.
 
-    python -m stopline.engine.llama_build            # the engine's library (what --engine llama.cpp needs)
-    python -m stopline.engine.llama_build --server   # and, unedited, llama-server and the library, for python -m bench
+    python -m stopline.engine.llama_build    # the engine's library (what --engine llama.cpp needs)
 
 llama.cpp's source is taken from the ``llama-cpp-python`` source distribution on
 PyPI, which vendors llama.cpp (``vendor/llama.cpp``) at the commit pinned by that
@@ -11,9 +9,10 @@ the CPU, with every optional network feature off and the same options: once with
 Stopline's edits (``stopline/engine/llama_edits.py``: a stop inside a graph node), whose
 static libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
 ``libstopline-llama.so``, exporting nothing but the shim's functions; and, for
-the benchmark only, unedited, for its ``llama-server`` (the peer as its users run
-it) and an unedited shim library to measure the edits against. Nothing of
-llama.cpp is part of this repository.
+the benchmark only, unedited (:func:`build_unedited`, :func:`ensure_llama_library`
+with ``edited=False``): the benchmark's ``llama-server``, the peer as its users run
+it (``bench/llama_server.py``), and a shim library to measure the edits against.
+Nothing of llama.cpp is part of this repository.
 """
 
 from __future__ import annotations
@@ -123,10 +122,6 @@ def _shim_key(edited: bool) -> str:
     return digest.hexdigest()[:12]
 
 
-def cached_binary() -> Path:
-    return build_root() / "bin" / f"llama-server-{BUILD_KEY}"
-
-
 def cached_library(edited: bool = True) -> Path:
     """The engine's shim library: built from the edited tree, or (``edited=False``,
     for the benchmark's comparison) from the unedited one."""
@@ -164,25 +159,14 @@ def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited:
     return library
 
 
-def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
-    """Return the cached llama-server binary, built from the unedited tree on first use."""
-    binary = cached_binary()
-    if binary.is_file() and os.access(binary, os.X_OK):
-        return binary
+def build_unedited(target: str, progress: bool = True, jobs: int | None = None) -> Path:
+    """Build the CMake target ``target`` (a program such as ``llama-server``) of the unedited
+    tree, with the engine's options, and return the build tree, whose ``bin/`` holds it."""
     _compiler()
     with _build_lock():
-        if binary.is_file():
-            return binary
         source, build = _tree(False, progress)
-        _cmake_build(source, build, ["llama-server"], progress, jobs, "building llama-server")
-        built = build / "bin" / "llama-server"
-        if not built.is_file():
-            raise LlamaBuildError(f"the build produced no {built}")
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        temp = binary.with_name(f".{binary.name}.part")
-        shutil.copy2(built, temp)
-        os.replace(temp, binary)
-        return binary
+        _cmake_build(source, build, [target], progress, jobs, f"building {target}")
+        return build
 
 
 def llama_source_dir() -> Path:
@@ -359,18 +343,10 @@ def _link_shim(source: Path, build: Path, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stopline.engine.llama_build", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--server",
-        action="store_true",
-        help="also build, unedited, llama-server and the shim library: the benchmark's peer and comparison",
-    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
     args = parser.parse_args(argv)
     try:
         print(ensure_llama_library(jobs=args.jobs))
-        if args.server:
-            print(ensure_llama_server(jobs=args.jobs))
-            print(ensure_llama_library(jobs=args.jobs, edited=False))
     except LlamaBuildError as exc:
         print(f"stopline: {exc}", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ from ..protocol.errors import EngineError, ModelLoadError, SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
 from ..settings import Settings
+from . import conversion
 from .cores import usable_cores
 from .model_check import ModelFileError, check_model_file
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
@@ -303,7 +304,7 @@ class CtransformersEngine(Engine):
         """The embedded model (fetched and converted once) when ``model_path`` is None."""
         tokenizer: ChatTokenizer | None
         if model_path is None:
-            path = embedded.embedded_model_path(progress)
+            path = conversion.embedded_model_path(progress)
             tokenizer = embedded.embedded_tokenizer(progress)
             return cls(
                 path,
@@ -328,14 +329,11 @@ class CtransformersEngine(Engine):
                 raise SettingError(f"context_length {context_length} exceeds the model's limit of {limit}")
             if _gguf_version(path) >= 3:
                 # The bundled loader reads GGUF v1/v2 only: convert once into the cache.
-                converted = (
-                    embedded.converted_dir()
-                    / f"{path.stem}.{path.stat().st_size}.ct-v{embedded.CONVERTER_VERSION}.gguf"
-                )
+                converted = conversion.converted_copy(path)
                 fresh = not converted.is_file()
                 if fresh:
-                    embedded.convert_for_ctransformers(path, converted, progress=progress)
-                embedded.mark_used(converted)
+                    conversion.convert_for_ctransformers(path, converted, progress=progress)
+                conversion.mark_used(converted)
                 try:
                     loaded = cls(
                         converted,
@@ -352,7 +350,7 @@ class CtransformersEngine(Engine):
                     if fresh:
                         converted.unlink(missing_ok=True)
                     raise
-                embedded.prune_converted(spare=converted)
+                conversion.prune_converted(spare=converted)
                 return _with_file_template(loaded, fields)
         loaded = cls(
             path,
@@ -458,6 +456,16 @@ class LlamaEngine(Engine):
         except ModelLoadError as exc:
             # llama.cpp checked the file and said why it cannot run it: a usage error, in one line.
             raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", engine=EngineName.LLAMA_CPP) from None
+        if not model.can_truncate:
+            # A stop inside the prompt, a shared step handed back and a reused prefix all cut a
+            # sequence's cache back to a position; a recurrent model's state cannot be cut.
+            model.close()
+            raise ModelFileError(
+                path,
+                "it is a recurrent or hybrid model (Mamba, RWKV and the like), whose state cannot be cut "
+                "back to an earlier token, which stopping mid-prompt and reusing a prompt need",
+                engine=EngineName.LLAMA_CPP,
+            )
         return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
 
     def open_slot(self) -> _core.LlamaSequence:

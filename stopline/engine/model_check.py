@@ -82,7 +82,7 @@ OTHER_ENGINE = f"--engine {LLAMA_CPP} can run this file. "
 
 LLAMA_WHAT_WORKS = (
     f"The llama.cpp engine runs GGUF v{GGUF_VERSIONS[0]}-v{GGUF_VERSIONS[-1]} files of any architecture "
-    "its llama.cpp knows (llama, qwen2, qwen3, gemma3, phi3, smollm3 and more)"
+    "its llama.cpp knows (llama, qwen2, qwen3, gemma3, phi3, smollm3 and more), recurrent ones (Mamba, RWKV) aside"
 )
 
 
