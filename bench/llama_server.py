@@ -892,7 +892,8 @@ def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
     if not built.is_file():
         raise LlamaBuildError(f"the build produced no {built}")
     binary.parent.mkdir(parents=True, exist_ok=True)
-    temp = binary.with_name(f".{binary.name}.part")
+    # A temporary name of this process's own: two benchmarks may build at once.
+    temp = binary.with_name(f".{binary.name}.{os.getpid()}.part")
     shutil.copy2(built, temp)
     os.replace(temp, binary)
     return binary

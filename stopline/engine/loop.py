@@ -36,12 +36,12 @@ import structlog
 
 from stopline import _core
 
-from ..engine import model as embedded
 from ..protocol.errors import EngineError, ModelLoadError, SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
 from ..settings import Settings
 from . import conversion
+from . import model as embedded
 from .cores import usable_cores
 from .model_check import ModelFileError, check_model_file
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
@@ -112,12 +112,6 @@ def _ctransformers_library_path() -> str:
     from ctransformers.lib import find_library
 
     return find_library()
-
-
-def _validate_model_file(path: Path, model_type: str | None) -> dict | None:
-    """Check a model file before handing it to C, which does not survive every
-    malformed file. Returns a GGUF file's metadata fields; None for a GGML file."""
-    return check_model_file(path, model_type)
 
 
 def _gguf_version(path: Path) -> int:
@@ -317,7 +311,8 @@ class CtransformersEngine(Engine):
                 abort_mode,
             )
         path = Path(model_path)
-        fields = _validate_model_file(path, model_type)
+        # Checked before C sees it: the 2023 loader does not survive every malformed file.
+        fields = check_model_file(path, model_type)
         tokenizer = None
         if fields is not None:
             try:
