@@ -1,41 +1,39 @@
-"""Turn the samples into tables (Markdown), a JSON file and the stop-latency CDF chart."""
+"""One report for every run, whichever servers took part: its tables (Markdown), the JSON
+file, the stop-latency CDF chart, and the run's section of bench/RESULTS.md."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import statistics
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from .llama_server import DISCONNECT_BUSY, NONSTREAM
+from .inprocess.llama_native import NEAR_TIE_LOGPROB
 from .scenarios import (
+    BUSY_MAX_TOKENS,
     CANCEL_VIA_REPLICA,
     DECODE_CONCURRENT,
+    DISCONNECT_BUSY,
     HTTP_SCENARIOS,
+    NONSTREAM,
     STOP_SCENARIOS,
     TIMEOUT_SCENARIOS,
+    TURNS,
     VIA_OTHER,
     VIA_OWNER,
 )
 
+BENCH_DIR = Path(__file__).resolve().parent
 OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
 OURS_LLAMA, OURS_LLAMA_BETWEEN_STEPS = "ours_llama", "ours_llama_between_steps"
-OURS_LLAMA_SHARED = "ours_llama_shared"
-OURS_LLAMA_UNEDITED = "ours_llama_unedited"
+OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED = "ours_llama_shared", "ours_llama_unedited"
 # Engines compared with the reference engine (ours, or ours_llama where ctransformers cannot run the
-# model), each in a "<peer>/<reference>" ratio row: Stopline's loop on llama.cpp (a context per slot,
-# and all slots sharing each step), the same loops stopping between steps only, the usual Python
-# pattern, and llama.cpp's server.
-PEERS = (
-    OURS_LLAMA,
-    OURS_LLAMA_SHARED,
-    OURS_LLAMA_UNEDITED,
-    BETWEEN_STEPS,
-    OURS_LLAMA_BETWEEN_STEPS,
-    BASELINE,
-    LLAMA,
-)
+# model), each in a "<peer>/<reference>" ratio row.
+PEERS = (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, BETWEEN_STEPS, OURS_LLAMA_BETWEEN_STEPS, BASELINE, LLAMA)
+COLORS = dict(zip(PEERS + (OURS,), ("red", "pink", "olive", "purple", "brown", "orange", "green", "blue"), strict=True))
 # The stop scenarios in the stop-latency and tokens-after-cancel tables.
 REPORTED_STOPS = STOP_SCENARIOS + (DECODE_CONCURRENT,)
 SCENARIO_TITLES = {
@@ -62,33 +60,46 @@ HTTP_COMPARISONS = (
     ("prefill_long", "WebSocket: cancel frame during the long prompt"),
     ("decode", "WebSocket: cancel frame during decode"),
 )
+# The llama.cpp engine's stop targets, in ms: the server's own stop at a random moment, and what a client sees.
+SERVER_STOP_MS, CLIENT_STOP_MS = 1.0, 3.0
+# A stop right after a token: how much a client may see beyond the server's own stop, at the median.
+CLIENT_OVER_SERVER_MS = 0.5
+# Our decode speed against the unedited build's, measured in the same run.
+UNEDITED_SPEED = 0.99
+# The stops, by scenario, and which phase's longest stretch between stop checks bounds each.
+STOPS = (
+    ("decode_after_token", "right after a token", "longest_decode_node_ms"),
+    ("decode", "random phase of decode", "longest_decode_node_ms"),
+    (DECODE_CONCURRENT, "1 of 4 concurrent streams, random phase", "longest_decode_node_ms"),
+    ("prefill_long", "during the long prompt", "longest_prefill_node_ms"),
+)
+SPREAD = ("p50", "p90", "p99", "max")
 
 
 def summary(values) -> dict | None:
     v = np.array([x for x in values if x is not None], dtype=float)
     if not len(v):
         return None
-    return {
-        "n": int(len(v)),
-        "p50": float(np.percentile(v, 50)),
-        "p90": float(np.percentile(v, 90)),
-        "p99": float(np.percentile(v, 99)),
-        "max": float(v.max()),
-        "mean": float(v.mean()),
-    }
+    percentiles = {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
+    return {"n": int(len(v)), **percentiles, "max": float(v.max()), "mean": float(v.mean())}
+
+
+def stat(values, *keys: str) -> list[float | None]:
+    """Those figures of ``values``' summary (None where there are no values)."""
+    s = summary(values)
+    return [None if s is None else s[k] for k in keys]
 
 
 def fmt(x: float | None) -> str:
     if x is None:
         return "–"
     a = abs(x)
-    if a >= 100:
-        return f"{x:.0f}"
-    if a >= 10:
-        return f"{x:.1f}"
-    if a >= 1:
-        return f"{x:.2f}"
-    return f"{x:.3f}"
+    return f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 1 else f"{x:.3f}"
+
+
+def show(value) -> str:
+    """A count as an integer, any other figure as the report writes figures."""
+    return str(value) if isinstance(value, int) else fmt(value)
 
 
 def fmt_ratio(base: float | None, ours: float | None) -> str:
@@ -98,10 +109,11 @@ def fmt_ratio(base: float | None, ours: float | None) -> str:
     return f"**{r:.0f}×**" if r >= 100 else f"**{r:.1f}×**" if r >= 10 else f"**{r:.2f}×**"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def table(header: str, rows: list[list[str]]) -> str:
+    """A Markdown table; ``header``'s columns are separated by ``|``."""
+    columns = header.split("|")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 class Report:
@@ -112,6 +124,8 @@ class Report:
         # The engine every ratio is taken against.
         self.ref = next((t for t in (OURS, OURS_LLAMA) if t in self.targets), None)
         self.peers = [p for p in PEERS if p in self.targets and p != self.ref] if self.ref else []
+        self.engines = [t for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
+        self.ours = [t for t in (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
         return [
@@ -120,18 +134,30 @@ class Report:
             if s["scenario"] == scenario and s["target"] == target and all(s.get(k) == v for k, v in match.items())
         ]
 
-    def _rows_with_ratio(self, label: str, stats: dict[str, list], extra=None) -> list[list[str]]:
-        """One row per target, then <peer>/ours for every column and peer. ``stats[target]`` is a list of
-        (count, [values]) cells; the count column gets no ratio."""
+    def _rows_with_ratio(self, label: str, stats: dict[str, tuple[int, list]]) -> list[list[str]]:
+        """One row per target, then <peer>/<reference> for every column and peer. ``stats[target]`` is
+        (count, [values]); the count column gets no ratio."""
         rows = []
         for target in self.targets:
             count, values = stats[target]
             rows.append([label if not rows else "", target, str(count)] + [fmt(v) for v in values])
         for peer in self.peers:
-            rows.append(
-                ["", f"{peer}/{self.ref}", ""] + [fmt_ratio(p, o) for p, o in zip(stats[peer][1], stats[self.ref][1])]
-            )
+            ratios = [fmt_ratio(p, o) for p, o in zip(stats[peer][1], stats[self.ref][1])]
+            rows.append(["", f"{peer}/{self.ref}", ""] + ratios)
         return rows
+
+    def _spread_rows(self, scenarios, figures) -> list[list[str]]:
+        """For each scenario that has samples (every one in ``REPORTED_STOPS``): its samples' count and
+        ``figures(samples)`` per target, with the ratio rows."""
+        rows = []
+        for scenario in scenarios:
+            stats = {t: (len(ss), figures(ss)) for t in self.targets for ss in [self.of(scenario, t)]}
+            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
+        return rows
+
+    def _lengths(self) -> tuple[int, int]:
+        plan = self.results["meta"]["plan"]
+        return plan["short_tokens"], plan["long_tokens"]
 
     # Sections -----------------------------------------------------------------------
 
@@ -141,28 +167,18 @@ class Report:
             info = self.results["meta"]["targets"][target]
             cal = info.get("calibration", {})
             prefill = cal.get("prefill_ms", {})
+            threads = info.get("threads")
+            # llama-server's threads serve all its slots at once.
+            threads = "–" if threads is None else f"{threads} in all" if target == LLAMA else str(threads)
             rows.append(
-                [
-                    target,
-                    str(info.get("prefill_chunk", "–")),
-                    _threads(target, info),
-                    str(info.get("slots", "–")),
-                ]
+                [target, str(info.get("prefill_chunk", "–")), threads, str(info.get("slots", "–"))]
                 + [fmt(prefill.get(str(k), prefill.get(k))) for k in self._lengths()]
                 + [fmt(cal.get("step_ms")), fmt(self.prompt_rate(target))]
             )
         short, long = self._lengths()
-        return _table(
-            [
-                "engine",
-                "prompt tokens per uninterruptible step",
-                "threads per slot",
-                "slots",
-                f"prefill, {short}-token prompt (ms)",
-                f"prefill, {long}-token prompt (ms)",
-                "decode step (ms)",
-                f"prompt tok/s ({long}-token prompt)",
-            ],
+        return table(
+            f"engine|prompt tokens per uninterruptible step|threads per slot|slots|prefill, {short}-token prompt (ms)|"
+            f"prefill, {long}-token prompt (ms)|decode step (ms)|prompt tok/s ({long}-token prompt)",
             rows,
         )
 
@@ -173,27 +189,12 @@ class Report:
         ms = prefill.get(str(long), prefill.get(long))
         return long / (ms / 1000) if ms else None
 
-    def _lengths(self) -> tuple[int, int]:
-        plan = self.results["meta"]["plan"]
-        return plan["short_tokens"], plan["long_tokens"]
-
     def stop_latency(self) -> str:
-        rows = []
-        for scenario in REPORTED_STOPS:
-            stats = {}
-            for target in self.targets:
-                samples = self.of(scenario, target)
-                client = summary(s["client_ms"] for s in samples)
-                server = summary(s["server_ms"] for s in samples)
-                stats[target] = (
-                    len(samples),
-                    [_get(client, k) for k in ("p50", "p90", "p99", "max")]
-                    + [_get(server, k) for k in ("p50", "p90", "p99", "max")],
-                )
-            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
-        return _table(
-            ["scenario", "engine", "n", "client p50", "p90", "p99", "max", "server p50", "p90", "p99", "max"], rows
+        rows = self._spread_rows(
+            REPORTED_STOPS,
+            lambda ss: stat((s["client_ms"] for s in ss), *SPREAD) + stat((s["server_ms"] for s in ss), *SPREAD),
         )
+        return table("scenario|engine|n|client p50|p90|p99|max|server p50|p90|p99|max", rows)
 
     def tokens_after_cancel(self) -> str:
         rows = []
@@ -202,32 +203,19 @@ class Report:
                 samples = [
                     s
                     for s in self.samples
-                    if s["target"] == target
-                    and s["scenario"] in REPORTED_STOPS
-                    and (scenario == "all" or s["scenario"] == scenario)
+                    if s["target"] == target and s["scenario"] in (REPORTED_STOPS if scenario == "all" else (scenario,))
                 ]
                 after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
                 frames = [s["frames_after_cancel"] for s in samples]
                 hist = " ".join(f"{k}: {v}" for k, v in sorted(Counter(after).items()))
+                title = SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else ""
                 rows.append(
-                    [
-                        SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else "",
-                        target,
-                        str(len(after)),
-                        hist or "–",
-                        str(max(after)) if after else "–",
-                        str(max(frames)) if frames else "–",
-                    ]
+                    [title, target, str(len(after)), hist or "–"]
+                    + [str(max(after)) if after else "–", str(max(frames)) if frames else "–"]
                 )
-        return _table(
-            [
-                "scenario",
-                "engine",
-                "n",
-                "tokens after cancel (server): histogram",
-                "max",
-                "token frames received after the cancel was sent: max",
-            ],
+        return table(
+            "scenario|engine|n|tokens after cancel (server): histogram|max|"
+            "token frames received after the cancel was sent: max",
             rows,
         )
 
@@ -246,70 +234,44 @@ class Report:
                     and s.get("measured_as", s["scenario"]) == scenario
                 ]
                 if samples:
-                    wasted = summary(s["tokens_wasted"] for s in samples)
-                    prompt = summary(s["prompt_tokens_evaluated"] for s in samples)
-                    generated = summary(s["log_tokens_generated"] for s in samples)
                     stats[target] = (
                         len(samples),
-                        [_get(wasted, "mean"), _get(wasted, "max"), _get(prompt, "mean"), _get(generated, "mean")],
+                        stat((s["tokens_wasted"] for s in samples), "mean", "max")
+                        + stat((s["prompt_tokens_evaluated"] for s in samples), "mean")
+                        + stat((s["log_tokens_generated"] for s in samples), "mean"),
                     )
                 else:
                     # No server log (an already running server): the /metrics delta over the requests sent.
                     run = runs.get((scenario, target))
                     delta = run.get("tokens_wasted_delta") if run else None
-                    mean = delta / run["requests"] if delta is not None and run["requests"] else None
+                    mean = delta / run["requests"] if delta is not None and run and run["requests"] else None
                     stats[target] = (run["requests"] if run else 0, [mean, None, None, None])
             rows += self._rows_with_ratio(SCENARIO_TITLES.get(scenario, scenario), stats)
-        return _table(
-            [
-                "scenario",
-                "engine",
-                "n",
-                "tokens wasted per request: mean",
-                "max",
-                "prompt tokens evaluated: mean",
-                "tokens generated: mean",
-            ],
+        return table(
+            "scenario|engine|n|tokens wasted per request: mean|max|prompt tokens evaluated: mean|"
+            "tokens generated: mean",
             rows,
         )
 
     def throughput(self) -> str:
         rows = []
-        streams_seen = sorted({s["streams"] for s in self.samples if s["scenario"] == "throughput"})
-        for streams in streams_seen:
+        for streams in self.streams_seen():
             stats = {}
             for target in self.targets:
                 samples = self.of("throughput", target, streams=streams)
-                rate = summary(s["tokens_per_s_client"] for s in samples)
-                rate_server = summary(s["tokens_per_s_server"] for s in samples)
-                # One aggregate per repetition.
-                aggregate = summary({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values())
-                ttft = summary(s["ttft_client_ms"] for s in samples)
-                ttft_server = summary(s["ttft_server_ms"] for s in samples)
                 stats[target] = (
                     len(samples),
-                    [
-                        _get(rate, "p50"),
-                        _get(rate_server, "p50"),
-                        _get(aggregate, "mean"),
-                        _get(ttft, "p50"),
-                        _get(ttft, "p99"),
-                        _get(ttft_server, "p50"),
-                    ],
+                    stat((s["tokens_per_s_client"] for s in samples), "p50")
+                    + stat((s["tokens_per_s_server"] for s in samples), "p50")
+                    # One aggregate per repetition.
+                    + stat({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values(), "mean")
+                    + stat((s["ttft_client_ms"] for s in samples), "p50", "p99")
+                    + stat((s["ttft_server_ms"] for s in samples), "p50"),
                 )
             rows += self._rows_with_ratio(f"{streams} stream{'s' if streams > 1 else ''}", stats)
-        return _table(
-            [
-                "streams",
-                "engine",
-                "n",
-                "decode tok/s per stream p50 (client)",
-                "(server)",
-                "aggregate tok/s",
-                "TTFT p50 ms (client)",
-                "TTFT p99",
-                "TTFT p50 (server)",
-            ],
+        return table(
+            "streams|engine|n|decode tok/s per stream p50 (client)|(server)|aggregate tok/s|TTFT p50 ms (client)|"
+            "TTFT p99|TTFT p50 (server)",
             rows,
         )
 
@@ -320,191 +282,57 @@ class Report:
         stats = {}
         for target in self.targets:
             over = lag.get(target, {}).get("under_load_ms", [])
-            s = summary(over)
-            stats[target] = (len(over), [_get(s, "p50"), _get(s, "p99"), _get(s, "max")])
-        return _table(
-            ["", "engine", "n", "p50 ms", "p99 ms", "max ms"], self._rows_with_ratio("10 ms sleep overshoot", stats)
-        )
+            stats[target] = (len(over), stat(over, "p50", "p99", "max"))
+        return table("|engine|n|p50 ms|p99 ms|max ms", self._rows_with_ratio("10 ms sleep overshoot", stats))
 
     def timeouts(self) -> str:
-        rows = []
         landed_in_prefill = any(s["scenario"] == "timeout_total_prefill" for s in self.samples)
-        for scenario in TIMEOUT_SCENARIOS + (("timeout_total_prefill",) if landed_in_prefill else ()):
-            stats = {}
-            for target in self.targets:
-                samples = self.of(scenario, target)
-                server = summary(s["server_over_ms"] for s in samples)
-                client = summary(s["client_over_ms"] for s in samples)
-                stats[target] = (
-                    len(samples),
-                    [_get(server, k) for k in ("p50", "p90", "p99", "max")]
-                    + [_get(client, k) for k in ("p50", "p90", "p99", "max")],
-                )
-            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
-        return _table(
-            ["deadline", "engine", "n", "server p50", "p90", "p99", "max", "client p50", "p90", "p99", "max"], rows
+        rows = self._spread_rows(
+            TIMEOUT_SCENARIOS + (("timeout_total_prefill",) if landed_in_prefill else ()),
+            lambda ss: (
+                stat((s["server_over_ms"] for s in ss), *SPREAD) + stat((s["client_over_ms"] for s in ss), *SPREAD)
+            ),
         )
+        return table("deadline|engine|n|server p50|p90|p99|max|client p50|p90|p99|max", rows)
 
     def disconnect(self) -> str:
-        rows = []
-        for scenario in ("disconnect", DISCONNECT_BUSY, NONSTREAM):
-            if not any(s["scenario"] == scenario for s in self.samples):
-                continue
-            stats = {}
-            for target in self.targets:
-                samples = self.of(scenario, target)
-                client = summary(s["client_ms"] for s in samples)
-                server = summary(s.get("server_ms") for s in samples)
-                stats[target] = (
-                    len(samples),
-                    [_get(client, k) for k in ("p50", "p90", "p99", "max")]
-                    + [_get(server, "p50"), _get(server, "max")],
-                )
-            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
-        return _table(["", "engine", "n", "p50", "p90", "p99", "max", "server log p50", "max"], rows)
-
-    # Against llama-server ---------------------------------------------------------------
-
-    def _headlines(self) -> list[tuple[str, float | None, float | None, bool]]:
-        """(what, ours, llama-server, lower is better) for the figures a reader compares first."""
-
-        def stop(scenario, key="p50"):
-            return [_get(summary(s["client_ms"] for s in self.of(scenario, t)), key) for t in (self.ref, LLAMA)]
-
-        def rate(key, streams, stat="p50"):
-            return [
-                _get(summary(s.get(key) for s in self.of("throughput", t, streams=streams)), stat)
-                for t in (self.ref, LLAMA)
-            ]
-
-        streams = max((s["streams"] for s in self.samples if s["scenario"] == "throughput"), default=1)
-        long = self._lengths()[1]
-        rows = [
-            (f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
-            (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
-            ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
-            ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
-            ("stop during decode, p50 ms", *stop("decode"), True),
-            ("disconnect during decode, p50 ms", *stop("disconnect"), True),
-            ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
-            ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False),
-        ]
-        if streams > 1:
-            rows.append(
-                (f"decode tok/s, {streams} streams, aggregate", *rate("aggregate_tokens_per_s", streams, "mean"), False)
-            )
-        rows.append(
-            (f"prompt tok/s, {long:,}-token prompt", self.prompt_rate(self.ref), self.prompt_rate(LLAMA), False)
+        rows = self._spread_rows(
+            [s for s in ("disconnect", DISCONNECT_BUSY, NONSTREAM) if any(x["scenario"] == s for x in self.samples)],
+            lambda ss: (
+                stat((s["client_ms"] for s in ss), *SPREAD) + stat((s.get("server_ms") for s in ss), "p50", "max")
+            ),
         )
-        return rows
+        return table("|engine|n|p50|p90|p99|max|server log p50|max", rows)
 
-    def against_llama_server(self) -> str | None:
-        """The headline figures side by side, and in plain words where llama-server is better."""
-        if LLAMA not in self.targets or self.ref is None:
-            return None
-        ref = self.ref
-        rows, better = [], {LLAMA: [], ref: []}
-        for what, ours, peer, lower_better in self._headlines():
-            winner = "–"
-            if ours is not None and peer is not None and ours > 0 and peer > 0:
-                winner = LLAMA if (peer < ours if lower_better else peer > ours) else ref
-                by = max(peer, ours) / min(peer, ours)
-                better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
-            rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
-        words = [
-            f"llama-server is better at: {'; '.join(better[LLAMA])}."
-            if better[LLAMA]
-            else "llama-server is better at none of these."
-        ]
-        if better[ref]:
-            words.append(f"{'Ours' if ref == OURS else ref} is better at: {'; '.join(better[ref])}.")
-        ran_to_end = sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end"))
-        if ran_to_end:
-            words.append(
-                f"{ran_to_end} llama-server requests never noticed that their client had gone and "
-                "generated every token they were asked for; their time is the time that took."
-            )
-        return _table(["", ref, LLAMA, f"llama-server/{ref}", "better"], rows) + "\n\n" + " ".join(words)
-
-    def http_api(self) -> str | None:
-        if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
-            return None
-        rows = []
-        for scenario, label in HTTP_COMPARISONS:
-            for target in self.targets:
-                samples = self.of(scenario, target)
-                if not samples:
-                    continue
-                client = summary(s["client_ms"] for s in samples)
-                server = summary(s.get("server_ms") for s in samples)
-                after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
-                rows.append(
-                    [
-                        label,
-                        target,
-                        str(len(samples)),
-                        fmt(_get(client, "p50")),
-                        fmt(_get(client, "p99")),
-                        fmt(_get(server, "p50")),
-                        fmt(_get(server, "p99")),
-                        str(max(after)) if after else "–",
-                    ]
-                )
-        return _table(
-            ["stop", "engine", "n", "client p50", "p99", "server p50", "p99", "tokens after cancel, max"], rows
-        )
-
-    def cancel_via_replica(self) -> str | None:
-        """DELETE on the owner against DELETE on another replica (relayed through Redis), and the difference."""
-        samples = [s for s in self.samples if s["scenario"] == CANCEL_VIA_REPLICA]
-        if not samples:
-            return None
+    def prompt_speed(self) -> str:
         stats = {}
-        for via in (VIA_OWNER, VIA_OTHER):
-            mine = [s for s in samples if s["via"] == via]
-            stats[via] = (
-                len(mine),
-                summary(s["delete_ms"] for s in mine),
-                summary(s["client_ms"] for s in mine),
-                summary(s["server_ms"] for s in mine),
-            )
+        for target in self.targets:
+            samples = self.of("prefill_speed", target)
+            figures = stat((s["ttft_server_ms"] for s in samples), "p50", "p99")
+            stats[target] = (len(samples), figures + stat((s["prompt_tokens_per_s"] for s in samples), "p50"))
+        return table(
+            "|engine|n|TTFT p50 (ms)|TTFT p99 (ms)|prompt tok/s p50",
+            self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats),
+        )
+
+    def multi_turn(self) -> str:
         rows = []
-        for via in (VIA_OWNER, VIA_OTHER):
-            count, delete, frame, server = stats[via]
+        for target in self.targets:
+            samples = self.of("multi_turn", target)
+            if not samples:
+                continue
+            by_turn = {t: [s for s in samples if s["turn"] == t] for t in range(1, TURNS + 1)}
+            ttft = [stat((s["ttft_server_ms"] for s in by_turn[t]), "p50")[0] for t in by_turn]
+            prompt = sum(s["prompt_tokens"] for s in samples)
+            reused = sum(s["prompt_tokens_reused"] for s in samples)
+            ratio = ttft[-1] / ttft[0] if ttft[0] and ttft[-1] else None
             rows.append(
-                [f"DELETE on the {via}", str(count)]
-                + [fmt(_get(x, k)) for x in (delete, frame, server) for k in ("p50", "p99")]
+                [target, str(len(by_turn[TURNS]))]
+                + [fmt(v) for v in ttft]
+                + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"]
             )
-        extra = [
-            None
-            if _get(stats[VIA_OTHER][i], k) is None or _get(stats[VIA_OWNER][i], k) is None
-            else _get(stats[VIA_OTHER][i], k) - _get(stats[VIA_OWNER][i], k)
-            for i in (1, 2, 3)
-            for k in ("p50", "p99")
-        ]
-        rows.append(["extra cost of the relay", ""] + [fmt(x) for x in extra])
-        table = _table(
-            [
-                "",
-                "n",
-                "DELETE answered p50",
-                "p99",
-                "cancelled frame p50",
-                "p99",
-                "server (cancel read → loop exit) p50",
-                "p99",
-            ],
-            rows,
-        )
-        if extra[1] is None or extra[3] is None:
-            return table
-        worst = max(extra[1], extra[3])
-        return table + (
-            f"\n\nCancelling via another replica instead of the owner costs {extra[1]:+.2f} ms at p99 "
-            f"until the DELETE is answered and {extra[3]:+.2f} ms until the `cancelled` frame: "
-            f"{'within' if worst <= RELAY_TARGET_MS else 'over'} the {RELAY_TARGET_MS:g} ms target. "
-            "With few samples, p99 is close to the slowest sample of each side."
-        )
+        turns = "|".join(f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1))
+        return table(f"engine|chats|{turns}|turn {TURNS} / turn 1|prompt tokens reused", rows)
 
     def other_load(self) -> str | None:
         """How much CPU other processes took while the scenarios ran: context for every number here."""
@@ -519,42 +347,396 @@ class Report:
             f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']})."
         )
 
-    def prompt_speed(self) -> str:
+    def http_api(self) -> str | None:
+        if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
+            return None
+        rows = []
+        for scenario, label in HTTP_COMPARISONS:
+            for target in self.targets:
+                if samples := self.of(scenario, target):
+                    after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
+                    figures = stat((s["client_ms"] for s in samples), "p50", "p99")
+                    figures += stat((s.get("server_ms") for s in samples), "p50", "p99")
+                    rows.append(
+                        [label, target, str(len(samples))]
+                        + [fmt(v) for v in figures]
+                        + [str(max(after)) if after else "–"]
+                    )
+        return table("stop|engine|n|client p50|p99|server p50|p99|tokens after cancel, max", rows)
+
+    def cancel_via_replica(self) -> str | None:
+        """DELETE on the owner against DELETE on another replica (relayed through Redis), and the difference."""
+        samples = [s for s in self.samples if s["scenario"] == CANCEL_VIA_REPLICA]
+        if not samples:
+            return None
         stats = {}
-        for target in self.targets:
-            samples = self.of("prefill_speed", target)
-            ttft = summary(s["ttft_server_ms"] for s in samples)
-            rate = summary(s["prompt_tokens_per_s"] for s in samples)
-            stats[target] = (len(samples), [_get(ttft, "p50"), _get(ttft, "p99"), _get(rate, "p50")])
-        return _table(
-            ["", "engine", "n", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tok/s p50"],
-            self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats),
+        for via in (VIA_OWNER, VIA_OTHER):
+            mine = [s for s in samples if s["via"] == via]
+            figures = [stat((s[key] for s in mine), "p50", "p99") for key in ("delete_ms", "client_ms", "server_ms")]
+            stats[via] = (len(mine), [v for pair in figures for v in pair])
+        rows = [[f"DELETE on the {via}", str(n)] + [fmt(v) for v in values] for via, (n, values) in stats.items()]
+        extra = [
+            None if other is None or owner is None else other - owner
+            for other, owner in zip(stats[VIA_OTHER][1], stats[VIA_OWNER][1])
+        ]
+        rows.append(["extra cost of the relay", ""] + [fmt(x) for x in extra])
+        text = table(
+            "|n|DELETE answered p50|p99|cancelled frame p50|p99|server (cancel read → loop exit) p50|p99", rows
+        )
+        if extra[1] is None or extra[3] is None:
+            return text
+        worst = max(extra[1], extra[3])
+        return text + (
+            f"\n\nCancelling via another replica instead of the owner costs {extra[1]:+.2f} ms at p99 "
+            f"until the DELETE is answered and {extra[3]:+.2f} ms until the `cancelled` frame: "
+            f"{'within' if worst <= RELAY_TARGET_MS else 'over'} the {RELAY_TARGET_MS:g} ms target. "
+            "With few samples, p99 is close to the slowest sample of each side."
         )
 
-    def multi_turn(self) -> str:
-        from .scenarios import TURNS
+    # Against llama-server ---------------------------------------------------------------
 
-        rows = []
-        for target in self.targets:
-            samples = self.of("multi_turn", target)
-            if not samples:
-                continue
-            by_turn = {t: [s for s in samples if s["turn"] == t] for t in range(1, TURNS + 1)}
-            ttft = [_get(summary(s["ttft_server_ms"] for s in by_turn[t]), "p50") for t in by_turn]
-            prompt = sum(s["prompt_tokens"] for s in samples)
-            reused = sum(s["prompt_tokens_reused"] for s in samples)
-            ratio = ttft[-1] / ttft[0] if ttft[0] and ttft[-1] else None
-            rows.append(
-                [target, str(len(by_turn[TURNS]))]
-                + [fmt(v) for v in ttft]
-                + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"]
+    def against_llama_server(self) -> str | None:
+        """The headline figures side by side, and in plain words where llama-server is better."""
+        if LLAMA not in self.targets or self.ref is None:
+            return None
+        ref, pair = self.ref, (self.ref, LLAMA)
+
+        def stop(scenario, key="p50"):
+            return [self.stop(scenario, t, key) for t in pair]
+
+        def rate(key, streams, figure="p50"):
+            return [stat((s.get(key) for s in self.of("throughput", t, streams=streams)), figure)[0] for t in pair]
+
+        streams = max(self.streams_seen(), default=1)
+        long = self._lengths()[1]
+        headlines = [
+            (f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
+            (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
+            ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
+            ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
+            ("stop during decode, p50 ms", *stop("decode"), True),
+            ("disconnect during decode, p50 ms", *stop("disconnect"), True),
+            ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
+            ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False),
+        ]
+        if streams > 1:
+            what = f"decode tok/s, {streams} streams, aggregate"
+            headlines.append((what, *rate("aggregate_tokens_per_s", streams, "mean"), False))
+        headlines.append((f"prompt tok/s, {long:,}-token prompt", *map(self.prompt_rate, pair), False))
+        rows, better = [], {LLAMA: [], ref: []}
+        for what, ours, peer, lower_better in headlines:
+            winner = "–"
+            if ours is not None and peer is not None and ours > 0 and peer > 0:
+                winner = LLAMA if (peer < ours if lower_better else peer > ours) else ref
+                by = max(peer, ours) / min(peer, ours)
+                better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
+            rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
+        words = [
+            f"llama-server is better at: {'; '.join(better[LLAMA])}."
+            if better[LLAMA]
+            else "llama-server is better at none of these."
+        ]
+        if better[ref]:
+            words.append(f"{'Ours' if ref == OURS else ref} is better at: {'; '.join(better[ref])}.")
+        if ran_to_end := sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end")):
+            words.append(
+                f"{ran_to_end} llama-server requests never noticed that their client had gone and "
+                "generated every token they were asked for; their time is the time that took."
             )
-        return _table(
-            ["engine", "chats"]
-            + [f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1)]
-            + [f"turn {TURNS} / turn 1", "prompt tokens reused"],
+        return table(f"|{ref}|{LLAMA}|llama-server/{ref}|better", rows) + "\n\n" + " ".join(words)
+
+    # The llama.cpp engine's figures -------------------------------------------------------
+
+    def stop(self, scenario: str, target: str, key: str, side: str = "client_ms") -> float | None:
+        return stat((s.get(side) for s in self.of(scenario, target)), key)[0]
+
+    def aggregate(self, target: str, streams: int) -> float | None:
+        samples = self.of("throughput", target, streams=streams)
+        return stat({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values(), "p50")[0]
+
+    def decode_rate(self, target: str) -> float | None:
+        return stat((s["tokens_per_s_client"] for s in self.of("throughput", target, streams=1)), "p50")[0]
+
+    def ttft(self, target: str) -> float | None:
+        return stat((s["ttft_client_ms"] for s in self.of("throughput", target, streams=1)), "p50")[0]
+
+    def measured_prompt_rate(self, target: str) -> float | None:
+        return stat((s["prompt_tokens_per_s"] for s in self.of("prefill_speed", target)), "p50")[0]
+
+    def turn_ratio(self, target: str) -> float | None:
+        samples = self.of("multi_turn", target)
+        first, last = (stat((s["ttft_server_ms"] for s in samples if s["turn"] == t), "p50")[0] for t in (1, TURNS))
+        return last / first if first and last else None
+
+    def longest_stretch(self, scenario: str, target: str, phase: str) -> float | None:
+        """The longest stretch between two stop checks, in ``phase``, over the scenario's requests
+        (from the server's end-of-request log)."""
+        return max((s[phase] for s in self.of(scenario, target) if s.get(phase)), default=None)
+
+    def tokens_after_cancel_max(self, target: str) -> int | None:
+        stops = ("prefill_long", "decode", "decode_after_token", DECODE_CONCURRENT)
+        after = [
+            s["tokens_after_cancel"]
+            for s in self.samples
+            if s["target"] == target and s["scenario"] in stops and s.get("tokens_after_cancel") is not None
+        ]
+        return max(after, default=None)
+
+    def lost_tokens(self, target: str) -> tuple[int, int] | None:
+        samples = self.of(DECODE_CONCURRENT, target)
+        return (sum(s.get("others_lost_tokens") or 0 for s in samples), 3 * len(samples)) if samples else None
+
+    def streams_seen(self) -> list[int]:
+        return sorted({s["streams"] for s in self.samples if s["scenario"] == "throughput"})
+
+    def side_by_side(self) -> str:
+        """Every headline figure: ours_llama, llama-server, their ratio, and the ctransformers engine."""
+        long = self._lengths()[1]
+        rows: list[tuple[str, dict]] = [
+            ("decode tok/s, 1 stream, p50 (client)", {t: self.decode_rate(t) for t in self.engines}),
+        ]
+        for streams in self.streams_seen():
+            if streams > 1:
+                what = f"aggregate tok/s, {streams} concurrent streams, median of repetitions"
+                rows.append((what, {t: self.aggregate(t, streams) for t in self.engines}))
+        rows += [
+            (
+                f"prompt tok/s, ~{long:,}-token prompt, p50 (server)",
+                {t: self.measured_prompt_rate(t) for t in self.engines},
+            ),
+            ("time to first token, 1 stream, p50 ms (client)", {t: self.ttft(t) for t in self.engines}),
+            (f"multi-turn TTFT, turn {TURNS} ÷ turn 1 (server)", {t: self.turn_ratio(t) for t in self.engines}),
+        ]
+        for scenario, title in (
+            ("decode_after_token", "stop right after a token"),
+            ("decode", "stop at a random phase of decode"),
+            ("prefill_long", f"stop during a ~{long:,}-token prompt"),
+            (DECODE_CONCURRENT, "stop 1 of 4 concurrent streams, random phase"),
+        ):
+            for key in ("p50", "p99"):
+                rows.append((f"{title}, client {key} ms", {t: self.stop(scenario, t, key) for t in self.engines}))
+        rows.append(
+            ("tokens after cancel, max over every cancel", {t: self.tokens_after_cancel_max(t) for t in self.engines})
+        )
+        header = f"|{OURS_LLAMA}|{LLAMA}|{LLAMA}/{OURS_LLAMA}"
+        unedited, ours = OURS_LLAMA_UNEDITED in self.engines, OURS in self.engines
+        header += f"|{OURS_LLAMA_UNEDITED}|{OURS_LLAMA_UNEDITED}/{OURS_LLAMA}" if unedited else ""
+        header += f"|{OURS} (ctransformers, this run)" if ours else ""
+        lines = []
+        for what, values in rows:
+            row = [what, show(values.get(OURS_LLAMA)), show(values.get(LLAMA))]
+            row.append(fmt_ratio(values.get(LLAMA), values.get(OURS_LLAMA)))
+            if unedited:
+                row += [show(values.get(OURS_LLAMA_UNEDITED))]
+                row += [fmt_ratio(values.get(OURS_LLAMA_UNEDITED), values.get(OURS_LLAMA))]
+            lines.append(row + ([show(values.get(OURS))] if ours else []))
+        return table(header, lines)
+
+    def server_side(self) -> str:
+        """Our loop's own stop latency (cancel read → loop exited), which llama-server cannot report,
+        beside the longest stretch between two stop checks that the same requests' evaluations had."""
+        rows = []
+        for scenario, title, phase in STOPS:
+            for target in self.ours:
+                if samples := self.of(scenario, target):
+                    figures = stat((s["server_ms"] for s in samples), *SPREAD)
+                    stretch = self.longest_stretch(scenario, target, phase)
+                    rows.append([title, target, str(len(samples))] + [fmt(v) for v in figures + [stretch]])
+        return table("stop|engine|n|server p50 ms|p90|p99|max|longest stretch between checks, ms", rows)
+
+    def llama_targets(self) -> str:
+        """The stop and speed targets for the llama.cpp engine, each with what bounds it."""
+
+        def check(ok: bool | None) -> str:
+            return "–" if ok is None else "yes" if ok else "**no**"
+
+        def at_most(value: float | None, bound: float | None) -> bool | None:
+            return None if value is None or bound is None else value <= bound
+
+        server50 = self.stop("decode_after_token", OURS_LLAMA, "p50", "server_ms")
+        client50, client99 = (self.stop("decode_after_token", OURS_LLAMA, k) for k in ("p50", "p99"))
+        bound50 = server50 + CLIENT_OVER_SERVER_MS if server50 is not None else None
+        rows = [
+            [
+                "stop right after a token: client p50 ms",
+                fmt(client50),
+                f"server p50 + {CLIENT_OVER_SERVER_MS} = {fmt(bound50)}",
+                check(at_most(client50, bound50)),
+            ],
+            [
+                "stop right after a token: client p99 ms",
+                fmt(client99),
+                fmt(CLIENT_STOP_MS),
+                check(at_most(client99, CLIENT_STOP_MS)),
+            ],
+        ]
+        for scenario, title, phase in STOPS[1:]:
+            for target in (OURS_LLAMA, OURS_LLAMA_SHARED) if scenario == DECODE_CONCURRENT else (OURS_LLAMA,):
+                if not self.of(scenario, target):
+                    continue
+                server = self.stop(scenario, target, "p99", "server_ms")
+                client = self.stop(scenario, target, "p99")
+                stretch = self.longest_stretch(scenario, target, phase)
+                met = (
+                    None if server is None or client is None else server <= SERVER_STOP_MS and client <= CLIENT_STOP_MS
+                )
+                rows.append(
+                    [
+                        f"stop, {title}, {target}: server / client p99 ms",
+                        f"{fmt(server)} / {fmt(client)} (longest stretch {fmt(stretch)})",
+                        f"{fmt(SERVER_STOP_MS)} / {fmt(CLIENT_STOP_MS)}",
+                        check(met),
+                    ]
+                )
+        ours, peer = self.measured_prompt_rate(OURS_LLAMA), self.measured_prompt_rate(LLAMA)
+        rows.append(
+            [
+                "prompt tok/s, ours ÷ llama-server",
+                f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)})",
+                "≥ 1.0×",
+                check(None if not ours or not peer else ours >= peer),
+            ]
+        )
+        for streams in self.streams_seen():
+            engines = (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED)
+            if streams == 1:
+                ours, peer, unedited = (self.decode_rate(t) for t in engines)
+            else:
+                ours, peer, unedited = (self.aggregate(t, streams) for t in engines)
+            ok = None if not ours or not peer else ours >= peer
+            if ok is not None and unedited:
+                ok = ok and ours >= UNEDITED_SPEED * unedited
+            rows.append(
+                [
+                    f"decode tok/s, {streams} stream{'s' if streams > 1 else ''}: ours ÷ llama-server, ours ÷ unedited",
+                    f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)}), "
+                    f"{fmt_ratio(ours, unedited)} (vs {fmt(unedited)})",
+                    f"≥ 1.0×, ≥ {UNEDITED_SPEED}×",
+                    check(ok),
+                ]
+            )
+        after_max = self.tokens_after_cancel_max(OURS_LLAMA)
+        rows.append(["tokens after cancel: max", show(after_max), "0", check(at_most(after_max, 0))])
+        lost, peer_lost = self.lost_tokens(OURS_LLAMA), self.lost_tokens(LLAMA)
+        rows.append(
+            [
+                "4 concurrent streams: tokens the other streams lost",
+                f"{lost[0]} over {lost[1]} streams" if lost else "–",
+                "0" + (f" (llama-server: {peer_lost[0]} over {peer_lost[1]} streams)" if peer_lost else ""),
+                check(lost[0] == 0 if lost else None),
+            ]
+        )
+        return table(f"target|{OURS_LLAMA}|bound|met", rows)
+
+    def storms(self) -> str | None:
+        storms = (self.results.get("llama_native") or {}).get("storms")
+        if not storms:
+            return None
+        rows = []
+        for storm in storms:
+            head = [str(storm["streams"]), str(storm["cycles"])]
+            if storm.get("crashed"):
+                rows.append(head + [f"**crashed** (exit {storm['returncode']})"] + ["–"] * 7)
+                continue
+            ms = sorted(storm["cancel_to_exit_ms"])
+            p50 = statistics.median(ms) if ms else None
+            p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
+            counts = ("cancelled", "done", "hangs", "kv_mismatches", "mismatches", "other")
+            rows.append(head + ["0"] + [str(storm[k]) for k in counts] + [f"{fmt(p50)} / {fmt(p99)}"])
+        return table(
+            "streams at once|aborts|crashes|cancelled|escaped (done)|hangs|KV positions ≠ n_held|"
+            "greedy tokens ≠ a fresh slot's|other outcomes|cancel→exit p50 / p99 (ms)",
             rows,
         )
+
+    def nodes(self) -> str | None:
+        nodes = (self.results.get("llama_native") or {}).get("nodes")
+        if not nodes:
+            return None
+        return (
+            f"Longest stretch between two stop checks, in-process, {len(nodes['longest_decode_node_ms'])} "
+            f"runs of a {nodes['prompt_tokens']}-token prompt in {nodes['prefill_chunk']}-token chunks then "
+            f"decode, 1 thread: decode {', '.join(fmt(v) for v in nodes['longest_decode_node_ms'])} ms; "
+            f"prompt {', '.join(fmt(v) for v in nodes['longest_prefill_node_ms'])} ms "
+            f"(prompt {fmt(nodes['prompt_tokens_per_s'])} tok/s in-process)."
+        )
+
+    def greedy(self) -> str | None:
+        greedy = (self.results.get("llama_native") or {}).get("greedy")
+        if not greedy:
+            return None
+        rows = greedy["rows"]
+        same = sum(1 for r in rows if "diverged_at" not in r and r["ours_n"] == r["theirs_n"])
+        diverged = [r for r in rows if "diverged_at" in r]
+        ties = [r for r in diverged if r.get("near_tie")]
+        compared = sum(r["same"] + ("diverged_at" in r) for r in rows)
+        words = (
+            f"{len(rows)} prompts, greedy (temperature 0, repetition penalty 1.0), up to "
+            f"{greedy['tokens_per_prompt']} tokens each, sent to both as the same token ids: {same} identical "
+            f"token for token over their whole length; {len(diverged)} diverged, {len(ties)} of them at a "
+            f"near-tie (the two likeliest tokens within {NEAR_TIE_LOGPROB} in log-probability on "
+            f"llama-server); {compared} token positions compared up to the first divergence."
+        )
+        if lengths := [r for r in rows if "diverged_at" not in r and r["ours_n"] != r["theirs_n"]]:
+            words += f" {len(lengths)} agreed on every shared token but ended at different lengths."
+        if diverged:
+            first = diverged[0]
+            words += (
+                f" First divergence: token {first['diverged_at'] + 1}, ours {first['ours_piece']!r}, "
+                f"llama-server {first['theirs_piece']!r}, log-probability gap "
+                f"{fmt(first['logprob_gap'])}."
+            )
+        return words
+
+    def llama_load(self) -> str:
+        """The machine's 1-minute load average over the scenarios: how shared the 2 cores were."""
+        loads = [r["load_average"][0] for r in self.results["runs"] if r.get("load_average")]
+        if not loads:
+            return ""
+        return (
+            f"The machine's 1-minute load average, read as each scenario part started: "
+            f"{min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}, on 2 cores shared with "
+            "other work. llama-server's threads meet at a barrier after every graph node, so a thread "
+            "preempted by other work holds back its partners, spinning while they wait; "
+            + (
+                "so do ours while a generation runs alone on both cores. "
+                if shared_threads(self.results["meta"])
+                else "ours runs one thread per slot and has no barrier. "
+            )
+            + "Multi-threaded figures are therefore the ones most sensitive to this load."
+        )
+
+    def llama_markdown(self) -> str | None:
+        if OURS_LLAMA not in self.targets:
+            return None
+        parts = [
+            self.llama_load(),
+            "#### Side by side",
+            "Each figure of Stopline on its llama.cpp engine beside llama-server's from the same run "
+            "(same GGUF, same cores, equal threads in all), and, where it ran, the ctransformers engine's. "
+            "Stops on llama-server are the client closing the stream (it has no cancel request), timed to "
+            "its slot's release line.",
+            self.side_by_side(),
+            "#### Our loop's own stop latency (server: cancel read → loop exited)",
+            self.server_side(),
+            "#### Targets",
+            self.llama_targets(),
+        ]
+        if nodes := self.nodes():
+            parts.append(nodes)
+        if storms := self.storms():
+            parts += [
+                "#### Aborts at random moments (in-process, each storm in a child process)",
+                "Greedy generations of 4 tokens on a 40-token prompt (16-token chunks), cancelled at random "
+                "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
+                "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's KV "
+                "cache must hold exactly the positions its record holds; every run that escaped its cancel, and "
+                "a final one per slot, must give a fresh slot's tokens.",
+                storms,
+            ]
+        if greedy := self.greedy():
+            parts += ["#### Greedy output against llama-server", greedy]
+        return "\n\n".join(parts)
 
     def markdown(self) -> str:
         parts = []
@@ -614,7 +796,7 @@ class Report:
             self.disconnect(),
         ]
         if self.results.get("native"):
-            from .native import markdown as native_markdown
+            from .inprocess.native import markdown as native_markdown
 
             parts += [
                 "### The native loop, in-process",
@@ -653,7 +835,7 @@ class Report:
 
 
 LLAMA_METHOD = (
-    "llama-server (llama.cpp's HTTP server; `bench/llama_server.py`) is started by the benchmark on the same "
+    "llama-server (llama.cpp's HTTP server; `bench/drivers/llama_server.py`) is started by the benchmark on the same "
     "GGUF file, with the same context per slot, slots and sampling (temperature, top-k, top-p, repetition "
     "penalty; its extra min-p sampler off), as many compute threads in all as ours has over its slots, on the "
     "same cores, every prompt sent as the same token ids and evaluated whole (`cache_prompt` off, but in the "
@@ -679,10 +861,6 @@ def shared_threads(meta: dict) -> bool:
     return "--shared-threads" in meta["command"]
 
 
-def _get(stats: dict | None, key: str) -> float | None:
-    return None if stats is None else stats[key]
-
-
 def write_json(results: dict, path: Path) -> None:
     path.write_text(json.dumps(results, indent=1))
 
@@ -693,20 +871,9 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     report = Report(results)
-    colors = {
-        OURS: "tab:blue",
-        BASELINE: "tab:orange",
-        LLAMA: "tab:green",
-        BETWEEN_STEPS: "tab:purple",
-        OURS_LLAMA: "tab:red",
-        OURS_LLAMA_BETWEEN_STEPS: "tab:brown",
-        OURS_LLAMA_SHARED: "tab:pink",
-        OURS_LLAMA_UNEDITED: "tab:olive",
-        "server": "tab:blue",
-    }
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     # One shared time axis, so the panels can be compared at a glance.
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True, sharey=True)
@@ -722,14 +889,8 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
                 # Start each curve at 0 so that its first step is visible.
                 x = np.concatenate([[values[0]], values])
                 cdf = np.concatenate([[0.0], np.arange(1, len(values) + 1) / len(values)])
-                ax.step(
-                    x,
-                    cdf,
-                    style,
-                    where="post",
-                    color=colors.get(target, "tab:green"),
-                    label=f"{target} ({label}), n={len(values)}",
-                )
+                color = f"tab:{COLORS.get(target, 'green')}"
+                ax.step(x, cdf, style, where="post", color=color, label=f"{target} ({label}), n={len(values)}")
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -753,9 +914,145 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _threads(target: str, info: dict) -> str:
-    """Threads per slot; llama-server's threads serve all its slots at once."""
-    threads = info.get("threads")
-    if threads is None:
-        return "–"
-    return f"{threads} in all" if target == LLAMA else str(threads)
+# Every section of RESULTS.md follows this header; the file holds one section per model.
+RESULTS_HEADER = "# Stopline benchmark results\n"
+
+
+def results_key(meta: dict) -> str:
+    """A run's section of RESULTS.md: one per model, and one more for runs whose generations share the cores."""
+    return f"{meta['model_choice']}-shared-cores" if shared_threads(meta) else meta["model_choice"]
+
+
+def results_section(results: dict, tables: str, chart: str) -> str:
+    """One model's section of RESULTS.md: how it was measured, then its tables."""
+    meta = results["meta"]
+    m = meta["machine"]
+    targets = meta["targets"]
+    slots = next(iter(targets.values()))["slots"] if targets else "?"
+    threads = targets.get("ours", targets.get("ours_llama", {})).get("threads", "?")
+    load_start, load_end = meta["load_average_start"], meta["load_average_end"]
+    skipped = meta.get("skipped_engines") or []
+    wide = meta.get("wide_workers") or 0
+    peer_threads = targets.get(LLAMA, {}).get("threads")
+    llama_section = ""
+    if llama := Report(results).llama_markdown():
+        llama_section = f"### The llama.cpp engine against llama-server\n\n{llama}\n\n"
+    heading = meta["model"]
+    if shared_threads(meta):
+        heading += (
+            ", the llama.cpp engine on shared cores\n\nThe llama.cpp engine with its default threads (the running "
+            "generations share the cores), against llama-server with as many threads in all."
+        )
+    return f"""## {heading}
+
+- Command: `{meta["command"]}` ({meta["started_at"]})
+- Machine: {m["cpu"]}{" (virtual machine)" if m.get("virtual") else ""}, {m["cores"]} cores
+  ({m["cores_available"]} available to the benchmark), shared with other work; Python {m["python"]};
+  load average (1 / 5 / 15 min) {_load(load_start)} at the start and {_load(load_end)} at the end; each
+  scenario's own is in the JSON file
+- Model: {meta["model"]} GGUF, context 2048 per slot; engines: {", ".join(targets)}{
+        f" ({', '.join(skipped)} skipped: ctransformers cannot load this model)" if skipped else ""
+    }
+- Equal resources: every server is confined to the same cores ({",".join(map(str, meta["cpus"]))}, by
+  `sched_setaffinity` in the child before it starts); ours: {_ours_threads(meta, slots, threads)};
+  llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
+  all){_wide_note(wide, threads, shared_threads(meta))}
+- Interleaving: each scenario's samples are taken in {meta["rounds"]} parts, the engines taking turns
+  part by part, in alternating order; while one engine is measured (or calibrated) the other servers
+  are paused (SIGSTOP), because an idle server's wake-ups (its event loop's timers) preempt a thread of
+  a multi-threaded server, whose other threads then spin at ggml's barrier until it runs again
+- Servers: one process each (`python -m bench serve`, or llama-server), on 127.0.0.1, started by the benchmark
+- Prompts: about {meta["plan"]["short_tokens"]} tokens (short) and {meta["plan"]["long_tokens"]} tokens (long),
+  each different, each asking for a long story; sampling at temperature 0.7
+- Samples: {_count(meta["plan"]["requests"])} per scenario per engine, {_count(meta["plan"]["long_requests"])} for the
+  long-prompt scenarios; one request at a time unless a scenario needs more
+
+How the cancels are placed:
+
+- **queued**: every slot runs a long generation; one more request is queued and cancelled 0–100 ms after
+  its `accepted` frame (discarded if a slot freed up first).
+- **prefill**: cancelled after a random delay shorter than the prompt's prefill time, measured beforehand
+  (the calibration table). A request that had already received a token counts as a decode sample.
+- **decode, random phase**: cancelled after 1–32 token frames plus a random fraction of a decode step.
+- **decode, right after a token frame**: cancelled the moment the 1st–32nd token frame arrives, when the
+  next decode step has just begun.
+- **decode, 1 of 4 concurrent streams**: 4 streams decode at once (one per slot); the first is cancelled
+  as in the random-phase case, the other 3 run on to their 96 tokens; tokens they fell short of are lost.
+- **prompt speed**: a long prompt with `max_tokens` 1; the server's time to first token.
+- **multi-turn**: a six-turn chat on one connection, about 80 tokens of new text per turn, 48-token answers;
+  llama-server keeps the chat on one slot with `cache_prompt: true`, so it reuses its cache as ours does.
+- **timeouts**: `timeout_s` = 1.25 × the short prompt's prefill + 100–600 ms; `ttft_timeout_s` = 5–25 % of
+  the long prompt's prefill.
+- **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
+  `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
+{_peer_method(results)}
+{llama_section}{tables}
+![Stop latency CDF per scenario, {meta["model"]}]({chart})
+
+Every sample is in the JSON file the run wrote (`{meta["results_json"]}`).
+"""
+
+
+def write_results_section(path: Path, model: str, section: str) -> None:
+    """Put ``section`` between this model's markers in RESULTS.md, keeping the other models' sections."""
+    begin, end = f"<!-- results:{model} -->", f"<!-- /results:{model} -->"
+    text = path.read_text() if path.is_file() else ""
+    if "<!-- results:" not in text:
+        text = RESULTS_HEADER
+    block = f"{begin}\n{section}{end}\n"
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
+        text = before + block + ("\n" + after if after else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def _ours_threads(meta: dict, slots, threads) -> str:
+    if shared_threads(meta):
+        return (
+            f"{slots} slots sharing {threads} compute threads (its default: a generation alone takes them "
+            f"all, generations together divide them)"
+        )
+    return f"{slots} slots × {threads} compute thread per slot"
+
+
+def _wide_note(wide: int, threads, shared: bool = False) -> str:
+    if not wide:
+        return ""
+    if shared:
+        total = threads
+    else:
+        total = wide * threads if isinstance(threads, int) else "?"
+    return (
+        f"; for the 4-stream figures every engine is restarted with {wide} slots "
+        f"(llama-server `--parallel {wide}`, `--threads {total}`)"
+    )
+
+
+def _load(values) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def _peer_method(results: dict) -> str:
+    """The method bullets for the scenarios added for llama-server, when it took part."""
+    meta = results["meta"]
+    if LLAMA not in meta["targets"]:
+        return ""
+    peer = meta["targets"][LLAMA]
+    return f"""- **disconnect while another client streams**: one client streams without pause on one slot; on the
+  other, the measured client goes away during decode (ours: the WebSocket dropped after 1–32 token frames,
+  `/metrics` polled until only the other generation is active; llama-server: a non-streaming request reset
+  after its calibrated prefill plus 1–32 decode steps). A llama-server request that generated all its
+  {BUSY_MAX_TOKENS} tokens never noticed; its time is the time that took.
+- **non-streaming request, client gone** (llama-server only; ours streams every request): the same, with
+  no other traffic.
+- **llama-server** ({peer.get("source", "llama.cpp")}; `{shlex.join(peer.get("command", []))}`): every stop is
+  the client closing the connection (it has no cancel request); it counts as stopped when its log prints
+  the release of the request's slot, stamped as the line arrives; see "Against llama-server" below.
+"""
+
+
+def _count(value) -> str:
+    return "unlimited (time-boxed)" if value is None else str(value)

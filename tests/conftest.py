@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import io
 import json
 import os
-import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import gguf
 import pytest
 import pytest_asyncio
+from playwright.async_api import async_playwright
 from websockets.asyncio.client import connect
 
 from stopline._core import Generation, GenerationState
@@ -30,6 +33,16 @@ from stopline.protocol.vocabulary import TERMINAL_TYPES, EngineName
 from stopline.settings import Settings
 
 UNIT = float(os.environ.get("STOPLINE_TEST_TIME_SCALE", "1"))
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
 
 # Greedy and unpenalized (the defaults), the embedded model answers "Paris" to this question; asked
 # only "What is the capital of France?", it wanders off in French.
@@ -58,20 +71,6 @@ def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
     return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
 
 
-async def spawn_stopline(*args: str, env: dict | None = None) -> asyncio.subprocess.Process:
-    """``python -m stopline *args`` from the checkout, its stdout and stderr piped."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stopline",
-        *args,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-
-
 def started_running(generation: Generation, timeout_s: float = 60) -> None:
     """Wait until ``generation``'s loop runs on its thread, so that a wait measured
     from here is a wait into the loop's own work, whenever the thread got a core."""
@@ -87,6 +86,49 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.slow)
+
+
+@contextlib.contextmanager
+def taking_turns(run_id: str, alone: bool):
+    """Across the test processes of one run (pytest-xdist's ``-n``): any number of tests at once,
+    or one marked ``alone`` with nothing beside it. A test that measures how long a stop waits
+    must not share the cores with another test's model. The turnstile keeps a test that waits to
+    run alone from being passed over by the other processes' next tests."""
+    directory = Path(tempfile.gettempdir())
+    with (
+        open(directory / f"stopline-tests-{run_id}.turnstile", "a") as turnstile,
+        open(directory / f"stopline-tests-{run_id}.running", "a") as running,
+    ):
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Set in each process of a run with -n; a run in one process has no one to take turns with.
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return (yield)
+    with taking_turns(run_id, alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def browser():
+    """One headless Chromium for the whole session; each test opens its own context in it."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is not installed")
+    async with async_playwright() as p:
+        chromium = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            await chromium.close()
 
 
 @pytest.fixture(scope="session")

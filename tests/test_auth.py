@@ -13,14 +13,13 @@ import json
 import os
 import stat
 import subprocess
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from bench.launch import run_stopline
 from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 from stopline.__main__ import main as stopline_main
 from stopline.__main__ import parse_args, settings_from
@@ -39,7 +38,6 @@ from stopline.protocol.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusa
 from stopline.settings import Settings
 
 METRICS_KEY = "metrics-key-0123456789"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -125,8 +123,7 @@ def test_keys_add_without_a_file_uses_the_config_folder_and_says_where(tmp_path)
     environ["XDG_CONFIG_HOME"] = str(tmp_path / "config")
 
     def keys(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "stopline", "keys", *args]
-        return subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60 * UNIT)
+        return run_stopline("keys", *args, env=environ, inherit_env=False, timeout=60 * UNIT)
 
     added = keys("add", "alice")
     assert added.returncode == 0, added.stderr
@@ -374,14 +371,7 @@ async def test_keys_from_api_key_flags_and_stopline_api_keys(
 def stopline_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """``python -m stopline`` as a real process, with no STOPLINE_ variable but those in ``env``."""
     environ = {name: value for name, value in os.environ.items() if not name.startswith("STOPLINE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "stopline", *args],
-        cwd=ROOT,
-        env={**environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60 * UNIT,
-    )
+    return run_stopline(*args, env={**environ, **env}, inherit_env=False, timeout=60 * UNIT)
 
 
 SECRET = "hunter2-0123456789abcdef"
@@ -543,21 +533,16 @@ async def test_the_terminal_client_sends_stopline_api_key(engine, tmp_path, logs
 
         async def client(**extra) -> tuple[int, str, str]:
             environ = {k: v for k, v in os.environ.items() if not k.startswith("STOPLINE_")}
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "stopline.client",
-                "--url",
-                server.ws_url,
-                "--max-tokens",
-                "4",
-                "What is the capital of France?",
+            args = ("--url", server.ws_url, "--max-tokens", "4", "What is the capital of France?")
+            result = await asyncio.to_thread(
+                run_stopline,
+                *args,
+                module="stopline.client",
                 env={**environ, **extra},
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                inherit_env=False,
+                timeout=60 * UNIT,
             )
-            out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
-            return process.returncode, out.decode(), err.decode()
+            return result.returncode, result.stdout, result.stderr
 
         code, _, err = await client()
         assert code == 1 and "the server needs an API key: set STOPLINE_API_KEY" in err

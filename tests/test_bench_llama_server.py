@@ -1,6 +1,7 @@
-"""The benchmark's llama-server adapter, against a stand-in that speaks its HTTP API
-(``tests/fake_llama_server.py``): a real process, real sockets on port 0, llama-server's
-streaming format and log lines. The real llama-server is never built here."""
+"""The benchmark's llama-server driver, under the scenarios written once for every server,
+against a stand-in that speaks its HTTP API (``tests/fake_llama_server.py``): a real process,
+real sockets on port 0, llama-server's streaming format and log lines. The real llama-server
+is never built here."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import parse_args, write_results_section
-from bench.llama_server import BUSY_MAX_TOKENS, DISCONNECT_BUSY, NONSTREAM, LlamaBench, LlamaServer
+from bench.drivers.llama_server import LlamaServerDriver
 from bench.prompts import PromptMaker
-from bench.report import LLAMA, OURS, Report
-from bench.scenarios import CONCURRENT_STREAMS, DECODE_CONCURRENT, TURNS, Plan, share, share_range
+from bench.report import LLAMA, OURS, Report, write_results_section
+from bench.run import parse_args
+from bench.scenarios import (
+    BUSY_MAX_TOKENS,
+    CONCURRENT_STREAMS,
+    DECODE_CONCURRENT,
+    DISCONNECT_BUSY,
+    NONSTREAM,
+    TURNS,
+    Bench,
+    Plan,
+    share,
+    share_range,
+)
 from stopline.engine import model as embedded
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -32,22 +44,31 @@ async def start_fake(tmp_path: Path, slots: int):
     binary = tmp_path / "llama-server"
     binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" --accounts "{accounts}" "$@"\n')
     binary.chmod(0o755)
-    server = LlamaServer(binary, tmp_path / "model.gguf", tmp_path, slots=slots, threads=1, context_length=2048)
-    return server, await server.start(), accounts
+    tokenizer = embedded.embedded_tokenizer(progress=False)
+    driver = LlamaServerDriver(
+        binary,
+        tmp_path / "model.gguf",
+        tmp_path,
+        slots=slots,
+        threads=1,
+        context_length=2048,
+        tokenize=lambda messages: tokenizer.encode(tokenizer.render_chat(messages)),
+    )
+    return await driver.start(), accounts
 
 
 @pytest.fixture
 async def peer(tmp_path):
-    server, target, accounts = await start_fake(tmp_path, SLOTS)
-    yield server, target, accounts
-    await server.stop()
+    driver, accounts = await start_fake(tmp_path, SLOTS)
+    yield driver, accounts
+    await driver.stop()
 
 
 @pytest.fixture
 async def wide_peer(tmp_path):
-    server, target, accounts = await start_fake(tmp_path, CONCURRENT_STREAMS)
-    yield server, target, accounts
-    await server.stop()
+    driver, accounts = await start_fake(tmp_path, CONCURRENT_STREAMS)
+    yield driver, accounts
+    await driver.stop()
 
 
 def small_plan(**fields) -> Plan:
@@ -66,9 +87,9 @@ def small_plan(**fields) -> Plan:
     return Plan(**{**defaults, **fields})
 
 
-def bench_for(prompts: PromptMaker, requests: int) -> LlamaBench:
+def bench_for(prompts: PromptMaker, requests: int) -> Bench:
     plan = small_plan(requests=requests, long_requests=requests, throughput_reps=2)
-    return LlamaBench(plan, prompts, random.Random(2), None)
+    return Bench(plan, prompts, random.Random(2))
 
 
 def ends(accounts: Path) -> list[dict]:
@@ -76,8 +97,10 @@ def ends(accounts: Path) -> list[dict]:
 
 
 def test_serves_the_same_model_context_slots_and_threads(tmp_path):
-    server = LlamaServer(Path("/bin/llama-server"), Path("/m.gguf"), tmp_path, slots=3, threads=2, context_length=2048)
-    command = server.command()
+    driver = LlamaServerDriver(
+        Path("/bin/llama-server"), Path("/m.gguf"), tmp_path, slots=3, threads=2, context_length=2048
+    )
+    command = driver.command()
 
     def value(flag):
         return command[command.index(flag) + 1]
@@ -90,7 +113,7 @@ def test_serves_the_same_model_context_slots_and_threads(tmp_path):
 
 
 async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_line(peer, prompts):
-    server, target, accounts = peer
+    target, accounts = peer
     bench = bench_for(prompts, requests=3)
     calibration = await bench.calibrate(target)
     assert set(calibration["prefill_ms"]) == {50, 300} and calibration["step_ms"] > 0
@@ -116,12 +139,12 @@ async def test_stops_by_closing_the_stream_and_counts_tokens_from_the_release_li
 
 @pytest.mark.slow
 async def test_a_non_streaming_request_that_never_notices_runs_to_its_end(peer, prompts):
-    server, target, accounts = peer
+    target, accounts = peer
     bench = bench_for(prompts, requests=2)
     await bench.calibrate(target, long=False)
     await bench.run(NONSTREAM, target)
     await bench.run(DISCONNECT_BUSY, target)
-    await bench._wait_idle(target)  # the background stream's end is logged once its slot is free
+    await target.wait_idle()  # the background stream's end is logged once its slot is free
     samples = [s for s in bench.samples if s["scenario"] in (NONSTREAM, DISCONNECT_BUSY)]
     assert [s["scenario"] for s in samples] == [NONSTREAM] * 2 + [DISCONNECT_BUSY] * 2
     for sample in samples:
@@ -135,7 +158,7 @@ async def test_a_non_streaming_request_that_never_notices_runs_to_its_end(peer, 
 
 
 async def test_throughput_reads_the_stream_and_its_timings(peer, prompts):
-    server, target, accounts = peer
+    target, accounts = peer
     bench = bench_for(prompts, requests=1)
     await bench.calibrate(target, long=False)
     await bench.run("throughput", target)
@@ -145,14 +168,14 @@ async def test_throughput_reads_the_stream_and_its_timings(peer, prompts):
         assert sample["outcome"] == "done" and sample["tokens"] == 16
         assert sample["ttft_client_ms"] > 0 and sample["tokens_per_s_client"] > 0
         assert sample["tokens_per_s_server"] > 0 and sample["aggregate_tokens_per_s"] > 0
-    # Unsupported scenarios take no samples and send nothing.
+    # Scenarios it cannot take part in take no samples and send nothing.
     before = len(ends(accounts))
     await bench.run("queued", target)
     assert len(ends(accounts)) == before and len(bench.runs) == 1
 
 
 async def test_takes_part_in_prompt_speed_multi_turn_and_the_4_stream_cancel(wide_peer, prompts):
-    server, target, accounts = wide_peer
+    target, accounts = wide_peer
     bench = bench_for(prompts, requests=2)
     await bench.calibrate(target, long=True)
     for scenario in ("prefill_speed", "multi_turn", "decode_after_token", DECODE_CONCURRENT):

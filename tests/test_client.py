@@ -9,13 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pexpect
 import pytest
 
+from bench.launch import ROOT, module_command, run_stopline
 from conftest import UNIT, fetch_metrics, metric_value
 from stopline.client import UsageError, summary, websocket_url
 from stopline.protocol.frames import Terminal
@@ -23,7 +22,6 @@ from stopline.protocol.requests import Ending
 from stopline.protocol.vocabulary import Outcome, Reason
 from stopline.settings import client_url
 
-ROOT = Path(__file__).resolve().parent.parent
 LONG_STORY = "Write a very long story about a dragon."
 PROMPT = "\r\n> "
 
@@ -39,9 +37,10 @@ async def in_thread(function, *args, **kwargs):
 
 
 def spawn(*args, **environ) -> pexpect.spawn:
+    command = module_command("stopline.client", *args)
     child = pexpect.spawn(
-        sys.executable,
-        ["-m", "stopline.client", *args],
+        command[0],
+        command[1:],
         cwd=str(ROOT),
         env=env(**environ),
         encoding="utf-8",
@@ -108,14 +107,7 @@ def test_host_and_port_come_from_the_environment():
 
 
 def run_client(*args, **environ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stopline.client", *args],
-        cwd=ROOT,
-        env=env(**environ),
-        capture_output=True,
-        text=True,
-        timeout=60 * UNIT,
-    )
+    return run_stopline(*args, module="stopline.client", env=env(**environ), inherit_env=False, timeout=60 * UNIT)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from bench.launch import ServerProcess, run_stopline
 from conftest import (
     CHAT_FRANCE,
     LONG_ANSWER,
@@ -25,7 +26,6 @@ from conftest import (
     fetch_metrics,
     metric_value,
     running_server,
-    spawn_stopline,
     wait_for,
 )
 
@@ -396,15 +396,9 @@ async def test_cancels_racing_a_finish_are_acknowledged_with_the_winner(server):
 # Flags and settings --------------------------------------------------------------
 
 
-async def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
-    process = await spawn_stopline(*args, env=env)
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout * UNIT)
-    finally:
-        if process.returncode is None:  # it started instead of refusing the settings
-            process.kill()
-            await process.wait()
-    return process.returncode, out.decode(), err.decode()
+def run_server_process(*args: str, env: dict | None = None, timeout: float = 60.0):
+    result = run_stopline(*args, env=env, timeout=timeout * UNIT)
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.mark.slow
@@ -428,7 +422,7 @@ async def run_server_process(*args: str, env: dict | None = None, timeout: float
     ],
 )
 async def test_bad_settings_fail_before_loading_with_one_line_and_status_2(args, env, problem):
-    code, out, err = await run_server_process("--port", "0", *args, env=env)
+    code, out, err = run_server_process("--port", "0", *args, env=env)
     assert code == 2, (out, err)
     [error] = [line for line in err.splitlines() if "error:" in line]
     assert problem in error and "Traceback" not in err
@@ -439,27 +433,20 @@ async def test_a_port_in_use_fails_at_once():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        code, out, err = await run_server_process("--port", str(taken.getsockname()[1]))
+        code, out, err = run_server_process("--port", str(taken.getsockname()[1]))
     assert code == 2 and "cannot listen" in err and "Traceback" not in err and out == ""
 
 
 async def test_ctrl_c_while_loading_exits_cleanly():
-    process = await spawn_stopline("--port", "0")
-    try:
+    with ServerProcess("--port", "0") as process:
         # The port is taken before the model loads: wait until it listens, then interrupt.
         def listening():
             return any(c.status == psutil.CONN_LISTEN for c in psutil.Process(process.pid).net_connections())
 
         await wait_for(listening, timeout=30)
-        process.send_signal(signal.SIGINT)
-        out, err = await asyncio.wait_for(process.communicate(), 30 * UNIT)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 128 + signal.SIGINT
-    assert err.decode() == ""
-    [line] = out.decode().splitlines()
+        assert await process.stopped(signal.SIGINT, 30 * UNIT) == 128 + signal.SIGINT
+    assert process.stderr == ""
+    [line] = process.stdout.splitlines()
     assert json.loads(line)["event"] == "startup_interrupted"
 
 
@@ -472,17 +459,16 @@ def percentile(values: list[float], p: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
     """One client streams; thirty connections flood big prompts. Measured in one
     run against ``python -m stopline``: the streaming client's gap between tokens
     without the flood, with 399,000-character prompts (refused from their size),
     and with 160,000-byte prompts (just under the bound, so each is tokenized)."""
-    from test_server_process import start_process
-
     # One thread for the stream: the claim is about the event loop and the tokenizer
     # lanes. A generation spread over both of this machine's cores would share them
     # with the flood's own clients, and its gaps would measure that contention.
-    process, url, _ = await start_process("--threads", "1")
+    process = ServerProcess("--port", "0", "--threads", "1")
     streamer = None
     gaps: list[tuple[float, float]] = []  # (arrival, gap) of consecutive tokens of one request
     stop_streaming = asyncio.Event()
@@ -552,6 +538,7 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
         return [g for t, g in gaps[first:] if t - g >= start], answers, handshake
 
     try:
+        url = (await process.started(120 * UNIT)).ws_url
         streamer = asyncio.create_task(stream())
         await wait_for(lambda: len(gaps) >= 20, timeout=120)
         quiet, _, quiet_handshake = await gaps_while(150, None)
@@ -563,7 +550,6 @@ async def test_a_big_prompt_flood_does_not_delay_another_clients_tokens():
         if streamer is not None and not streamer.done():
             streamer.cancel()
         process.kill()
-        await process.wait()
     rows = [
         ("no flood", quiet, [], quiet_handshake),
         ("399,000-char prompts", refused, refused_answers, refused_handshake),

@@ -6,13 +6,10 @@ process with HF_HOME in a temporary folder; the engine is llama.cpp, which loads
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +17,8 @@ import gguf
 import pytest
 import pytest_asyncio
 
-from conftest import UNIT, spawn_stopline
+from bench.launch import ServerProcess, run_stopline
+from conftest import UNIT
 from hub_stand_in import COMMIT, HubFile, HubStandIn, Repo, split_gguf
 from stopline.engine import hub
 from stopline.engine.hub import GGUFModel, HubError, HubModelName, RemoteFile, choose, gguf_models
@@ -81,53 +79,13 @@ def hub_env(stand_in: HubStandIn, home: Path, **extra: str) -> dict:
     return {**inherited, "HF_HOME": str(home), "HF_ENDPOINT": stand_in.url, **extra}
 
 
-class Started:
-    """A server process, its JSON log read up to server_started, and its stderr as it comes."""
-
-    def __init__(self, process: asyncio.subprocess.Process):
-        self.process = process
-        self.stderr: list[str] = []
-        self._reader = asyncio.ensure_future(self._read_stderr())
-
-    async def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        while chunk := await self.process.stderr.read(4096):
-            self.stderr.append(chunk.decode("utf-8", "replace"))
-
-    async def started(self) -> dict:
-        assert self.process.stdout is not None
-        while True:
-            line = await asyncio.wait_for(self.process.stdout.readline(), 240 * UNIT)
-            if not line:
-                await self._reader
-                raise AssertionError(f"the server exited: {''.join(self.stderr)[-2000:]}")
-            record = json.loads(line)
-            if record["event"] == "server_started":
-                return record
-
-    async def exited(self) -> int:
-        """How a process that stops by itself (a failure) ended."""
-        code = await asyncio.wait_for(self.process.wait(), 120 * UNIT)
-        await self._reader
-        return code
-
-    async def stop(self) -> int:
-        if self.process.returncode is None:
-            self.process.send_signal(signal.SIGINT)
-        code = await asyncio.wait_for(self.process.wait(), 30 * UNIT)
-        await self._reader
-        return code
-
-
-async def serve(stand_in, home: Path, model: str, **extra: str) -> Started:
+async def serve(stand_in, home: Path, model: str, **extra: str) -> ServerProcess:
     env = hub_env(stand_in, home, **extra)
-    return Started(await spawn_stopline("--model", model, "--engine", "llama.cpp", "--port", "0", env=env))
+    return ServerProcess("--model", model, "--engine", "llama.cpp", "--port", "0", env=env, inherit_env=False)
 
 
 def stopline(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stopline", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120 * UNIT
-    )
+    return run_stopline(*args, env=env, inherit_env=False, timeout=120 * UNIT)
 
 
 def files_in(home: Path) -> list[str]:
@@ -147,19 +105,19 @@ async def test_a_model_by_name_resumes_verifies_serves_and_is_there_offline(stan
     # The hub client draws its progress bar on a terminal; TQDM_POSITION=-1 is its switch for a pipe.
     server = await serve(stand_in, home, "hf:test/smol:q4_1", TQDM_POSITION="-1")
     try:
-        record = await server.started()
+        record = (await server.started(240 * UNIT)).start_record
         assert record["model"] == "test/smol:q4_1"
         async with aiohttp.ClientSession() as http, http.get(record["http_api"] + "/models") as response:
             assert [m["id"] for m in (await response.json())["data"]] == ["test/smol:q4_1"]
     finally:
-        assert await server.stop() == 0
+        assert await server.stopped(signal.SIGINT, 30 * UNIT) == 0
     ranges = [(path, ranged) for method, path, ranged in stand_in.requests if ranged]
     [(path, ranged)] = ranges
     assert path.endswith(SMOL_FILE) and 0.4 * len(smol) <= int(ranged.removeprefix("bytes=").rstrip("-"))
     # In the hub's own cache, whole and verified, with a progress bar on the way.
     cached = home / "hub" / "models--test--smol" / "snapshots" / COMMIT / SMOL_FILE
     assert hashlib.sha256(cached.read_bytes()).hexdigest() == hashlib.sha256(smol).hexdigest()
-    shown = "".join(server.stderr)
+    shown = server.stderr
     assert "Downloading test/smol:q4_1" in shown and "100%|" in shown and "Trying to resume download" in shown
     assert not [f for f in files_in(home) if f.endswith(".incomplete")]
 
@@ -167,9 +125,9 @@ async def test_a_model_by_name_resumes_verifies_serves_and_is_there_offline(stan
     stand_in.requests.clear()
     server = await serve(stand_in, home, "hf:test/smol:Q4_1", HF_HUB_OFFLINE="1")
     try:
-        assert (await server.started())["model"] == "test/smol:Q4_1"
+        assert (await server.started(240 * UNIT)).start_record["model"] == "test/smol:Q4_1"
     finally:
-        assert await server.stop() == 0
+        assert await server.stopped(signal.SIGINT, 30 * UNIT) == 0
     assert stand_in.requests == []
 
     # Listed with its size, and deleted by name through the cache API.
@@ -187,19 +145,19 @@ async def test_a_split_model_downloads_every_part_and_a_private_one_takes_hf_tok
     home = tmp_path / "hf"
     # Without the token, one line that says what would work.
     refused = await serve(stand_in, home, "hf:test/private-split")
-    assert await refused.exited() == 2
-    [line] = "".join(refused.stderr).splitlines()
+    assert await refused.ended(120 * UNIT) == 2
+    [line] = refused.stderr.splitlines()
     assert line.startswith("stopline: hf:test/private-split: the hub refused access (HTTP 401)") and "HF_TOKEN" in line
     assert files_in(home) == []
     # With it, every part lands beside the first, and llama.cpp loads the model from the first.
     server = await serve(stand_in, home, "hf:test/private-split", HF_TOKEN=TOKEN)
     try:
-        record = await server.started()
+        record = (await server.started(240 * UNIT)).start_record
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         async with aiohttp.ClientSession() as http, http.post(record["http_api"] + "/completions", json=body) as answer:
             assert answer.status == 200 and (await answer.json())["usage"]["completion_tokens"] >= 1
     finally:
-        assert await server.stop() == 0
+        assert await server.stopped(signal.SIGINT, 30 * UNIT) == 0
     snapshot = home / "hub" / "models--test--private-split" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == ["smol-00001-of-00002.gguf", "smol-00002-of-00002.gguf"]
 
@@ -219,8 +177,8 @@ async def test_a_split_model_downloads_every_part_and_a_private_one_takes_hf_tok
 async def test_a_failure_is_one_line_exit_2_and_leaves_no_file(stand_in, tmp_path, model, extra, says):
     home = tmp_path / "hf"
     process = await serve(stand_in, home, model, **extra)
-    assert await process.exited() == 2
-    shown = "".join(process.stderr)
+    assert await process.ended(120 * UNIT) == 2
+    shown = process.stderr
     # A download that was refused had its progress bar; every other failure is that one line alone.
     [line] = [line for line in shown.splitlines() if line.startswith("stopline:")]
     assert line.startswith(says), line

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.random_llama import random_llama_path
+from bench.inprocess.random_llama import random_llama_path
 from conftest import make_generation, started_running
 from stopline import _core
 from stopline.engine.llama_build import SDIST_VERSION, llama_source_dir
@@ -128,6 +128,7 @@ def timed(engine: Engine, prompt: list[int], max_tokens: int) -> _core.LoopResul
 # Timing with two compute threads on two cores: left out of the fast tier, whose other worker
 # would preempt a thread, and a stop would wait for the OS to run it again, not for the node.
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
     prompt = engine.encode(prompt="Once upon a time")
     result = timed(engine, prompt, 8)
@@ -141,6 +142,7 @@ def test_a_stop_in_decode_waits_a_small_part_of_a_step(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_stop_in_a_prompt_chunk_waits_a_small_part_of_the_chunk(engine):
     prompt = engine.encode(prompt="The history of bread is long. " * 120)[:512]
     result = timed(engine, prompt, 1)
@@ -153,6 +155,7 @@ def test_a_stop_in_a_prompt_chunk_waits_a_small_part_of_the_chunk(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_stop_in_a_shared_step_waits_a_small_part_of_a_step_whichever_generation_leads(engine):
     # 4 generations share each step, evaluated on the thread of the one that posted last; a
     # quarter of the stops land on that one. It hands the others' evaluation back instead of
@@ -201,6 +204,7 @@ def test_a_stop_in_a_shared_step_waits_a_small_part_of_a_step_whichever_generati
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_stopped_prompt_chunk_waiting_for_room_in_a_shared_step_leaves_at_once(engine):
     # One generation decodes; two more post a 512-token chunk each, and only one chunk fits a
     # batch beside the decode token. The other waits for the next step, and a stop meanwhile

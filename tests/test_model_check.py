@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
+from bench.launch import run_stopline
 from conftest import UNIT
 from hub_stand_in import split_gguf
 from stopline.engine import conversion, model
@@ -39,8 +38,6 @@ from stopline.engine.tokenizer import TokenizerError, load_chat_template
 from stopline.protocol.errors import ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_gguf(
@@ -146,13 +143,7 @@ LLAMA_CPP_RUNS = ("non-llama GGUF v3", "Llama 3.1 rope_freqs", "IQ4_NL tensor")
 )
 def test_the_server_refuses_an_unsupported_model_in_one_line_with_exit_code_2(bad_files, case):
     path, why = bad_files[case]
-    result = subprocess.run(
-        [sys.executable, "-m", "stopline", "--engine", "ctransformers", "--port", "0", "--model", str(path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60 * UNIT,
-    )
+    result = run_stopline("--engine", "ctransformers", "--port", "0", "--model", str(path), timeout=60 * UNIT)
     assert result.returncode == 2, result
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -484,14 +475,7 @@ def test_a_conversion_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypa
 
 
 def stopline_cache(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stopline", "cache", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60 * UNIT,
-        env={**os.environ, "STOPLINE_CACHE_DIR": str(cache), **env},
-    )
+    return run_stopline("cache", *args, env={"STOPLINE_CACHE_DIR": str(cache), **env}, timeout=60 * UNIT)
 
 
 def test_the_conversion_cache_keeps_the_most_recently_used_copies(tmp_path, monkeypatch):

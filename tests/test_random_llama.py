@@ -1,4 +1,4 @@
-"""The Llama-3.2-1B-shaped model with random weights (bench/random_llama.py), written with
+"""The Llama-3.2-1B-shaped model with random weights (bench/inprocess/random_llama.py), written with
 2 layers and the full vocabulary: its file, llama.cpp running it through Stopline's engine,
 its vocabulary tokenizing as Llama 3's, and a write that never leaves half a file."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bench.__main__ as bench_main
-from bench import random_llama
-from bench.random_llama import LlamaShape, random_llama_path
+import bench.run as bench_main
+from bench.inprocess import random_llama
+from bench.inprocess.random_llama import LlamaShape, random_llama_path
 from conftest import make_generation
 from stopline import _core
 from stopline.engine.llama_build import llama_source_dir

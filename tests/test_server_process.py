@@ -12,6 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from bench.launch import ServerProcess, run_stopline
 from conftest import (
     CHAT_FRANCE,
     LONG_ANSWER,
@@ -21,36 +22,15 @@ from conftest import (
     fetch_metrics,
     metric_value,
     running_server,
-    spawn_stopline,
     wait_for,
 )
-
-
-async def start_process(*args: str):
-    """``python -m stopline`` on port 0; returns the process and its URL once it listens."""
-    process = await spawn_stopline("--port", "0", *args)
-    lines = []
-    while True:
-        line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
-        if not line:
-            raise AssertionError(f"server exited: {lines} {(await process.stderr.read()).decode()[-2000:]}")
-        record = json.loads(line)
-        lines.append(record)
-        if record["event"] == "server_started":
-            return process, record["url"].replace("http://", "ws://") + "ws", lines
-
-
-async def read_logs(process) -> list[dict]:
-    out = await process.stdout.read()
-    return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
-    process, url, _ = await start_process("--workers", "1")
-    try:
-        async with connect(url) as ws:
+    with ServerProcess("--port", "0", "--workers", "1") as process:
+        async with connect((await process.started(120 * UNIT)).ws_url) as ws:
             await ws.recv()  # hello
             for request_id in ("running", "queued"):
                 await ws.send(
@@ -69,17 +49,13 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
         assert terminals["running"]["type"] == "cancelled" and terminals["running"]["reason"] == "shutdown"
         assert terminals["queued"]["type"] == "cancelled" and terminals["queued"]["reason"] == "shutdown"
         assert terminals["running"]["tokens_after_cancel"] <= 1
-        assert await asyncio.wait_for(process.wait(), 10 * UNIT) == 0
-        records = await read_logs(process)
+        assert await process.ended(10 * UNIT) == 0
+        records = process.records
         assert [r["event"] for r in records].count("generation_cancelled") == 2
         assert records[-1]["event"] == "server_stopped"
         # The running generation stopped within a couple of decode steps of the shutdown's cancel.
         [running] = [r for r in records if r["event"] == "generation_cancelled" and r["id"] == "running"]
         assert terminals["running"]["cancel_latency_ms"] < 2 * decode_step_ms(running), (terminals, running)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 @pytest.mark.parametrize(
@@ -90,11 +66,10 @@ async def test_signal_cancels_everything_with_shutdown_and_exits_quickly(sig):
     ],
 )
 async def test_bad_model_fails_to_start_with_a_clear_message(args, problem):
-    process = await spawn_stopline("--port", "0", *args)
-    out, err = await asyncio.wait_for(process.communicate(), 60 * UNIT)
-    assert process.returncode == 2
-    assert len(err.decode().splitlines()) == 1 and problem in err.decode()
-    [failure] = [json.loads(line) for line in out.decode().splitlines() if '"startup_failed"' in line]
+    result = run_stopline("--port", "0", *args, timeout=60 * UNIT)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and problem in result.stderr
+    [failure] = [json.loads(line) for line in result.stdout.splitlines() if '"startup_failed"' in line]
     assert problem in failure["error"]
 
 

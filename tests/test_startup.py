@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -16,37 +15,30 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 import pexpect
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server, spawn_stopline
+from bench.launch import ROOT, ServerProcess, module_command, run_stopline
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline import settings
 from stopline.__main__ import _in_daemon_thread
 from stopline.engine import cores, model
 from stopline.engine.tokenizer import load_chat_template
 from stopline.protocol.origin import WILDCARD_HOSTS
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def stopline(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stopline", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout * UNIT,
-    )
+    return run_stopline(*args, timeout=timeout * UNIT)
 
 
 def in_terminal(*args: str, env: dict | None = None) -> pexpect.spawn:
+    command = module_command("stopline", *args)
     return pexpect.spawn(
-        sys.executable,
-        ["-m", "stopline", *args],
+        command[0],
+        command[1:],
         cwd=str(ROOT),
         env={**os.environ, "TERM": "xterm", "COLUMNS": "120", **(env or {})},
         encoding="utf-8",
@@ -165,25 +157,20 @@ async def test_a_server_on_every_interface_advertises_a_url_that_opens(engine, m
         await open_advertised(server.url, server.http.base_url)
 
 
-async def started(process: asyncio.subprocess.Process) -> dict:
-    """The server_started record of a process whose output is a pipe (so JSON lines)."""
-    while True:
-        line = await asyncio.wait_for(process.stdout.readline(), 120 * UNIT)
-        if not line:
-            error = (await process.stderr.read()).decode()
-            if "cannot listen on [::]" in error:
-                pytest.skip(f"no IPv6 here: {error.strip()}")
-            raise AssertionError(f"the server exited: {error[-2000:]}")
-        record = json.loads(line)
-        if record["event"] == "server_started":
-            return record
+async def started(process: ServerProcess) -> ServerProcess:
+    """``process`` once it serves; a skip where the machine has no IPv6 to listen on."""
+    try:
+        return await process.started(120 * UNIT)
+    except RuntimeError:
+        if "cannot listen on [::]" in process.stderr:
+            pytest.skip(f"no IPv6 here: {process.stderr.strip()}")
+        raise
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "127.0.0.1"])
 async def test_the_advertised_urls_open_and_a_refused_name_is_told_the_flag(host):
-    process = await spawn_stopline("--host", host, "--port", "0")
-    try:
-        record = await started(process)
+    with ServerProcess("--host", host, "--port", "0") as process:
+        record = (await started(process)).wait_event("server_started", 0)
         page, api = record["url"], record["http_api"]
         assert urlsplit(page).hostname not in WILDCARD_HOSTS and urlsplit(api).hostname not in WILDCARD_HOSTS
         await open_advertised(page, api)
@@ -196,10 +183,7 @@ async def test_the_advertised_urls_open_and_a_refused_name_is_told_the_flag(host
             refused = own.lower()
         status, body = await get_as(port, refused, address=loopback)
         assert status == 403 and f"--allowed-hosts {refused}" in body
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+        assert process.stop(signal.SIGINT, 30 * UNIT) == 0
 
 
 # --- --chat-template ------------------------------------------------------------------------------
@@ -211,19 +195,15 @@ async def test_the_served_prompt_is_rendered_with_the_chat_template_flag(engine)
     zephyr = engine.tokenizer.with_chat_template(load_chat_template("zephyr"))
     with_zephyr = len(zephyr.encode(zephyr.render_chat(CHAT_FRANCE)))
     assert with_zephyr != len(engine.encode(messages=CHAT_FRANCE))
-    process = await spawn_stopline("--port", "0", "--chat-template", "zephyr")
-    try:
-        api = (await started(process))["http_api"]
+    with ServerProcess("--port", "0", "--chat-template", "zephyr") as process:
+        api = (await started(process)).api_url
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as http:
             body = {"model": model.EMBEDDED_MODEL_NAME, "messages": CHAT_FRANCE, "max_tokens": 1}
             async with http.post(api + "/chat/completions", json=body) as response:
                 assert response.status == 200, await response.text()
                 answer = await response.json()
         assert answer["usage"]["prompt_tokens"] == with_zephyr
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(process.wait(), 30 * UNIT) == 0
+        assert process.stop(signal.SIGINT, 30 * UNIT) == 0
 
 
 @pytest.mark.parametrize(
@@ -288,9 +268,7 @@ def test_help_shows_defaults_and_which_model_files_work():
     assert "--port PORT port to listen on (0: any free port) (default: 8765)" in text
     assert "--workers WORKERS generation slots: users served at once (default: 2)" in text
     assert "Model files: The ctransformers engine runs GGUF v2-v3 files of architecture llama" in text
-    client = subprocess.run(
-        [sys.executable, "-m", "stopline.client", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    client = run_stopline("--help", module="stopline.client", timeout=60 * UNIT)
     help_text = " ".join(client.stdout.split())
     assert re.search(r"--max-tokens MAX_TOKENS \w+", help_text) and re.search(
         r"--temperature TEMPERATURE \w+", help_text
@@ -330,12 +308,12 @@ def test_without_a_compiler_the_first_start_says_which_and_names_the_engine_that
     cache.mkdir()
     gguf = model.original_gguf_path(progress=False)
     (cache / gguf.name).symlink_to(gguf)
-    result = subprocess.run(
-        [sys.executable, "-m", "stopline", "--port", "0", "--http-port", "0"],
-        cwd=ROOT,
-        env={**os.environ, "STOPLINE_CACHE_DIR": str(cache), "CXX": "no-compiler-here"},
-        capture_output=True,
-        text=True,
+    result = run_stopline(
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        env={"STOPLINE_CACHE_DIR": str(cache), "CXX": "no-compiler-here"},
         timeout=60 * UNIT,
     )
     assert result.returncode == 2

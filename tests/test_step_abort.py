@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bench.native import abort_storm, storm_prompt
+from bench.inprocess.native import abort_storm, storm_prompt
 from conftest import (
     CHAT_FRANCE,
     UNIT,
@@ -30,7 +30,7 @@ from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
-ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "250"))
+ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "150"))
 STORY = "Once upon a time, in a village by the sea, there lived an old fisherman and his clever daughter. "
 
 
@@ -153,7 +153,9 @@ def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
     assert text == fresh
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# Two compute threads spin-wait for each other at every node: beside another test, a preempted one
+# stalls its partner, so that case runs alone.
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.alone)])
 @pytest.mark.slow
 def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
     """The same generation cancelled at random moments, over and over, on one

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import socket
 import statistics
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import async_playwright, expect
+from playwright.async_api import expect
 
 from conftest import UNIT, decode_step_ms, metric_value
 from stopline.app import StoplineServer
@@ -29,15 +28,6 @@ from stopline.settings import Settings
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
@@ -53,18 +43,6 @@ def ms(seconds: float) -> float:
 
 
 # ---------- fixtures ----------
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is not installed")
-    async with async_playwright() as p:
-        chromium = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            await chromium.close()
 
 
 async def new_page(browser, url: str | None = None, **context_options):
@@ -271,6 +249,7 @@ async def test_stop_button_cancels_a_streaming_generation(page, server, logs):
     assert metric_value(text_metrics, "stopline_requests_total") == 1
 
 
+@pytest.mark.alone
 async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
     await settings(page, max_tokens=400, temperature=0)
     samples = []

@@ -18,7 +18,6 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import expect
 
-import test_web
 from test_web import (
     ROOT,
     close_page,
@@ -36,8 +35,6 @@ from test_web import (
 
 pytestmark = pytest.mark.browser
 
-# The one headless Chromium of test_web.py, a fixture shared by name.
-browser = test_web.browser
 
 LONG_STORY = "Write a very long story about a dragon."
 FRANCE = "What is the capital of France? Answer in one word."

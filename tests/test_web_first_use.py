@@ -13,7 +13,6 @@ import pytest_asyncio
 from playwright.async_api import expect
 from test_web_chat import generates, record_frames
 
-import test_web
 from conftest import running_server
 from stopline.engine.loop import Engine
 from stopline.protocol.requests import DEFAULT_SAMPLING
@@ -21,8 +20,6 @@ from test_web import close_page, expect_connected, expect_state, meta, new_page,
 
 pytestmark = pytest.mark.browser
 
-# The one headless Chromium of test_web.py, a fixture shared by name.
-browser = test_web.browser
 
 LONG_STORY = "Write a very long story about a dragon."
 

@@ -6,15 +6,11 @@ from __future__ import annotations
 import pytest
 from playwright.async_api import expect
 
-import test_web
 from conftest import running_server
 from stopline.auth import Quota, add_key
 from test_web import FRANCE, close_page, expect_connected, expect_state, ms, new_page, send, settings
 
 pytestmark = pytest.mark.browser
-
-# The one headless Chromium of test_web.py, a fixture shared by name.
-browser = test_web.browser
 
 
 async def test_the_page_asks_for_a_key_and_then_sends_it(browser, engine, logs, tmp_path):

@@ -9,26 +9,11 @@ token frame and serializes it (``encode_frame``); these measure those steps.
 
 from __future__ import annotations
 
-import pytest
-
-from stopline.engine.loop import Engine
 from stopline.engine.tokenizer import TextStream
 from stopline.protocol.frames import Token, encode_frame
 from stopline.protocol.requests import SamplingParams
 
 TOKENS_PER_ROUND = 32
-
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.load(threads=1, progress=False)
-
-
-@pytest.fixture(scope="module")
-def slot(engine):
-    slot = engine.open_slot()
-    yield slot
-    slot.close()
 
 
 def test_encode_token_frame(benchmark):

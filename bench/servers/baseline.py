@@ -42,7 +42,7 @@ from stopline._core import ExitKind
 from stopline.engine.loop import Engine, Stream
 from stopline.engine.tokenizer import TextStream
 from stopline.protocol.requests import SamplingParams
-from stopline.protocol.vocabulary import AbortMode
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 
 # ctransformers' default prompt batch, as a service calling generate() would get it.
 BATCH_SIZE = 8
@@ -70,6 +70,8 @@ class BaselineSlot:
 class BaselineEngine:
     """Serves the model file of ``engine`` through ctransformers' Python API."""
 
+    kind = EngineName.CTRANSFORMERS
+
     def __init__(self, engine: Engine):
         self._engine = engine
         self.name = engine.name
@@ -87,6 +89,9 @@ class BaselineEngine:
     def open_slot(self) -> BaselineSlot:
         return BaselineSlot(str(self.model_path), self.context_length, self.threads)
 
+    def open_slots(self, count: int, batching: Batching = Batching.PER_SLOT) -> list[BaselineSlot]:
+        return [self.open_slot() for _ in range(count)]
+
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         # ctransformers' own tokenizer is wrong for this vocabulary; both engines get the same ids.
         return self._engine.encode(prompt=prompt, messages=messages)
@@ -99,7 +104,9 @@ class BaselineEngine:
         *,
         window: int = 64,
         started_ns: int | None = None,
+        threads: int | None = None,
     ) -> Stream:
+        # ``threads``: ctransformers takes its threads once, when it loads the model.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         if not prompt_tokens:
             raise ValueError("the prompt has no tokens")
@@ -166,6 +173,10 @@ class BaselineGeneration:
         with self._lock:
             pieces, self._pending = self._pending, []
         return pieces
+
+    def logprobs(self, start: int, end: int) -> None:
+        """None: the usual approach reports no log probabilities."""
+        return None
 
     def _wake(self) -> None:
         os.eventfd_write(self._fd, 1)

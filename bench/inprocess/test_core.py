@@ -22,7 +22,7 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import sampling_args
 from stopline.protocol.requests import SamplingParams
 
 DECODE_TOKENS = 64
@@ -30,18 +30,6 @@ PREFILL_TOKENS = 512
 CANCELS = 30
 LONG_PROMPT_TEXT = "The history of bread is long. " * 220
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
-
-
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.load(threads=1, progress=False)
-
-
-@pytest.fixture(scope="module")
-def slot(engine):
-    context = engine.open_slot()
-    yield context
-    context.close()
 
 
 @pytest.fixture(scope="module")

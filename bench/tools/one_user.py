@@ -1,4 +1,4 @@
-"""python -m bench.one_user: what the default configuration gives one user, and two.
+"""python -m bench one-user: what the default configuration gives one user, and two.
 
 Starts ``python -m stopline`` three times on the embedded model: with its defaults, with
 ``--workers 1`` and with ``--threads 1``. In every round, each server in turn (the order rotates
@@ -9,7 +9,7 @@ its last; a user's wait is the time from sending ``generate`` to the first token
 users get in all is their tokens over the time from the first request to the last token. The machine's
 load average is recorded around every round, since every figure depends on it.
 
-    python -m bench.one_user [--rounds 5] [--max-tokens 200] [--out bench/out]
+    python -m bench one-user [--rounds 5] [--max-tokens 200] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from websockets.asyncio.client import connect
-
-from stopline.protocol.vocabulary import TERMINAL_TYPES
-
-from .servers import start_stopline
+from ..drivers.base import Request
+from ..drivers.stopline import StoplineDriver
+from ..launch import ServerProcess
 
 CONFIGURATIONS = {"default": (), "--workers 1": ("--workers", "1"), "--threads 1": ("--threads", "1")}
 STORY = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
@@ -35,40 +32,36 @@ STORY = [{"role": "user", "content": "Write a very long story about a dragon who
 
 async def stream(ws_url: str, max_tokens: int) -> dict:
     """One greedy generation on a connection of its own: its wait for the first token and its decode speed."""
-    async with connect(ws_url) as ws:
-        json.loads(await ws.recv())
-        sent = time.monotonic()
-        request = {"type": "generate", "id": "g", "messages": STORY, "max_tokens": max_tokens, "temperature": 0}
-        await ws.send(json.dumps(request))
-        times = []
-        while True:
-            frame = json.loads(await ws.recv())
-            if frame["type"] == "token":
-                times.append(time.monotonic())
-            elif frame["type"] in TERMINAL_TYPES:
-                break
+    async with await StoplineDriver("stopline", ws_url=ws_url).lane() as lane:
+        call = await lane.generate(Request(STORY, max_tokens, seed=0, temperature=0))
+        await call.wait_end()
+    sent, times = call.sent_ns / 1e9, [ns / 1e9 for ns, _ in call.tokens]
     decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")
+    wait_ms = (times[0] - sent) * 1000
     return {
         "sent": sent,
         "last": times[-1],
-        "wait_ms": (times[0] - sent) * 1000,
+        "wait_ms": wait_ms,
         "tokens": len(times),
         "tokens_per_s": (len(times) - 1) / decode_s,
     }
 
 
 async def measure(rounds: int, max_tokens: int) -> dict:
-    servers = {name: await start_stopline(*flags) for name, flags in CONFIGURATIONS.items()}
+    servers = {
+        name: await ServerProcess("--port", "0", "--http-port", "0", *flags).started()
+        for name, flags in CONFIGURATIONS.items()
+    }
     results: dict[str, dict[str, list]] = {name: {"alone": [], "together": []} for name in servers}
     loads = []
     try:
-        for _, ws_url, _ in servers.values():
-            await stream(ws_url, 16)  # warm up
+        for server in servers.values():
+            await stream(server.ws_url, 16)  # warm up
         names = list(servers)
         for round_ in range(rounds):
             before = os.getloadavg()[0]
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                ws_url = servers[name][1]
+                ws_url = servers[name].ws_url
                 results[name]["alone"].append(await stream(ws_url, max_tokens))
                 first = asyncio.create_task(stream(ws_url, max_tokens))
                 await asyncio.sleep(0.05)  # the first user is the first to be served
@@ -76,9 +69,8 @@ async def measure(rounds: int, max_tokens: int) -> dict:
             loads.append((round(before, 2), round(os.getloadavg()[0], 2)))
             print(f"round {round_ + 1}/{rounds}: load average {loads[-1][0]} → {loads[-1][1]}", file=sys.stderr)
     finally:
-        for process, _, _ in servers.values():
-            process.terminate()
-            await process.wait()
+        for server in servers.values():
+            await server.stopped()
     return {"rounds": rounds, "max_tokens": max_tokens, "load_average": loads, "results": results}
 
 
@@ -103,7 +95,7 @@ def summary(result: dict) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.one_user", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench one-user", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds; each measures every configuration once")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per generation")
     p.add_argument("--out", type=Path, default=None, help="write one_user.json here")
@@ -128,7 +120,3 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "one_user.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""python -m bench.auth_flood: what a flood of wrong API keys costs a client that has a good one.
+"""python -m bench auth-flood: what a flood of wrong API keys costs a client that has a good one.
 
 Starts ``python -m stopline`` with a keys file (one slot, one compute thread),
 then streams long generations over a WebSocket with a good key and records the
@@ -11,7 +11,7 @@ the same other work. It prints p50/p99 of both, the flood's rate, and the
 machine's load average, which the figures depend on (the flood, the server and
 this client share the machine's cores).
 
-    python -m bench.auth_flood [--requests 10000] [--connections 8] [--bursts 10] [--out bench/out]
+    python -m bench auth-flood [--requests 10000] [--connections 8] [--bursts 10] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-from websockets.asyncio.client import connect
 
 from stopline.auth import Quota, add_key
 from stopline.engine.model import EMBEDDED_MODEL_NAME
 
-from .servers import CpuMeter, start_stopline
+from ..drivers.base import Request
+from ..drivers.stopline import StoplineDriver
+from ..launch import ServerProcess, module_command
+from ..machine import CpuMeter
 
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
 WRONG_KEY = "stopline_wrong-key-for-the-flood-0123456789"
@@ -46,23 +47,14 @@ async def token_gaps(ws_url: str, key: str, until: asyncio.Event | None, rounds:
     """(when, gap ms) between token frames of long generations: ``rounds`` of them, or until ``until`` is set.
     ``when`` is CLOCK_MONOTONIC, which every process on the machine shares."""
     gaps: list[tuple[float, float]] = []
-    async with connect(ws_url, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
-        json.loads(await ws.recv())
+    async with await StoplineDriver("stopline", ws_url=ws_url, key=key).lane() as lane:
         done = 0
         while (until is None and done < rounds) or (until is not None and not until.is_set()):
-            name = f"g{done}"
-            await ws.send(json.dumps({"type": "generate", "id": name, "messages": LONG_ANSWER, "max_tokens": 300}))
-            last = None
-            while True:
-                frame = json.loads(await ws.recv())
-                if frame["type"] == "token":
-                    now = time.monotonic()
-                    # The first gap is the time to first token, not a gap between tokens.
-                    if last is not None:
-                        gaps.append((now, (now - last) * 1000))
-                    last = now
-                elif frame["type"] in ("done", "cancelled", "timeout", "error"):
-                    break
+            stream = await lane.generate(Request(LONG_ANSWER, 300, seed=done))
+            await stream.wait_end()
+            # The first gap is the time to first token, not a gap between tokens.
+            times = [ns / 1e9 for ns, _ in stream.tokens]
+            gaps += [(now, (now - last) * 1000) for last, now in zip(times, times[1:])]
             done += 1
     return gaps
 
@@ -107,10 +99,10 @@ async def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         keys_file = Path(directory) / "keys.jsonl"
         key, _ = add_key(keys_file, "bench", Quota())
-        process, ws_url, api = await start_stopline(
-            "--workers", "1", "--threads", "1", "--api-keys-file", str(keys_file)
-        )
-        meter = CpuMeter([process.pid, os.getpid()])
+        flags = ("--workers", "1", "--threads", "1", "--api-keys-file", str(keys_file))
+        server = await ServerProcess("--port", "0", "--http-port", "0", *flags).started()
+        ws_url, api = server.ws_url, server.api_url
+        meter = CpuMeter([server.pid, os.getpid()])
         try:
             await token_gaps(ws_url, key, None, 1)  # warm up
             load_before = os.getloadavg()
@@ -118,9 +110,7 @@ async def measure(args: argparse.Namespace) -> dict:
             cpu_before = meter.read()
             victim = asyncio.create_task(token_gaps(ws_url, key, flooding, 0))
             flooder = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "bench.auth_flood",
+                *module_command("bench", "auth-flood"),
                 "--flood",
                 api,
                 "--requests",
@@ -137,8 +127,7 @@ async def measure(args: argparse.Namespace) -> dict:
             cpu = meter.usage_since(cpu_before)
             load_after = os.getloadavg()
         finally:
-            process.terminate()
-            await process.wait()
+            await server.stopped()
     flood_result = json.loads(out)
     windows = flood_result.pop("windows")
     # Each gap ends at ``when``: it belongs to a burst if it ended inside one. Gaps before the first
@@ -161,7 +150,7 @@ async def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.auth_flood", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench auth-flood", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=10_000, help="requests with wrong keys")
     p.add_argument("--connections", type=int, default=8, help="keep-alive connections of the flood")
     p.add_argument("--bursts", type=int, default=10, help="the flood comes in this many bursts, each then paused")
@@ -184,7 +173,3 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "auth_flood.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

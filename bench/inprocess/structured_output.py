@@ -1,6 +1,6 @@
 """What a grammar costs the llama.cpp engine's loop, and whether a stop still lands at once.
 
-    python bench/structured_output.py [--runs 6] [--stops 100]
+    python -m bench structured [--runs 6] [--stops 100]
 
 Prints, for no constraint, json_object, a json_schema and tool_choice auto's
 prose-or-calls grammar: the decode time per
@@ -78,11 +78,11 @@ def stop_latencies(engine: Engine, slot, prompt: list[int], grammar: str | None,
     return latencies
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench structured", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--stops", type=int, default=100)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     engine = Engine.load(engine="llama.cpp", threads=1, progress=False)
     slot = engine.open_slot()
     prompt = engine.encode(messages=MESSAGES)
@@ -125,7 +125,4 @@ def main() -> None:
         )
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     slot.close()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

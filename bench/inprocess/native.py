@@ -2,7 +2,7 @@
 and without the step hook, and aborts at random moments.
 
 ``python -m bench`` runs these first (scenario ``native``), before it starts
-any server; ``python -m bench.native`` runs them alone.
+any server; ``python -m bench native`` runs them alone.
 """
 
 from __future__ import annotations
@@ -174,12 +174,8 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.native", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench native", description=__doc__)
     p.add_argument("--abort-cycles", type=int, default=500, help="aborts per thread setting (1 and 2)")
     args = p.parse_args(argv)
     print(markdown(run(args.abort_cycles)))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

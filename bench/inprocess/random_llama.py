@@ -14,7 +14,7 @@ The file is written once into Stopline's cache (about 700 MB for 16 layers), und
 name that carries its shape and :data:`WRITER_VERSION`, and reused from then on. The
 weights come from a seeded generator, so every writer writes the same bytes.
 
-    python -m bench.random_llama [--layers N]   # write it (first use only), print its path
+    python -m bench random-llama [--layers N]   # write it (first use only), print its path
 """
 
 from __future__ import annotations
@@ -212,12 +212,8 @@ def random_q4_0(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.random_llama", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench random-llama", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=LLAMA_3_2_1B.layers)
     args = parser.parse_args(argv)
     print(random_llama_path(args.layers, progress=True))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

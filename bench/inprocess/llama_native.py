@@ -19,7 +19,7 @@ against llama-server's.
   divergence can be told apart as a near-tie (the two within
   ``NEAR_TIE_LOGPROB``) or a real difference.
 
-``python -m bench.llama_native storm --model PATH`` runs the storm alone and
+``python -m bench llama-native storm --model PATH`` runs the storm alone and
 prints its counts as JSON.
 """
 
@@ -29,8 +29,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -40,9 +38,9 @@ from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import Batching, EngineName
 
+from ..launch import run_stopline
 from .native import count_outcome, greedy_args, storm_prompt
 
-ROOT = Path(__file__).resolve().parent.parent
 STORM_TOKENS = 4
 STORM_CHUNK = 16
 STORM_STREAMS = 4
@@ -154,9 +152,8 @@ def storm(model: Path | None, cycles: int, streams: int, seed: int = 0) -> dict:
 
 def storm_in_child(model: Path | None, cycles: int, streams: int, seed: int = 0) -> dict:
     """The storm in a child process: a crash is a count, not the end of the benchmark."""
-    command = [sys.executable, "-m", "bench.llama_native", "storm", "--cycles", str(cycles), "--streams", str(streams)]
-    command += ["--seed", str(seed)] + (["--model", str(model)] if model else [])
-    child = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    command = ["llama-native", "storm", "--cycles", str(cycles), "--streams", str(streams), "--seed", str(seed)]
+    child = run_stopline(*command, *(["--model", str(model)] if model else []), module="bench", timeout=None)
     if child.returncode != 0:
         return {
             "streams": streams,
@@ -260,7 +257,7 @@ def greedy_body(prompt: list[int], max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.llama_native", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench llama-native", description=__doc__)
     p.add_argument("what", choices=["storm"])
     p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded model's original)")
     p.add_argument("--cycles", type=int, default=1000)
@@ -269,7 +266,3 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     print(json.dumps(storm(args.model, args.cycles, args.streams, args.seed)))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""python -m bench.serve: one benchmarked server in its own process.
+"""python -m bench serve: one benchmarked server in its own process.
 
 Runs a StoplineServer on the native engine (``--engine ours``), on the native
 engine stopping only between evaluations (``--engine ours_between_steps``, the
@@ -11,8 +11,9 @@ and records how late it wakes up: the event-loop lag the server's own work
 causes. A separate process keeps the benchmark client's work off the server's
 loop and out of its GIL.
 
-Prints one JSON line ``{"port": N}`` when ready, serves until stdin closes (or
-SIGTERM/SIGINT), then writes the lag samples to ``--lag-out`` and exits.
+Prints one JSON line when ready, the ``server_started`` record Stopline logs
+(``"url"`` and ``"http_api"``) with the engine's settings, serves until stdin
+closes (or SIGTERM/SIGINT), then writes the lag samples to ``--lag-out`` and exits.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ ENGINES = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__)
     p.add_argument("--engine", choices=list(ENGINES), required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="compute threads per slot")
@@ -128,6 +129,9 @@ async def serve(args: argparse.Namespace) -> None:
     print(
         json.dumps(
             {
+                "event": "server_started",
+                "url": server.url,
+                "http_api": server.http.base_url,
                 "port": server.port,
                 "engine": args.engine,
                 "native_engine": str(engine.kind),
@@ -153,7 +157,3 @@ def main(argv=None) -> int:
         configure_logging("info", stream=log_stream)
         asyncio.run(serve(args))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
