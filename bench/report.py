@@ -7,6 +7,8 @@ import json
 import shlex
 import statistics
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +92,21 @@ def stat(values, *keys: str) -> list[float | None]:
     return [None if s is None else s[k] for k in keys]
 
 
+def figures(samples, *columns: tuple[str, ...]) -> list[float | None]:
+    """For each column group (key, statistic, ...): those statistics of the samples' ``key``."""
+    return [v for key, *keys in columns for v in stat((s.get(key) for s in samples), *keys)]
+
+
+def present(*texts: str | None) -> list[str]:
+    """A section's texts (heading, introduction, body), or none of them when it has no body, the last."""
+    return [t for t in texts if t is not None] if texts[-1] is not None else []
+
+
+def tokens_after_cancel(samples) -> list[int]:
+    """The server's tokens after the cancel, of the samples that report it."""
+    return [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
+
+
 def fmt(x: float | None) -> str:
     if x is None:
         return "–"
@@ -146,12 +163,11 @@ class Report:
             rows.append(["", f"{peer}/{self.ref}", ""] + ratios)
         return rows
 
-    def _spread_rows(self, scenarios, figures) -> list[list[str]]:
-        """For each scenario that has samples (every one in ``REPORTED_STOPS``): its samples' count and
-        ``figures(samples)`` per target, with the ratio rows."""
+    def _spread_rows(self, scenarios, *columns: tuple[str, ...]) -> list[list[str]]:
+        """For each scenario: its samples' count and ``columns``' figures per target, with the ratio rows."""
         rows = []
         for scenario in scenarios:
-            stats = {t: (len(ss), figures(ss)) for t in self.targets for ss in [self.of(scenario, t)]}
+            stats = {t: (len(ss), figures(ss, *columns)) for t in self.targets for ss in [self.of(scenario, t)]}
             rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
         return rows
 
@@ -165,15 +181,13 @@ class Report:
         rows = []
         for target in self.targets:
             info = self.results["meta"]["targets"][target]
-            cal = info.get("calibration", {})
-            prefill = cal.get("prefill_ms", {})
             threads = info.get("threads")
             # llama-server's threads serve all its slots at once.
             threads = "–" if threads is None else f"{threads} in all" if target == LLAMA else str(threads)
             rows.append(
                 [target, str(info.get("prefill_chunk", "–")), threads, str(info.get("slots", "–"))]
-                + [fmt(prefill.get(str(k), prefill.get(k))) for k in self._lengths()]
-                + [fmt(cal.get("step_ms")), fmt(self.prompt_rate(target))]
+                + [fmt(self.prefill_ms(target, tokens)) for tokens in self._lengths()]
+                + [fmt(info.get("calibration", {}).get("step_ms")), fmt(self.prompt_rate(target))]
             )
         short, long = self._lengths()
         return table(
@@ -182,36 +196,33 @@ class Report:
             rows,
         )
 
+    def prefill_ms(self, target: str, tokens: int) -> float | None:
+        """The calibrated prefill of a ``tokens``-long prompt (keyed by a string once read from JSON)."""
+        prefill = self.results["meta"]["targets"][target].get("calibration", {}).get("prefill_ms", {})
+        return prefill.get(str(tokens), prefill.get(tokens))
+
     def prompt_rate(self, target: str) -> float | None:
         """Prompt tokens per second over the calibrated long prefill."""
-        prefill = self.results["meta"]["targets"][target].get("calibration", {}).get("prefill_ms", {})
         long = self._lengths()[1]
-        ms = prefill.get(str(long), prefill.get(long))
-        return long / (ms / 1000) if ms else None
+        return long / (ms / 1000) if (ms := self.prefill_ms(target, long)) else None
 
     def stop_latency(self) -> str:
-        rows = self._spread_rows(
-            REPORTED_STOPS,
-            lambda ss: stat((s["client_ms"] for s in ss), *SPREAD) + stat((s["server_ms"] for s in ss), *SPREAD),
-        )
+        rows = self._spread_rows(REPORTED_STOPS, ("client_ms", *SPREAD), ("server_ms", *SPREAD))
         return table("scenario|engine|n|client p50|p90|p99|max|server p50|p90|p99|max", rows)
 
     def tokens_after_cancel(self) -> str:
         rows = []
-        for scenario in REPORTED_STOPS + ("all",):
+        groups = [(SCENARIO_TITLES[scenario], (scenario,)) for scenario in REPORTED_STOPS]
+        for title, scenarios in groups + [("**all cancels**", REPORTED_STOPS)]:
             for target in self.targets:
-                samples = [
-                    s
-                    for s in self.samples
-                    if s["target"] == target and s["scenario"] in (REPORTED_STOPS if scenario == "all" else (scenario,))
-                ]
-                after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
-                frames = [s["frames_after_cancel"] for s in samples]
+                samples = [s for s in self.samples if s["target"] == target and s["scenario"] in scenarios]
+                after = tokens_after_cancel(samples)
                 hist = " ".join(f"{k}: {v}" for k, v in sorted(Counter(after).items()))
-                title = SCENARIO_TITLES.get(scenario, "**all cancels**") if target == self.targets[0] else ""
+                frames = max((s["frames_after_cancel"] for s in samples), default=None)
+                first = target == self.targets[0]
                 rows.append(
-                    [title, target, str(len(after)), hist or "–"]
-                    + [str(max(after)) if after else "–", str(max(frames)) if frames else "–"]
+                    [title if first else "", target, str(len(after)), hist or "–"]
+                    + [show(max(after, default=None)), show(frames)]
                 )
         return table(
             "scenario|engine|n|tokens after cancel (server): histogram|max|"
@@ -222,6 +233,11 @@ class Report:
     def tokens_wasted(self) -> str:
         rows = []
         runs = {(r["scenario"], r["target"]): r for r in self.results["runs"]}
+        columns = (
+            ("tokens_wasted", "mean", "max"),
+            ("prompt_tokens_evaluated", "mean"),
+            ("log_tokens_generated", "mean"),
+        )
         for scenario in STOP_SCENARIOS + TIMEOUT_SCENARIOS + ("disconnect",):
             stats = {}
             for target in self.targets:
@@ -234,12 +250,7 @@ class Report:
                     and s.get("measured_as", s["scenario"]) == scenario
                 ]
                 if samples:
-                    stats[target] = (
-                        len(samples),
-                        stat((s["tokens_wasted"] for s in samples), "mean", "max")
-                        + stat((s["prompt_tokens_evaluated"] for s in samples), "mean")
-                        + stat((s["log_tokens_generated"] for s in samples), "mean"),
-                    )
+                    stats[target] = (len(samples), figures(samples, *columns))
                 else:
                     # No server log (an already running server): the /metrics delta over the requests sent.
                     run = runs.get((scenario, target))
@@ -261,12 +272,10 @@ class Report:
                 samples = self.of("throughput", target, streams=streams)
                 stats[target] = (
                     len(samples),
-                    stat((s["tokens_per_s_client"] for s in samples), "p50")
-                    + stat((s["tokens_per_s_server"] for s in samples), "p50")
+                    figures(samples, ("tokens_per_s_client", "p50"), ("tokens_per_s_server", "p50"))
                     # One aggregate per repetition.
                     + stat({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values(), "mean")
-                    + stat((s["ttft_client_ms"] for s in samples), "p50", "p99")
-                    + stat((s["ttft_server_ms"] for s in samples), "p50"),
+                    + figures(samples, ("ttft_client_ms", "p50", "p99"), ("ttft_server_ms", "p50")),
                 )
             rows += self._rows_with_ratio(f"{streams} stream{'s' if streams > 1 else ''}", stats)
         return table(
@@ -289,18 +298,16 @@ class Report:
         landed_in_prefill = any(s["scenario"] == "timeout_total_prefill" for s in self.samples)
         rows = self._spread_rows(
             TIMEOUT_SCENARIOS + (("timeout_total_prefill",) if landed_in_prefill else ()),
-            lambda ss: (
-                stat((s["server_over_ms"] for s in ss), *SPREAD) + stat((s["client_over_ms"] for s in ss), *SPREAD)
-            ),
+            ("server_over_ms", *SPREAD),
+            ("client_over_ms", *SPREAD),
         )
         return table("deadline|engine|n|server p50|p90|p99|max|client p50|p90|p99|max", rows)
 
     def disconnect(self) -> str:
         rows = self._spread_rows(
             [s for s in ("disconnect", DISCONNECT_BUSY, NONSTREAM) if any(x["scenario"] == s for x in self.samples)],
-            lambda ss: (
-                stat((s["client_ms"] for s in ss), *SPREAD) + stat((s.get("server_ms") for s in ss), "p50", "max")
-            ),
+            ("client_ms", *SPREAD),
+            ("server_ms", "p50", "max"),
         )
         return table("|engine|n|p50|p90|p99|max|server log p50|max", rows)
 
@@ -308,8 +315,10 @@ class Report:
         stats = {}
         for target in self.targets:
             samples = self.of("prefill_speed", target)
-            figures = stat((s["ttft_server_ms"] for s in samples), "p50", "p99")
-            stats[target] = (len(samples), figures + stat((s["prompt_tokens_per_s"] for s in samples), "p50"))
+            stats[target] = (
+                len(samples),
+                figures(samples, ("ttft_server_ms", "p50", "p99"), ("prompt_tokens_per_s", "p50")),
+            )
         return table(
             "|engine|n|TTFT p50 (ms)|TTFT p99 (ms)|prompt tok/s p50",
             self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats),
@@ -321,15 +330,14 @@ class Report:
             samples = self.of("multi_turn", target)
             if not samples:
                 continue
-            by_turn = {t: [s for s in samples if s["turn"] == t] for t in range(1, TURNS + 1)}
-            ttft = [stat((s["ttft_server_ms"] for s in by_turn[t]), "p50")[0] for t in by_turn]
+            ttft = [self.turn_ttft(target, turn) for turn in range(1, TURNS + 1)]
             prompt = sum(s["prompt_tokens"] for s in samples)
             reused = sum(s["prompt_tokens_reused"] for s in samples)
-            ratio = ttft[-1] / ttft[0] if ttft[0] and ttft[-1] else None
+            chats = sum(s["turn"] == TURNS for s in samples)
             rows.append(
-                [target, str(len(by_turn[TURNS]))]
+                [target, str(chats)]
                 + [fmt(v) for v in ttft]
-                + [fmt(ratio), f"{reused / prompt:.0%}" if prompt else "–"]
+                + [fmt(self.turn_ratio(target)), f"{reused / prompt:.0%}" if prompt else "–"]
             )
         turns = "|".join(f"turn {t} TTFT p50 (ms)" for t in range(1, TURNS + 1))
         return table(f"engine|chats|{turns}|turn {TURNS} / turn 1|prompt tokens reused", rows)
@@ -354,13 +362,10 @@ class Report:
         for scenario, label in HTTP_COMPARISONS:
             for target in self.targets:
                 if samples := self.of(scenario, target):
-                    after = [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
-                    figures = stat((s["client_ms"] for s in samples), "p50", "p99")
-                    figures += stat((s.get("server_ms") for s in samples), "p50", "p99")
+                    after = tokens_after_cancel(samples)
+                    values = figures(samples, ("client_ms", "p50", "p99"), ("server_ms", "p50", "p99"))
                     rows.append(
-                        [label, target, str(len(samples))]
-                        + [fmt(v) for v in figures]
-                        + [str(max(after)) if after else "–"]
+                        [label, target, str(len(samples))] + [fmt(v) for v in values] + [show(max(after, default=None))]
                     )
         return table("stop|engine|n|client p50|p99|server p50|p99|tokens after cancel, max", rows)
 
@@ -372,8 +377,8 @@ class Report:
         stats = {}
         for via in (VIA_OWNER, VIA_OTHER):
             mine = [s for s in samples if s["via"] == via]
-            figures = [stat((s[key] for s in mine), "p50", "p99") for key in ("delete_ms", "client_ms", "server_ms")]
-            stats[via] = (len(mine), [v for pair in figures for v in pair])
+            keys = ("delete_ms", "client_ms", "server_ms")
+            stats[via] = (len(mine), figures(mine, *((key, "p50", "p99") for key in keys)))
         rows = [[f"DELETE on the {via}", str(n)] + [fmt(v) for v in values] for via, (n, values) in stats.items()]
         extra = [
             None if other is None or owner is None else other - owner
@@ -405,7 +410,7 @@ class Report:
             return [self.stop(scenario, t, key) for t in pair]
 
         def rate(key, streams, figure="p50"):
-            return [stat((s.get(key) for s in self.of("throughput", t, streams=streams)), figure)[0] for t in pair]
+            return [figures(self.of("throughput", t, streams=streams), (key, figure))[0] for t in pair]
 
         streams = max(self.streams_seen(), default=1)
         long = self._lengths()[1]
@@ -447,25 +452,24 @@ class Report:
 
     # The llama.cpp engine's figures -------------------------------------------------------
 
-    def stop(self, scenario: str, target: str, key: str, side: str = "client_ms") -> float | None:
-        return stat((s.get(side) for s in self.of(scenario, target)), key)[0]
+    def stop(self, scenario: str, target: str, key: str, side: str = "client_ms", **match) -> float | None:
+        return figures(self.of(scenario, target, **match), (side, key))[0]
 
     def aggregate(self, target: str, streams: int) -> float | None:
         samples = self.of("throughput", target, streams=streams)
         return stat({s["rep"]: s.get("aggregate_tokens_per_s") for s in samples}.values(), "p50")[0]
 
     def decode_rate(self, target: str) -> float | None:
-        return stat((s["tokens_per_s_client"] for s in self.of("throughput", target, streams=1)), "p50")[0]
-
-    def ttft(self, target: str) -> float | None:
-        return stat((s["ttft_client_ms"] for s in self.of("throughput", target, streams=1)), "p50")[0]
+        return figures(self.of("throughput", target, streams=1), ("tokens_per_s_client", "p50"))[0]
 
     def measured_prompt_rate(self, target: str) -> float | None:
-        return stat((s["prompt_tokens_per_s"] for s in self.of("prefill_speed", target)), "p50")[0]
+        return self.stop("prefill_speed", target, "p50", "prompt_tokens_per_s")
+
+    def turn_ttft(self, target: str, turn: int) -> float | None:
+        return self.stop("multi_turn", target, "p50", "ttft_server_ms", turn=turn)
 
     def turn_ratio(self, target: str) -> float | None:
-        samples = self.of("multi_turn", target)
-        first, last = (stat((s["ttft_server_ms"] for s in samples if s["turn"] == t), "p50")[0] for t in (1, TURNS))
+        first, last = self.turn_ttft(target, 1), self.turn_ttft(target, TURNS)
         return last / first if first and last else None
 
     def longest_stretch(self, scenario: str, target: str, phase: str) -> float | None:
@@ -474,13 +478,9 @@ class Report:
         return max((s[phase] for s in self.of(scenario, target) if s.get(phase)), default=None)
 
     def tokens_after_cancel_max(self, target: str) -> int | None:
-        stops = ("prefill_long", "decode", "decode_after_token", DECODE_CONCURRENT)
-        after = [
-            s["tokens_after_cancel"]
-            for s in self.samples
-            if s["target"] == target and s["scenario"] in stops and s.get("tokens_after_cancel") is not None
-        ]
-        return max(after, default=None)
+        stops = [scenario for scenario, _, _ in STOPS]
+        samples = [s for s in self.samples if s["target"] == target and s["scenario"] in stops]
+        return max(tokens_after_cancel(samples), default=None)
 
     def lost_tokens(self, target: str) -> tuple[int, int] | None:
         samples = self.of(DECODE_CONCURRENT, target)
@@ -492,20 +492,21 @@ class Report:
     def side_by_side(self) -> str:
         """Every headline figure: ours_llama, llama-server, their ratio, and the ctransformers engine."""
         long = self._lengths()[1]
-        rows: list[tuple[str, dict]] = [
-            ("decode tok/s, 1 stream, p50 (client)", {t: self.decode_rate(t) for t in self.engines}),
+        rows: list[tuple[str, Callable[[str], float | None]]] = [
+            ("decode tok/s, 1 stream, p50 (client)", self.decode_rate)
         ]
-        for streams in self.streams_seen():
-            if streams > 1:
-                what = f"aggregate tok/s, {streams} concurrent streams, median of repetitions"
-                rows.append((what, {t: self.aggregate(t, streams) for t in self.engines}))
         rows += [
+            (f"aggregate tok/s, {n} concurrent streams, median of repetitions", partial(self.aggregate, streams=n))
+            for n in self.streams_seen()
+            if n > 1
+        ]
+        rows += [
+            (f"prompt tok/s, ~{long:,}-token prompt, p50 (server)", self.measured_prompt_rate),
             (
-                f"prompt tok/s, ~{long:,}-token prompt, p50 (server)",
-                {t: self.measured_prompt_rate(t) for t in self.engines},
+                "time to first token, 1 stream, p50 ms (client)",
+                partial(self.stop, "throughput", key="p50", side="ttft_client_ms", streams=1),
             ),
-            ("time to first token, 1 stream, p50 ms (client)", {t: self.ttft(t) for t in self.engines}),
-            (f"multi-turn TTFT, turn {TURNS} ÷ turn 1 (server)", {t: self.turn_ratio(t) for t in self.engines}),
+            (f"multi-turn TTFT, turn {TURNS} ÷ turn 1 (server)", self.turn_ratio),
         ]
         for scenario, title in (
             ("decode_after_token", "stop right after a token"),
@@ -513,23 +514,23 @@ class Report:
             ("prefill_long", f"stop during a ~{long:,}-token prompt"),
             (DECODE_CONCURRENT, "stop 1 of 4 concurrent streams, random phase"),
         ):
-            for key in ("p50", "p99"):
-                rows.append((f"{title}, client {key} ms", {t: self.stop(scenario, t, key) for t in self.engines}))
-        rows.append(
-            ("tokens after cancel, max over every cancel", {t: self.tokens_after_cancel_max(t) for t in self.engines})
-        )
+            rows += [(f"{title}, client {key} ms", partial(self.stop, scenario, key=key)) for key in ("p50", "p99")]
+        rows.append(("tokens after cancel, max over every cancel", self.tokens_after_cancel_max))
         header = f"|{OURS_LLAMA}|{LLAMA}|{LLAMA}/{OURS_LLAMA}"
         unedited, ours = OURS_LLAMA_UNEDITED in self.engines, OURS in self.engines
         header += f"|{OURS_LLAMA_UNEDITED}|{OURS_LLAMA_UNEDITED}/{OURS_LLAMA}" if unedited else ""
         header += f"|{OURS} (ctransformers, this run)" if ours else ""
         lines = []
-        for what, values in rows:
+        for what, figure in rows:
+            values = {t: figure(t) for t in self.engines}
             row = [what, show(values.get(OURS_LLAMA)), show(values.get(LLAMA))]
             row.append(fmt_ratio(values.get(LLAMA), values.get(OURS_LLAMA)))
             if unedited:
-                row += [show(values.get(OURS_LLAMA_UNEDITED))]
-                row += [fmt_ratio(values.get(OURS_LLAMA_UNEDITED), values.get(OURS_LLAMA))]
-            lines.append(row + ([show(values.get(OURS))] if ours else []))
+                row += [
+                    show(values[OURS_LLAMA_UNEDITED]),
+                    fmt_ratio(values[OURS_LLAMA_UNEDITED], values.get(OURS_LLAMA)),
+                ]
+            lines.append(row + ([show(values[OURS])] if ours else []))
         return table(header, lines)
 
     def server_side(self) -> str:
@@ -546,9 +547,10 @@ class Report:
 
     def llama_targets(self) -> str:
         """The stop and speed targets for the llama.cpp engine, each with what bounds it."""
+        rows = []
 
-        def check(ok: bool | None) -> str:
-            return "–" if ok is None else "yes" if ok else "**no**"
+        def target(what: str, figure: str, bound: str, met: bool | None) -> None:
+            rows.append([what, figure, bound, "–" if met is None else "yes" if met else "**no**"])
 
         def at_most(value: float | None, bound: float | None) -> bool | None:
             return None if value is None or bound is None else value <= bound
@@ -556,75 +558,50 @@ class Report:
         server50 = self.stop("decode_after_token", OURS_LLAMA, "p50", "server_ms")
         client50, client99 = (self.stop("decode_after_token", OURS_LLAMA, k) for k in ("p50", "p99"))
         bound50 = server50 + CLIENT_OVER_SERVER_MS if server50 is not None else None
-        rows = [
-            [
-                "stop right after a token: client p50 ms",
-                fmt(client50),
-                f"server p50 + {CLIENT_OVER_SERVER_MS} = {fmt(bound50)}",
-                check(at_most(client50, bound50)),
-            ],
-            [
-                "stop right after a token: client p99 ms",
-                fmt(client99),
-                fmt(CLIENT_STOP_MS),
-                check(at_most(client99, CLIENT_STOP_MS)),
-            ],
-        ]
+        what = "stop right after a token: client"
+        target(
+            f"{what} p50 ms",
+            fmt(client50),
+            f"server p50 + {CLIENT_OVER_SERVER_MS} = {fmt(bound50)}",
+            at_most(client50, bound50),
+        )
+        target(f"{what} p99 ms", fmt(client99), fmt(CLIENT_STOP_MS), at_most(client99, CLIENT_STOP_MS))
         for scenario, title, phase in STOPS[1:]:
-            for target in (OURS_LLAMA, OURS_LLAMA_SHARED) if scenario == DECODE_CONCURRENT else (OURS_LLAMA,):
-                if not self.of(scenario, target):
+            for engine in (OURS_LLAMA, OURS_LLAMA_SHARED) if scenario == DECODE_CONCURRENT else (OURS_LLAMA,):
+                if not self.of(scenario, engine):
                     continue
-                server = self.stop(scenario, target, "p99", "server_ms")
-                client = self.stop(scenario, target, "p99")
-                stretch = self.longest_stretch(scenario, target, phase)
-                met = (
-                    None if server is None or client is None else server <= SERVER_STOP_MS and client <= CLIENT_STOP_MS
-                )
-                rows.append(
-                    [
-                        f"stop, {title}, {target}: server / client p99 ms",
-                        f"{fmt(server)} / {fmt(client)} (longest stretch {fmt(stretch)})",
-                        f"{fmt(SERVER_STOP_MS)} / {fmt(CLIENT_STOP_MS)}",
-                        check(met),
-                    ]
+                server, client = self.stop(scenario, engine, "p99", "server_ms"), self.stop(scenario, engine, "p99")
+                stretch = self.longest_stretch(scenario, engine, phase)
+                target(
+                    f"stop, {title}, {engine}: server / client p99 ms",
+                    f"{fmt(server)} / {fmt(client)} (longest stretch {fmt(stretch)})",
+                    f"{fmt(SERVER_STOP_MS)} / {fmt(CLIENT_STOP_MS)}",
+                    None if server is None or client is None else server <= SERVER_STOP_MS and client <= CLIENT_STOP_MS,
                 )
         ours, peer = self.measured_prompt_rate(OURS_LLAMA), self.measured_prompt_rate(LLAMA)
-        rows.append(
-            [
-                "prompt tok/s, ours ÷ llama-server",
-                f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)})",
-                "≥ 1.0×",
-                check(None if not ours or not peer else ours >= peer),
-            ]
-        )
+        ratio = f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)})"
+        target("prompt tok/s, ours ÷ llama-server", ratio, "≥ 1.0×", None if not ours or not peer else ours >= peer)
         for streams in self.streams_seen():
-            engines = (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED)
-            if streams == 1:
-                ours, peer, unedited = (self.decode_rate(t) for t in engines)
-            else:
-                ours, peer, unedited = (self.aggregate(t, streams) for t in engines)
+            rate = self.decode_rate if streams == 1 else partial(self.aggregate, streams=streams)
+            ours, peer, unedited = (rate(t) for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED))
             ok = None if not ours or not peer else ours >= peer
             if ok is not None and unedited:
                 ok = ok and ours >= UNEDITED_SPEED * unedited
-            rows.append(
-                [
-                    f"decode tok/s, {streams} stream{'s' if streams > 1 else ''}: ours ÷ llama-server, ours ÷ unedited",
-                    f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)}), "
-                    f"{fmt_ratio(ours, unedited)} (vs {fmt(unedited)})",
-                    f"≥ 1.0×, ≥ {UNEDITED_SPEED}×",
-                    check(ok),
-                ]
+            target(
+                f"decode tok/s, {streams} stream{'s' if streams > 1 else ''}: ours ÷ llama-server, ours ÷ unedited",
+                f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)}), "
+                f"{fmt_ratio(ours, unedited)} (vs {fmt(unedited)})",
+                f"≥ 1.0×, ≥ {UNEDITED_SPEED}×",
+                ok,
             )
         after_max = self.tokens_after_cancel_max(OURS_LLAMA)
-        rows.append(["tokens after cancel: max", show(after_max), "0", check(at_most(after_max, 0))])
+        target("tokens after cancel: max", show(after_max), "0", at_most(after_max, 0))
         lost, peer_lost = self.lost_tokens(OURS_LLAMA), self.lost_tokens(LLAMA)
-        rows.append(
-            [
-                "4 concurrent streams: tokens the other streams lost",
-                f"{lost[0]} over {lost[1]} streams" if lost else "–",
-                "0" + (f" (llama-server: {peer_lost[0]} over {peer_lost[1]} streams)" if peer_lost else ""),
-                check(lost[0] == 0 if lost else None),
-            ]
+        target(
+            "4 concurrent streams: tokens the other streams lost",
+            f"{lost[0]} over {lost[1]} streams" if lost else "–",
+            "0" + (f" (llama-server: {peer_lost[0]} over {peer_lost[1]} streams)" if peer_lost else ""),
+            lost[0] == 0 if lost else None,
         )
         return table(f"target|{OURS_LLAMA}|bound|met", rows)
 
@@ -709,45 +686,41 @@ class Report:
     def llama_markdown(self) -> str | None:
         if OURS_LLAMA not in self.targets:
             return None
-        parts = [
-            self.llama_load(),
-            "#### Side by side",
-            "Each figure of Stopline on its llama.cpp engine beside llama-server's from the same run "
-            "(same GGUF, same cores, equal threads in all), and, where it ran, the ctransformers engine's. "
-            "Stops on llama-server are the client closing the stream (it has no cancel request), timed to "
-            "its slot's release line.",
-            self.side_by_side(),
-            "#### Our loop's own stop latency (server: cancel read → loop exited)",
-            self.server_side(),
-            "#### Targets",
-            self.llama_targets(),
-        ]
-        if nodes := self.nodes():
-            parts.append(nodes)
-        if storms := self.storms():
-            parts += [
-                "#### Aborts at random moments (in-process, each storm in a child process)",
-                "Greedy generations of 4 tokens on a 40-token prompt (16-token chunks), cancelled at random "
-                "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
-                "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's KV "
-                "cache must hold exactly the positions its record holds; every run that escaped its cancel, and "
-                "a final one per slot, must give a fresh slot's tokens.",
-                storms,
+        return "\n\n".join(
+            [
+                self.llama_load(),
+                "#### Side by side",
+                "Each figure of Stopline on its llama.cpp engine beside llama-server's from the same run "
+                "(same GGUF, same cores, equal threads in all), and, where it ran, the ctransformers engine's. "
+                "Stops on llama-server are the client closing the stream (it has no cancel request), timed to "
+                "its slot's release line.",
+                self.side_by_side(),
+                "#### Our loop's own stop latency (server: cancel read → loop exited)",
+                self.server_side(),
+                "#### Targets",
+                self.llama_targets(),
+                *present(self.nodes()),
+                *present(
+                    "#### Aborts at random moments (in-process, each storm in a child process)",
+                    "Greedy generations of 4 tokens on a 40-token prompt (16-token chunks), cancelled at random "
+                    "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
+                    "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's "
+                    "KV cache must hold exactly the positions its record holds; every run that escaped its cancel, "
+                    "and a final one per slot, must give a fresh slot's tokens.",
+                    self.storms(),
+                ),
+                *present("#### Greedy output against llama-server", self.greedy()),
             ]
-        if greedy := self.greedy():
-            parts += ["#### Greedy output against llama-server", greedy]
-        return "\n\n".join(parts)
+        )
 
     def markdown(self) -> str:
-        parts = []
-        peer = self.against_llama_server()
-        if peer:
-            parts += ["### Against llama-server", LLAMA_METHOD, peer]
-        parts += ["### Calibration", self.calibration()]
-        load = self.other_load()
-        if load:
-            parts.append(load)
-        parts += [
+        if native := self.results.get("native"):
+            from .inprocess.native import markdown as native_markdown
+        parts = [
+            *present("### Against llama-server", LLAMA_METHOD, self.against_llama_server()),
+            "### Calibration",
+            self.calibration(),
+            *present(self.other_load()),
             "### Stop latency (ms)",
             "Client: cancel frame sent → terminal message received. Server: `cancel_latency_ms`, "
             "cancel frame read → token loop exited.",
@@ -774,16 +747,12 @@ class Report:
             "Client rate: tokens after the first / time between the first and last token frames. "
             "Server rate: from `duration_ms` − `ttft_ms` of the `done` frame. TTFT includes any queueing.",
             self.throughput(),
-        ]
-        lag = self.event_loop_lag()
-        if lag:
-            parts += [
+            *present(
                 "### Event-loop lag under load (server process)",
                 "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
                 "over all the time the scenarios ran against that server.",
-                lag,
-            ]
-        parts += [
+                self.event_loop_lag(),
+            ),
             "### Timeout precision (ms after the deadline)",
             "Server: `duration_ms` − deadline. Client: generate sent → terminal received, − deadline. "
             "A total timeout meant for the decode phase that fired before any token (the prefill ran "
@@ -794,11 +763,7 @@ class Report:
             "(1 while another client streams); llama-server: → its slot's release line. "
             "Server log: the `client_disconnected` cancel's `cancel_latency_ms`.",
             self.disconnect(),
-        ]
-        if self.results.get("native"):
-            from .inprocess.native import markdown as native_markdown
-
-            parts += [
+            *present(
                 "### The native loop, in-process",
                 "Prompt speed on a 512-token prompt by chunk size: the stock evaluation (no hook, logits "
                 "for every token), the step hook with full logits, and the hook with the output projection "
@@ -806,11 +771,9 @@ class Report:
                 "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "
                 "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
                 "slot's tokens.",
-                native_markdown(self.results["native"]),
-            ]
-        relay = self.cancel_via_replica()
-        if relay:
-            parts += [
+                native_markdown(native) if native else None,
+            ),
+            *present(
                 "### Cancel via another replica (ms)",
                 "redis-server on loopback and two replicas sharing it (`--redis-url`). A WebSocket generation "
                 "on the first replica is cancelled after 1–8 token frames by `DELETE /v1/generations/{id}`, "
@@ -819,18 +782,17 @@ class Report:
                 "sent → its answer, naming the outcome. Cancelled frame: sent → the `cancelled` frame on the "
                 "generation's WebSocket. Server: `cancel_latency_ms` on the owner, from the cancel's arrival "
                 "there.",
-                relay,
-            ]
-        http = self.http_api()
-        if http:
-            parts += [
+                self.cancel_via_replica(),
+            ),
+            *present(
                 "### The HTTP API next to the WebSocket (ms)",
                 "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
                 "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
                 "`cancel_latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
                 "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
-                http,
-            ]
+                self.http_api(),
+            ),
+        ]
         return "\n\n".join(parts) + "\n"
 
 
@@ -1021,10 +983,7 @@ def _ours_threads(meta: dict, slots, threads) -> str:
 def _wide_note(wide: int, threads, shared: bool = False) -> str:
     if not wide:
         return ""
-    if shared:
-        total = threads
-    else:
-        total = wide * threads if isinstance(threads, int) else "?"
+    total = threads if shared else wide * threads if isinstance(threads, int) else "?"
     return (
         f"; for the 4-stream figures every engine is restarted with {wide} slots "
         f"(llama-server `--parallel {wide}`, `--threads {total}`)"

@@ -177,8 +177,8 @@ def planned_samples(bench: Bench, scenarios: list[str], drivers: list[Driver], r
     return total
 
 
-def start_servers(args, model: BenchModel, workers: int, out_dir: Path, prompts: PromptMaker) -> list[Driver]:
-    """The servers of ``--engines``, with ``workers`` slots each, all confined to the same cores;
+async def start_servers(args, model: BenchModel, workers: int, out_dir: Path, prompts: PromptMaker) -> list[Driver]:
+    """The servers of ``--engines``, started with ``workers`` slots each, all confined to the same cores;
     their logs in ``out_dir``."""
     gguf = model.gguf()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +202,14 @@ def start_servers(args, model: BenchModel, workers: int, out_dir: Path, prompts:
         # The ctransformers engines load the embedded model their own way (a converted copy).
         path = gguf if SERVED_ENGINES[engine].kind is EngineName.LLAMA_CPP else None
         drivers.append(ServedStopline(engine, out_dir, workers, args.threads, model=path, cpus=args.cpu_set))
+    print(f"starting {', '.join(d.name for d in drivers)} with {workers} slots ...", file=sys.stderr)
+    await asyncio.gather(*(d.start() for d in drivers))
     return drivers
+
+
+def processes(drivers: list[Driver]) -> list[int]:
+    # This one and the servers': the CPU use that is the benchmark's own.
+    return [os.getpid()] + [d.pid for d in drivers if d.pid]
 
 
 def prompt_maker(args, rng: random.Random) -> PromptMaker:
@@ -270,9 +277,7 @@ async def run(args) -> dict:
     if args.url:
         drivers = [await StoplineDriver.attach(args.url)]
     else:
-        drivers = start_servers(args, model, args.workers, args.out, prompts)
-        print(f"starting {', '.join(d.name for d in drivers)} ...", file=sys.stderr)
-        await asyncio.gather(*(d.start() for d in drivers))
+        drivers = await start_servers(args, model, args.workers, args.out, prompts)
     started = list(drivers)
     meta = {
         "command": "python -m bench run " + shlex.join(sys.argv[2 if sys.argv[1:2] == ["run"] else 1 :]),
@@ -291,7 +296,7 @@ async def run(args) -> dict:
         "results_json": shown(args.out / "results.json"),
     }
     # Other work's CPU use can be told apart only when every server is ours to watch.
-    cpu = None if args.url else CpuMeter([os.getpid()] + [d.pid for d in drivers if d.pid])
+    cpu = None if args.url else CpuMeter(processes(drivers))
     bench = Bench(plan, prompts, rng, None, cpu)
     main_scenarios = [s for s in scenarios if not (args.wide_workers and s == DECODE_CONCURRENT)]
     total = planned_samples(bench, main_scenarios, drivers, not args.url)
@@ -307,12 +312,10 @@ async def run(args) -> dict:
         if args.wide_workers and wide and not args.url:
             await asyncio.gather(*(d.stop() for d in drivers))
             # Logs of their own: the first servers' logs are read after the run.
-            drivers = start_servers(args, model, args.wide_workers, args.out / "wide", prompts)
-            print(f"starting {', '.join(d.name for d in drivers)} with {args.wide_workers} slots ...", file=sys.stderr)
-            await asyncio.gather(*(d.start() for d in drivers))
+            drivers = await start_servers(args, model, args.wide_workers, args.out / "wide", prompts)
             started += drivers
             if cpu is not None:
-                cpu.pids = [os.getpid()] + [d.pid for d in drivers if d.pid]
+                cpu.pids = processes(drivers)
             bench.plan = dataclasses.replace(plan, streams=(args.wide_workers,))
             meta["wide"] = {"targets": {}}
             await calibrate(bench, meta["wide"], drivers, long=False)

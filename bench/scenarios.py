@@ -15,6 +15,7 @@ is in bench/RESULTS.md ("How the cancels are placed"); in short:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -343,8 +344,8 @@ class Bench:
         """Cancel one of CONCURRENT_STREAMS decoding streams; the others run to their end."""
         await driver.wait_idle()
         frames, jitter_ms = self._decode_point(driver)
-        lanes = [await driver.lane(index) for index in range(CONCURRENT_STREAMS)]
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            lanes = [await stack.enter_async_context(await driver.lane(i)) for i in range(CONCURRENT_STREAMS)]
             streams = [
                 await lane.generate(
                     self.request(self.plan.short_tokens, LONG_GENERATION if i == 0 else CONCURRENT_OTHER_TOKENS)
@@ -359,9 +360,6 @@ class Bench:
             cancel_ns = await cancelled.cancel()
             end = await cancelled.stopped()
             ends = await asyncio.gather(*(s.wait_end() for s in others))
-        finally:
-            for lane in lanes:
-                await lane.close()
         if end.outcome != Outcome.CANCELLED:
             return []
         placed = {"cancel_after_frames": frames, "jitter_ms": jitter_ms, "prompt_tokens": self.plan.short_tokens}
@@ -533,16 +531,13 @@ class Bench:
         """Decode rate and time to first token, with one stream and with N concurrent streams."""
         for streams in self.plan.stream_counts(driver.slots):
             for rep in reps:
-                lanes = [await driver.lane(index) for index in range(streams)]
-                try:
+                async with contextlib.AsyncExitStack() as stack:
+                    lanes = [await stack.enter_async_context(await driver.lane(i)) for i in range(streams)]
                     calls = [
                         await lane.generate(self.request(self.plan.short_tokens, self.plan.decode_tokens))
                         for lane in lanes
                     ]
                     ends = await asyncio.gather(*(c.wait_end() for c in calls))
-                finally:
-                    for lane in lanes:
-                        await lane.close()
                 records = [self._throughput_record(driver, c, end, streams, rep) for c, end in zip(calls, ends)]
                 spans = [(c.tokens[0][0], c.tokens[-1][0]) for c in calls if len(c.tokens) >= 2]
                 if spans:

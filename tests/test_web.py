@@ -381,8 +381,11 @@ async def test_one_second_timeout_shows_as_timeout(page, server, logs):
     record = await wait_for_record(logs, "generation_timeout", id=request_id)
     assert record["reason"] == "total_timeout"
     assert record["tokens_generated"] < 2000
-    # At the deadline, not before, and within a few decode steps after.
-    assert 1000 <= record["duration_ms"] <= 1000 + 5 * decode_step_ms(record)
+    # At the deadline, not before, and within a few decode steps after. On a loaded machine the
+    # deadline can come before the second token: then there is no step to bound it by.
+    assert 1000 <= record["duration_ms"]
+    if record["tokens_generated"] >= 2:
+        assert record["duration_ms"] <= 1000 + 5 * decode_step_ms(record)
     # The page shows the timeout frame's duration_ms, in seconds rounded as Math.round does.
     assert float(after.group(1)) == math.floor(record["duration_ms"] / 100 + 0.5) / 10, (shown, record)
     text_metrics = await metrics(server.port)
