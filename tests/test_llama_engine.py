@@ -268,8 +268,8 @@ def test_aborts_at_random_moments_leave_a_consistent_cache(engine):
     assert tally["cancelled"] >= 4, tally
 
 
-# The slow tier's storms: 200 aborts at random moments, in each batching mode. The bench's
-# in-process measurement (python -m bench llama-native) runs 1,000 of each, on every model.
+# The slow tier's storms: 200 aborts at random moments, in each batching mode. The bench
+# (python -m bench run --llama-native) runs 1,000 of each, on every model.
 STORM_ABORTS = 200
 
 
