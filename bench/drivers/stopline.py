@@ -2,7 +2,7 @@
 where a scenario measures that. A cancel is a cancel frame (WebSocket) or a ``DELETE``
 from another client (SSE); a closed or dropped connection is seen to stop when
 ``/metrics`` shows its generation gone. Servers the benchmark starts are
-``python -m bench serve`` processes (``bench/serve.py``), each with its event-loop probe."""
+``python -m bench serve`` processes (``bench/servers/serve.py``), each with its event-loop probe."""
 
 from __future__ import annotations
 
@@ -362,7 +362,7 @@ class StoplineDriver(Driver):
 
 
 class ServedStopline(StoplineDriver):
-    """A ``python -m bench serve`` process: Stopline on one of the bench's engines (``bench/serve.py``)."""
+    """A ``python -m bench serve`` process: Stopline on one of the bench's engines (``bench/servers/serve.py``)."""
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ static libraries are linked with Stopline's shim (``ext/llama_shim.c``) into
 ``libstopline-llama.so``, exporting nothing but the shim's functions; and, for
 the benchmark only, unedited (:func:`build_unedited`, :func:`ensure_llama_library`
 with ``edited=False``): the benchmark's ``llama-server``, the peer as its users run
-it (``bench/llama_server.py``), and a shim library to measure the edits against.
+it (``bench/drivers/llama_server.py``), and a shim library to measure the edits against.
 Nothing of llama.cpp is part of this repository.
 """
 
