@@ -81,6 +81,11 @@ class Stream(ABC):
         self.end = end
         self._changed.set()
 
+    def _close(self) -> None:
+        """The connection is gone: whoever waits on this stream stops waiting."""
+        self.closed = True
+        self._changed.set()
+
     @property
     def ended(self) -> bool:
         return self.end is not None or self.closed

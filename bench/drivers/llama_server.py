@@ -193,8 +193,7 @@ class Completion(Stream):
         except (OSError, EOFError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
-            self.closed = True
-            self._changed.set()
+            self._close()
 
     def _event(self, now_ns: int, event: dict) -> None:
         if event.get("tokens") or event.get("content"):

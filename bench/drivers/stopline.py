@@ -197,8 +197,7 @@ class SseStream(StoplineStream):
         except Exception:
             pass
         finally:
-            self.closed = True
-            self._changed.set()
+            self._close()
 
 
 class SseLane(Lane):
@@ -253,8 +252,7 @@ class OpenAIStream(StoplineStream):
                 if choice and choice.finish_reason:
                     self._finish(End(Outcome.DONE, choice.finish_reason, now))
         finally:
-            self.closed = True
-            self._changed.set()
+            self._close()
 
 
 class OpenAILane(Lane):
