@@ -207,7 +207,8 @@ async def test_slow_consumer_is_cancelled_and_memory_stays_bounded(engine, logs)
                             "id": f"slow{i}",
                             "messages": LONG_ANSWER,
                             "max_tokens": 2000,
-                            "temperature": 1.0,
+                            # Greedy, so neither generation can end by itself before the server cancels it.
+                            "temperature": 0,
                         }
                     ).encode()
                 )

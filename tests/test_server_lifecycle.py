@@ -189,6 +189,10 @@ STORY_START = "Once upon a time"
 async def test_total_timeout_default_override_and_cap(engine, logs):
     async with running_server(engine, default_timeout_s=0.4, max_timeout_s=0.8) as server:
         async with client_for(server) as client:
+            # A first request pays for warming the model, so none of the deadlines below
+            # runs out before its first token on a loaded machine.
+            await client.generate("warm", prompt=STORY_START, max_tokens=2)
+            await client.terminal("warm")
             # The server default applies.
             await client.generate("t1", prompt=STORY_START, max_tokens=2000)
             t1 = await client.terminal("t1")
@@ -326,7 +330,15 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server, lo
     async with client_for(server) as client:
         await client.generate("x1", messages=LONG_ANSWER, max_tokens=300)
         await client.generate("x2", messages=LONG_ANSWER, max_tokens=300)
-        await client.recv_until(lambda f: f["type"] == "token" and f["index"] >= 2)
+        decoding = set()
+
+        def both_decoding(frame) -> bool:
+            # Each request past its second token, so each one's record gives a decode step.
+            if frame["type"] == "token" and frame["index"] >= 2:
+                decoding.add(frame["id"])
+            return decoding == {"x1", "x2"}
+
+        await client.recv_until(both_decoding)
         # Timer overshoot on the server's own loop while both slots decode.
         overshoots = []
         for _ in range(50):
