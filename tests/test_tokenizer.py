@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import CHAT_FRANCE
 from stopline import _core
-from stopline.engine.tokenizer import ChatTokenizer, TextStream, load_chat_template
+from stopline.engine.tokenizer import ChatTokenizer, TextStream, compile_chat_template, load_chat_template
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -425,6 +425,15 @@ def test_chat_template_renders_chatml_with_the_assistant_turn_open(tokenizer):
     assert rendered == (
         f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_chat_template_is_compiled_once_for_every_request(tokenizer):
+    compile_chat_template.cache_clear()
+    first = tokenizer.render_chat(CHAT_FRANCE)
+    again = tokenizer.render_chat([*CHAT_FRANCE, {"role": "assistant", "content": "Paris."}])
+    assert again.startswith(first)
+    info = compile_chat_template.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
 
 
 def test_a_final_assistant_message_is_continued(tokenizer):
