@@ -90,7 +90,9 @@ typedef struct {
     int32_t (*eos)(const sll_model *model);
     int (*add_bos)(const sll_model *model);
     /* Contexts: n_seq sequences (0..n_seq-1) of up to n_ctx_seq positions each,
-     * in one pool of KV cells. Not thread-safe: one thread at a time calls a context. */
+     * in one pool of KV cells, evaluated by n_threads compute threads that the
+     * context keeps (set_threads may lower the count that takes part, not raise it).
+     * Not thread-safe: one thread at a time calls a context. */
     sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
                                 int32_t n_seq, char *err, size_t err_size);
     void (*context_free)(sll_context *ctx);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml-cpu.h"
 #include "llama.h"
 #include "llama_abi.h"
 
@@ -31,6 +32,9 @@ struct sll_context {
     int32_t n_ctx_seq;
     /* Per sequence: whether the batch being built has its tokens already. */
     unsigned char *in_batch;
+    /* The context's compute threads, kept between evaluations (NULL: llama.cpp
+     * starts threads for each evaluation). */
+    struct ggml_threadpool *threads;
 };
 
 struct sll_sampler {
@@ -179,6 +183,17 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t
         free(c);
         return NULL;
     }
+    /* Without a pool of its own, ggml starts and joins n_threads - 1 threads for every
+     * evaluation. A new thread waits for a core, up to a scheduler tick when
+     * every core computes, and a stop waits for it too: the evaluation ends only
+     * once each of its threads has run. llama.cpp's own tools keep a pool, as
+     * here; its threads sleep between evaluations (poll 0) rather than spin, so
+     * that the cores are free for the event loop and for the other contexts. */
+    struct ggml_threadpool_params pool = ggml_threadpool_params_default(n_threads);
+    pool.poll = 0;
+    c->threads = ggml_threadpool_new(&pool);
+    if (c->threads != NULL)
+        llama_attach_threadpool(c->ctx, c->threads, c->threads);
     c->model = m;
     c->n_batch = n_batch;
     c->n_seq = n_seq;
@@ -192,6 +207,8 @@ SLL_EXPORT void sll_context_free(sll_context *c) {
         return;
     llama_batch_free(c->batch);
     llama_free(c->ctx);
+    if (c->threads != NULL)
+        ggml_threadpool_free(c->threads);
     free(c->in_batch);
     free(c);
 }

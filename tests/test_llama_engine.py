@@ -10,6 +10,7 @@ page's Stop button in Chromium) on the llama.cpp engine.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -194,6 +195,28 @@ def test_a_follow_up_turn_evaluates_only_its_new_tokens(engine, slot):
     assert reused.prompt_tokens_evaluated == reused.prompt_tokens - reused.prompt_tokens_reused
     # The reused answer was evaluated token by token, a fresh one in chunks: equally valid, not bit-identical.
     assert reference(engine, second, 24).agrees_up_to_a_near_tie(generation.token_ids())
+
+
+def test_a_context_keeps_its_compute_threads_between_evaluations():
+    # Left to itself, ggml would start and join a thread for each of these evaluations,
+    # and a stop would wait for a thread that had not yet got a core.
+    engine = Engine.load(engine=EngineName.LLAMA_CPP, threads=2, progress=False)
+    slot = engine.open_slot()
+    try:
+        before = set(os.listdir("/proc/self/task"))
+        prompt = engine.encode(messages=LONG_ANSWER)
+        generation = make_generation(slot, prompt, max_tokens=32, prefill_chunk=256, threads=2, **GREEDY)
+        loop = threading.Thread(target=generation.run)
+        loop.start()
+        seen: set[str] = set()
+        while loop.is_alive():
+            seen |= set(os.listdir("/proc/self/task"))
+            time.sleep(0.0002)
+        loop.join()
+        assert generation.result.tokens_generated == 32
+        assert seen - before - {str(loop.native_id)} == set()
+    finally:
+        slot.close()
 
 
 def test_invalid_input_is_refused_before_it_reaches_llama_cpp(engine, slot):
