@@ -613,16 +613,17 @@ class Report:
         for storm in storms:
             head = [str(storm["streams"]), str(storm["cycles"])]
             if storm.get("crashed"):
-                rows.append(head + [f"**crashed** (exit {storm['returncode']})"] + ["–"] * 7)
+                rows.append(head + [f"**crashed** (exit {storm['returncode']})"] + ["–"] * 8)
                 continue
             ms = sorted(storm["cancel_to_exit_ms"])
             p50 = statistics.median(ms) if ms else None
             p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
-            counts = ("cancelled", "done", "hangs", "kv_mismatches", "mismatches", "other")
-            rows.append(head + ["0"] + [str(storm[k]) for k in counts] + [f"{fmt(p50)} / {fmt(p99)}"])
+            counts = ("cancelled", "done", "hangs", "kv_mismatches", "mismatches", "near_ties", "other")
+            rows.append(head + ["0"] + [str(storm.get(k, "–")) for k in counts] + [f"{fmt(p50)} / {fmt(p99)}"])
         return table(
             "streams at once|aborts|crashes|cancelled|escaped (done)|hangs|KV positions ≠ n_held|"
-            "greedy tokens ≠ a fresh slot's|other outcomes|cancel→exit p50 / p99 (ms)",
+            f"greedy tokens ≠ a fresh slot's|… parting at a near-tie (≤ {NEAR_TIE_LOGPROB})|other outcomes|"
+            "cancel→exit p50 / p99 (ms)",
             rows,
         )
 
@@ -706,7 +707,9 @@ class Report:
                     "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
                     "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's "
                     "KV cache must hold exactly the positions its record holds; every run that escaped its cancel, "
-                    "and a final one per slot, must give a fresh slot's tokens.",
+                    "and a final one per slot, must give a fresh slot's tokens, or part from them only where the "
+                    "two likeliest tokens were within a near-tie (4 streams evaluate a prompt chunk beside other "
+                    "sequences' tokens, in kernels of another shape, which sum in another order).",
                     self.storms(),
                 ),
                 *present("#### Greedy output against llama-server", self.greedy()),

@@ -24,16 +24,18 @@ STORM_TOKENS = 4
 SWEEP_TEXT = "The history of bread is long, and every town tells it a little differently. "
 
 
-def count_outcome(counts: dict, exit_ms: list, generation, result, cancelled_at_ns: int, expected: bytes) -> None:
+def count_outcome(counts: dict, exit_ms: list, generation, result, cancelled_at_ns: int, parted) -> None:
     """Tally one generation of an abort storm: a cancel and how long its loop took to exit,
-    or a run that escaped its cancel and must equal a fresh slot's greedy answer."""
+    or a run that escaped its cancel and must equal a fresh slot's greedy answer
+    (``parted(generation)``: None if it does, else the name of the count it adds to)."""
     outcome, _ = exit_outcome(result.exit)
     if outcome is Outcome.CANCELLED:
         counts["cancelled"] += 1
         exit_ms.append((result.end_ns - cancelled_at_ns) / 1e6)
     elif outcome is Outcome.DONE:
         counts["done"] += 1
-        counts["mismatches"] += b"".join(generation.take()) != expected
+        if (name := parted(generation)) is not None:
+            counts[name] += 1
     else:
         counts["other"] += 1
 
@@ -105,6 +107,10 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             "mismatches": int(b"".join(generation.take()) != expected),
         }
         exit_ms = []
+
+        def differs(generation) -> str | None:
+            return "mismatches" if b"".join(generation.take()) != expected else None
+
         for _ in range(cycles):
             generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16, threads=threads)
             cancelled_at = []
@@ -116,7 +122,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             result = generation.run()
             timer.join(60)
             counts["hangs"] += timer.is_alive()
-            count_outcome(counts, exit_ms, generation, result, cancelled_at[0], expected)
+            count_outcome(counts, exit_ms, generation, result, cancelled_at[0], differs)
         generation, _ = greedy()
         counts["mismatches"] += b"".join(generation.take()) != expected
         counts["cancel_to_exit_ms"] = exit_ms
