@@ -81,12 +81,10 @@ class Greedy:
         either run, "mismatches" anywhere else (an end of generation has no margin)."""
         if self.ids == other.ids:
             return None
-        at = next((i for i, (a, b) in enumerate(zip(self.ids, other.ids)) if a != b), min(map(len, (self, other))))
+        shorter = min(len(self.ids), len(other.ids))
+        at = next((i for i, (a, b) in enumerate(zip(self.ids, other.ids)) if a != b), shorter)
         margins = [run.margins[at] for run in (self, other) if at < len(run.margins)]
         return "near_ties" if margins and min(margins) <= NEAR_TIE_LOGPROB else "mismatches"
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 def _storm_lane(
