@@ -21,6 +21,7 @@
 #include <dlfcn.h>
 #include <elf.h>
 #include <link.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -116,10 +117,23 @@ typedef struct {
     int64_t clock_ns;    /* the last reading */
     int since_clock;     /* checks since then */
     int per_clock;
+    int64_t offered_ns;  /* when this thread last offered its core (sched_yield) */
 } sl_thread_checks;
 
 #define SL_CLOCK_EVERY_NS 20000
 #define SL_MAX_CHECKS_PER_CLOCK 8
+
+/* How often a compute thread offers its core to a thread waiting for one
+ * (sched_yield() at a clock reading). An evaluation's compute threads usually
+ * fill every core, and the scheduler lets a running thread finish its slice
+ * before a thread that wakes meanwhile gets the core: the event loop with a
+ * cancel to read, a generation's thread whose stop has come, the next
+ * request's frames. A thread in the same process, woken every millisecond
+ * during a SmolLM2 decode on 2 threads and 2 cores, waited for a core up to
+ * 2.2-3.3 ms at p99, and at most 0.25 ms with this offer. With nobody waiting
+ * the call returns at once, about a microsecond four times a millisecond: 6
+ * interleaved runs of 3 decodes gave 0.99x the tokens/s without it. */
+#define SL_OFFER_CORE_EVERY_NS 250000
 
 static __thread sl_thread_checks sl_checks;
 
@@ -137,7 +151,8 @@ static inline void sl_store_max(int64_t *p, int64_t value) {
  * the longest gap and `aborted`. Once any thread has seen a stop, the outputs
  * of the evaluation are garbage even if llama_decode() completes (the stop came
  * during the last node, after the thread that calls it had checked): the loop
- * reads `aborted`, not only llama_decode()'s code. */
+ * reads `aborted`, not only llama_decode()'s code. At its clock readings it
+ * also offers the thread's core (SL_OFFER_CORE_EVERY_NS). */
 static bool sl_group_abort_callback(void *data) {
     sl_group_watch *g = (sl_group_watch *)data;
     sl_thread_checks *c = &sl_checks;
@@ -147,7 +162,7 @@ static bool sl_group_abort_callback(void *data) {
         return true;
     if (c->group != g || c->start_ns != g->start_ns) {
         c->group = g;
-        c->start_ns = c->clock_ns = g->start_ns;
+        c->start_ns = c->clock_ns = c->offered_ns = g->start_ns;
         c->since_clock = 0;
         c->per_clock = 1;
     }
@@ -161,6 +176,10 @@ static bool sl_group_abort_callback(void *data) {
             c->per_clock /= 2;
         c->clock_ns = now;
         c->since_clock = 0;
+        if (now - c->offered_ns >= SL_OFFER_CORE_EVERY_NS) {
+            sched_yield();
+            c->offered_ns = now;
+        }
     }
     for (int i = 0; i < g->n; i++) {
         sl_watch *w = g->members[i];
