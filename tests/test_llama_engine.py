@@ -234,24 +234,26 @@ def test_a_thread_that_wakes_during_an_evaluation_soon_gets_a_core():
             return int(stat.read().split()[1])
 
     try:
-        generation = make_generation(slot, engine.encode(messages=LONG_ANSWER), max_tokens=128, threads=cores, **GREEDY)
-        loop = threading.Thread(target=generation.run)
-        loop.start()
-        started_running(generation)
-        waits = []
-        while loop.is_alive():
-            before = waited_for_a_core_ns()
-            time.sleep(0.001)
-            waits.append(waited_for_a_core_ns() - before)
-            generation.take()
-        loop.join()
-        result = generation.result
-        assert result.tokens_generated == 128
-        decode_step_ns = (result.end_ns - result.first_token_ns) / (result.tokens_generated - 1)
-        assert len(waits) > 500
+        prompt = engine.encode(messages=LONG_ANSWER)
+        waits: list[int] = []
+        decode_steps_ns = []
+        while len(waits) < 1000:
+            generation = make_generation(slot, prompt, max_tokens=128, threads=cores, **GREEDY)
+            loop = threading.Thread(target=generation.run)
+            loop.start()
+            started_running(generation)
+            while loop.is_alive():
+                before = waited_for_a_core_ns()
+                time.sleep(0.001)
+                waits.append(waited_for_a_core_ns() - before)
+                generation.take()
+            loop.join()
+            result = generation.result
+            assert result.tokens_generated == 128
+            decode_steps_ns.append((result.end_ns - result.first_token_ns) / (result.tokens_generated - 1))
         # Without the compute threads' offer of their cores, the 99th percentile was a
         # quarter of a decode step (SmolLM2 on 2 threads and 2 cores); with it, a fiftieth.
-        assert np.percentile(waits, 99) < decode_step_ns / 10
+        assert np.percentile(waits, 99) < min(decode_steps_ns) / 10
     finally:
         slot.close()
 
