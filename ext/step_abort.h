@@ -130,9 +130,11 @@ typedef struct {
  * cancel to read, a generation's thread whose stop has come, the next
  * request's frames. A thread in the same process, woken every millisecond
  * during a SmolLM2 decode on 2 threads and 2 cores, waited for a core up to
- * 2.2-3.3 ms at p99, and at most 0.25 ms with this offer. With nobody waiting
+ * 2.2-3.3 ms at p99, and 0.24 ms with this offer. With nobody waiting
  * the call returns at once, about a microsecond four times a millisecond: 6
- * interleaved runs of 3 decodes gave 0.99x the tokens/s without it. */
+ * interleaved runs of 3 decodes gave 0.99x the tokens/s without it. Where the
+ * compute threads outnumber the cores, the offers rotate them, at a cost that
+ * docs/engine.md gives. */
 #define SL_OFFER_CORE_EVERY_NS 250000
 
 static __thread sl_thread_checks sl_checks;
