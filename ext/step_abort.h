@@ -127,14 +127,10 @@ typedef struct {
  * (sched_yield() at a clock reading). An evaluation's compute threads usually
  * fill every core, and the scheduler lets a running thread finish its slice
  * before a thread that wakes meanwhile gets the core: the event loop with a
- * cancel to read, a generation's thread whose stop has come, the next
- * request's frames. A thread in the same process, woken every millisecond
- * during a SmolLM2 decode on 2 threads and 2 cores, waited for a core up to
- * 2.2-3.3 ms at p99, and 0.24 ms with this offer. With nobody waiting
- * the call returns at once, about a microsecond four times a millisecond: 6
- * interleaved runs of 3 decodes gave 0.99x the tokens/s without it. Where the
- * compute threads outnumber the cores, the offers rotate them, at a cost that
- * docs/engine.md gives. */
+ * cancel to read, a generation's thread whose stop has come. With nobody
+ * waiting the call returns at once. docs/engine.md ("The stop a client sees")
+ * has the measurements: what a woken thread waits with and without the offer,
+ * and what it costs where the compute threads outnumber the cores. */
 #define SL_OFFER_CORE_EVERY_NS 250000
 
 static __thread sl_thread_checks sl_checks;
