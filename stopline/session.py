@@ -194,9 +194,11 @@ class ClientSession:
         services = self.services
         services.quotas.release(ended.request.request_id, ended.ending.tokens_generated)
         services.registry.end(ended.request, ended.ending)
-        services.metrics.record_end(ended.ending, ended.request.key_id)
-        # The end line, the slowest part of the record, is written once the terminal frame is out.
-        asyncio.get_running_loop().call_soon(log_end, ended.request, ended.ending, self.peer)
+        # The metrics and the end line, the slow part of the record, follow once the terminal
+        # frame is out: before this loop reads anything more, such as a client's next request.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(services.metrics.record_end, ended.ending, ended.request.key_id)
+        loop.call_soon(log_end, ended.request, ended.ending, self.peer)
         return []
 
     async def _prepare(self) -> None:

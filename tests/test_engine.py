@@ -60,15 +60,18 @@ def ended(result) -> tuple:
 class Runner(threading.Thread):
     """Runs ``Generation.run()`` on its own thread, as the server's slot workers do."""
 
-    def __init__(self, generation: Generation):
+    def __init__(self, generation: Generation, yield_to_reader: bool = False):
         super().__init__(name="test-generation", daemon=True)
         self.generation = generation
+        self.yield_to_reader = yield_to_reader
         self.result = None
+        self.returned_ns = 0
         self.error: BaseException | None = None
 
     def run(self):
         try:
-            self.result = self.generation.run()
+            self.result = self.generation.run(self.yield_to_reader)
+            self.returned_ns = time.monotonic_ns()
         except BaseException as exc:  # handed back to the test thread by finish()
             self.error = exc
 
@@ -80,8 +83,8 @@ class Runner(threading.Thread):
         return self.result
 
 
-def start(generation: Generation) -> Runner:
-    runner = Runner(generation)
+def start(generation: Generation, yield_to_reader: bool = False) -> Runner:
+    runner = Runner(generation, yield_to_reader)
     runner.start()
     return runner
 
@@ -346,11 +349,12 @@ def test_cancel_after_finish_changes_nothing(engine, slot):
 
 
 def test_a_reader_that_sees_finished_always_finds_the_result(engine, slot):
-    """The result is published before the finished state, and both before the
-    last wake-up. A watcher polls the state of many short generations and reads
-    the result the moment it sees them finished; the test thread waits on the
-    eventfd. (Under the GIL a wrong order shows once Python code runs between
-    the two stores, as it does when the result is built after the state.)"""
+    """The loop's record is published before the finished state, and both before
+    the last wake-up; the result is built from the record by its first reader.
+    A watcher polls the state of many short generations and reads the result
+    the moment it sees them finished; the test thread waits on the eventfd.
+    (A wrong order, the state before the record, shows under the GIL once
+    Python code runs between the two stores.)"""
     prompt = engine.encode(prompt="Once upon a time")
     switch = sys.getswitchinterval()
     # Switch threads as often as possible, to interleave the watcher with run()'s last steps.
@@ -382,6 +386,31 @@ def test_a_reader_that_sees_finished_always_finds_the_result(engine, slot):
             assert generation.state is GenerationState.FINISHED
     finally:
         sys.setswitchinterval(switch)
+
+
+def test_a_finished_loop_stays_out_of_the_gil_until_its_reader_lets_it_return(engine, slot):
+    """With yield_to_reader, the loop's thread publishes its end and then comes
+    back into Python only once the reader calls let_return(), or after
+    READER_GRACE_S: the reader woken by the end does its work (a terminal
+    frame to send) without that thread taking the GIL from it."""
+    prompt = engine.encode(prompt="Once upon a time")
+    grace_ns = _core.READER_GRACE_S * 1e9
+    for _ in range(10):
+        generation = make_generation(slot, prompt, max_tokens=4, temperature=0)
+        runner = start(generation, yield_to_reader=True)
+        while not generation.finished:
+            time.sleep(0.0001)
+        generation.take()
+        let_go_ns = time.monotonic_ns()
+        generation.let_return()
+        runner.finish()
+        # Only the grace could have let it return before let_return().
+        assert runner.returned_ns >= let_go_ns or runner.returned_ns - generation.result.end_ns >= grace_ns
+    # A reader that never lets it go holds it for the grace, no longer.
+    generation = make_generation(slot, prompt, max_tokens=4, temperature=0)
+    runner = start(generation, yield_to_reader=True)
+    result = runner.finish()
+    assert runner.returned_ns - result.end_ns >= grace_ns
 
 
 def test_the_states_a_generation_goes_through(engine, slot):

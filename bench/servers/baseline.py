@@ -174,6 +174,9 @@ class BaselineGeneration:
             pieces, self._pending = self._pending, []
         return pieces
 
+    def let_return(self) -> None:
+        """Generation.let_return(): this loop never waits for its reader."""
+
     def logprobs(self, start: int, end: int) -> None:
         """None: the usual approach reports no log probabilities."""
         return None
@@ -181,7 +184,8 @@ class BaselineGeneration:
     def _wake(self) -> None:
         os.eventfd_write(self._fd, 1)
 
-    def run(self):
+    def run(self, yield_to_reader: bool = False):
+        # yield_to_reader is Generation.run()'s: this loop is Python, and takes the GIL between tokens anyway.
         p = self._params
         llm = self._llm
         # generate() reuses the KV cache for a shared prefix of the previous prompt;

@@ -73,6 +73,11 @@ cdef enum:
     LAST_N_TOKENS = 64
     # While paused for a slow reader, re-check the flag and deadlines this often.
     PAUSE_POLL_NS = 200000
+    # The longest a loop's thread that has ended stays out of the GIL for its
+    # reader (Generation.run's yield_to_reader), and how often it looks whether
+    # it may go.
+    READER_GRACE_NS = 5000000
+    READER_POLL_NS = 20000
     # Vocabulary ids a log-probability pass covers between two stop checks.
     SAMPLE_BLOCK = 16384
     # sample_next()'s answer when a stop came during the draw (llama_abi.h's SLL_SAMPLE_STOPPED).
@@ -107,6 +112,8 @@ cdef EngineOps LLAMA_OPS
 
 # The largest prefill chunk the library can evaluate at once.
 MAX_PREFILL_CHUNK = ct.CT_MAX_BATCH
+# The longest a finished loop's thread waits for its reader (Generation.run's yield_to_reader).
+READER_GRACE_S = READER_GRACE_NS / 1e9
 # The ctransformers release whose binary interface ctransformers_abi.h declares.
 CTRANSFORMERS_VERSION = ct.CT_ABI_VERSION.decode()
 # The llama.cpp commit whose shim ext/llama_abi.h declares, and the largest
@@ -595,6 +602,7 @@ cdef struct LoopState:
     int published          # tokens whose id and bytes are readable
     int consumed           # tokens Python has read
     int published_at_cancel
+    int reader_done        # the reader of a finished loop lets its thread return (Generation.let_return)
     # Outputs, written by the loop.
     char *text
     uint32_t *text_end     # text_end[i]: bytes of text after token i
@@ -1185,6 +1193,13 @@ cdef LoopResult loop_result(const LoopState *s):
     return r
 
 
+cdef void wait_for_reader(LoopState *s) noexcept nogil:
+    """Wait until the reader lets the loop's thread return (Generation.run's yield_to_reader)."""
+    cdef int64_t until = sl.sl_monotonic_ns() + READER_GRACE_NS
+    while not sl.sl_load_acquire(&s.reader_done) and sl.sl_monotonic_ns() < until:
+        sl.sl_sleep_ns(READER_POLL_NS)
+
+
 cdef class Generation:
     """One run of the token loop on a context. Create it, call :meth:`run` once
     (from any thread; it blocks without the GIL), read tokens with :meth:`take`.
@@ -1359,8 +1374,15 @@ cdef class Generation:
             sl.pthread_mutex_unlock(&self.s.batcher.lock)
         return True
 
-    def run(self):
-        """Run the loop to its end and return the :class:`LoopResult`."""
+    def run(self, bint yield_to_reader=False):
+        """Run the loop to its end and return the :class:`LoopResult`.
+
+        ``yield_to_reader``: another thread reads this generation (woken by
+        :meth:`fileno`) and has work to do at its end, such as telling a
+        client. This thread's way back into Python would take the GIL from
+        it, at its first system call; so once it has published the end, this
+        thread waits outside the GIL until the reader calls :meth:`let_return`,
+        or READER_GRACE_S has passed."""
         cdef Slot context = self.context
         if sl.sl_load_acquire(&self._state) != GenerationState.NEW:
             raise EngineError("a generation runs only once")
@@ -1382,20 +1404,28 @@ cdef class Generation:
             set_present(&self.s, False)
             self.s.end_ns = sl.sl_monotonic_ns()
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
-        context.n_held = self.s.n_past
-        context.held_chunk = self.s.prefill_chunk
-        context.busy = 0
-        # Publish in this order: the result, then the finished state (a release
-        # store), then the wake-up. A reader that sees "finished", or that was
-        # woken by the last wake-up, always finds the result.
-        self._result = loop_result(&self.s)
-        sl.sl_store_release(&self._state, GenerationState.FINISHED)
-        sl.sl_wake(self.s.wake_fd)
-        return self._result
+            context.n_held = self.s.n_past
+            context.held_chunk = self.s.prefill_chunk
+            context.busy = 0
+            # Publish in this order: the loop's record, then the finished state (a
+            # release store), then the wake-up. A reader that sees "finished", or
+            # that was woken by the last wake-up, finds the record (see result).
+            sl.sl_store_release(&self._state, GenerationState.FINISHED)
+            sl.sl_wake(self.s.wake_fd)
+            if yield_to_reader:
+                wait_for_reader(&self.s)
+        return self.result
 
     @property
     def result(self):
         """The :class:`LoopResult` once the loop has ended, else None."""
+        cdef LoopResult result
+        if self._result is None and sl.sl_load_acquire(&self._state) == GenerationState.FINISHED:
+            result = loop_result(&self.s)
+            # Two threads may build it at once (a collection in between can switch
+            # threads): the first one kept is everyone's.
+            if self._result is None:
+                self._result = result
         return self._result
 
     def logprobs(self, int start, int end):
@@ -1431,3 +1461,8 @@ cdef class Generation:
             pieces.append(PyBytes_FromStringAndSize(self.s.text + begin, self.s.text_end[i] - begin))
         sl.sl_store_release(&self.s.consumed, end)
         return pieces
+
+    def let_return(self):
+        """Let the thread of a loop run with ``yield_to_reader`` return to Python:
+        the reader has done what the end asked of it."""
+        sl.sl_store_release(&self.s.reader_done, 1)

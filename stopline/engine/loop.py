@@ -581,7 +581,9 @@ class Stream:
         wake = asyncio.Event()
         fd = self.generation.fileno()
         loop.add_reader(fd, wake.set)
-        self._exited = loop.run_in_executor(executor, self.generation.run)
+        # At the end the loop's thread keeps out of the GIL until exited() lets it
+        # return: the frames the end calls for go out first (yield_to_reader).
+        self._exited = loop.run_in_executor(executor, self.generation.run, True)
         # A loop that could not start never publishes: its exception wakes the reader instead.
         self._exited.add_done_callback(lambda _: wake.set())
         try:
@@ -597,11 +599,13 @@ class Stream:
             loop.remove_reader(fd)
             if not self.ended:
                 self.cancel()
+                self.generation.let_return()
                 await asyncio.shield(self._exited)
 
     async def exited(self) -> None:
         """Wait for the loop's thread to return; then the generation can be closed."""
         if self._exited is not None:
+            self.generation.let_return()
             await self._exited
 
     async def __aiter__(self):
@@ -613,7 +617,7 @@ class Stream:
     # synchronous ---------------------------------------------------------
 
     def __iter__(self):
-        worker = threading.Thread(target=self.generation.run, name="stopline-generation", daemon=True)
+        worker = threading.Thread(target=self.generation.run, args=(True,), name="stopline-generation", daemon=True)
         worker.start()
         fd = self.generation.fileno()
         try:
@@ -625,4 +629,5 @@ class Stream:
         finally:
             if worker.is_alive():
                 self.cancel()
+            self.generation.let_return()
             worker.join()
