@@ -609,10 +609,14 @@ class Stream:
             await self._exited
 
     async def __aiter__(self):
-        async with contextlib.aclosing(self.batches()) as batches:
-            async for texts in batches:
-                for text in texts:
-                    yield text
+        try:
+            async with contextlib.aclosing(self.batches()) as batches:
+                async for texts in batches:
+                    for text in texts:
+                        yield text
+        finally:
+            # Text is all this reader does: the loop's thread may return at once.
+            self.generation.let_return()
 
     # synchronous ---------------------------------------------------------
 
