@@ -599,11 +599,11 @@ class Stream:
             loop.remove_reader(fd)
             if not self.ended:
                 self.cancel()
-                self.generation.let_return()
-                await asyncio.shield(self._exited)
+                await asyncio.shield(self.exited())
 
     async def exited(self) -> None:
-        """Wait for the loop's thread to return; then the generation can be closed."""
+        """Let the loop's thread return (an ended loop waits for this: the caller has done
+        what the end asked of it) and wait for it; then the generation can be closed."""
         if self._exited is not None:
             self.generation.let_return()
             await self._exited
