@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 5
+#define SLL_ABI_VERSION 6
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -102,6 +102,10 @@ typedef struct {
     /* A sequence's highest position in the cache (-1: none), and dropping its positions from p0 on. */
     int32_t (*pos_max)(sll_context *ctx, int32_t seq);
     int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0);
+    /* Whether the cache holds exactly positions [0, n) of a sequence, in every layer. The cache
+     * of a sliding-window layer gives the cells of positions outside a sequence's window to other
+     * tokens, other sequences' included, so a prefix it held may be gone. */
+    int (*holds)(sll_context *ctx, int32_t seq, int32_t n);
     /* One evaluation of several sequences: clear, add each sequence's next
      * tokens[0..n) at positions pos0.. (logits for the last one only when
      * want_logits; returns its index in the batch, or SLL_REFUSED), then
@@ -167,6 +171,7 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
     SLL_RESOLVE(set_threads)
     SLL_RESOLVE(pos_max)
     SLL_RESOLVE(truncate)
+    SLL_RESOLVE(holds)
     SLL_RESOLVE(batch_clear)
     SLL_RESOLVE(batch_add)
     SLL_RESOLVE(batch_decode)

@@ -238,6 +238,15 @@ SLL_EXPORT int sll_truncate(sll_context *c, int32_t seq, int32_t p0) {
     return llama_memory_seq_rm(llama_get_memory(c->ctx), seq, p0, -1);
 }
 
+SLL_EXPORT int sll_holds(sll_context *c, int32_t seq, int32_t n) {
+    llama_memory_t mem = llama_get_memory(c->ctx);
+    if (seq < 0 || seq >= c->n_seq || n < 0)
+        return 0;
+    /* For a model with sliding-window layers llama.cpp reports their cache's
+     * positions: the full layers' never lose any. */
+    return llama_memory_seq_pos_max(mem, seq) == n - 1 && (n == 0 || llama_memory_seq_pos_min(mem, seq) == 0);
+}
+
 SLL_EXPORT void sll_batch_clear(sll_context *c) {
     c->batch.n_tokens = 0;
     memset(c->in_batch, 0, (size_t)c->n_seq);
@@ -414,6 +423,7 @@ static const sll_api sll_signatures __attribute__((unused)) = {
     .set_threads = sll_set_threads,
     .pos_max = sll_pos_max,
     .truncate = sll_truncate,
+    .holds = sll_holds,
     .batch_clear = sll_batch_clear,
     .batch_add = sll_batch_add,
     .batch_decode = sll_batch_decode,

@@ -574,6 +574,40 @@ def test_gemma_loads_generates_and_resumes_mid_conversation(gemma):
         control.close()
 
 
+def test_a_prefix_a_sliding_window_gave_away_is_evaluated_again(gemma):
+    # Gemma 3's sliding-window layers (a 512-token window) keep their cells in
+    # one pool for every sequence of a shared context, and llama.cpp hands the
+    # cells of a sequence's positions outside its window to whatever comes next.
+    words = random.Random(3).choices(["bread", "river", "stone", "garden", "tower", "lamp", "window"], k=1600)
+
+    def tokens(n: int, offset: int = 0) -> list[int]:
+        ids = gemma.encode(prompt=" ".join(words[offset : offset + n]))
+        assert len(ids) >= n
+        return ids[:n]
+
+    slots = gemma.open_slots(2, Batching.SHARED)
+    try:
+        greedy(gemma, slots[0], tokens(600), max_tokens=1)
+        held = tokens(1100)
+        greedy(gemma, slots[1], held, max_tokens=1)
+        # The first sequence starts again after its first token: its second
+        # chunk takes the cells of the other's first positions, out of its window.
+        greedy(gemma, slots[0], tokens(1200, offset=1), max_tokens=1)
+        # The record still holds the first 700 of the 1100, but the window of the
+        # 701st reaches back to positions the cache gave away: nothing is reused.
+        prompt = held[:700] + tokens(101, offset=800)[1:]
+        expected = reference(gemma, prompt, 8)
+        generation = make_generation(slots[1], prompt, max_tokens=8, prefill_chunk=gemma.prefill_chunk, **GREEDY)
+        result = generation.run()
+        assert exit_outcome(result.exit)[0] == "done" and result.prompt_tokens_reused == 0
+        assert result.prompt_tokens_evaluated == len(prompt)
+        assert expected.agrees_up_to_a_near_tie(generation.token_ids())
+        assert slots[1].kv_positions == slots[1].n_held
+    finally:
+        for slot in slots:
+            slot.close()
+
+
 def test_a_stream_on_the_llama_engine_reports_like_the_other(engine, slot):
     stream = engine.start(slot, engine.encode(messages=FRANCE), SamplingParams(max_tokens=24, temperature=0))
     text = "".join(stream)

@@ -204,6 +204,8 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             if should_stop(s):
                 waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
                 continue
+            if s.n_past == s.n_reused > 0 and not LLAMA.holds(b.ctx, s.seq, s.n_past):
+                evaluate_from_start(b, s)
             # The batch holds one prompt chunk beside every other member's token
             # (see LlamaContext); a second chunk waits for the next step.
             if s.post_count > room:
@@ -273,6 +275,16 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
+
+
+cdef void evaluate_from_start(Batcher *b, LoopState *s) noexcept nogil:
+    """Make ``s``'s first evaluation its prompt's first chunk: the cache no longer
+    holds the prefix its record does (another sequence took cells of it from a
+    sliding-window layer; see sll_api.holds), so none of it is reused."""
+    LLAMA.truncate(b.ctx, s.seq, 0)
+    s.n_reused = 0
+    s.n_past = 0
+    s.post_count = min(s.prefill_chunk, s.n_prompt)
 
 
 cdef void fail_the_rest(Batcher *b, LoopState **members, int n) noexcept nogil:

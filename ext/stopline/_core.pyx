@@ -561,7 +561,9 @@ cdef struct LoopState:
     int max_token_bytes
     int *tokens            # prompt, then generated tokens
     int n_prompt
-    int n_reused           # leading prompt tokens the KV cache already holds
+    # Leading prompt tokens the KV cache already holds: the record's count, until the
+    # first evaluation finds the cache has lost some of them (evaluate_from_start).
+    int n_reused
     int max_tokens
     bint max_tokens_capped  # max_tokens is the room the context has left
     int top_k

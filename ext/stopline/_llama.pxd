@@ -58,6 +58,7 @@ cdef extern from "llama_abi.h" nogil:
         void (*set_threads)(sll_context *ctx, int32_t n_threads) noexcept nogil
         int32_t (*pos_max)(sll_context *ctx, int32_t seq) noexcept nogil
         int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0) noexcept nogil
+        int (*holds)(sll_context *ctx, int32_t seq, int32_t n) noexcept nogil
         void (*batch_clear)(sll_context *ctx) noexcept nogil
         int32_t (*batch_add)(sll_context *ctx, int32_t seq, const int32_t *tokens, int32_t n, int32_t pos0,
                              int want_logits) noexcept nogil
