@@ -4,6 +4,7 @@ file, the stop-latency CDF chart, and the run's section of bench/RESULTS.md."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import statistics
 from collections import Counter
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
 from .inprocess.llama_native import NEAR_TIE_LOGPROB
@@ -97,11 +99,6 @@ def figures(samples, *columns: tuple[str, ...]) -> list[float | None]:
     return [v for key, *keys in columns for v in stat((s.get(key) for s in samples), *keys)]
 
 
-def present(*texts: str | None) -> list[str]:
-    """A section's texts (heading, introduction, body), or none of them when it has no body, the last."""
-    return [t for t in texts if t is not None] if texts[-1] is not None else []
-
-
 def tokens_after_cancel(samples) -> list[int]:
     """The server's tokens after the cancel, of the samples that report it."""
     return [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
@@ -126,8 +123,11 @@ def fmt_ratio(base: float | None, ours: float | None) -> str:
     return f"**{r:.0f}×**" if r >= 100 else f"**{r:.1f}×**" if r >= 10 else f"**{r:.2f}×**"
 
 
-def table(header: str, rows: list[list[str]]) -> str:
-    """A Markdown table; ``header``'s columns are separated by ``|``."""
+def table(header: str, rows: list[list[str]]) -> str | None:
+    """A Markdown table; ``header``'s columns are separated by ``|``. None without rows: the report
+    leaves out the section of a measurement the run did not make."""
+    if not rows:
+        return None
     columns = header.split("|")
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -141,7 +141,6 @@ class Report:
         # The engine every ratio is taken against.
         self.ref = next((t for t in (OURS, OURS_LLAMA) if t in self.targets), None)
         self.peers = [p for p in PEERS if p in self.targets and p != self.ref] if self.ref else []
-        self.engines = [t for t in (OURS_LLAMA, LLAMA, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
         self.ours = [t for t in (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
@@ -154,6 +153,8 @@ class Report:
     def _rows_with_ratio(self, label: str, stats: dict[str, tuple[int, list]]) -> list[list[str]]:
         """One row per target, then <peer>/<reference> for every column and peer. ``stats[target]`` is
         (count, [values]); the count column gets no ratio."""
+        if not any(count for count, _ in stats.values()):
+            return []
         rows = []
         for target in self.targets:
             count, values = stats[target]
@@ -177,7 +178,7 @@ class Report:
 
     # Sections -----------------------------------------------------------------------
 
-    def calibration(self) -> str:
+    def calibration(self) -> str | None:
         rows = []
         for target in self.targets:
             info = self.results["meta"]["targets"][target]
@@ -206,22 +207,24 @@ class Report:
         long = self._lengths()[1]
         return long / (ms / 1000) if (ms := self.prefill_ms(target, long)) else None
 
-    def stop_latency(self) -> str:
+    def stop_latency(self) -> str | None:
         rows = self._spread_rows(REPORTED_STOPS, ("client_ms", *SPREAD), ("server_ms", *SPREAD))
         return table("scenario|engine|n|client p50|p90|p99|max|server p50|p90|p99|max", rows)
 
-    def tokens_after_cancel(self) -> str:
+    def tokens_after_cancel(self) -> str | None:
         rows = []
         groups = [(SCENARIO_TITLES[scenario], (scenario,)) for scenario in REPORTED_STOPS]
         for title, scenarios in groups + [("**all cancels**", REPORTED_STOPS)]:
+            group = len(rows)
             for target in self.targets:
                 samples = [s for s in self.samples if s["target"] == target and s["scenario"] in scenarios]
+                if not samples:
+                    continue
                 after = tokens_after_cancel(samples)
                 hist = " ".join(f"{k}: {v}" for k, v in sorted(Counter(after).items()))
                 frames = max((s["frames_after_cancel"] for s in samples), default=None)
-                first = target == self.targets[0]
                 rows.append(
-                    [title if first else "", target, str(len(after)), hist or "–"]
+                    [title if len(rows) == group else "", target, str(len(after)), hist or "–"]
                     + [show(max(after, default=None)), show(frames)]
                 )
         return table(
@@ -230,7 +233,7 @@ class Report:
             rows,
         )
 
-    def tokens_wasted(self) -> str:
+    def tokens_wasted(self) -> str | None:
         rows = []
         runs = {(r["scenario"], r["target"]): r for r in self.results["runs"]}
         columns = (
@@ -264,7 +267,7 @@ class Report:
             rows,
         )
 
-    def throughput(self) -> str:
+    def throughput(self) -> str | None:
         rows = []
         for streams in self.streams_seen():
             stats = {}
@@ -294,7 +297,7 @@ class Report:
             stats[target] = (len(over), stat(over, "p50", "p99", "max"))
         return table("|engine|n|p50 ms|p99 ms|max ms", self._rows_with_ratio("10 ms sleep overshoot", stats))
 
-    def timeouts(self) -> str:
+    def timeouts(self) -> str | None:
         landed_in_prefill = any(s["scenario"] == "timeout_total_prefill" for s in self.samples)
         rows = self._spread_rows(
             TIMEOUT_SCENARIOS + (("timeout_total_prefill",) if landed_in_prefill else ()),
@@ -303,7 +306,7 @@ class Report:
         )
         return table("deadline|engine|n|server p50|p90|p99|max|client p50|p90|p99|max", rows)
 
-    def disconnect(self) -> str:
+    def disconnect(self) -> str | None:
         rows = self._spread_rows(
             [s for s in ("disconnect", DISCONNECT_BUSY, NONSTREAM) if any(x["scenario"] == s for x in self.samples)],
             ("client_ms", *SPREAD),
@@ -311,7 +314,7 @@ class Report:
         )
         return table("|engine|n|p50|p90|p99|max|server log p50|max", rows)
 
-    def prompt_speed(self) -> str:
+    def prompt_speed(self) -> str | None:
         stats = {}
         for target in self.targets:
             samples = self.of("prefill_speed", target)
@@ -324,7 +327,7 @@ class Report:
             self._rows_with_ratio(f"{self._lengths()[1]}-token prompt", stats),
         )
 
-    def multi_turn(self) -> str:
+    def multi_turn(self) -> str | None:
         rows = []
         for target in self.targets:
             samples = self.of("multi_turn", target)
@@ -398,58 +401,6 @@ class Report:
             "With few samples, p99 is close to the slowest sample of each side."
         )
 
-    # Against llama-server ---------------------------------------------------------------
-
-    def against_llama_server(self) -> str | None:
-        """The headline figures side by side, and in plain words where llama-server is better."""
-        if LLAMA not in self.targets or self.ref is None:
-            return None
-        ref, pair = self.ref, (self.ref, LLAMA)
-
-        def stop(scenario, key="p50"):
-            return [self.stop(scenario, t, key) for t in pair]
-
-        def rate(key, streams, figure="p50"):
-            return [figures(self.of("throughput", t, streams=streams), (key, figure))[0] for t in pair]
-
-        streams = max(self.streams_seen(), default=1)
-        long = self._lengths()[1]
-        headlines = [
-            (f"stop during a ~{long:,}-token prompt, p50 ms", *stop("prefill_long"), True),
-            (f"stop during a ~{long:,}-token prompt, p99 ms", *stop("prefill_long", "p99"), True),
-            ("disconnect while another client streams, p50 ms", *stop(DISCONNECT_BUSY), True),
-            ("disconnect while another client streams, p99 ms", *stop(DISCONNECT_BUSY, "p99"), True),
-            ("stop during decode, p50 ms", *stop("decode"), True),
-            ("disconnect during decode, p50 ms", *stop("disconnect"), True),
-            ("time to first token, one stream, p50 ms", *rate("ttft_client_ms", 1), True),
-            ("decode tok/s, one stream, p50", *rate("tokens_per_s_client", 1), False),
-        ]
-        if streams > 1:
-            what = f"decode tok/s, {streams} streams, aggregate"
-            headlines.append((what, *rate("aggregate_tokens_per_s", streams, "mean"), False))
-        headlines.append((f"prompt tok/s, {long:,}-token prompt", *map(self.prompt_rate, pair), False))
-        rows, better = [], {LLAMA: [], ref: []}
-        for what, ours, peer, lower_better in headlines:
-            winner = "–"
-            if ours is not None and peer is not None and ours > 0 and peer > 0:
-                winner = LLAMA if (peer < ours if lower_better else peer > ours) else ref
-                by = max(peer, ours) / min(peer, ours)
-                better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
-            rows.append([what, fmt(ours), fmt(peer), fmt_ratio(peer, ours), winner])
-        words = [
-            f"llama-server is better at: {'; '.join(better[LLAMA])}."
-            if better[LLAMA]
-            else "llama-server is better at none of these."
-        ]
-        if better[ref]:
-            words.append(f"{'Ours' if ref == OURS else ref} is better at: {'; '.join(better[ref])}.")
-        if ran_to_end := sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end")):
-            words.append(
-                f"{ran_to_end} llama-server requests never noticed that their client had gone and "
-                "generated every token they were asked for; their time is the time that took."
-            )
-        return table(f"|{ref}|{LLAMA}|llama-server/{ref}|better", rows) + "\n\n" + " ".join(words)
-
     # The llama.cpp engine's figures -------------------------------------------------------
 
     def stop(self, scenario: str, target: str, key: str, side: str = "client_ms", **match) -> float | None:
@@ -461,9 +412,6 @@ class Report:
 
     def decode_rate(self, target: str) -> float | None:
         return figures(self.of("throughput", target, streams=1), ("tokens_per_s_client", "p50"))[0]
-
-    def measured_prompt_rate(self, target: str) -> float | None:
-        return self.stop("prefill_speed", target, "p50", "prompt_tokens_per_s")
 
     def turn_ttft(self, target: str, turn: int) -> float | None:
         return self.stop("multi_turn", target, "p50", "ttft_server_ms", turn=turn)
@@ -489,51 +437,63 @@ class Report:
     def streams_seen(self) -> list[int]:
         return sorted({s["streams"] for s in self.samples if s["scenario"] == "throughput"})
 
-    def side_by_side(self) -> str:
-        """Every headline figure: ours_llama, llama-server, their ratio, and the ctransformers engine."""
-        long = self._lengths()[1]
-        rows: list[tuple[str, Callable[[str], float | None]]] = [
-            ("decode tok/s, 1 stream, p50 (client)", self.decode_rate)
-        ]
-        rows += [
-            (f"aggregate tok/s, {n} concurrent streams, median of repetitions", partial(self.aggregate, streams=n))
-            for n in self.streams_seen()
-            if n > 1
-        ]
-        rows += [
-            (f"prompt tok/s, ~{long:,}-token prompt, p50 (server)", self.measured_prompt_rate),
-            (
-                "time to first token, 1 stream, p50 ms (client)",
-                partial(self.stop, "throughput", key="p50", side="ttft_client_ms", streams=1),
+    def prompt_tokens_per_s(self, target: str) -> float | None:
+        """Measured on the long prompt where the run has it, else from the calibration."""
+        return self.stop("prefill_speed", target, "p50", "prompt_tokens_per_s") or self.prompt_rate(target)
+
+    def side_by_side(self) -> str | None:
+        """Every headline figure of every engine beside the reference engine's, and their ratio; then,
+        in words, where llama-server is better and where the reference is."""
+        if LLAMA not in self.targets or self.ref is None:
+            return None
+        long, ref = self._lengths()[1], self.ref
+        ttft = partial(self.stop, "throughput", key="p50", side="ttft_client_ms", streams=1)
+        # (what, its figure for an engine, whether lower is better)
+        rows: list[tuple[str, Callable[[str], float | None], bool]] = [
+            ("decode tok/s, 1 stream, p50 (client)", self.decode_rate, False),
+            *(
+                (f"aggregate tok/s, {n} streams", partial(self.aggregate, streams=n), False)
+                for n in self.streams_seen()
+                if n > 1
             ),
-            (f"multi-turn TTFT, turn {TURNS} ÷ turn 1 (server)", self.turn_ratio),
+            (f"prompt tok/s, ~{long:,}-token prompt", self.prompt_tokens_per_s, False),
+            ("time to first token, 1 stream, p50 ms (client)", ttft, True),
+            (f"multi-turn TTFT, turn {TURNS} ÷ turn 1 (server)", self.turn_ratio, True),
         ]
         for scenario, title in (
             ("decode_after_token", "stop right after a token"),
             ("decode", "stop at a random phase of decode"),
             ("prefill_long", f"stop during a ~{long:,}-token prompt"),
             (DECODE_CONCURRENT, "stop 1 of 4 concurrent streams, random phase"),
+            ("disconnect", "disconnect during decode"),
+            (DISCONNECT_BUSY, "disconnect while another client streams"),
         ):
-            rows += [(f"{title}, client {key} ms", partial(self.stop, scenario, key=key)) for key in ("p50", "p99")]
-        rows.append(("tokens after cancel, max over every cancel", self.tokens_after_cancel_max))
-        header = f"|{OURS_LLAMA}|{LLAMA}|{LLAMA}/{OURS_LLAMA}"
-        unedited, ours = OURS_LLAMA_UNEDITED in self.engines, OURS in self.engines
-        header += f"|{OURS_LLAMA_UNEDITED}|{OURS_LLAMA_UNEDITED}/{OURS_LLAMA}" if unedited else ""
-        header += f"|{OURS} (ctransformers, this run)" if ours else ""
-        lines = []
-        for what, figure in rows:
-            values = {t: figure(t) for t in self.engines}
-            row = [what, show(values.get(OURS_LLAMA)), show(values.get(LLAMA))]
-            row.append(fmt_ratio(values.get(LLAMA), values.get(OURS_LLAMA)))
-            if unedited:
-                row += [
-                    show(values[OURS_LLAMA_UNEDITED]),
-                    fmt_ratio(values[OURS_LLAMA_UNEDITED], values.get(OURS_LLAMA)),
-                ]
-            lines.append(row + ([show(values[OURS])] if ours else []))
-        return table(header, lines)
+            rows += [
+                (f"{title}, client {key} ms", partial(self.stop, scenario, key=key), True) for key in ("p50", "p99")
+            ]
+        rows.append(("tokens after cancel, max over every cancel", self.tokens_after_cancel_max, True))
+        others = [LLAMA] + [t for t in self.peers if t != LLAMA]
+        lines, better = [], {LLAMA: [], ref: []}
+        for what, figure, lower_better in rows:
+            values = {t: figure(t) for t in [ref, *others]}
+            if any(v is not None for v in values.values()):
+                ratios = [x for t in others for x in (show(values[t]), fmt_ratio(values[t], values[ref]))]
+                lines.append([what, show(values[ref]), *ratios])
+            ours, peer = values[ref], values[LLAMA]
+            if ours and peer and ours > 0 and peer > 0 and ours != peer:
+                by = max(peer, ours) / min(peer, ours)
+                winner = LLAMA if (peer < ours) == lower_better else ref
+                better[winner].append(f"{what} ({by:.2f}×)" if by < 10 else f"{what} ({by:,.0f}×)")
+        words = [f"{who} is better at: {'; '.join(what)}." for who, what in better.items() if what]
+        if ran_to_end := sum(1 for s in self.samples if s["target"] == LLAMA and s.get("ran_to_end")):
+            words.append(
+                f"{ran_to_end} llama-server requests never noticed that their client had gone and "
+                "generated every token they were asked for; their time is the time that took."
+            )
+        header = f"|{ref}" + "".join(f"|{t}|{t}/{ref}" for t in others)
+        return f"{table(header, lines)}\n\n{' '.join(words)}"
 
-    def server_side(self) -> str:
+    def server_side(self) -> str | None:
         """Our loop's own stop latency (cancel read → loop exited), which llama-server cannot report,
         beside the longest stretch between two stop checks that the same requests' evaluations had."""
         rows = []
@@ -545,8 +505,10 @@ class Report:
                     rows.append([title, target, str(len(samples))] + [fmt(v) for v in figures + [stretch]])
         return table("stop|engine|n|server p50 ms|p90|p99|max|longest stretch between checks, ms", rows)
 
-    def llama_targets(self) -> str:
+    def llama_targets(self) -> str | None:
         """The stop and speed targets for the llama.cpp engine, each with what bounds it."""
+        if OURS_LLAMA not in self.targets:
+            return None
         rows = []
 
         def target(what: str, figure: str, bound: str, met: bool | None) -> None:
@@ -578,7 +540,7 @@ class Report:
                     f"{fmt(SERVER_STOP_MS)} / {fmt(CLIENT_STOP_MS)}",
                     None if server is None or client is None else server <= SERVER_STOP_MS and client <= CLIENT_STOP_MS,
                 )
-        ours, peer = self.measured_prompt_rate(OURS_LLAMA), self.measured_prompt_rate(LLAMA)
+        ours, peer = self.prompt_tokens_per_s(OURS_LLAMA), self.prompt_tokens_per_s(LLAMA)
         ratio = f"{fmt_ratio(ours, peer)} ({fmt(ours)} vs {fmt(peer)})"
         target("prompt tok/s, ours ÷ llama-server", ratio, "≥ 1.0×", None if not ours or not peer else ours >= peer)
         for streams in self.streams_seen():
@@ -615,9 +577,7 @@ class Report:
             if storm.get("crashed"):
                 rows.append(head + [f"**crashed** (exit {storm['returncode']})"] + ["–"] * 8)
                 continue
-            ms = sorted(storm["cancel_to_exit_ms"])
-            p50 = statistics.median(ms) if ms else None
-            p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
+            p50, p99 = stat(storm["cancel_to_exit_ms"], "p50", "p99")
             counts = ("cancelled", "done", "hangs", "kv_mismatches", "mismatches", "near_ties", "other")
             rows.append(head + ["0"] + [str(storm.get(k, "–")) for k in counts] + [f"{fmt(p50)} / {fmt(p99)}"])
         return table(
@@ -666,164 +626,54 @@ class Report:
             )
         return words
 
-    def llama_load(self) -> str:
-        """The machine's 1-minute load average over the scenarios: how shared the 2 cores were."""
-        loads = [r["load_average"][0] for r in self.results["runs"] if r.get("load_average")]
-        if not loads:
-            return ""
-        return (
-            f"The machine's 1-minute load average, read as each scenario part started: "
-            f"{min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}, on 2 cores shared with "
-            "other work. llama-server's threads meet at a barrier after every graph node, so a thread "
-            "preempted by other work holds back its partners, spinning while they wait; "
-            + (
-                "so do ours while a generation runs alone on both cores. "
-                if shared_threads(self.results["meta"])
-                else "ours runs one thread per slot and has no barrier. "
-            )
-            + "Multi-threaded figures are therefore the ones most sensitive to this load."
-        )
-
-    def llama_markdown(self) -> str | None:
-        if OURS_LLAMA not in self.targets:
+    def native_loop(self) -> str | None:
+        if not (native := self.results.get("native")):
             return None
-        return "\n\n".join(
-            [
-                self.llama_load(),
-                "#### Side by side",
-                "Each figure of Stopline on its llama.cpp engine beside llama-server's from the same run "
-                "(same GGUF, same cores, equal threads in all), and, where it ran, the ctransformers engine's. "
-                "Stops on llama-server are the client closing the stream (it has no cancel request), timed to "
-                "its slot's release line.",
-                self.side_by_side(),
-                "#### Our loop's own stop latency (server: cancel read → loop exited)",
-                self.server_side(),
-                "#### Targets",
-                self.llama_targets(),
-                *present(self.nodes()),
-                *present(
-                    "#### Aborts at random moments (in-process, each storm in a child process)",
-                    "Greedy generations of 4 tokens on a 40-token prompt (16-token chunks), cancelled at random "
-                    "moments within a fresh or a cached run's length, on 1 thread; with 4 streams, the 4 sequences "
-                    "of one llama.cpp context do it at once, sharing its steps. After every generation the slot's "
-                    "KV cache must hold exactly the positions its record holds; every run that escaped its cancel, "
-                    "and a final one per slot, must give a fresh slot's tokens, or part from them only where the "
-                    "two likeliest tokens were within a near-tie (4 streams evaluate a prompt chunk beside other "
-                    "sequences' tokens, in kernels of another shape, which sum in another order).",
-                    self.storms(),
-                ),
-                *present("#### Greedy output against llama-server", self.greedy()),
-            ]
-        )
+        from .inprocess.native import markdown
+
+        return markdown(native)
+
+    @property
+    def loads(self) -> list[float]:
+        """The machine's 1-minute load average as each scenario part started."""
+        return [r["load_average"][0] for r in self.results["runs"] if r.get("load_average")]
+
+    @property
+    def shared_threads(self) -> bool:
+        """Whether ours ran with its default threads: generations share the cores (``--shared-threads``)."""
+        return "--shared-threads" in self.results["meta"]["command"]
 
     def markdown(self) -> str:
-        if native := self.results.get("native"):
-            from .inprocess.native import markdown as native_markdown
-        parts = [
-            *present("### Against llama-server", LLAMA_METHOD, self.against_llama_server()),
-            "### Calibration",
-            self.calibration(),
-            *present(self.other_load()),
-            "### Stop latency (ms)",
-            "Client: cancel frame sent → terminal message received. Server: `cancel_latency_ms`, "
-            "cancel frame read → token loop exited.",
-            self.stop_latency(),
-            "### Tokens after cancel",
-            "Server: the terminal frame's `tokens_after_cancel`, tokens the loop produced after the cancel "
-            "was requested. Client: token frames that arrived after the cancel frame was sent.",
-            self.tokens_after_cancel(),
-            "### Tokens wasted per request",
-            "`tokens_wasted` = prompt tokens evaluated + tokens generated, for requests that did not end "
-            "with `done`; from the server's end-of-request log when the benchmark started the server, else "
-            "the `stopline_tokens_wasted_total` delta on `/metrics` divided by the requests sent. Requests are "
-            "grouped by the scenario they were sent in (a prefill cancel that landed in decode stays with its prompt). "
-            "The baseline's tokens generated include the one it computes and discards after a stop.",
-            self.tokens_wasted(),
-            "### Prompt speed",
-            "A long prompt with `max_tokens` 1: the server's `ttft_ms`, and prompt tokens evaluated per second.",
-            self.prompt_speed(),
-            "### Multi-turn chat",
-            "Six turns on one connection, about 80 tokens of new text each. TTFT p50 per turn (server), "
-            "and the share of all prompt tokens taken from a slot's KV cache.",
-            self.multi_turn(),
-            "### Decode throughput and time to first token",
-            "Client rate: tokens after the first / time between the first and last token frames. "
-            "Server rate: from `duration_ms` − `ttft_ms` of the `done` frame. TTFT includes any queueing.",
-            self.throughput(),
-            *present(
-                "### Event-loop lag under load (server process)",
-                "A task on the server's event loop sleeps 10 ms over and over; this is how late it woke, "
-                "over all the time the scenarios ran against that server.",
-                self.event_loop_lag(),
-            ),
-            "### Timeout precision (ms after the deadline)",
-            "Server: `duration_ms` − deadline. Client: generate sent → terminal received, − deadline. "
-            "A total timeout meant for the decode phase that fired before any token (the prefill ran "
-            "longer than calibrated) is shown on its own row.",
-            self.timeouts(),
-            "### Disconnect to stop (ms)",
-            "Socket dropped (no close handshake) → `/metrics` shows `stopline_active_generations 0` "
-            "(1 while another client streams); llama-server: → its slot's release line. "
-            "Server log: the `client_disconnected` cancel's `cancel_latency_ms`.",
-            self.disconnect(),
-            *present(
-                "### The native loop, in-process",
-                "Prompt speed on a 512-token prompt by chunk size: the stock evaluation (no hook, logits "
-                "for every token), the step hook with full logits, and the hook with the output projection "
-                "for the last token only (the default); the longest graph node is the most a stop waits. "
-                "Then the abort storm: one greedy generation cancelled at random moments, over and over, on "
-                "one slot; every run that escaped its cancel, and a final one, is compared with a fresh "
-                "slot's tokens.",
-                native_markdown(native) if native else None,
-            ),
-            *present(
-                "### Cancel via another replica (ms)",
-                "redis-server on loopback and two replicas sharing it (`--redis-url`). A WebSocket generation "
-                "on the first replica is cancelled after 1–8 token frames by `DELETE /v1/generations/{id}`, "
-                "sent alternately to the owner and to the other replica, which finds the owner in Redis and "
-                "relays the cancel over pub/sub; both over a warm keep-alive connection. DELETE answered: "
-                "sent → its answer, naming the outcome. Cancelled frame: sent → the `cancelled` frame on the "
-                "generation's WebSocket. Server: `cancel_latency_ms` on the owner, from the cancel's arrival "
-                "there.",
-                self.cancel_via_replica(),
-            ),
-            *present(
-                "### The HTTP API next to the WebSocket (ms)",
-                "Closed: the client closes the stream (the `openai` package's `stream.close()`) or drops the "
-                "socket → `/metrics` shows no active generation; server: the `client_disconnected` cancel's "
-                "`cancel_latency_ms`. DELETE: sent by a second client → `event: cancelled` received on the SSE "
-                "stream; server: `cancel_latency_ms`. Cancel frame: as in the stop-latency table.",
-                self.http_api(),
-            ),
-        ]
-        return "\n\n".join(parts) + "\n"
+        """The run's tables, each with what it measures."""
+        return render("report.md.j2", r=self)
+
+    def results_section(self, tables: str, chart: str) -> str:
+        """The run's section of RESULTS.md: how it was measured, then ``tables`` and the chart."""
+        return render("results.md.j2", r=self, tables=tables, chart=chart, busy_max_tokens=BUSY_MAX_TOKENS)
+
+    def in_process_section(self) -> str | None:
+        """The section of RESULTS.md for what the run measured in-process on the llama.cpp engine."""
+        return render("inprocess.md.j2", r=self) if self.results.get("llama_native") else None
 
 
-LLAMA_METHOD = (
-    "llama-server (llama.cpp's HTTP server; `bench/drivers/llama_server.py`) is started by the benchmark on the same "
-    "GGUF file, with the same context per slot, slots and sampling (temperature, top-k, top-p, repetition "
-    "penalty; its extra min-p sampler off), as many compute threads in all as ours has over its slots, on the "
-    "same cores, every prompt sent as the same token ids and evaluated whole (`cache_prompt` off, but in the "
-    "multi-turn chat). It has no cancel request, so each stop is the client closing the connection: "
-    "a closed stream for the stop scenarios (where ours gets a cancel frame), a reset connection for the "
-    "disconnects. Ours counts as stopped when its terminal frame arrives (cancels) or when `/metrics` shows "
-    "the generation gone (disconnects); llama-server counts as stopped when its log prints the release of "
-    "the request's slot (each request is pinned to a slot with `id_slot`), stamped as the line arrives on "
-    "the pipe from its stderr, and a `/slots` answer showing the slot idle follows. `/slots` is not polled "
-    "in a loop to find the moment: each of its answers restarts the one-second wait after which llama-server's "
-    "request handler checks whether its client is still connected, so a 1 ms poll would keep it from ever "
-    "noticing a client that left while nothing was being written to it. That is the case the "
-    '"disconnect while another client streams" rows measure: another client streams, and the measured '
-    "client, non-streaming on llama-server (whose handler writes nothing until the end) and streaming on "
-    "ours (the only mode of its protocol), goes away during decode. Tokens after the stop are derived from "
-    "the slot's context size in the release line. Ratios are llama-server/ours: above 1, llama-server took "
-    "longer to stop or reach its first token, or produced more tokens per second."
+TEMPLATES = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(BENCH_DIR),
+    undefined=jinja2.ChainableUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
 )
+TEMPLATES.filters |= {
+    "loads": lambda values, between=" / ": between.join(f"{v:.2f}" for v in values),
+    "count": lambda value: "unlimited (time-boxed)" if value is None else str(value),
+    "shell": shlex.join,
+    "median": statistics.median,
+}
 
 
-def shared_threads(meta: dict) -> bool:
-    """Whether ours ran with its default threads: generations share the cores (``--shared-threads``)."""
-    return "--shared-threads" in meta["command"]
+def render(template: str, **values) -> str:
+    """A template of bench/ filled in, with one blank line at most between its parts."""
+    return re.sub(r"\n{3,}", "\n\n", TEMPLATES.get_template(template).render(**values)).strip("\n") + "\n"
 
 
 def write_json(results: dict, path: Path) -> None:
@@ -885,136 +735,25 @@ RESULTS_HEADER = "# Stopline benchmark results\n"
 
 def results_key(meta: dict) -> str:
     """A run's section of RESULTS.md: one per model, and one more for runs whose generations share the cores."""
-    return f"{meta['model_choice']}-shared-cores" if shared_threads(meta) else meta["model_choice"]
+    return f"{meta['model_choice']}-shared-cores" if "--shared-threads" in meta["command"] else meta["model_choice"]
 
 
-def results_section(results: dict, tables: str, chart: str) -> str:
-    """One model's section of RESULTS.md: how it was measured, then its tables."""
-    meta = results["meta"]
-    m = meta["machine"]
-    targets = meta["targets"]
-    slots = next(iter(targets.values()))["slots"] if targets else "?"
-    threads = targets.get("ours", targets.get("ours_llama", {})).get("threads", "?")
-    load_start, load_end = meta["load_average_start"], meta["load_average_end"]
-    skipped = meta.get("skipped_engines") or []
-    wide = meta.get("wide_workers") or 0
-    peer_threads = targets.get(LLAMA, {}).get("threads")
-    llama_section = ""
-    if llama := Report(results).llama_markdown():
-        llama_section = f"### The llama.cpp engine against llama-server\n\n{llama}\n\n"
-    heading = meta["model"]
-    if shared_threads(meta):
-        heading += (
-            ", the llama.cpp engine on shared cores\n\nThe llama.cpp engine with its default threads (the running "
-            "generations share the cores), against llama-server with as many threads in all."
-        )
-    return f"""## {heading}
-
-- Command: `{meta["command"]}` ({meta["started_at"]})
-- Machine: {m["cpu"]}{" (virtual machine)" if m.get("virtual") else ""}, {m["cores"]} cores
-  ({m["cores_available"]} available to the benchmark), shared with other work; Python {m["python"]};
-  load average (1 / 5 / 15 min) {_load(load_start)} at the start and {_load(load_end)} at the end; each
-  scenario's own is in the JSON file
-- Model: {meta["model"]} GGUF, context 2048 per slot; engines: {", ".join(targets)}{
-        f" ({', '.join(skipped)} skipped: ctransformers cannot load this model)" if skipped else ""
-    }
-- Equal resources: every server is confined to the same cores ({",".join(map(str, meta["cpus"]))}, by
-  `sched_setaffinity` in the child before it starts); ours: {_ours_threads(meta, slots, threads)};
-  llama-server: one process, `--parallel {slots}`, `--threads {peer_threads or "–"}` (as many in
-  all){_wide_note(wide, threads, shared_threads(meta))}
-- Interleaving: each scenario's samples are taken in {meta["rounds"]} parts, the engines taking turns
-  part by part, in alternating order; while one engine is measured (or calibrated) the other servers
-  are paused (SIGSTOP), because an idle server's wake-ups (its event loop's timers) preempt a thread of
-  a multi-threaded server, whose other threads then spin at ggml's barrier until it runs again
-- Servers: one process each (`python -m bench serve`, or llama-server), on 127.0.0.1, started by the benchmark
-- Prompts: about {meta["plan"]["short_tokens"]} tokens (short) and {meta["plan"]["long_tokens"]} tokens (long),
-  each different, each asking for a long story; sampling at temperature 0.7
-- Samples: {_count(meta["plan"]["requests"])} per scenario per engine, {_count(meta["plan"]["long_requests"])} for the
-  long-prompt scenarios; one request at a time unless a scenario needs more
-
-How the cancels are placed:
-
-- **queued**: every slot runs a long generation; one more request is queued and cancelled 0–100 ms after
-  its `accepted` frame (discarded if a slot freed up first).
-- **prefill**: cancelled after a random delay shorter than the prompt's prefill time, measured beforehand
-  (the calibration table). A request that had already received a token counts as a decode sample.
-- **decode, random phase**: cancelled after 1–32 token frames plus a random fraction of a decode step.
-- **decode, right after a token frame**: cancelled the moment the 1st–32nd token frame arrives, when the
-  next decode step has just begun.
-- **decode, 1 of 4 concurrent streams**: 4 streams decode at once (one per slot); the first is cancelled
-  as in the random-phase case, the other 3 run on to their 96 tokens; tokens they fell short of are lost.
-- **prompt speed**: a long prompt with `max_tokens` 1; the server's time to first token.
-- **multi-turn**: a six-turn chat on one connection, about 80 tokens of new text per turn, 48-token answers;
-  llama-server keeps the chat on one slot with `cache_prompt: true`, so it reuses its cache as ours does.
-- **timeouts**: `timeout_s` = 1.25 × the short prompt's prefill + 100–600 ms; `ttft_timeout_s` = 5–25 % of
-  the long prompt's prefill.
-- **disconnect**: the socket is dropped after 1–32 token frames; `/metrics` is polled every ~1 ms until
-  `stopline_active_generations` is 0 (the time is the arrival of the answer that showed it).
-{_peer_method(results)}
-{llama_section}{tables}
-![Stop latency CDF per scenario, {meta["model"]}]({chart})
-
-Every sample is in the JSON file the run wrote (`{meta["results_json"]}`).
-"""
-
-
-def write_results_section(path: Path, model: str, section: str) -> None:
-    """Put ``section`` between this model's markers in RESULTS.md, keeping the other models' sections."""
-    begin, end = f"<!-- results:{model} -->", f"<!-- /results:{model} -->"
+def write_results_section(path: Path, key: str, section: str, after: str | None = None) -> None:
+    """Put ``section`` between its key's markers in RESULTS.md, keeping the other sections; a new
+    section goes right after section ``after`` where there is one, else at the end."""
+    begin, end = f"<!-- results:{key} -->", f"<!-- /results:{key} -->"
     text = path.read_text() if path.is_file() else ""
     if "<!-- results:" not in text:
         text = RESULTS_HEADER
     block = f"{begin}\n{section}{end}\n"
+    anchor = f"<!-- /results:{after} -->\n"
     if begin in text and end in text:
         before, rest = text.split(begin, 1)
-        after = rest.split(end, 1)[1].lstrip("\n")
-        text = before + block + ("\n" + after if after else "")
+        rest = rest.split(end, 1)[1].lstrip("\n")
+    elif after is not None and anchor in text:
+        before, rest = text.split(anchor, 1)
+        before += anchor + "\n"
+        rest = rest.lstrip("\n")
     else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
-def _ours_threads(meta: dict, slots, threads) -> str:
-    if shared_threads(meta):
-        return (
-            f"{slots} slots sharing {threads} compute threads (its default: a generation alone takes them "
-            f"all, generations together divide them)"
-        )
-    return f"{slots} slots × {threads} compute thread per slot"
-
-
-def _wide_note(wide: int, threads, shared: bool = False) -> str:
-    if not wide:
-        return ""
-    total = threads if shared else wide * threads if isinstance(threads, int) else "?"
-    return (
-        f"; for the 4-stream figures every engine is restarted with {wide} slots "
-        f"(llama-server `--parallel {wide}`, `--threads {total}`)"
-    )
-
-
-def _load(values) -> str:
-    return " / ".join(f"{v:.2f}" for v in values)
-
-
-def _peer_method(results: dict) -> str:
-    """The method bullets for the scenarios added for llama-server, when it took part."""
-    meta = results["meta"]
-    if LLAMA not in meta["targets"]:
-        return ""
-    peer = meta["targets"][LLAMA]
-    return f"""- **disconnect while another client streams**: one client streams without pause on one slot; on the
-  other, the measured client goes away during decode (ours: the WebSocket dropped after 1–32 token frames,
-  `/metrics` polled until only the other generation is active; llama-server: a non-streaming request reset
-  after its calibrated prefill plus 1–32 decode steps). A llama-server request that generated all its
-  {BUSY_MAX_TOKENS} tokens never noticed; its time is the time that took.
-- **non-streaming request, client gone** (llama-server only; ours streams every request): the same, with
-  no other traffic.
-- **llama-server** ({peer.get("source", "llama.cpp")}; `{shlex.join(peer.get("command", []))}`): every stop is
-  the client closing the connection (it has no cancel request); it counts as stopped when its log prints
-  the release of the request's slot, stamped as the line arrives; see "Against llama-server" below.
-"""
-
-
-def _count(value) -> str:
-    return "unlimited (time-boxed)" if value is None else str(value)
+        before, rest = text.rstrip("\n") + "\n\n", ""
+    path.write_text(before + block + ("\n" + rest if rest else ""))

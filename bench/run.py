@@ -41,8 +41,7 @@ from .drivers.stopline import ServedStopline, StoplineDriver
 from .inprocess import llama_native, native, random_llama
 from .machine import CpuMeter, load_average, machine
 from .prompts import PromptMaker
-from .report import BENCH_DIR, Report, plot_stop_latency_cdf, results_key, results_section, write_json
-from .report import write_results_section as write_results_section
+from .report import BENCH_DIR, Report, plot_stop_latency_cdf, results_key, write_json, write_results_section
 from .scenarios import ALL_SCENARIOS, CANCEL_VIA_REPLICA, DECODE_CONCURRENT, LONG_SCENARIOS, Bench, Plan
 from .scenarios import cancel_via_replica as sample_cancel_via_replica
 from .servers import RedisServer
@@ -437,13 +436,18 @@ def publish(results: dict, out: Path, results_md: bool) -> None:
     chart_name = "stop_latency_cdf.png" if section == "smollm2" else f"stop_latency_cdf_{section.replace('-', '_')}.png"
     write_json(results, json_path)
     plot_stop_latency_cdf(results, out / chart_name)
-    tables = Report(results).markdown()
+    report = Report(results)
+    tables = report.markdown()
     print(tables)
     print(f"samples: {json_path}\nchart: {out / chart_name}", file=sys.stderr)
     if results_md:
         shutil.copyfile(out / chart_name, BENCH_DIR / chart_name)
-        write_results_section(BENCH_DIR / "RESULTS.md", section, results_section(results, tables, chart_name))
-        print(f"wrote {BENCH_DIR / 'RESULTS.md'}", file=sys.stderr)
+        path = BENCH_DIR / "RESULTS.md"
+        write_results_section(path, section, report.results_section(tables, chart_name))
+        # A run without the in-process measurements leaves the last run's that had them.
+        if in_process := report.in_process_section():
+            write_results_section(path, f"{section}-in-process", in_process, after=section)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from bench.drivers.llama_server import LlamaServerDriver
 from bench.prompts import PromptMaker
-from bench.report import LLAMA, OURS, Report, write_results_section
+from bench.report import LLAMA, OURS, OURS_LLAMA, Report, write_results_section
 from bench.run import parse_args
 from bench.scenarios import (
     BUSY_MAX_TOKENS,
@@ -227,6 +227,13 @@ def test_each_model_keeps_its_own_section_of_the_results(tmp_path):
     assert text.startswith("# Stopline benchmark results")
     assert "SECTION-AGAIN" in text and "SECTION-ONE" not in text and "SECTION-TWO" in text
     assert text.index("SECTION-AGAIN") < text.index("SECTION-TWO")
+    # A new section may follow the one it belongs to; rewritten, it stays where it is.
+    write_results_section(path, "smollm2-in-process", "STORMS-ONE\n", after="smollm2")
+    write_results_section(path, "smollm2", "## SmolLM2\n\nSECTION-THREE\n")
+    write_results_section(path, "smollm2-in-process", "STORMS-TWO\n", after="smollm2")
+    text = path.read_text()
+    assert text.index("SECTION-THREE") < text.index("STORMS-TWO") < text.index("SECTION-TWO")
+    assert "STORMS-ONE" not in text and text.count("<!-- results:") == 3
 
 
 def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
@@ -279,16 +286,47 @@ def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
         "lag": {},
     }
     text = Report(results).markdown()
-    assert "### Against llama-server" in text and "| llama-server/ours |" in text
+    assert "### Against llama-server" in text and "|  | ours | llama-server | llama-server/ours |" in text
     headline = text.split("### Calibration")[0]
-    assert "| stop during a ~1,500-token prompt, p50 ms | 8.00 | 4000 | **500×** | ours |" in headline
-    assert "| stop during decode, p50 ms | 10.0 | 5.00 | **0.50×** | llama-server |" in headline
-    assert "| decode tok/s, one stream, p50 | 80.0 | 160 | **2.00×** | llama-server |" in headline
-    assert "| prompt tok/s, 1,500-token prompt | 100 | 500 | **5.00×** | llama-server |" in headline
+    assert "| stop during a ~1,500-token prompt, client p50 ms | 8.00 | 4000 | **500×** |" in headline
+    assert "| stop at a random phase of decode, client p50 ms | 10.0 | 5.00 | **0.50×** |" in headline
+    assert "| decode tok/s, 1 stream, p50 (client) | 80.0 | 160 | **2.00×** |" in headline
+    # No prompt-speed samples: the calibrated prefill of the long prompt gives the rate.
+    assert "| prompt tok/s, ~1,500-token prompt | 100 | 500 | **5.00×** |" in headline
+    # Figures no engine has (here the multi-turn chat) are left out.
+    assert "multi-turn TTFT" not in headline
     better = headline.split("llama-server is better at: ")[1].split(". ")[0]
     assert better == (
-        "stop during decode, p50 ms (2.00×); time to first token, one stream, p50 ms (2.00×); "
-        "decode tok/s, one stream, p50 (2.00×); prompt tok/s, 1,500-token prompt (5.00×)"
+        "decode tok/s, 1 stream, p50 (client) (2.00×); prompt tok/s, ~1,500-token prompt (5.00×); "
+        "time to first token, 1 stream, p50 ms (client) (2.00×); stop at a random phase of decode, client p50 ms "
+        "(2.00×); stop at a random phase of decode, client p99 ms (2.00×)"
     )
-    assert "Ours is better at: stop during a ~1,500-token prompt, p50 ms (500×)" in headline
+    assert "ours is better at: stop during a ~1,500-token prompt, client p50 ms (500×)" in headline
     assert "1 llama-server requests never noticed" in headline
+    # A section of a measurement the run did not make is left out.
+    assert "### Stop latency (ms)" in text and "### Multi-turn chat" not in text
+
+
+def test_the_in_process_measurements_have_a_section_of_their_own():
+    storm = dict(streams=4, cycles=10, cancelled=6, done=4, other=0, hangs=0, mismatches=0, near_ties=0)
+    storm |= {"kv_mismatches": 0, "cancel_to_exit_ms": [0.1, 0.2, 0.3]}
+    nodes = {"prompt_tokens": 1500, "prefill_chunk": 512, "prompt_tokens_per_s": 230.0}
+    nodes |= {"longest_prefill_node_ms": [6.0], "longest_decode_node_ms": [2.0]}
+    greedy = {"tokens_per_prompt": 64, "rows": [{"compared": 64, "same": 64, "ours_n": 64, "theirs_n": 64}]}
+    meta = {
+        "command": "python -m bench run --llama-native --shared-threads",
+        "started_at": "2026-12-03T00:00:00+00:00",
+        "model": "Model X",
+        "machine": {"cpu": "CPU", "virtual": True, "cores": 2},
+        "load_average_start": [1.0, 1.0, 1.0],
+        "plan": {"short_tokens": 50, "long_tokens": 1500},
+        "targets": {OURS_LLAMA: {"slots": 2, "threads": 2}, LLAMA: {"slots": 2, "threads": 2}},
+    }
+    results = {"meta": meta, "samples": [], "runs": [], "lag": {}}
+    assert Report(results).in_process_section() is None
+    results["llama_native"] = {"storms": [storm], "nodes": nodes, "greedy": greedy, "load_average": [2.0, 1.5, 1.2]}
+    section = Report(results).in_process_section()
+    assert section.startswith("## Model X: the llama.cpp engine in-process\n")
+    assert "| 4 | 10 | 0 | 6 | 4 | 0 | 0 | 0 | 0 | 0 | 0.200 / 0.298 |" in section
+    assert "decode 2.00 ms; prompt 6.00 ms" in section and "1 identical token for token" in section
+    assert "2.00 / 1.50 / 1.20 once they were done" in section

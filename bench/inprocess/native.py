@@ -145,38 +145,27 @@ def run(cycles: int = 500) -> dict:
 
 
 def markdown(results: dict) -> str:
-    def fmt(v):
-        return "–" if v is None else f"{v:.1f}"
+    from ..report import fmt, stat, table
 
     stock_best = max(r["prompt_tokens_per_s"] for r in results["sweep"] if r["mode"] == "stock")
-    lines = [
-        "| chunk | stock tok/s | hook, full logits tok/s | hook, last-token logits tok/s | "
-        "longest node (ms) | trimmed / best stock |",
-        "|---|---|---|---|---|---|",
-    ]
     by = {(r["chunk"], r["mode"]): r for r in results["sweep"]}
+    sweep = []
     for chunk in CHUNKS:
         stock, hook, trim = (by[(chunk, m)] for m in ("stock", "in_step", "in_step_trimmed"))
-        lines.append(
-            f"| {chunk} | {fmt(stock['prompt_tokens_per_s'])} | {fmt(hook['prompt_tokens_per_s'])} | "
-            f"{fmt(trim['prompt_tokens_per_s'])} | {fmt(trim['longest_node_ms'])} | "
-            f"{trim['prompt_tokens_per_s'] / stock_best:.2f}× |"
+        rates = [fmt(r["prompt_tokens_per_s"]) for r in (stock, hook, trim)]
+        sweep.append(
+            [str(chunk), *rates, fmt(trim["longest_node_ms"]), f"{trim['prompt_tokens_per_s'] / stock_best:.2f}×"]
         )
-    lines += [
-        "",
-        "| threads per slot | aborts | cancelled | escaped (done) | different tokens after | "
-        "hangs | other outcomes | cancel→exit p50 / p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    storms = []
     for storm in results["storms"]:
-        ms = sorted(storm["cancel_to_exit_ms"])
-        p50 = statistics.median(ms) if ms else None
-        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
-        lines.append(
-            f"| {storm['threads']} | {storm['cycles']} | {storm['cancelled']} | {storm['done']} | "
-            f"{storm['mismatches']} | {storm['hangs']} | {storm['other']} | {fmt(p50)} / {fmt(p99)} |"
-        )
-    return "\n".join(lines) + "\n"
+        counts = [str(storm[k]) for k in ("threads", "cycles", "cancelled", "done", "mismatches", "hangs", "other")]
+        storms.append(counts + [" / ".join(map(fmt, stat(storm["cancel_to_exit_ms"], "p50", "p99")))])
+    sweep_header = "chunk|stock tok/s|hook, full logits tok/s|hook, last-token logits tok/s|longest node (ms)|"
+    storm_header = "threads per slot|aborts|cancelled|escaped (done)|different tokens after|hangs|other outcomes|"
+    return (
+        f"{table(sweep_header + 'trimmed / best stock', sweep)}\n\n"
+        f"{table(storm_header + 'cancel→exit p50 / p99 (ms)', storms)}\n"
+    )
 
 
 def main(argv=None) -> int:
