@@ -358,6 +358,13 @@ class Report:
             f"(most: {worst['cpu']['other_cores']:.2f} cores, during {worst['scenario']} on {worst['target']})."
         )
 
+    def server_errors(self) -> str | None:
+        """Requests a server ended with an error: the scenarios discard them, so only this says so."""
+        if not (errors := self.results.get("server_errors")):
+            return None
+        counts = ", ".join(f"{target} {n}" for target, n in errors.items())
+        return f"**Requests the servers ended with an error** ({counts}): no figure here counts them."
+
     def http_api(self) -> str | None:
         if not any(s["scenario"] in HTTP_SCENARIOS for s in self.samples):
             return None

@@ -327,10 +327,11 @@ async def run(args) -> dict:
         bench.progress.close()
         await asyncio.gather(*(d.stop() for d in drivers))
     meta["load_average_end"] = load_average()
-    results = {"meta": meta, "samples": bench.samples, "runs": bench.runs, "lag": {}}
+    results = {"meta": meta, "samples": bench.samples, "runs": bench.runs, "lag": {}, "server_errors": {}}
     results |= {"native": native_results, "llama_native": llama_results}
     for driver in started:
-        attach_server_log(bench.samples, driver)
+        if errors := attach_server_log(bench.samples, driver):
+            results["server_errors"][driver.name] = results["server_errors"].get(driver.name, 0) + errors
         if lag := lag_of(driver):
             # The wide servers' probe samples join their engine's.
             if driver.name in results["lag"]:
@@ -388,8 +389,9 @@ async def cancel_via_replica(bench: Bench, args) -> dict:
     return {"replicas": 2, "redis": "redis-server on 127.0.0.1 (loopback)", "workers": args.workers}
 
 
-def attach_server_log(samples: list[dict], driver: Driver) -> None:
-    """Add what only the server's end-of-request log knows: prompt tokens evaluated, tokens wasted."""
+def attach_server_log(samples: list[dict], driver: Driver) -> int:
+    """Add what only the server's end-of-request log knows: prompt tokens evaluated, tokens wasted.
+    Returns how many requests the server ended with an error, which a scenario discards."""
     ends = driver.request_log()
     for sample in samples:
         end = ends.get(sample.get("id")) if sample["target"] == driver.name else None
@@ -406,6 +408,7 @@ def attach_server_log(samples: list[dict], driver: Driver) -> None:
         if sample.get("reason") == Reason.CLIENT_DISCONNECTED and sample.get("server_ms") is None:
             # A client that left: only the log says how the server stopped.
             sample.update(server_ms=end.get("cancel_latency_ms"), tokens_after_cancel=end.get("tokens_after_cancel"))
+    return sum(1 for end in ends.values() if end.get("event") == "generation_error")
 
 
 def lag_of(driver: Driver) -> dict | None:

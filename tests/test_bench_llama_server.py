@@ -303,6 +303,9 @@ def test_report_puts_llama_server_beside_ours_and_says_where_it_is_better():
     )
     assert "ours is better at: stop during a ~1,500-token prompt, client p50 ms (500×)" in headline
     assert "1 llama-server requests never noticed" in headline
+    assert "ended with an error" not in text
+    results["server_errors"] = {OURS: 3}
+    assert "**Requests the servers ended with an error** (ours 3)" in Report(results).markdown()
     # A section of a measurement the run did not make is left out.
     assert "### Stop latency (ms)" in text and "### Multi-turn chat" not in text
 
