@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from .engine.cores import LOOK_INTERVAL_S, MachineLoad
+from .engine.cores import LOOK_INTERVAL_S, MachineLoad, usable_cores
 from .engine.loop import Engine, Stream
 from .observability import log
 from .protocol.errors import Busy
@@ -93,6 +93,25 @@ class Scheduler:
         self._running: dict[Request, Stream] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._warn_if_threads_outnumber_cores()
+
+    def _warn_if_threads_outnumber_cores(self) -> None:
+        """A --threads that puts more compute threads than cores to work when every slot runs.
+        ggml's threads spin at every node's barrier while they wait for a partner the OS has
+        preempted: on 2 cores, 4 generations of 2 threads each decoded 20-100 times slower
+        than 4 of one thread."""
+        if self.threads is None:
+            return
+        evaluations = 1 if self.batching is Batching.SHARED else self.workers
+        cores = usable_cores()
+        if self.threads * evaluations > cores:
+            log.warning(
+                "threads_outnumber_cores",
+                threads=self.threads * evaluations,
+                cores=cores,
+                detail=f"--threads {self.threads} on each of {evaluations} evaluations at once; without "
+                "--threads the running generations share the cores",
+            )
 
     @property
     def workers(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 from fake_engine import FakeEngine
 
 from stopline.auth import Keyring
+from stopline.engine.cores import usable_cores
 from stopline.observability import Metrics
 from stopline.protocol.connection import AddressQuota
 from stopline.protocol.frames import Frame
@@ -128,6 +129,18 @@ async def test_the_scheduler_refuses_past_its_queue_and_stops_where_the_request_
     # The engine reports only the way out; no reason is invented for the stop.
     assert running.events[-1][:3] == ("finished", "run", "CANCELLED")
     await scheduler.shutdown()
+
+
+async def test_the_scheduler_warns_when_threads_per_slot_outnumber_the_cores(logs):
+    cores = usable_cores()
+    fits = Scheduler(FakeEngine(), workers=cores, max_queue=0, threads=1)
+    unset = Scheduler(FakeEngine(), workers=cores + 1, max_queue=0)
+    assert not logs.records("threads_outnumber_cores")
+    crowded = Scheduler(FakeEngine(), workers=2, max_queue=0, threads=cores)
+    [warning] = logs.records("threads_outnumber_cores")
+    assert (warning["threads"], warning["cores"]) == (2 * cores, cores)
+    for scheduler in (fits, unset, crowded):
+        await scheduler.shutdown()
 
 
 # --- the session -------------------------------------------------------------------
