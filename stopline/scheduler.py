@@ -98,8 +98,8 @@ class Scheduler:
     def _warn_if_threads_outnumber_cores(self) -> None:
         """A --threads that puts more compute threads than cores to work when every slot runs.
         ggml's threads spin at every node's barrier while they wait for a partner the OS has
-        preempted: on 2 cores, 4 generations of 2 threads each decoded 20-100 times slower
-        than 4 of one thread."""
+        preempted: on 2 cores, 4 Gemma 3 generations of 2 threads each decoded about 20 times
+        slower than with the cores shared (docs/engine.md, "Threads")."""
         if self.threads is None:
             return
         evaluations = 1 if self.batching is Batching.SHARED else self.workers
