@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import mimetypes
 import os
@@ -193,6 +194,12 @@ class StoplineServer:
                 detail="the model file has no chat template (a base model): a chat is completed as the plain "
                 "text of its messages; --chat-template chatml, or a template file, gives it one",
             )
+        # What was built to get here (the engine, the tokenizer, every module imported: about 87,000
+        # objects) lives as long as the server. Frozen, it is left out of Python's full collections,
+        # which run on whichever thread allocates when one falls due, holding the GIL: about 30 ms
+        # with it, which every stream and a stop read meanwhile waited for; 0.3 ms without it
+        # (docs/engine.md, "The stop a client sees").
+        gc.freeze()
         log.info(
             "server_started",
             url=self.url,
@@ -226,6 +233,7 @@ class StoplineServer:
         await self.http.close()
         for lane in self.tokenizer_lanes:
             await asyncio.get_running_loop().run_in_executor(None, lane.shutdown)
+        gc.unfreeze()
         log.info("server_stopped")
 
     def reload_keys(self) -> None:

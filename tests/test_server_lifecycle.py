@@ -182,6 +182,20 @@ async def test_clients_that_leave_at_once_leave_no_task_behind(engine):
     assert destroyed == []
 
 
+async def test_a_serving_server_keeps_its_startup_heap_out_of_full_collections(engine):
+    """Everything built before the server serves lives as long as it: it is frozen, so a full
+    collection, which runs on whichever thread allocates when it falls due, walks only what
+    came after. Shutdown hands it back to the collector."""
+    gc.collect()
+    built_before = len(gc.get_objects())
+    async with running_server(engine) as server, client_for(server) as client:
+        # gc.get_objects() leaves out the frozen objects.
+        assert gc.get_freeze_count() >= built_before and len(gc.get_objects()) < gc.get_freeze_count() / 10
+        await client.generate("r1", messages=CHAT_FRANCE, max_tokens=4)
+        assert (await client.terminal("r1"))["type"] == "done"
+    assert gc.get_freeze_count() == 0
+
+
 # A four-token raw prompt: its prefill is short, so a deadline lands in decode.
 STORY_START = "Once upon a time"
 
