@@ -598,10 +598,12 @@ class Report:
         nodes = (self.results.get("llama_native") or {}).get("nodes")
         if not nodes:
             return None
+        # Runs before the count was recorded said nothing of it.
+        threads = f", {nodes['threads']} compute threads" if "threads" in nodes else ""
         return (
             f"Longest stretch between two stop checks, in-process, {len(nodes['longest_decode_node_ms'])} "
             f"runs of a {nodes['prompt_tokens']}-token prompt in {nodes['prefill_chunk']}-token chunks then "
-            f"decode, 1 thread: decode {', '.join(fmt(v) for v in nodes['longest_decode_node_ms'])} ms; "
+            f"decode{threads}: decode {', '.join(fmt(v) for v in nodes['longest_decode_node_ms'])} ms; "
             f"prompt {', '.join(fmt(v) for v in nodes['longest_prefill_node_ms'])} ms "
             f"(prompt {fmt(nodes['prompt_tokens_per_s'])} tok/s in-process)."
         )

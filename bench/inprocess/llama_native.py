@@ -231,6 +231,7 @@ def longest_nodes(engine: Engine, prompt_tokens: int = NODE_PROMPT_TOKENS, reps:
     return {
         "prompt_tokens": len(prompt),
         "prefill_chunk": engine.prefill_chunk,
+        "threads": engine.threads,
         "longest_prefill_node_ms": prefill_ms,
         "longest_decode_node_ms": decode_ms,
         "prompt_tokens_per_s": statistics.median(rates),
