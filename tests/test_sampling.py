@@ -77,6 +77,36 @@ def test_a_frequency_penalty_changes_what_greedy_decoding_says(any_engine, slot)
     assert max(penalized.count(t) for t in penalized) < max(plain.count(t) for t in plain)
 
 
+# The repetition penalty looks this far back, the prompt's tokens included (_core.pyx's LAST_N_TOKENS).
+PENALTY_WINDOW = 64
+
+
+def penalized(logits: np.ndarray, context: list[int], window: int) -> np.ndarray:
+    """llama.cpp's repetition penalty (2.0) over the context's last ``window`` tokens."""
+    out = logits.copy()
+    for token in set(context[-window:]):
+        out[token] = out[token] * 2.0 if out[token] <= 0 else out[token] / 2.0
+    return out
+
+
+def test_the_repetition_penalty_is_llama_cpps_over_the_last_64_tokens(any_engine, slot):
+    # " Paris" comes more than 64 tokens before the question it answers: outside the window.
+    text = "I was born in Paris. " + "One, two, three, four, five, six, seven, eight, nine, ten. " * 4
+    prompt = any_engine.encode(prompt=text + "The capital of France is")
+    tokens, _, _ = greedy_run(slot, prompt, 6, repetition_penalty=2.0)
+    changed = window_mattered = 0
+    for step, token in enumerate(tokens):
+        slot.forget()
+        context = prompt + tokens[:step]
+        _, _, raw = greedy_run(slot, context, 1, repetition_penalty=1.0)
+        expected = int(np.argmax(penalized(raw, context, PENALTY_WINDOW)))
+        assert token == expected, f"step {step}"
+        changed += expected != int(np.argmax(raw))
+        window_mattered += expected != int(np.argmax(penalized(raw, context, 2 * PENALTY_WINDOW)))
+    # Otherwise the prompt would not test the penalty, or its window.
+    assert changed and window_mattered
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     top = logits.max()
     return logits - (top + np.log(np.exp(logits - top).sum()))
