@@ -29,6 +29,7 @@ from .scenarios import (
     VIA_OTHER,
     VIA_OWNER,
 )
+from .tables import fmt, stat, table
 
 BENCH_DIR = Path(__file__).resolve().parent
 OURS, BASELINE, LLAMA, BETWEEN_STEPS = "ours", "baseline", "llama-server", "ours_between_steps"
@@ -80,20 +81,6 @@ STOPS = (
 SPREAD = ("p50", "p90", "p99", "max")
 
 
-def summary(values) -> dict | None:
-    v = np.array([x for x in values if x is not None], dtype=float)
-    if not len(v):
-        return None
-    percentiles = {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
-    return {"n": int(len(v)), **percentiles, "max": float(v.max()), "mean": float(v.mean())}
-
-
-def stat(values, *keys: str) -> list[float | None]:
-    """Those figures of ``values``' summary (None where there are no values)."""
-    s = summary(values)
-    return [None if s is None else s[k] for k in keys]
-
-
 def figures(samples, *columns: tuple[str, ...]) -> list[float | None]:
     """For each column group (key, statistic, ...): those statistics of the samples' ``key``."""
     return [v for key, *keys in columns for v in stat((s.get(key) for s in samples), *keys)]
@@ -102,13 +89,6 @@ def figures(samples, *columns: tuple[str, ...]) -> list[float | None]:
 def tokens_after_cancel(samples) -> list[int]:
     """The server's tokens after the cancel, of the samples that report it."""
     return [s["tokens_after_cancel"] for s in samples if s.get("tokens_after_cancel") is not None]
-
-
-def fmt(x: float | None) -> str:
-    if x is None:
-        return "–"
-    a = abs(x)
-    return f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 1 else f"{x:.3f}"
 
 
 def show(value) -> str:
@@ -121,16 +101,6 @@ def fmt_ratio(base: float | None, ours: float | None) -> str:
         return "–"
     r = base / ours
     return f"**{r:.0f}×**" if r >= 100 else f"**{r:.1f}×**" if r >= 10 else f"**{r:.2f}×**"
-
-
-def table(header: str, rows: list[list[str]]) -> str | None:
-    """A Markdown table; ``header``'s columns are separated by ``|``. None without rows: the report
-    leaves out the section of a measurement the run did not make."""
-    if not rows:
-        return None
-    columns = header.split("|")
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 class Report:

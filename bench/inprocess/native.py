@@ -18,6 +18,8 @@ from stopline.engine.loop import Engine, SamplingArgs, sampling_args
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import Outcome
 
+from ..tables import fmt, stat, table
+
 CHUNKS = (16, 32, 64, 128, 256, 512)
 SWEEP_PROMPT_TOKENS = 512
 STORM_TOKENS = 4
@@ -145,8 +147,6 @@ def run(cycles: int = 500) -> dict:
 
 
 def markdown(results: dict) -> str:
-    from ..report import fmt, stat, table
-
     stock_best = max(r["prompt_tokens_per_s"] for r in results["sweep"] if r["mode"] == "stock")
     by = {(r["chunk"], r["mode"]): r for r in results["sweep"]}
     sweep = []
