@@ -973,6 +973,10 @@ def test_invalid_arguments(engine, slot):
     for name in ("max_tokens", "prefill_chunk", "threads", "window"):
         with pytest.raises(ValueError, match="positive"):
             Generation(slot, [1, 2], **{**sampling_args(SamplingParams()), name: 0})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        make_generation(slot, [1, 2], logit_bias=((1, 2.0), (engine.vocab_size, 1.0)))
+    with pytest.raises(ValueError, match="min_p"):
+        make_generation(slot, [1, 2], min_p=1.5)
     # Sampling arguments have one source, SamplingParams: the loop has no defaults of its own.
     with pytest.raises(TypeError):
         Generation(slot, [1, 2])

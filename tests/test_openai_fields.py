@@ -106,6 +106,32 @@ async def test_honoured_fields_take_effect(server, http, logs):
     assert end["user"] == "bob" and end["user_id"] is None
 
 
+async def test_the_samplers_extra_fields_take_effect_through_the_openai_client(server):
+    async with openai.AsyncOpenAI(
+        base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT
+    ) as client:
+
+        async def ask(max_tokens: int, **extra):
+            return await client.chat.completions.create(
+                model=server.engine.name, messages=CHAT_FRANCE, max_tokens=max_tokens, temperature=0, **extra
+            )
+
+        # The answer ("Paris") ends long before 40 tokens, unless the end of generation is never drawn.
+        plain = await ask(40)
+        assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 40
+        endless = await ask(40, extra_body={"ignore_eos": True})
+        assert endless.choices[0].finish_reason == "length" and endless.usage.completion_tokens == 40
+        [banana] = server.engine.encode(prompt=" banana")[-1:]
+        biased = await ask(3, logit_bias={str(banana): 100})
+        assert biased.choices[0].message.content.count("banana") == 3
+        # min_p 1 keeps only the likeliest token: at any temperature, the greedy answer.
+        kept = await ask(8, extra_body={"min_p": 1.0, "temperature": 5.0, "seed": 1})
+        greedy = await ask(8)
+        wild = await ask(8, extra_body={"temperature": 5.0, "seed": 1})
+        assert kept.choices[0].message.content == greedy.choices[0].message.content
+        assert wild.choices[0].message.content != greedy.choices[0].message.content
+
+
 async def test_structured_output_names_the_engine_that_has_it(server):
     if server.limits.grammars:
         pytest.skip("this engine constrains output to a grammar")

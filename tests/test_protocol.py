@@ -301,6 +301,7 @@ def test_lone_surrogates_are_refused_and_never_echoed(raw):
         "repetition_penalty",
         "frequency_penalty",
         "presence_penalty",
+        "min_p",
         "seed",
         "timeout_s",
         "ttft_timeout_s",
@@ -313,6 +314,48 @@ def test_numbers_of_any_magnitude_are_range_checked(field, number):
     [answer] = conn.receive_text(raw, 0)
     assert answer.frame.json()["code"] == ErrorCode.INVALID_FIELD and answer.frame.json()["id"] == "n"
     assert len(answer.frame.json()["message"]) < 200
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logit_bias": [[1, 5]]},
+        {"logit_bias": {"x": 5}},
+        {"logit_bias": {"-1": 5}},
+        {"logit_bias": {"1.0": 5}},
+        {"logit_bias": {"١": 5}},
+        {"logit_bias": {"100": 5}},
+        {"logit_bias": {"99999999999999999999": 5}},
+        {"logit_bias": {"1": 101}},
+        {"logit_bias": {"1": "5"}},
+        {"logit_bias": {"1": True}},
+        {"logit_bias": {str(i): 1 for i in range(301)}},
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+        {"ignore_eos": 1},
+        {"ignore_eos": True, "json_object": True},
+    ],
+)
+def test_bad_sampling_fields_are_refused_by_name(fields):
+    limits = Limits(context_length=16, vocab_size=100, grammars=True)
+    with pytest.raises(InvalidField) as refused:
+        generate_frame({"id": "s", "prompt": "a", **fields}, limits)
+    name = next(iter(fields))
+    assert name in str(refused.value) and refused.value.request_id == "s"
+
+
+def test_sampling_fields_become_the_samplers_parameters():
+    limits = Limits(context_length=16, vocab_size=400)
+    params = generate_frame(
+        {"prompt": "a", "logit_bias": {"7": -100, "3": 2.5}, "min_p": 0.1, "ignore_eos": True}, limits
+    ).params
+    assert params.logit_bias == ((7, -100.0), (3, 2.5))
+    assert params.min_p == 0.1 and params.ignore_eos is True
+    params = generate_frame({"prompt": "a", "logit_bias": None, "ignore_eos": None}, limits).params
+    assert params.logit_bias == DEFAULT_SAMPLING.logit_bias == () and params.ignore_eos is False
+    # Every id of the vocabulary may be biased, the most a request may name included.
+    many = {str(i): 1 for i in range(300)}
+    assert len(generate_frame({"prompt": "a", "logit_bias": many}, limits).params.logit_bias) == 300
 
 
 def test_prompt_past_the_byte_bound_is_refused_without_tokenizing():

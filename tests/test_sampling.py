@@ -140,3 +140,63 @@ def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(any_engine, slot):
     generation.run()
     assert all(top == [] and value <= 0 for value, top in generation.logprobs(0, len(generation.token_ids())))
     assert make_generation(slot, prompt, max_tokens=2).logprobs(0, 0) is None
+
+
+def test_a_logit_bias_is_added_to_its_tokens_logits(any_engine, slot):
+    prompt = any_engine.encode(prompt=COUNTING)
+    _, _, raw = greedy_run(slot, prompt, 1, repetition_penalty=1.0)
+    likeliest, runner_up = (int(t) for t in np.argsort(raw)[::-1][:2])
+    bias = ((likeliest, -3.5), (runner_up, 2.0), (0, 7.0))
+    slot.forget()
+    [token], _, biased = greedy_run(slot, prompt, 1, repetition_penalty=1.0, logit_bias=bias)
+    expected = raw.copy()
+    for t, amount in bias:
+        expected[t] += amount
+    assert np.max(np.abs(biased - expected)) < 1e-4
+    assert token == int(np.argmax(expected))
+    # A large bias makes a token the only one greedy decoding draws.
+    slot.forget()
+    tokens, result, _ = greedy_run(slot, prompt, 5, repetition_penalty=1.0, logit_bias=((runner_up, 100.0),))
+    assert tokens == [runner_up] * 5 and result.exit == ExitKind.MAX_TOKENS
+
+
+def test_ignore_eos_never_draws_an_end_of_generation_token(any_engine, slot):
+    ends = slot.end_tokens()
+    assert 0 < len(ends) < 100
+    prompt = any_engine.encode(prompt=COUNTING)
+    # Biased to be certain, the end comes at once...
+    forced = tuple((t, 100.0) for t in ends)
+    tokens, result, _ = greedy_run(slot, prompt, 6, logit_bias=forced)
+    assert tokens == [] and result.exit == ExitKind.EOS
+    # ...unless the request ignores it: then the answer runs to max_tokens, at temperature 0 and above.
+    for temperature in (0, 1.0):
+        slot.forget()
+        generation = make_generation(
+            slot, prompt, max_tokens=6, temperature=temperature, prefill_chunk=1, logit_bias=forced, ignore_eos=True
+        )
+        result = generation.run()
+        assert result.exit == ExitKind.MAX_TOKENS and len(generation.token_ids()) == 6
+        assert not set(generation.token_ids()) & set(ends)
+        assert np.all(np.isneginf(logits_of(slot)[list(ends)]))
+
+
+@pytest.mark.parametrize("kept", [2, 12])
+def test_min_p_drops_the_tokens_under_its_share_of_the_likeliest(any_engine, slot, kept):
+    prompt = any_engine.encode(prompt="Once upon a time, there was a")
+    _, _, raw = greedy_run(slot, prompt, 1, repetition_penalty=1.0)
+    # Each token's probability as a share of the likeliest one's; min_p halfway between
+    # the shares of the last token to keep and the first to drop.
+    share = np.exp(raw - raw.max())
+    ranked = np.sort(share)[::-1]
+    min_p = float(np.sqrt(ranked[kept - 1] * ranked[kept]))
+    slot.forget()
+    generation = make_generation(
+        slot, prompt, max_tokens=1, temperature=1.0, top_k=0, top_p=1.0, min_p=min_p, prefill_chunk=1
+    )
+    generation.run()
+    after = logits_of(slot)
+    dropped = share < min_p
+    assert (~dropped).sum() == kept
+    assert np.all(np.isneginf(after[dropped]))
+    assert np.max(np.abs(after[~dropped] - raw[~dropped])) < 1e-4
+    assert generation.token_ids()[0] in np.flatnonzero(~dropped)

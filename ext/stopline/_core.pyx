@@ -45,7 +45,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc cimport errno
 from libc.stdint cimport int32_t, int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.math cimport exp, log
+from libc.math cimport INFINITY, exp, log
 from libc.string cimport memcpy, memset, strlen
 from posix cimport dlfcn, fcntl, unistd
 
@@ -64,11 +64,9 @@ import os
 import time
 
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
-from stopline.protocol.requests import DEFAULT_WINDOW
+from stopline.protocol.requests import DEFAULT_WINDOW, MAX_TOP_LOGPROBS
 
 cdef enum:
-    # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
-    MAX_TOP_LOGPROBS = 20
     # How many recent tokens the repetition penalty looks at (ctransformers' default).
     LAST_N_TOKENS = 64
     # While paused for a slow reader, re-check the flag and deadlines this often.
@@ -216,6 +214,8 @@ cdef class Slot:
     cdef int *held
     cdef readonly int n_held
     cdef int held_chunk
+    # The ids that end a generation, found once (end_tokens).
+    cdef tuple end_ids
 
     cdef int allocate_record(self) except -1:
         self.held = <int *>malloc(self.context_length * sizeof(int))
@@ -247,6 +247,16 @@ cdef class Slot:
     def forget(self):
         """Drop what the KV cache holds: the next generation evaluates its whole prompt."""
         self.n_held = 0
+
+    def end_tokens(self):
+        """The vocabulary's ids that end a generation (its end-of-generation tokens)."""
+        self._check_open()
+        if self.end_ids is None:
+            self.end_ids = tuple(i for i in range(self.vocab_size) if self.ends(i))
+        return self.end_ids
+
+    cdef bint ends(self, int token) noexcept:
+        return False
 
     def last_logits(self):
         """A copy of the logits the last token was sampled from (as float32 bytes, one per
@@ -331,6 +341,9 @@ cdef class CtransformersSlot(Slot):
                 longest = size
         self.max_token_bytes = longest
         self.allocate_record()
+
+    cdef bint ends(self, int token) noexcept:
+        return API.llm_is_eos_token(self.llm, token)
 
     cdef int prepare(self, LoopState *s, bint step_abort, bint trim_output, bytes grammar) except -1:
         if grammar is not None:
@@ -577,6 +590,14 @@ cdef struct LoopState:
     int *counts            # occurrences of each token id among the generated tokens
     int *seen              # the distinct ids generated, in order of first appearance
     int n_seen
+    # OpenAI's logit_bias: bias_values[i] is added to token bias_ids[i]'s logit at every draw.
+    # ignore_eos appends the end-of-generation tokens at minus infinity.
+    int n_bias
+    int *bias_ids
+    float *bias_values
+    # llama.cpp's min_p (0: off): a token whose probability is under min_p times the
+    # likeliest one's is dropped before temperature, top-k and top-p.
+    float min_p
     int vocab_size
     # Log probabilities (n_top < 0: off): the log-softmax of the model's logits at each
     # draw, before penalties, temperature, truncation and grammar. For generated token
@@ -723,6 +744,9 @@ cdef class LlamaSequence(Slot):
     @property
     def model(self):
         return self.owner.model
+
+    cdef bint ends(self, int token) noexcept:
+        return LLAMA.is_end(self.owner.model.model, token)
 
     cdef int prepare(self, LoopState *s, bint step_abort, bint trim_output, bytes grammar) except -1:
         cdef ll.sll_sampling sampling
@@ -905,6 +929,36 @@ cdef inline void count_token(LoopState *s, int token) noexcept nogil:
     s.counts[token] += 1
 
 
+cdef inline void apply_bias(LoopState *s) noexcept nogil:
+    cdef int i
+    cdef float *logits = s.ops.logits(s)
+    if logits is NULL:
+        return
+    for i in range(s.n_bias):
+        logits[s.bias_ids[i]] += s.bias_values[i]
+
+
+cdef bint apply_min_p(LoopState *s) noexcept nogil:
+    """Drop, in place, every logit under the best one's plus log(min_p): on the raw logits,
+    that is a probability under min_p times the likeliest token's. The stop is checked
+    every SAMPLE_BLOCK ids (False: it said stop)."""
+    cdef int i, n = s.vocab_size
+    cdef float *logits = s.ops.logits(s)
+    cdef float floor = -INFINITY
+    if logits is NULL:
+        return True
+    for i in range(n):
+        if logits[i] > floor:
+            floor = logits[i]
+    floor += log(s.min_p)
+    for i in range(n):
+        if logits[i] < floor:
+            logits[i] = -INFINITY
+        if i % SAMPLE_BLOCK == 0 and sl.sl_check(&s.watch) != sl.SL_RUN:
+            return False
+    return True
+
+
 cdef bint record_distribution(LoopState *s) noexcept nogil:
     """Keep the draw's raw logits, their log-sum-exp and the n_top best ids, for the token
     about to be generated (index n_generated). O(vocabulary x n_top) at worst, O(vocabulary)
@@ -952,6 +1006,11 @@ cdef inline int sample_next(LoopState *s, int step) noexcept nogil:
         return SAMPLE_STOPPED
     if s.counts is not NULL:
         apply_penalties(s)
+    if s.n_bias:
+        apply_bias(s)
+    # Greedy keeps the likeliest token, which min_p never drops.
+    if s.min_p > 0 and s.temperature > 0 and not apply_min_p(s):
+        return SAMPLE_STOPPED
     return s.ops.sample(s, step)
 
 
@@ -1220,8 +1279,8 @@ cdef class Generation:
 
     def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
                   int top_k, double top_p, double repetition_penalty, double frequency_penalty,
-                  double presence_penalty, int seed, grammar, int logprobs,
-                  stop=(), int prefill_chunk=1, int threads=1, int window=DEFAULT_WINDOW,
+                  double presence_penalty, double min_p, logit_bias, bint ignore_eos, int seed,
+                  grammar, int logprobs, stop=(), int prefill_chunk=1, int threads=1, int window=DEFAULT_WINDOW,
                   int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
@@ -1233,6 +1292,8 @@ cdef class Generation:
             raise ContextOverflowError(
                 f"the prompt has {n_prompt} tokens; the context holds {context.context_length} "
                 "and needs room for at least one generated token")
+        if not 0 <= min_p <= 1:
+            raise ValueError("min_p is 0 (off) to 1")
         if max_tokens < 1 or prefill_chunk < 1 or threads < 1 or window < 1:
             raise ValueError("max_tokens, prefill_chunk, threads and window must be positive")
         if prefill_chunk > context.max_batch:
@@ -1250,6 +1311,7 @@ cdef class Generation:
         self.s.repetition_penalty = repetition_penalty
         self.s.frequency_penalty = frequency_penalty
         self.s.presence_penalty = presence_penalty
+        self.s.min_p = min_p
         self.s.vocab_size = context.vocab_size
         self.s.seed = seed
         self.s.prefill_chunk = prefill_chunk
@@ -1282,6 +1344,19 @@ cdef class Generation:
             self.s.seen = <int *>malloc(max_tokens * sizeof(int))
             if not (self.s.counts and self.s.seen):
                 raise c_failure(MemoryError, "cannot allocate the penalty counts")
+        bias = list(logit_bias)
+        if ignore_eos:
+            bias += [(token, -INFINITY) for token in context.end_tokens()]
+        self.s.bias_ids = <int *>malloc((len(bias) + 1) * sizeof(int))
+        self.s.bias_values = <float *>malloc((len(bias) + 1) * sizeof(float))
+        if not (self.s.bias_ids and self.s.bias_values):
+            raise c_failure(MemoryError, "cannot allocate the logit bias")
+        for token, value in bias:
+            if not 0 <= token < context.vocab_size:
+                raise ValueError(f"logit_bias names token {token}, outside the vocabulary")
+            self.s.bias_ids[self.s.n_bias] = token
+            self.s.bias_values[self.s.n_bias] = value
+            self.s.n_bias += 1
         for i in range(n_prompt):
             token = prompt_tokens[i]
             if not 0 <= token < context.vocab_size:
@@ -1302,6 +1377,8 @@ cdef class Generation:
         free(self.s.tokens)
         free(self.s.counts)
         free(self.s.seen)
+        free(self.s.bias_ids)
+        free(self.s.bias_values)
         free(self.s.scratch)
         free(self.s.chosen_logprob)
         free(self.s.top_ids)

@@ -73,6 +73,9 @@ class SamplingArgs(TypedDict):
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
+    min_p: float
+    logit_bias: tuple[tuple[int, float], ...]
+    ignore_eos: bool
     seed: int
     grammar: str | None
     logprobs: int
@@ -89,6 +92,9 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
         repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
+        min_p=params.min_p,
+        logit_bias=params.logit_bias,
+        ignore_eos=params.ignore_eos,
         grammar=params.grammar,
         logprobs=-1 if params.logprobs is None else params.logprobs,
         seed=params.seed if params.seed is not None else random.randrange(2**31),

@@ -80,7 +80,7 @@ FIELDS: tuple[Field, ...] = (
     Field("suffix", COMPLETIONS, Treatment.REFUSED, example="!"),
     Field("frequency_penalty", BOTH, Treatment.HONOURED, frame_name="frequency_penalty", example=0.5),
     Field("presence_penalty", BOTH, Treatment.HONOURED, frame_name="presence_penalty", example=0.5),
-    Field("logit_bias", BOTH, Treatment.DEFAULT_ONLY, neutral=({},), example={"50256": -100}),
+    Field("logit_bias", BOTH, Treatment.HONOURED, frame_name="logit_bias", example={"0": -100}),
     Field("logprobs", CHAT, Treatment.HONOURED, example=True),
     Field("logprobs", COMPLETIONS, Treatment.HONOURED, frame_name="logprobs", example=2),
     Field("top_logprobs", CHAT, Treatment.HONOURED, example=2),
@@ -104,6 +104,9 @@ FIELDS: tuple[Field, ...] = (
     # Stopline's own (docs/protocol.md#generate).
     Field("top_k", BOTH, Treatment.HONOURED, frame_name="top_k", example=5),
     Field("repetition_penalty", BOTH, Treatment.HONOURED, frame_name="repetition_penalty", example=1.2),
+    # llama-server's and vLLM's.
+    Field("min_p", BOTH, Treatment.HONOURED, frame_name="min_p", example=0.05),
+    Field("ignore_eos", BOTH, Treatment.HONOURED, frame_name="ignore_eos", example=True),
     Field("timeout_s", BOTH, Treatment.HONOURED, frame_name="timeout_s", example=60),
     Field("ttft_timeout_s", BOTH, Treatment.HONOURED, frame_name="ttft_timeout_s", example=60),
 )
@@ -292,7 +295,7 @@ def _chat_logprobs(logprobs: object, top: object) -> dict:
         if top not in (None, 0):
             raise InvalidField("top_logprobs needs logprobs: true", param="top_logprobs")
         return {}
-    # The protocol checks the count (0 to 20).
+    # The protocol checks the count (0 to MAX_TOP_LOGPROBS).
     return {"logprobs": 0 if top is None else top}
 
 

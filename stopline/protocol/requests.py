@@ -13,6 +13,10 @@ from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+# The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+# The most tokens one logit_bias names: each adds work to every draw.
+MAX_LOGIT_BIAS = 300
 # How far (in tokens) a generation may run ahead of what its client has been sent: the loop
 # waits there, so a client that stops reading stops the computing too (--window).
 DEFAULT_WINDOW = 64
@@ -43,10 +47,19 @@ class SamplingParams:
     # OpenAI's: subtracted from a token's logit per time it was generated, and once if it was.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # llama.cpp's min_p (0 to 1): a token less likely than min_p times the likeliest one is
+    # never drawn. Off, as in vLLM; llama-server's default is 0.05.
+    min_p: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs, each bias added to its token's logit
+    # before every draw (-100 to 100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Draw until max_tokens: the end-of-generation tokens are never drawn (llama-server's
+    # and vLLM's ignore_eos), as a benchmark asks for answers of one length.
+    ignore_eos: bool = False
     seed: int | None = None
     # A GBNF grammar every generated token must follow (json_grammar writes them); llama.cpp only.
     grammar: str | None = None
-    # Log probabilities with each token, and how many alternatives (0 to 20); None: none.
+    # Log probabilities with each token, and how many alternatives (0 to MAX_TOP_LOGPROBS); None: none.
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
     # Seconds from the start time given to Engine.start (the server passes the

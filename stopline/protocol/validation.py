@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong, UnknownType
 from .frames import CancelFrame, GenerateFrame, Incoming
 from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
-from .requests import DEFAULT_SAMPLING, MAX_SECONDS, MAX_USER_CHARS, Limits, SamplingParams
+from .requests import (
+    DEFAULT_SAMPLING,
+    MAX_LOGIT_BIAS,
+    MAX_SECONDS,
+    MAX_TOP_LOGPROBS,
+    MAX_USER_CHARS,
+    Limits,
+    SamplingParams,
+)
 from .tool_calls import ToolChoice, calls_grammar, is_tool
 
 
@@ -159,6 +167,53 @@ def _tools_grammar(frame: dict, request_id: str | None) -> str:
     return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
 
 
+def _sampling_numbers(limits: Limits) -> tuple[tuple[str, float, float, bool, bool], ...]:
+    """The generate frame's numeric sampling fields: (name, lowest, highest, integer, lowest excluded)."""
+    return (
+        ("max_tokens", 1, limits.context_length, True, False),
+        ("temperature", 0, 5, False, False),
+        ("top_k", 0, limits.vocab_size, True, False),
+        ("top_p", 0, 1, False, True),
+        ("min_p", 0, 1, False, False),
+        ("repetition_penalty", 0.5, 2, False, False),
+        ("frequency_penalty", -2, 2, False, False),
+        ("presence_penalty", -2, 2, False, False),
+        ("seed", 0, 2**31 - 1, True, False),
+        ("logprobs", 0, MAX_TOP_LOGPROBS, True, False),
+    )
+
+
+def _deadline(frame: dict, name: str, default: float, cap: float, request_id: str | None) -> float:
+    """A request's deadline in seconds: its own, at most ``cap``, or the server's ``default``."""
+    value = _number_field(frame, name, default, 0, MAX_SECONDS, integer=False, low_open=True, request_id=request_id)
+    return min(cap, float(value))
+
+
+def _logit_bias(frame: dict, limits: Limits, request_id: str | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (strings, as JSON's keys are) to biases."""
+    value = frame.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidField(
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids, each to a number from -100 to 100",
+            request_id,
+        )
+    bias = []
+    for key, amount in value.items():
+        key = str(key)
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidField(
+                f"logit_bias: {_shown(key)} is not a token id of the model (0 to {limits.vocab_size - 1})", request_id
+            )
+        name = f"logit_bias[{token}]"
+        bias.append(
+            (token, float(_number_field({name: amount}, name, 0, -100, 100, integer=False, request_id=request_id)))
+        )
+    return tuple(bias)
+
+
 def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
     """A generate frame's fields, checked (its ``type``, if any, is not read)."""
     client_id = frame.get("id")
@@ -212,61 +267,35 @@ def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
         )
 
     grammar = _grammar(frame, limits, request_id)
-    d = DEFAULT_SAMPLING
+    ignore_eos = frame.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidField("ignore_eos must be true or false", request_id)
+    if ignore_eos and grammar is not None:
+        # A grammar's answer ends with the end-of-generation token that ignore_eos forbids.
+        raise InvalidField("ignore_eos cannot be combined with json_schema, json_object or tools", request_id)
+    numbers: dict[str, Any] = {}
+    for name, low, high, integer, low_open in _sampling_numbers(limits):
+        value = _number_field(
+            frame,
+            name,
+            getattr(DEFAULT_SAMPLING, name),
+            low,
+            high,
+            integer=integer,
+            low_open=low_open,
+            request_id=request_id,
+        )
+        numbers[name] = value if integer or value is None else float(value)
     params = SamplingParams(
-        max_tokens=_number_field(
-            frame, "max_tokens", d.max_tokens, 1, limits.context_length, integer=True, request_id=request_id
-        ),
-        temperature=float(
-            _number_field(frame, "temperature", d.temperature, 0, 5, integer=False, request_id=request_id)
-        ),
-        top_k=_number_field(frame, "top_k", d.top_k, 0, limits.vocab_size, integer=True, request_id=request_id),
-        top_p=float(_number_field(frame, "top_p", d.top_p, 0, 1, integer=False, low_open=True, request_id=request_id)),
-        repetition_penalty=float(
-            _number_field(
-                frame, "repetition_penalty", d.repetition_penalty, 0.5, 2, integer=False, request_id=request_id
-            )
-        ),
-        frequency_penalty=float(
-            _number_field(frame, "frequency_penalty", d.frequency_penalty, -2, 2, integer=False, request_id=request_id)
-        ),
-        presence_penalty=float(
-            _number_field(frame, "presence_penalty", d.presence_penalty, -2, 2, integer=False, request_id=request_id)
-        ),
-        seed=_number_field(frame, "seed", d.seed, 0, 2**31 - 1, integer=True, request_id=request_id),
+        **numbers,
         stop=tuple(stop),
         grammar=grammar,
-        logprobs=_number_field(frame, "logprobs", d.logprobs, 0, 20, integer=True, request_id=request_id),
+        logit_bias=_logit_bias(frame, limits, request_id),
+        ignore_eos=bool(ignore_eos),
         # Requests may shorten the server's deadlines; longer ones are capped at its maximum.
-        timeout_s=min(
-            limits.max_timeout_s,
-            float(
-                _number_field(
-                    frame,
-                    "timeout_s",
-                    limits.default_timeout_s,
-                    0,
-                    MAX_SECONDS,
-                    integer=False,
-                    low_open=True,
-                    request_id=request_id,
-                )
-            ),
-        ),
-        ttft_timeout_s=min(
-            limits.max_ttft_timeout_s,
-            float(
-                _number_field(
-                    frame,
-                    "ttft_timeout_s",
-                    limits.default_ttft_timeout_s,
-                    0,
-                    MAX_SECONDS,
-                    integer=False,
-                    low_open=True,
-                    request_id=request_id,
-                )
-            ),
+        timeout_s=_deadline(frame, "timeout_s", limits.default_timeout_s, limits.max_timeout_s, request_id),
+        ttft_timeout_s=_deadline(
+            frame, "ttft_timeout_s", limits.default_ttft_timeout_s, limits.max_ttft_timeout_s, request_id
         ),
     )
     user = frame.get("user")
