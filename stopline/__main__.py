@@ -2,7 +2,8 @@
 
 python -m stopline cache list|prune: the converted copies of models given with --model.
 python -m stopline models [rm NAME]: the GGUF models in the Hugging Face hub's cache (--model hf:...).
-python -m stopline keys add|list|revoke|path: the API keys file."""
+python -m stopline keys add|list|revoke|path: the API keys file.
+python -m stopline --help-markdown: every flag as the Markdown table of docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .engine.tokenizer import TokenizerError, load_chat_template
 from .observability import configure_logging, log
 from .protocol.errors import StoplineError, UsageError
 from .protocol.origin import WILDCARD_HOSTS
-from .settings import FLAGS, Settings, add_flags, converted_keep, integer
+from .settings import FLAGS, Settings, add_flags, converted_keep, flags_table, integer
 
 if TYPE_CHECKING:
     from .app import StoplineServer
@@ -48,6 +49,18 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+class _PrintAndExit(argparse.Action):
+    """Like --version: print ``text`` and exit, before the ports are taken or a model loads."""
+
+    def __init__(self, option_strings, dest, text: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+        self.text = text
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> NoReturn:
+        sys.stdout.write(self.text)
+        parser.exit(0)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(
         prog="python -m stopline",
@@ -61,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     repeated_defaults = add_flags(p)
     p.add_argument("--version", action="version", version=f"stopline {__version__}")
+    p.add_argument(
+        "--help-markdown",
+        action=_PrintAndExit,
+        text=flags_table(),
+        help="print every flag as a Markdown table (docs/configuration.md holds it) and exit",
+    )
     args = p.parse_args(argv)
     for setting, default in repeated_defaults.items():
         given = getattr(args, setting)

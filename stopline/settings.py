@@ -304,6 +304,9 @@ class Flag:
     secret: bool = False
     # Given once per value on the command line; its environment variable holds a comma-separated list.
     repeatable: bool = False
+    # The default in words, shown by --help and the flag table where the field's value (often None,
+    # for a default worked out later) would not say what it is.
+    default_text: str = ""
 
     @property
     def default(self) -> Any:
@@ -329,25 +332,52 @@ _LIMITS_FIELDS = {f.name: f for f in fields(Limits)}
 
 
 # Every flag also reads STOPLINE_<FLAG>; --api-key (repeatable) is the command line's own.
+# The help texts are also the flag table of docs/configuration.md (flags_table), so they
+# say what a reader of either needs: what the value does, and what happens beyond a limit.
 FLAGS = [
-    Flag("--host", "host", host, "address to listen on; 0.0.0.0 listens on every interface"),
+    Flag(
+        "--host",
+        "host",
+        host,
+        "address to listen on (/ws, the page, /healthz, /metrics); every interface only when given "
+        "explicitly as 0.0.0.0 or ::, which also answers to the machine's own host names and addresses "
+        "and advertises http://<hostname>:PORT/ (or, when that name does not resolve to this machine, "
+        "the address of the interface its outbound route leaves by)",
+    ),
     Flag("--port", "port", PORT, "port to listen on (0: any free port)"),
-    Flag("--http-port", "http_port", PORT, "port of the HTTP API under /v1 (default: --port + 1; 0: any free port)"),
+    Flag(
+        "--http-port",
+        "http_port",
+        PORT,
+        "port of the HTTP API under /v1: Server-Sent Events, DELETE by request id, the OpenAI API "
+        "(docs/http.md); 0: any free port",
+        default_text="--port + 1",
+    ),
     Flag(
         "--model",
         "model",
         str,
         "model file, or a GGUF on the Hugging Face hub: hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf, "
-        "downloaded into the hub's cache (default: the embedded SmolLM2-135M-Instruct); see below for what works",
+        "downloaded into the hub's cache; checked before it loads (what works: the end of --help, "
+        "docs/models.md)",
+        default_text="the embedded SmolLM2-135M-Instruct",
     ),
-    Flag("--model-type", "model_type", str, "ctransformers model type of a GGML file (default: llama)"),
+    Flag(
+        "--model-type",
+        "model_type",
+        str,
+        f"the ctransformers model type of a GGML file (--engine {EngineName.CTRANSFORMERS} only)",
+        default_text="llama",
+    ),
     Flag(
         "--served-model-name",
         "served_model_names",
         model_name,
-        "a name the model is served under, listed by /v1/models and reported in answers; repeatable, the "
-        "first is the one reported unasked (default: the model's name)",
+        "a name the model is served under, listed by /v1/models and reported in answers; repeatable "
+        "(STOPLINE_SERVED_MODEL_NAME=a,b), the first is the one reported unasked (docs/http.md, "
+        '"Model names")',
         repeatable=True,
+        default_text="the model's name",
     ),
     Flag(
         "--model-names",
@@ -360,15 +390,19 @@ FLAGS = [
         "--chat-template",
         "chat_template",
         str,
-        f"a Jinja chat template file, or one of {', '.join(BuiltinTemplate)} (default: the model file's own; "
-        "a file without one, a base model, has a chat completed as the plain text of its messages)",
+        f"a Jinja chat template file, or one of {', '.join(BuiltinTemplate)}; a model file without a "
+        "template of its own (a base model) has a chat completed as the plain text of its messages, "
+        'and says so at startup (why: docs/http.md, "A model without a chat template")',
+        default_text="the model file's own, else plain text",
     ),
     Flag(
         "--engine",
         "engine",
         one_of(EngineName),
-        "ctransformers: the 2023 engine the embedded model was made for; llama.cpp: today's llama.cpp, "
-        "for any GGUF it knows (built once on first use; python -m stopline.engine.llama_build builds it ahead)",
+        "llama.cpp: today's llama.cpp, for any GGUF it knows (built once on first use; "
+        "python -m stopline.engine.llama_build builds it ahead); ctransformers: the 2023 engine, which runs "
+        "2023-era Llama-family files (the embedded model converted once for it) and needs no build "
+        "(docs/models.md)",
     ),
     Flag("--workers", "workers", POSITIVE, "generation slots: users served at once"),
     Flag(
@@ -383,65 +417,95 @@ FLAGS = [
         "--threads",
         "threads",
         POSITIVE,
-        "compute threads per generation (default: every core other processes leave idle for a "
-        "generation that runs alone; generations that run together share them)",
+        "compute threads per generation; by default a generation that runs alone gets every core other "
+        "processes leave idle, and generations that run together share them (why: docs/configuration.md, "
+        '"One user and two")',
+        default_text="the idle cores, shared",
     ),
     Flag("--context-length", "context_length", integer(2), "tokens per slot, up to the model's limit"),
     Flag(
         "--abort-mode",
         "abort_mode",
         one_of(AbortMode),
-        "in_step: stop inside an evaluation, between graph nodes (falls back to between_steps if this build "
-        "cannot); between_steps: stop only between evaluations",
+        "in_step: stop inside an evaluation, between graph nodes and, on llama.cpp, inside them (proved at "
+        "startup; falls back to between_steps with a warning); between_steps: stop only before each prompt "
+        "chunk and token",
     ),
     Flag(
         "--prefill-chunk",
         "prefill_chunk",
         integer(1, 512),
-        "prompt tokens per evaluation (default with --abort-mode in_step: 64 on ctransformers, 128 on llama.cpp; "
-        "else 1)",
+        "prompt tokens per evaluation, at most 512",
+        # DEFAULT_PREFILL_CHUNK in engine/loop.py, which this module does not import: it loads the engine.
+        default_text="with --abort-mode in_step, 64 on ctransformers and 512 on llama.cpp; else 1",
     ),
-    Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot"),
+    Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot; beyond it, error busy"),
     Flag(
         "--requests-per-connection",
         "requests_per_connection",
         POSITIVE,
-        "live requests (running or queued) per connection",
+        "live requests (tokenizing, queued or running) per connection; beyond it, error too_many_requests",
     ),
     Flag(
         "--requests-per-address",
         "requests_per_address",
         POSITIVE,
-        "live requests of all connections from one client address",
+        "live requests of all connections from one client address; beyond it, error too_many_requests_from_address",
     ),
-    Flag("--max-connections", "max_connections", POSITIVE, "open WebSocket connections"),
-    Flag("--max-header-bytes", "max_header_bytes", integer(1024), "bytes a handshake request may carry"),
+    Flag(
+        "--max-connections",
+        "max_connections",
+        POSITIVE,
+        "open WebSocket connections; beyond it, HTTP 503 too_many_connections",
+    ),
+    Flag(
+        "--max-header-bytes",
+        "max_header_bytes",
+        integer(1024),
+        "bytes a handshake request may carry; beyond it, HTTP 431 headers_too_large",
+    ),
     Flag(
         "--handshake-timeout",
         "handshake_timeout_s",
         seconds,
-        "seconds a client has to complete its handshake request",
+        "seconds a client has to complete its handshake request; beyond it, HTTP 408 handshake_timeout",
     ),
     Flag(
         "--bytes-per-second",
         "bytes_per_second",
         integer(1024),
-        "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB)",
+        "bytes of frames each connection may send a second, in bursts of one largest frame (1 MiB); "
+        "beyond it, error rate_limited",
     ),
     Flag(
         "--allowed-origins",
         "allowed_origins",
         listed(_origins),
-        "comma-separated scheme://host[:port] origins allowed on /ws besides same-origin pages; * allows any",
+        "comma-separated scheme://host[:port] origins allowed on /ws and /v1 besides same-origin pages; * allows any",
+        default_text="same origin only",
     ),
     Flag(
         "--allowed-hosts",
         "allowed_hosts",
         listed(_hosts),
-        "comma-separated extra host names the server answers to (its address and localhost always are)",
+        "comma-separated extra Host names the server answers to, against DNS rebinding (its own address, "
+        "and localhost on loopback, always are)",
+        default_text="the listening address; localhost on loopback",
     ),
-    Flag("--timeout", "default_timeout_s", seconds, "default total timeout, s"),
-    Flag("--ttft-timeout", "default_ttft_timeout_s", seconds, "default first-token timeout, s"),
+    Flag(
+        "--timeout",
+        "default_timeout_s",
+        seconds,
+        "seconds a request may run in all unless it asks for its own deadline, shorter or up to "
+        f"{Limits.max_timeout_s:g} s (or this, if longer)",
+    ),
+    Flag(
+        "--ttft-timeout",
+        "default_ttft_timeout_s",
+        seconds,
+        "seconds a request may wait for its first token unless it asks for its own deadline, shorter or "
+        f"up to {Limits.max_ttft_timeout_s:g} s (or this, if longer)",
+    ),
     Flag(
         "--slow-consumer-grace",
         "slow_consumer_grace_s",
@@ -452,13 +516,19 @@ FLAGS = [
         "--redis-url",
         "redis_url",
         redis_url,
-        "redis://host:port/db of the store shared by replicas behind a load balancer (docs/deploy.md); "
-        "default: none, this process alone",
+        "redis://[user:password@]host:port/db (or rediss://…, unix://PATH) of the store shared by replicas "
+        "behind a load balancer: generation status, the cancellation log, and cancels from any replica "
+        "(docs/deploy.md)",
         secret=True,
+        default_text="none, this process alone",
     ),
     Flag("--status-ttl", "status_ttl_s", POSITIVE, "seconds a generation's status stays in the shared store"),
     Flag(
-        "--replica-id", "replica_id", replica_id, "this replica's name in the shared store (default: <hostname>-<port>)"
+        "--replica-id",
+        "replica_id",
+        replica_id,
+        "this replica's name in the shared store",
+        default_text="<hostname>-<port>",
     ),
     Flag(
         "--api-keys-file",
@@ -466,23 +536,38 @@ FLAGS = [
         str,
         "JSON Lines file of API keys (hashes), their users and limits; re-read on SIGHUP. "
         "'stopline keys add NAME' writes keys.jsonl in the user's config folder unless given --file; "
-        'serve that one with --api-keys-file "$(stopline keys path)" (default: none, no keys)',
+        'serve that one with --api-keys-file "$(stopline keys path)" (docs/http.md, "API keys")',
+        default_text="none",
     ),
     Flag(
         "--metrics-key",
         "metrics_key",
         api_key,
-        "the key /metrics asks for as 'Authorization: Bearer' (default: open)",
+        "the key /metrics asks for as 'Authorization: Bearer'",
         secret=True,
+        default_text="none, /metrics is open",
     ),
     Flag("--log-level", "log_level", one_of(["debug", "info", "warning", "error"]), "log level"),
     Flag(
         "--log-format",
         "log_format",
         one_of(list(LOG_FORMATS)),
-        "text: a short line per event; json: one JSON object per line; auto: text on a terminal, else json",
+        "logs on stdout. text: a short line per event; json: one JSON object per line; auto: text on a "
+        "terminal, else json",
     ),
 ]
+
+# --api-key is repeatable on the command line and its variable is plural, so it is declared outside FLAGS.
+API_KEY_HELP = "an API key that may generate, without limits; repeatable (also STOPLINE_API_KEYS=k1,k2)"
+
+
+def _shown(value: Any) -> str:
+    """A default as --help and the flag table show it."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
@@ -498,8 +583,13 @@ def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
                 default = tuple(kind(v) for v in raw.split(",") if v.strip()) if flag.repeatable else kind(raw)
             except argparse.ArgumentTypeError as exc:
                 parser.error(f"{flag.given(raw)}: {exc}")  # a secret without its value
-        unshown = flag.secret or default in (None, "", ()) or "default:" in flag.help
-        shown = "" if unshown else f" (default: {default})"
+        if flag.secret:
+            # Its words only: a value from the environment is a credential.
+            shown = flag.default_text if raw is None else ""
+        elif raw is None and flag.default_text:
+            shown = flag.default_text
+        else:
+            shown = "" if default in (None, "", ()) else _shown(default)
         if flag.repeatable:
             repeated_defaults[flag.setting] = default
         parser.add_argument(
@@ -509,9 +599,8 @@ def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
             type=kind,
             default=None if flag.repeatable else default,
             action="append" if flag.repeatable else "store",
-            help=flag.help + shown,
+            help=flag.help + (f" (default: {shown})" if shown else ""),
         )
-    # Repeatable, so outside FLAGS; the environment variable holds a comma-separated list.
     raw_keys = os.environ.get("STOPLINE_API_KEYS", "")
     try:
         env_keys = [api_key(key) for key in raw_keys.split(",") if key.strip()]
@@ -524,9 +613,33 @@ def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
         action="append",
         type=api_key,
         default=env_keys,
-        help="an API key that may generate, without limits; repeatable (also STOPLINE_API_KEYS=k1,k2)",
+        help=API_KEY_HELP,
     )
     return repeated_defaults
+
+
+def flags_table() -> str:
+    """Every flag as a Markdown table: its variable, its default (the code's, never the environment's)
+    and its help. docs/configuration.md holds it, and ``python -m stopline --help-markdown`` prints it,
+    so the page cannot drift from --help."""
+
+    def cell(text: str) -> str:
+        # A | would end the cell; <hostname> would read as an HTML tag.
+        return text.replace("|", "\\|").replace("<", "\\<")
+
+    rows = ["| flag | environment variable | default | meaning |", "|---|---|---|---|"]
+    for flag in FLAGS:
+        if flag.default_text:
+            default = cell(flag.default_text)
+        elif flag.default in (None, "", ()):
+            default = "none"
+        else:
+            default = f"`{_shown(flag.default)}`"
+        variable = f"`{flag.env}`" + (" (comma-separated)" if flag.repeatable else "")
+        rows.append(f"| `{flag.flag}` | {variable} | {default} | {cell(flag.help)} |")
+        if flag.flag == "--api-keys-file":
+            rows.append(f"| `--api-key` | `STOPLINE_API_KEYS` (comma-separated) | none | {cell(API_KEY_HELP)} |")
+    return "\n".join(rows) + "\n"
 
 
 # The rest of the environment ---------------------------------------------------

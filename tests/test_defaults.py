@@ -83,16 +83,14 @@ def test_each_flag_sets_one_setting_and_takes_its_default_from_there():
         if isinstance(flag.default, (int, float)) and not isinstance(flag.default, bool)
     ],
 )
-def test_the_readme_shows_each_flag_default(flag, default):
-    for row in table_rows(ROOT / "README.md"):
-        flags = re.findall(r"`(--[a-z-]+)`", row[0])
-        parts = row[1].split(", ") if len(row) == 3 else []
-        if flag in flags and len(parts) == len(flags):
-            shown = numbers(parts[flags.index(flag)])
-            if len(shown) == 1:
-                assert shown[0] == default, (flag, row[1])
-                return
-    pytest.fail(f"README's flag table shows no default for {flag}")
+def test_the_flag_table_shows_each_flag_default(flag, default):
+    # docs/configuration.md's table is generated from FLAGS (tests/test_docs.py keeps it so);
+    # this reads it as a reader would, so a default the generator mis-renders fails here.
+    for row in table_rows(ROOT / "docs" / "configuration.md"):
+        if len(row) == 4 and row[0] == f"`{flag}`":
+            assert numbers(row[2]) == [default], (flag, row[2])
+            return
+    pytest.fail(f"docs/configuration.md's flag table shows no default for {flag}")
 
 
 def test_the_flags_parse_to_members_without_the_compiled_engine():

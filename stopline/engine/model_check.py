@@ -28,7 +28,7 @@ from ..protocol.vocabulary import EngineName
 CTRANSFORMERS = EngineName.CTRANSFORMERS
 LLAMA_CPP = EngineName.LLAMA_CPP
 
-# What the ctransformers engine can run, as measured (README, "Models").
+# What the ctransformers engine can run, as measured (docs/models.md).
 GGUF_ARCHITECTURES = ("llama",)
 GGUF_VERSIONS = (2, 3)
 # The vocabularies the bundled loader can build: SentencePiece-style and byte-level BPE.
