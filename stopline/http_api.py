@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -37,8 +39,7 @@ from .protocol.frames import (
     encode_json,
     ends_request,
 )
-from .protocol.openai_fields import ServedModels, openai_request
-from .protocol.requests import Request
+from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .protocol.validation import generate_frame, parse_json_object
 from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
@@ -127,8 +128,8 @@ def _request_headers(frame: Accepted) -> dict:
 
 
 class HttpReply:
-    """The transport of one HTTP request's generation: its frames become the HTTP answer,
-    which is complete once the request's last frame (``answered``) has been written."""
+    """The transport of one HTTP request's generations: their frames become the HTTP answer,
+    which is complete once the last frame it waits for (``answered``) has been written."""
 
     def __init__(self, http_request: web.Request):
         self.http_request = http_request
@@ -136,17 +137,18 @@ class HttpReply:
         self.response: web.StreamResponse | None = None
         self.answered = asyncio.Event()
 
-    def submitted(self, request: Request) -> None:
-        pass
-
     async def send(self, frame: Frame) -> None:
         if self.answered.is_set():
             return  # a cancel_ack after the terminal frame: DELETE answers that on its own connection
         try:
             await self.emit(frame)
         finally:
-            if ends_request(frame):
+            if self.completes(frame):
                 self.answered.set()
+
+    def completes(self, frame: Frame) -> bool:
+        """Whether ``frame``, once written, completes the answer."""
+        return ends_request(frame)
 
     async def emit(self, frame: Frame) -> None:
         raise NotImplementedError
@@ -166,153 +168,210 @@ class SseReply(HttpReply):
         await self.response.write(f"event: {frame.type}\ndata: {encode_frame(frame)}\n\n".encode())
 
 
+@dataclass
+class _Choice:
+    """One choice of an OpenAI answer: one generation, and what its frames brought so far."""
+
+    index: int
+    # When the answer may hold function calls: what reads them out of the text, the calls
+    # read so far (OpenAI's tool_calls entries), and the log probabilities not yet streamed.
+    reader: CallReader | None
+    # Log probabilities, when asked for (the generate frame's logprobs); None: not asked for.
+    logprobs: list[dict] | None
+    texts: list[str] = field(default_factory=list)
+    streamed_chars: int = 0
+    calls: list[dict] = field(default_factory=list)
+    unsent_logprobs: list[dict] = field(default_factory=list)
+    ending: Terminal | None = None
+    finish_reason: str | None = None
+
+
 class OpenAIReply(HttpReply):
-    """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end."""
+    """POST /v1/chat/completions and /v1/completions: OpenAI's chunks, or one body at the end.
+    Each of the request's choices is a generation of its own; their frames are told apart by
+    their ids, the choices' indices (:meth:`OpenAIRequest.frames`)."""
 
     def __init__(
         self,
         http_request: web.Request,
-        model: str,
+        asked: OpenAIRequest,
         *,
         chat: bool,
         stream: bool,
         include_usage: bool,
-        calls: ToolChoice | None = None,
     ):
         super().__init__(http_request)
-        self.model = model
+        self.model = asked.model
         self.chat = chat
         self.stream = stream
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.prompt_tokens = 0
         self._id = ""
         self._headers: dict = {}
-        self._texts: list[str] = []
-        # Log probabilities, when asked for (the generate frame's logprobs); None: not asked for.
-        self._logprobs: list[dict] | None = None
-        self._streamed_chars = 0
-        # When the answer may hold function calls: what reads them out of the text, the calls
-        # read so far (OpenAI's tool_calls entries), and the log probabilities not yet streamed.
-        self._reader = None if calls is None else CallReader(prose=calls is ToolChoice.AUTO)
-        self._calls: list[dict] = []
-        self._unsent_logprobs: list[dict] = []
+        calls, logprobs = asked.calls, asked.frame.params.logprobs is not None
+        self._choices = {
+            frame.id: _Choice(
+                index,
+                reader=None if calls is None else CallReader(prose=calls is ToolChoice.AUTO),
+                logprobs=[] if logprobs else None,
+            )
+            for index, frame in enumerate(asked.frames)
+        }
+        # An error ends the whole answer; the choices still running then stop with the request.
+        self._failed = False
 
-    def submitted(self, request: Request) -> None:
-        self.prompt_tokens = len(request.prompt_tokens)
-        if request.params.logprobs is not None:
-            self._logprobs = []
+    def completes(self, frame: Frame) -> bool:
+        return self._failed or all(c.ending is not None for c in self._choices.values())
 
     async def emit(self, frame: Frame) -> None:
         error = as_error(frame)
-        if isinstance(frame, Accepted):
-            # The id of every chunk is the request id, so a DELETE can name it.
-            self._id, self._headers = frame.request_id, _request_headers(frame)
-            if self.stream:
-                self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
-                await self.response.prepare(self.http_request)
-                if self.chat:
-                    await self._chunk(self._choice({"role": "assistant", "content": ""}, None))
-        elif isinstance(frame, Token):
-            entries = frame.logprobs
-            if self._reader is not None:
-                if entries is not None and self._logprobs is not None:
-                    self._logprobs += entries
-                    self._unsent_logprobs += entries
-                await self._read_calls(self._reader.feed(frame.text))
-            elif self.stream:
-                choice = self._choice({"content": frame.text} if self.chat else frame.text, None)
-                if entries is not None:
-                    choice[0]["logprobs"] = self._logprobs_field(entries, self._streamed_chars)
-                    self._streamed_chars += sum(len(e["token"]) for e in entries)
-                await self._chunk(choice)
+        choice = self._choice_of(frame)
+        if error is not None:
+            self._failed = True
+            if self.stream and self.response is not None:
+                # The stream had started: OpenAI's in-stream error, then the end marker.
+                await self._event(
+                    {
+                        "error": {
+                            "message": error.message,
+                            "type": "server_error",
+                            "param": None,
+                            "code": str(error.code),
+                        }
+                    }
+                )
+                await self._write(b"data: [DONE]\n\n")
             else:
-                self._texts.append(frame.text)
-                if entries is not None and self._logprobs is not None:
-                    self._logprobs += entries
-        elif error is not None and not (self.stream and self.response is not None):
-            self.response = error_response(error.code, error.message, openai=True, frame=error)
-            self.response.headers.update(self._headers)
-        elif error is not None:  # the stream had started: OpenAI's in-stream error, then the end marker
-            await self._event(
-                {"error": {"message": error.message, "type": "server_error", "param": None, "code": str(error.code)}}
-            )
-            await self._write(b"data: [DONE]\n\n")
+                self.response = error_response(error.code, error.message, openai=True, frame=error)
+                self.response.headers.update(self._headers)
+        elif choice is None:
+            return
+        elif isinstance(frame, Accepted):
+            if not self._id:
+                # The id of every chunk is the first choice's request id, so a DELETE can name it.
+                self._id, self._headers = frame.request_id, _request_headers(frame)
+                if self.stream:
+                    self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
+                    await self.response.prepare(self.http_request)
+            if self.stream and self.chat:
+                await self._chunk(self._delta(choice, {"role": "assistant", "content": ""}, None))
+        elif isinstance(frame, Token):
+            await self._token(choice, frame)
         elif isinstance(frame, Terminal):
-            await self._end(frame)
+            await self._end(choice, frame)
 
-    async def _read_calls(self, events: list[Event]) -> None:
+    def _choice_of(self, frame: Frame) -> _Choice | None:
+        """The choice a request's frame belongs to (one choice's frames bear the server's id)."""
+        if not isinstance(frame, (Accepted, Token, Terminal)):
+            return None
+        if len(self._choices) == 1:
+            return next(iter(self._choices.values()))
+        return self._choices.get(frame.id)
+
+    async def _token(self, choice: _Choice, frame: Token) -> None:
+        entries = frame.logprobs
+        if choice.reader is not None:
+            if entries is not None and choice.logprobs is not None:
+                choice.logprobs += entries
+                choice.unsent_logprobs += entries
+            await self._read_calls(choice, choice.reader.feed(frame.text))
+        elif self.stream:
+            delta = self._delta(choice, {"content": frame.text} if self.chat else frame.text, None)
+            if entries is not None:
+                delta["logprobs"] = self._logprobs_field(entries, choice.streamed_chars)
+                choice.streamed_chars += sum(len(e["token"]) for e in entries)
+            await self._chunk(delta)
+        else:
+            choice.texts.append(frame.text)
+            if entries is not None and choice.logprobs is not None:
+                choice.logprobs += entries
+
+    async def _read_calls(self, choice: _Choice, events: list[Event]) -> None:
         """Keep what the reader found, and stream it as OpenAI does: prose as content, a call's
         first delta with its id and name, then pieces of its arguments."""
         for event in events:
             if isinstance(event, Prose):
-                self._texts.append(event.text)
+                choice.texts.append(event.text)
                 delta: dict = {"content": event.text}
             elif isinstance(event, CallStarted):
-                call = {"id": self._call_id(event.index), "type": "function"}
-                self._calls.append({**call, "function": {"name": event.name, "arguments": ""}})
+                call = {"id": self._call_id(choice, event.index), "type": "function"}
+                choice.calls.append({**call, "function": {"name": event.name, "arguments": ""}})
                 delta = {
                     "tool_calls": [{"index": event.index, **call, "function": {"name": event.name, "arguments": ""}}]
                 }
             else:
-                self._calls[event.index]["function"]["arguments"] += event.text
+                choice.calls[event.index]["function"]["arguments"] += event.text
                 delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
             if self.stream:
-                choice = self._choice(delta, None)
-                self._attach_unsent_logprobs(choice)
-                await self._chunk(choice)
+                await self._chunk(self._with_unsent_logprobs(choice, self._delta(choice, delta, None)))
 
-    def _attach_unsent_logprobs(self, choice: list[dict]) -> None:
-        if self._unsent_logprobs:
-            choice[0]["logprobs"] = self._logprobs_field(self._unsent_logprobs, 0)
-            self._unsent_logprobs = []
+    def _with_unsent_logprobs(self, choice: _Choice, delta: dict) -> dict:
+        if choice.unsent_logprobs:
+            delta["logprobs"] = self._logprobs_field(choice.unsent_logprobs, 0)
+            choice.unsent_logprobs = []
+        return delta
 
-    def _call_id(self, index: int) -> str:
-        return f"call_{self._id.replace('-', '')[:24]}_{index}"
+    def _call_id(self, choice: _Choice, index: int) -> str:
+        suffix = f"{choice.index}_{index}" if len(self._choices) > 1 else str(index)
+        return f"call_{self._id.replace('-', '')[:24]}_{suffix}"
 
-    async def _end(self, frame: Terminal) -> None:
+    async def _end(self, choice: _Choice, frame: Terminal) -> None:
         ending = frame.ending
         finish_reason = _FINISH_REASON.get(ending.reason, str(ending.reason))
-        if self._reader is not None:
-            await self._read_calls(self._reader.finish())
+        if choice.reader is not None:
+            await self._read_calls(choice, choice.reader.finish())
             # Every call written whole: the answer is its calls, whatever ended the text after them.
-            if ending.outcome is Outcome.DONE and self._reader.complete:
+            if ending.outcome is Outcome.DONE and choice.reader.complete:
                 finish_reason = "tool_calls"
+        choice.ending, choice.finish_reason = frame, finish_reason
+        if self.stream:
+            # A choice's final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
+            final = self._delta(choice, {} if self.chat else "", finish_reason)
+            await self._chunk(self._with_unsent_logprobs(choice, final), stopline=frame.json())
+        if not self.completes(frame):
+            return
+        choices = sorted(self._choices.values(), key=lambda c: c.index)
+        endings = [c.ending.ending for c in choices if c.ending is not None]
+        # The prompt is counted once, as OpenAI counts it for several choices.
+        prompt_tokens = endings[0].prompt_tokens
+        completion_tokens = sum(e.tokens_generated for e in endings)
         usage = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": ending.tokens_generated,
-            "total_tokens": self.prompt_tokens + ending.tokens_generated,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
         }
         if self.stream:
-            # The final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
-            final = self._choice({} if self.chat else "", finish_reason)
-            self._attach_unsent_logprobs(final)
-            await self._chunk(final, stopline=frame.json())
             if self.include_usage:
-                await self._chunk([], usage=usage)
+                await self._chunk(None, usage=usage)
             await self._write(b"data: [DONE]\n\n")
             return
-        text = "".join(self._texts)
-        logprobs = None if self._logprobs is None else self._logprobs_field(self._logprobs, 0)
-        message: dict = {"role": "assistant", "content": text}
-        if self._calls:
-            # Prose before the calls, if any, stays the content.
-            message = {"role": "assistant", "content": text or None, "tool_calls": self._calls}
-        choice = (
-            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-            if self.chat
-            else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        )
         body = {
             "id": self._id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [self._whole(c) for c in choices],
             "usage": usage,
-            "stopline": frame.json(),
+            # The first choice's terminal frame (each choice carries its own).
+            "stopline": choices[0].ending.json() if choices[0].ending is not None else None,
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+
+    def _whole(self, choice: _Choice) -> dict:
+        """A choice of the answer that is not streamed."""
+        assert choice.ending is not None
+        text = "".join(choice.texts)
+        logprobs = None if choice.logprobs is None else self._logprobs_field(choice.logprobs, 0)
+        whole: dict = {"index": choice.index}
+        if self.chat:
+            message: dict = {"role": "assistant", "content": text}
+            if choice.calls:
+                # Prose before the calls, if any, stays the content.
+                message = {"role": "assistant", "content": text or None, "tool_calls": choice.calls}
+            whole["message"] = message
+        else:
+            whole["text"] = text
+        return {**whole, "logprobs": logprobs, "finish_reason": choice.finish_reason, "stopline": choice.ending.json()}
 
     def _logprobs_field(self, entries: list[dict], offset: int) -> dict:
         """A choice's ``logprobs``: chat's ``content`` list, or the completions API's older
@@ -330,19 +389,20 @@ class OpenAIReply(HttpReply):
             "text_offset": offsets,
         }
 
-    def _choice(self, delta, finish_reason) -> list[dict]:
+    def _delta(self, choice: _Choice, delta, finish_reason) -> dict:
+        """A streamed chunk's choice."""
         if self.chat:
-            return [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-        return [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
+            return {"index": choice.index, "delta": delta, "finish_reason": finish_reason}
+        return {"index": choice.index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    async def _chunk(self, choices: list[dict], **extra) -> None:
+    async def _chunk(self, choice: dict | None, **extra) -> None:
         await self._event(
             {
                 "id": self._id,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": choices,
+                "choices": [] if choice is None else [choice],
                 **extra,
             }
         )
@@ -471,7 +531,7 @@ class HttpApi:
             frame = generate_frame(parse_json_object(await request.text(), "body"), self.services.limits)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=False, frame=ErrorFrame.refusing(exc))
-        return await self._generate(request, frame, SseReply(request))
+        return await self._generate(request, [frame], SseReply(request))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, chat=True)
@@ -488,23 +548,19 @@ class HttpApi:
         stream = body.get("stream") is True
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
-        reply = OpenAIReply(
-            request,
-            asked.model,
-            chat=chat,
-            stream=stream,
-            include_usage=include_usage,
-            calls=asked.calls,
-        )
-        return await self._generate(request, asked.frame, reply)
+        reply = OpenAIReply(request, asked, chat=chat, stream=stream, include_usage=include_usage)
+        return await self._generate(request, asked.frames, reply)
 
-    async def _generate(self, request: web.Request, frame: GenerateFrame, reply: HttpReply) -> web.StreamResponse:
-        """Run one generation for this HTTP request; a lost connection cancels it."""
+    async def _generate(
+        self, request: web.Request, frames: Sequence[GenerateFrame], reply: HttpReply
+    ) -> web.StreamResponse:
+        """Run this HTTP request's generations; a lost connection cancels them."""
         self.edge.accepted(request.transport.get_extra_info("socket") if request.transport else None)
         session = ClientSession(self.services, reply, request.remote or "unknown", request.get(API_KEY))
         self.services.sessions.add(session)
         try:
-            await session.generate(frame, time.monotonic_ns())
+            for frame in frames:
+                await session.generate(frame, time.monotonic_ns())
             await reply.answered.wait()
         finally:
             # Reached with the request still live only when the client went away.

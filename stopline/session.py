@@ -52,9 +52,6 @@ class Transport(Protocol):
         """Write ``frame``; waits while the client does not read. Raises ConnectionError
         (or websockets' ConnectionClosed) when the client has gone."""
 
-    def submitted(self, request: Request) -> None:
-        """``request`` is about to reach the scheduler (an HTTP reply reads its prompt's size)."""
-
 
 @dataclass
 class Services:
@@ -222,7 +219,6 @@ class ClientSession:
             await self.perform(actions)
 
     async def _submit(self, request: Request) -> list[Action]:
-        self.transport.submitted(request)
         if self.key is not None:
             refused = await self._refused(request)
             if refused is not None:
@@ -306,9 +302,6 @@ class WebSocketTransport:
 
     async def send(self, frame: Frame) -> None:
         await self.websocket.send(encode_frame(frame))
-
-    def submitted(self, request: Request) -> None:
-        pass
 
     async def run(self, session: ClientSession) -> None:
         """Greet, then feed ``session`` every message until the client goes away."""

@@ -212,10 +212,10 @@ async def test_any_model_name_is_answered_by_the_model_served(server, http):
 
 async def test_fields_the_openai_package_sends_at_their_limits(server):
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
-    # n=2 and an oversized max_tokens, as the openai package sends them.
+    # An n past the requests a client may run at once and an oversized max_tokens, as the openai package sends them.
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, n=2)
-    assert caught.value.code == "unsupported_parameter" and caught.value.param == "n"
+        await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, n=9)
+    assert caught.value.code == "invalid_field" and caught.value.param == "n"
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model=server.engine.name, messages=CHAT_FRANCE, max_tokens=10**6)
     assert caught.value.code == "invalid_field" and "max_tokens" in caught.value.message

@@ -32,7 +32,6 @@ class FakeTransport:
     def __init__(self) -> None:
         self.peer = "test:1"
         self.frames: list[dict] = []
-        self.submitted_requests: list[Request] = []
         self.blocked = False
         self.sent = asyncio.Event()
 
@@ -41,9 +40,6 @@ class FakeTransport:
             await asyncio.Event().wait()
         self.frames.append(frame.json())
         self.sent.set()
-
-    def submitted(self, request: Request) -> None:
-        self.submitted_requests.append(request)
 
     async def frame(self, predicate) -> dict:
         while True:
@@ -196,8 +192,8 @@ async def test_a_session_greets_accepts_streams_and_ends_once(services):
     assert [f["type"] for f in transport.frames] == ["hello", "accepted"] + ["token"] * 5 + ["done"]
     assert done["reason"] == "eos" and done["tokens_generated"] == 5
     assert "".join(f["text"] for f in transport.frames if f["type"] == "token") == "Paris is the capital."
-    assert [r.id for r in transport.submitted_requests] == ["r1"]
-    [entry] = [services.registry.get(r.request_id) for r in transport.submitted_requests]
+    [accepted] = [f for f in transport.frames if f["type"] == "accepted"]
+    entry = services.registry.get(accepted["request_id"])
     assert entry is not None and entry.status is STATUS_BY_OUTCOME[Outcome.DONE]
 
 

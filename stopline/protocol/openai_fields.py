@@ -15,12 +15,12 @@ whether the answer may hold function calls for the reply to read.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from .errors import InvalidField, ModelNotFound, UnsupportedParameter
 from .frames import GenerateFrame
-from .requests import Limits
+from .requests import MAX_SEED, Limits
 from .tool_calls import ToolChoice, call_text, instructions
 from .validation import GRAMMARS_NEED_LLAMA_CPP, checked_tools, generate_frame
 from .vocabulary import ChatFormat
@@ -74,7 +74,7 @@ FIELDS: tuple[Field, ...] = (
     Field("safety_identifier", CHAT, Treatment.HONOURED, frame_name="user", example="alice"),
     Field("stream", BOTH, Treatment.HONOURED, example=False),
     Field("stream_options", BOTH, Treatment.HONOURED, example={"include_usage": True}),
-    Field("n", BOTH, Treatment.DEFAULT_ONLY, neutral=(1,), example=2),
+    Field("n", BOTH, Treatment.HONOURED, example=2),
     Field("best_of", COMPLETIONS, Treatment.DEFAULT_ONLY, neutral=(1,), example=2),
     Field("echo", COMPLETIONS, Treatment.DEFAULT_ONLY, neutral=(False,), example=True),
     Field("suffix", COMPLETIONS, Treatment.REFUSED, example="!"),
@@ -163,6 +163,25 @@ class OpenAIRequest:
     # The answer may hold function calls (auto) or is only calls (required, a named function);
     # None: it is text.
     calls: ToolChoice | None = None
+    # How many choices the answer has (n): each is a generation of its own.
+    n: int = 1
+
+    @property
+    def frames(self) -> list[GenerateFrame]:
+        """The generate frame of each choice. Several choices are told apart by their ids, their
+        indices; a seed given is choice 0's, and choice i's is the seed plus i, so that the choices
+        differ and the answer can be had again."""
+        if self.n == 1:
+            return [self.frame]
+        seed = self.frame.params.seed
+        return [
+            replace(
+                self.frame,
+                id=str(i),
+                params=replace(self.frame.params, seed=None if seed is None else (seed + i) % MAX_SEED),
+            )
+            for i in range(self.n)
+        ]
 
 
 def openai_request(body: dict, *, chat: bool, models: ServedModels, limits: Limits) -> OpenAIRequest:
@@ -230,7 +249,13 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, limits: Limi
             frame.setdefault(field.frame_name, body[name])
     if call is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise InvalidField("give response_format or a tool_choice that calls, not both", param="tool_choice")
-    return OpenAIRequest(generate_frame(frame, limits), model, calls=None if call is None else call[1])
+    n = body.get("n")
+    # Each choice is a request of the client's, held to the same limit as any others.
+    if n is not None and (
+        isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.requests_per_connection
+    ):
+        raise InvalidField(f"n must be an integer from 1 to {limits.requests_per_connection}", param="n")
+    return OpenAIRequest(generate_frame(frame, limits), model, calls=None if call is None else call[1], n=n or 1)
 
 
 def _shown_name(value: object) -> str:

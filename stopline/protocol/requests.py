@@ -13,6 +13,8 @@ from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+# Seeds are 0 to MAX_SEED - 1.
+MAX_SEED = 2**31
 # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
 # The most tokens one logit_bias names: each adds work to every draw.

@@ -16,6 +16,7 @@ from .requests import (
     DEFAULT_SAMPLING,
     MAX_LOGIT_BIAS,
     MAX_SECONDS,
+    MAX_SEED,
     MAX_TOP_LOGPROBS,
     MAX_USER_CHARS,
     Limits,
@@ -178,7 +179,7 @@ def _sampling_numbers(limits: Limits) -> tuple[tuple[str, float, float, bool, bo
         ("repetition_penalty", 0.5, 2, False, False),
         ("frequency_penalty", -2, 2, False, False),
         ("presence_penalty", -2, 2, False, False),
-        ("seed", 0, 2**31 - 1, True, False),
+        ("seed", 0, MAX_SEED - 1, True, False),
         ("logprobs", 0, MAX_TOP_LOGPROBS, True, False),
     )
 
