@@ -121,6 +121,18 @@ class Metrics:
             ["outcome", "reason"],
             registry=r,
         )
+        self.prompt_tokens_wasted = Counter(
+            "stopline_prompt_tokens_wasted",
+            "Prompt tokens of chunks a stop cut short, their work thrown away.",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.wasted_eval = Counter(
+            "stopline_wasted_eval_seconds",
+            "Time the evaluations a stop cut short had run, their work thrown away.",
+            ["outcome", "reason"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "stopline_ttft_seconds",
             "Time from the start of a generation to its first token.",
@@ -201,6 +213,10 @@ class Metrics:
         self.prompt_tokens_evaluated.inc(ending.prompt_tokens_evaluated)
         if ending.tokens_wasted:
             self.tokens_wasted.labels(str(ending.outcome), ending.reason).inc(ending.tokens_wasted)
+        if ending.prompt_tokens_wasted:
+            self.prompt_tokens_wasted.labels(str(ending.outcome), ending.reason).inc(ending.prompt_tokens_wasted)
+        if ending.wasted_eval_ms:
+            self.wasted_eval.labels(str(ending.outcome), ending.reason).inc(ending.wasted_eval_ms / 1000)
         if ending.cancel_latency_ms is not None:
             self.cancel_latency.labels(ending.reason).observe(ending.cancel_latency_ms / 1000)
         if ending.ttft_ms is not None:
@@ -244,6 +260,8 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         prompt_tokens=ending.prompt_tokens,
         prompt_tokens_reused=ending.prompt_tokens_reused,
         prompt_tokens_evaluated=ending.prompt_tokens_evaluated,
+        prompt_tokens_wasted=ending.prompt_tokens_wasted,
+        wasted_eval_ms=ending.wasted_eval_ms,
         queue_ms=ending.queue_ms,
         ttft_ms=ending.ttft_ms,
         duration_ms=ending.duration_ms,

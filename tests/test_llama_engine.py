@@ -524,6 +524,13 @@ def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
     # The chunk under way was abandoned, and its positions dropped.
     assert result.prompt_tokens_evaluated % engine.prefill_chunk == 0
     assert slot.kv_positions == slot.n_held == result.prompt_tokens_evaluated
+    # Its work is reported as thrown away: the whole chunk, and the time it had run.
+    assert result.prompt_tokens_wasted == engine.prefill_chunk
+    assert 0 < result.wasted_eval_ns <= result.end_ns - result.start_ns
+    # The chunks before it are kept: a resend evaluates from where the stop came.
+    if result.prompt_tokens_evaluated:
+        again = make_generation(slot, prompt, max_tokens=1, prefill_chunk=engine.prefill_chunk).run()
+        assert again.prompt_tokens_reused == result.prompt_tokens_evaluated
 
 
 async def test_a_base_model_says_so_and_completes_a_chat_as_plain_text(gemma, logs, http):  # noqa: F811

@@ -65,6 +65,8 @@ def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
         tokens_after_cancel=0,
         longest_prefill_node_ns=0,
         longest_decode_node_ns=0,
+        prompt_tokens_wasted=0,
+        wasted_eval_ns=0,
     )
     return SimpleNamespace(exit=exit, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts})
 
@@ -244,6 +246,11 @@ def test_tokens_wasted_counts_only_unfinished_work():
         Ending(Outcome.CANCELLED, Reason.USER_CANCELLED, prompt_tokens_evaluated=10, tokens_generated=5).tokens_wasted
         == 15
     )
+    # A prompt chunk a stop cut short was computed too.
+    cut_short = Ending(
+        Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT, prompt_tokens_evaluated=512, prompt_tokens_wasted=512
+    )
+    assert cut_short.tokens_wasted == 1024
 
 
 def test_the_engines_report_has_the_native_loops_fields_one_for_one():
@@ -467,6 +474,7 @@ def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
         first_token_ns=5 * MS,
         tokens_generated=4,
         tokens_after_cancel=1,
+        wasted_eval_ns=MS // 2,
     )
     ended, terminal = conn.finished(request, result)
     assert ended.ending.reason is Reason.SLOW_CONSUMER
@@ -478,6 +486,9 @@ def test_a_cancelled_loop_ends_with_the_reason_the_protocol_asked_for():
         "tokens_after_cancel": 1,
         "cancel_latency_ms": 2.0,
         "tokens_wasted": 7,
+        # The decode step under way when the stop came, cut short.
+        "prompt_tokens_wasted": 0,
+        "wasted_eval_ms": 0.5,
         "prompt_tokens_reused": 0,
         # Three tokens after the first, in the 7 ms from the first token to the loop's exit.
         "tokens_per_s": 428.6,

@@ -87,8 +87,13 @@ async def test_cancel_during_prefill_stops_within_one_chunk(server, logs):
         assert client.tokens("r1") == []
     [end] = logs.records("generation_cancelled", id="r1")
     assert end["prompt_tokens_evaluated"] < end["prompt_tokens"]
+    # What the stop threw away: the chunk it cut short, if it came inside one, and that chunk's time.
+    wasted = cancelled["prompt_tokens_wasted"]
+    assert wasted == end["prompt_tokens_wasted"] and (wasted > 0) == (cancelled["wasted_eval_ms"] > 0)
+    assert cancelled["tokens_wasted"] == end["prompt_tokens_evaluated"] + wasted
     metrics = await fetch_metrics(server)
     assert metric_value(metrics, "stopline_requests_total", outcome="cancelled", reason="user_cancelled") == 1
+    assert metric_value(metrics, "stopline_prompt_tokens_wasted_total", outcome="cancelled") == wasted
 
 
 async def test_cancel_while_queued_computes_nothing(server, logs):
@@ -103,6 +108,7 @@ async def test_cancel_while_queued_computes_nothing(server, logs):
         assert cancelled["tokens_after_cancel"] == 0
         [end] = logs.records("generation_cancelled", id="q")
         assert end["prompt_tokens_evaluated"] == 0 and end["tokens_wasted"] == 0
+        assert cancelled["prompt_tokens_wasted"] == 0 and cancelled["wasted_eval_ms"] == 0
         for request_id in ("busy1", "busy2"):
             await client.send({"type": "cancel", "id": request_id})
             assert (await client.terminal(request_id))["type"] == "cancelled"

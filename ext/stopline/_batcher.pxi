@@ -113,6 +113,7 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
         elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
             # Stopped while a step it is not part of runs: it leaves without waiting for it.
             should_stop(s)
+            s.withdrawn = True
             s.post_result = PostResult.POST_STOPPED
         else:
             # Woken by every result, every step's end, and a cancel (Generation.cancel).

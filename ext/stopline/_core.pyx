@@ -641,6 +641,12 @@ cdef struct LoopState:
     int64_t end_ns
     int64_t longest_prefill_node_ns
     int64_t longest_decode_node_ns
+    # The work a stop threw away: the prompt chunk an evaluation it cut short was computing
+    # (the chunks before it stay in the KV cache), and how long that evaluation had run.
+    int prompt_tokens_wasted
+    int64_t wasted_eval_ns
+    # Set by an evaluation that ended before its tokens were part of any step (evaluate_in_step).
+    bint withdrawn
     # The llama.cpp engine's turn in its context's steps (guarded by the Batcher's lock).
     bint is_present        # counted in Batcher.present
     int post_count         # tokens posted for the next step
@@ -1036,7 +1042,7 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         chunk = s.prefill_chunk - s.n_past % s.prefill_chunk
         if chunk > s.n_prompt - s.n_past:
             chunk = s.n_prompt - s.n_past
-        if not s.ops.evaluate(s, chunk):
+        if not evaluate_counted(s, chunk, True):
             return
         s.n_prompt_evaluated = s.n_past - s.n_reused
 
@@ -1085,9 +1091,23 @@ cdef void run_steps(LoopState *s) noexcept nogil:
         # Don't start a decode step for a request that is already cancelled.
         if should_stop(s):
             return
-        if not s.ops.evaluate(s, 1):
+        if not evaluate_counted(s, 1, False):
             return
     s.exit = ExitKind.CONTEXT_FULL if s.max_tokens_capped else ExitKind.MAX_TOKENS
+
+
+cdef bint evaluate_counted(LoopState *s, int count, bint prompt) noexcept nogil:
+    """The engine's evaluation of the next ``count`` tokens. One that fails after it began
+    computing threw its work away: the result reports it as wasted."""
+    cdef int64_t start = sl.sl_monotonic_ns()
+    s.withdrawn = False
+    if s.ops.evaluate(s, count):
+        return True
+    if not s.withdrawn:
+        s.wasted_eval_ns += sl.sl_monotonic_ns() - start
+        if prompt:
+            s.prompt_tokens_wasted = count
+    return False
 
 
 # Each engine's side of the loop ------------------------------------------------
@@ -1224,10 +1244,13 @@ cdef class LoopResult:
     cdef readonly int text_kept_bytes
     cdef readonly int64_t longest_prefill_node_ns
     cdef readonly int64_t longest_decode_node_ns
+    cdef readonly int prompt_tokens_wasted
+    cdef readonly int64_t wasted_eval_ns
 
     FIELDS = ("exit", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated", "tokens_generated",
               "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns", "end_ns",
-              "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns")
+              "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns", "prompt_tokens_wasted",
+              "wasted_eval_ns")
 
     def __repr__(self):
         return "LoopResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS) + ")"
@@ -1251,6 +1274,8 @@ cdef LoopResult loop_result(const LoopState *s):
         r.text_kept_bytes = s.text_end[s.n_generated - 1] if s.n_generated else 0
     r.longest_prefill_node_ns = s.longest_prefill_node_ns
     r.longest_decode_node_ns = s.longest_decode_node_ns
+    r.prompt_tokens_wasted = s.prompt_tokens_wasted
+    r.wasted_eval_ns = s.wasted_eval_ns
     return r
 
 

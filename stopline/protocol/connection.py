@@ -416,6 +416,8 @@ class Connection:
                     ErrorCode.INTERNAL_ERROR,
                     prompt_tokens=result.prompt_tokens,
                     prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+                    prompt_tokens_wasted=result.prompt_tokens_wasted,
+                    wasted_eval_ms=result.wasted_eval_ns / 1e6,
                     tokens_generated=result.tokens_generated,
                     message="the model failed to evaluate a batch",
                     duration_ms=duration_ms,
@@ -444,6 +446,8 @@ class Connection:
                 cancel_latency_ms=_ms(request.cancel_requested_ns, result.end_ns) if cancelled else None,
                 longest_prefill_node_ms=result.longest_prefill_node_ns / 1e6,
                 longest_decode_node_ms=result.longest_decode_node_ns / 1e6,
+                prompt_tokens_wasted=result.prompt_tokens_wasted,
+                wasted_eval_ms=result.wasted_eval_ns / 1e6,
             ),
         )
 

@@ -207,6 +207,10 @@ class Ending:
     # step), which bounds how long a stop can wait: in the prompt, and in decode.
     longest_prefill_node_ms: float = 0.0
     longest_decode_node_ms: float = 0.0
+    # What a stop threw away: the prompt chunk it cut short (the chunks before it stay in the
+    # KV cache for a resend), and how long the evaluation it cut short had run.
+    prompt_tokens_wasted: int = 0
+    wasted_eval_ms: float = 0.0
     message: str = ""
     # A quota refusal: which limit, and when trying again may succeed (None: it will not).
     limit: QuotaLimit | None = None
@@ -223,10 +227,11 @@ class Ending:
 
     @property
     def tokens_wasted(self) -> int:
-        """Every token computed for a request that did not finish with ``done``."""
+        """Every token computed for a request that did not finish with ``done``, those of a
+        prompt chunk a stop cut short included."""
         if self.outcome is Outcome.DONE:
             return 0
-        return self.prompt_tokens_evaluated + self.tokens_generated
+        return self.prompt_tokens_evaluated + self.prompt_tokens_wasted + self.tokens_generated
 
 
 # What each way out of the native loop (``_core.ExitKind``, by name) means to a
@@ -270,3 +275,5 @@ class GenerationResult:
     text_kept_bytes: int
     longest_prefill_node_ns: int
     longest_decode_node_ns: int
+    prompt_tokens_wasted: int
+    wasted_eval_ns: int
