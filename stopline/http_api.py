@@ -26,6 +26,7 @@ from aiohttp import web
 
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
+from .protocol.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
 from .protocol.errors import InvalidCancelToken, ProtocolError, RequestLookupError, StoreUnavailable, UnknownRequest
 from .protocol.frames import (
     Accepted,
@@ -40,6 +41,7 @@ from .protocol.frames import (
     ends_request,
 )
 from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
+from .protocol.requests import Ending
 from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .protocol.validation import generate_frame, parse_json_object
 from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
@@ -415,6 +417,87 @@ class OpenAIReply(HttpReply):
         await self.response.write(data)
 
 
+class AnthropicReply(HttpReply):
+    """POST /v1/messages: Anthropic's stream of events, or one message at the end."""
+
+    def __init__(self, http_request: web.Request, asked: MessagesRequest, *, stream: bool):
+        super().__init__(http_request)
+        self.asked = asked
+        self.stream = stream
+        self._id = ""
+        self._headers: dict = {}
+        self._prompt_tokens = 0
+        self._texts: list[str] = []
+
+    async def emit(self, frame: Frame) -> None:
+        error = as_error(frame)
+        if error is not None:
+            if self.stream and self.response is not None:
+                # The stream had started: Anthropic's error event ends it.
+                await self._event("error", {"type": "error", "error": {"type": "api_error", "message": error.message}})
+            else:
+                self.response = anthropic_error(error.code, error.message)
+                self.response.headers.update(self._headers)
+        elif isinstance(frame, Accepted):
+            self._id, self._headers = f"msg_{frame.request_id}", _request_headers(frame)
+            self._prompt_tokens = frame.prompt_tokens
+            if self.stream:
+                self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
+                await self.response.prepare(self.http_request)
+                await self._event("message_start", {"type": "message_start", "message": self._message([], None, 0)})
+                block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+                await self._event("content_block_start", block)
+        elif isinstance(frame, Token):
+            if self.stream:
+                delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": frame.text}}
+                await self._event("content_block_delta", delta)
+            else:
+                self._texts.append(frame.text)
+        elif isinstance(frame, Terminal):
+            await self._end(frame)
+
+    def _message(self, content: list[dict], ending: Ending | None, output_tokens: int) -> dict:
+        return {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.asked.model,
+            "content": content,
+            "stop_reason": None if ending is None else self.asked.stop_reason(ending),
+            "stop_sequence": None if ending is None else self.asked.stop_sequence(ending),
+            "usage": {"input_tokens": self._prompt_tokens, "output_tokens": output_tokens},
+        }
+
+    async def _end(self, frame: Terminal) -> None:
+        ending = frame.ending
+        if not self.stream:
+            content = [{"type": "text", "text": "".join(self._texts)}]
+            body = {**self._message(content, ending, ending.tokens_generated), "stopline": frame.json()}
+            self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
+            return
+        await self._event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        # The last delta also carries Stopline's terminal frame: how it ended and what stopping cost.
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.asked.stop_reason(ending), "stop_sequence": self.asked.stop_sequence(ending)},
+            "usage": {"output_tokens": ending.tokens_generated},
+            "stopline": frame.json(),
+        }
+        await self._event("message_delta", delta)
+        await self._event("message_stop", {"type": "message_stop"})
+
+    async def _event(self, name: str, body: dict) -> None:
+        assert self.response is not None  # a stream's response is prepared before its first event
+        await self.response.write(f"event: {name}\ndata: {encode_json(body)}\n\n".encode())
+
+
+def anthropic_error(code: ErrorCode | Refusal, message: str) -> web.Response:
+    """An error in Anthropic's shape, with the status Stopline gives its code."""
+    status = http_status(code) if isinstance(code, ErrorCode) else HTTPStatus.BAD_REQUEST
+    body = {"type": "error", "error": {"type": ERROR_TYPE.get(status, "invalid_request_error"), "message": message}}
+    return web.json_response(body, status=status, headers=dict(_NO_STORE))
+
+
 class HttpApi:
     def __init__(
         self, services: Services, settings: Settings, edge: Edge, cluster: Cluster | None, models: ServedModels
@@ -434,6 +517,7 @@ class HttpApi:
                 web.delete("/v1/generations/{request_id}", self._delete_generation),
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
+                web.post("/v1/messages", self._messages),
                 web.get("/v1/models", self._models),
                 # A served name may hold slashes (OWNER/REPO:QUANT).
                 web.get("/v1/models/{model:.+}", self._model),
@@ -483,7 +567,7 @@ class HttpApi:
                 status=HTTPStatus.NO_CONTENT,
                 headers={
                     "Access-Control-Allow-Methods": "GET, POST, DELETE",
-                    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version",
                     "Access-Control-Max-Age": "600",
                 },
             )
@@ -492,7 +576,8 @@ class HttpApi:
         by_id = request.method in ("GET", "DELETE") and request.path.startswith("/v1/generations/")
         if keyring.required and not by_id:
             authorization = request.headers.get("Authorization")
-            key = keyring.lookup(bearer(authorization))
+            # Anthropic's clients send their key as x-api-key.
+            key = keyring.lookup(bearer(authorization) or request.headers.get("x-api-key"))
             if key is None:
                 await self.edge.refuse_key(_peer(request), request.path)
                 message = refusal_message(authorization, bearer(authorization), "send 'Authorization: Bearer <key>'")
@@ -550,6 +635,16 @@ class HttpApi:
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(request, asked, chat=chat, stream=stream, include_usage=include_usage)
         return await self._generate(request, asked.frames, reply)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = parse_json_object(await request.text(), "body")
+            asked = messages_request(body, models=self.models, limits=self.services.limits)
+        except ProtocolError as exc:
+            return anthropic_error(exc.code, exc.message)
+        return await self._generate(
+            request, [asked.frame], AnthropicReply(request, asked, stream=body.get("stream") is True)
+        )
 
     async def _generate(
         self, request: web.Request, frames: Sequence[GenerateFrame], reply: HttpReply

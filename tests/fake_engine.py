@@ -113,6 +113,8 @@ class FakeStream:
             text_kept_bytes=0,
             longest_prefill_node_ns=0,
             longest_decode_node_ns=0,
+            prompt_tokens_wasted=0,
+            wasted_eval_ns=0,
         )
 
 

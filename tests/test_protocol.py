@@ -593,6 +593,8 @@ def test_accepted_names_the_global_id_and_the_cancel_token():
         "queue_position": 3,
         "request_id": request.request_id,
         "cancel_token": request.cancel_token,
+        # "a b c", one token a word.
+        "prompt_tokens": 3,
     }
 
 

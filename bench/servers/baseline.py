@@ -267,6 +267,9 @@ class BaselineGeneration:
                 text_kept_bytes=len(text) if kept is None else kept,
                 longest_prefill_node_ns=0,
                 longest_decode_node_ns=0,
+                # Stopped between steps only: no evaluation is ever cut short.
+                prompt_tokens_wasted=0,
+                wasted_eval_ns=0,
             )
             self.finished = True
         self._wake()

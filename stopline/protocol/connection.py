@@ -346,7 +346,10 @@ class Connection:
 
     def accepted(self, request: Request, queue_position: int) -> list[Action]:
         """The scheduler took ``request``: 0 if it started at once, else its place in the queue."""
-        return [Send(Accepted(request.id, queue_position, request.request_id, request.cancel_token))]
+        accepted = Accepted(
+            request.id, queue_position, request.request_id, request.cancel_token, len(request.prompt_tokens)
+        )
+        return [Send(accepted)]
 
     def busy(self, request: Request, message: str) -> list[Action]:
         """The scheduler refused ``request``: every slot is busy and the queue is full."""

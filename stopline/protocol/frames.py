@@ -79,13 +79,15 @@ class Hello:
 
 @dataclass(frozen=True)
 class Accepted:
-    """The scheduler took a request: its place in the queue (0: it started), its id and cancel token."""
+    """The scheduler took a request: its place in the queue (0: it started), its id and cancel
+    token, and its prompt's length in tokens."""
 
     type: ClassVar[str] = "accepted"
     id: str
     queue_position: int
     request_id: str
     cancel_token: str
+    prompt_tokens: int
 
     def json(self) -> dict:
         return {"type": self.type, **asdict(self)}

@@ -1,0 +1,121 @@
+"""Anthropic's Messages API, driven by the real ``anthropic`` package against a real server,
+the real model and the real loop: the same generation as every other API, in Anthropic's shapes,
+and stopped when the stream closes."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, running_server, wait_for
+from stopline.protocol.anthropic_messages import FIELDS
+from stopline.protocol.openai_fields import Treatment
+
+KEY = "anthropic-test-key-0123456789"
+
+
+def client_of(server, api_key: str = "unused") -> anthropic.AsyncAnthropic:
+    # The package appends /v1/messages to its base URL.
+    base = server.http.base_url.removesuffix("/v1")
+    return anthropic.AsyncAnthropic(base_url=base, api_key=api_key, max_retries=0, timeout=120 * UNIT)
+
+
+async def test_a_message_is_the_same_greedy_answer_as_a_chat_completion(server):
+    async with client_of(server) as client:
+        message = await client.messages.create(
+            model=server.engine.name, max_tokens=32, messages=CHAT_FRANCE, extra_body={"temperature": 0}
+        )
+    assert message.type == "message" and message.role == "assistant" and message.model == server.engine.name
+    [block] = message.content
+    assert block.type == "text" and "Paris" in block.text
+    end = message.model_extra["stopline"]
+    assert message.stop_reason == ("max_tokens" if end["tokens_generated"] == 32 else "end_turn")
+    assert message.usage.input_tokens == end["prompt_tokens"] and message.usage.output_tokens == end["tokens_generated"]
+    assert message.id == f"msg_{end['id']}"
+    async with openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0) as other:
+        chat = await other.chat.completions.create(
+            model=server.engine.name, max_tokens=32, messages=CHAT_FRANCE, temperature=0
+        )
+    assert chat.choices[0].message.content == block.text
+    assert chat.usage.prompt_tokens == message.usage.input_tokens
+
+
+async def test_a_streamed_message_has_anthropics_events_and_the_same_text(server):
+    asked = dict(model=server.engine.name, max_tokens=12, stop_sequences=["\n"], extra_body={"temperature": 0})
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Count: "}, {"type": "text", "text": "1, 2,"}]}]
+    async with client_of(server) as client:
+        whole = await client.messages.create(messages=messages, system="You count.", **asked)
+        events = []
+        async with client.messages.stream(
+            messages=messages, system=[{"type": "text", "text": "You count."}], **asked
+        ) as s:
+            async for event in s:
+                events.append(event.type)
+            final = await s.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert events[1] == "content_block_start" and "content_block_stop" in events and "message_delta" in events
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    # A stop sequence given alone is the one that ended the answer.
+    if whole.stop_reason == "stop_sequence":
+        assert whole.stop_sequence == "\n" and "\n" not in whole.content[0].text
+    else:
+        assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
+
+
+async def test_closing_a_message_stream_stops_the_model(server, logs):
+    async with client_of(server) as client:
+        async with client.messages.stream(model=server.engine.name, max_tokens=500, messages=LONG_ANSWER) as s:
+            seen = 0
+            async for event in s:
+                seen += event.type == "content_block_delta"
+                if seen == 5:
+                    break
+    await wait_for(lambda: logs.records("generation_cancelled"))
+    [end] = logs.records("generation_cancelled")
+    assert end["reason"] == "client_disconnected" and end["tokens_after_cancel"] <= 1
+    await wait_for(lambda: server.scheduler.active == 0)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0"),
+        ({"temperature": 9}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"metadata": {"session": "x"}}, "metadata"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+async def test_what_is_not_honoured_is_refused_by_name(server, change, named):
+    body = {"model": server.engine.name, "max_tokens": 8, "messages": CHAT_FRANCE, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    async with client_of(server) as client:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.post("/v1/messages", cast_to=anthropic.types.Message, body=body)
+    assert refused.value.status_code == 400
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    assert named in refused.value.body["error"]["message"]
+    assert server.scheduler.active == 0
+
+
+def test_every_field_is_honoured_or_refused():
+    assert set(FIELDS.values()) == {Treatment.HONOURED, Treatment.REFUSED}
+    assert {"model", "messages", "max_tokens", "system", "stop_sequences", "stream"} <= {
+        name for name, treatment in FIELDS.items() if treatment is Treatment.HONOURED
+    }
+
+
+async def test_anthropics_key_header_is_an_api_key(engine):
+    async with running_server(engine, api_keys=(KEY,)) as server:
+        async with client_of(server, KEY) as client:
+            message = await client.messages.create(model=server.engine.name, max_tokens=2, messages=CHAT_FRANCE)
+            assert message.usage.output_tokens >= 1
+        async with client_of(server, "not-the-key-0123456789") as client:
+            with pytest.raises(anthropic.AuthenticationError):
+                await client.messages.create(model=server.engine.name, max_tokens=2, messages=CHAT_FRANCE)
