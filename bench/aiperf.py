@@ -262,6 +262,10 @@ def report(results: dict) -> str:
         *(f"- {name}: `{shlex.join(info['command'])}`" for name, info in meta["servers"].items()),
         "",
         tables(results["rows"]),
+        *(
+            f"\nFailed: {f['server']} at concurrency {f['concurrency']}: {f['error']} ({f['artifacts']})"
+            for f in results.get("failures", [])
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -457,6 +461,7 @@ async def run(args) -> dict:
     servers = {STOPLINE: stopline, LLAMA_SERVER: llama}
     urls = {STOPLINE: stopline.base_url, LLAMA_SERVER: llama.http_url}
     rows: list[dict] = []
+    failures: list[dict] = []
     try:
         names = {name: await served_model(url) for name, url in urls.items()}
         plan = levels(args.concurrency, args.cancel_concurrency, args.cancellation_rate)
@@ -468,10 +473,16 @@ async def run(args) -> dict:
                 print(f"aiperf: {name}, concurrency {concurrency}{f', {rate:g}% cancelled' if rate else ''}")
                 command = profile_command(aiperf, profile)
                 timeout = args.run_timeout
-                export = await asyncio.to_thread(
-                    run_aiperf, command, profile.artifact_dir, args.client_cpu_set, timeout
-                )
                 row = {"server": name, "concurrency": concurrency, "cancellation_rate": rate}
+                try:
+                    export = await asyncio.to_thread(
+                        run_aiperf, command, profile.artifact_dir, args.client_cpu_set, timeout
+                    )
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    # One failed run costs its row, not the others'.
+                    print(f"aiperf failed: {exc}", file=sys.stderr)
+                    failures.append(row | {"error": str(exc).splitlines()[0], "artifacts": str(profile.artifact_dir)})
+                    continue
                 rows.append(row | parse_export(export))
     finally:
         for server in servers.values():
@@ -496,7 +507,7 @@ async def run(args) -> dict:
             LLAMA_SERVER: {"command": llama.info.get("command", []), "source": llama.info.get("source")},
         },
     }
-    return {"meta": meta, "rows": rows, "out": str(out)}
+    return {"meta": meta, "rows": rows, "failures": failures, "out": str(out)}
 
 
 def main(argv=None) -> int:
