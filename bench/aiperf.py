@@ -457,12 +457,12 @@ async def run(args) -> dict:
         binary, gguf, out, LLAMA_SERVER_SLOTS, len(args.cpu_set), DEFAULT_CONTEXT_LENGTH, cpus=args.cpu_set
     )
     print("starting stopline and llama-server ...", file=sys.stderr)
-    await asyncio.gather(stopline.start(), llama.start())
     servers = {STOPLINE: stopline, LLAMA_SERVER: llama}
-    urls = {STOPLINE: stopline.base_url, LLAMA_SERVER: llama.http_url}
     rows: list[dict] = []
     failures: list[dict] = []
     try:
+        await asyncio.gather(stopline.start(), llama.start())
+        urls = {STOPLINE: stopline.base_url, LLAMA_SERVER: llama.http_url}
         names = {name: await served_model(url) for name, url in urls.items()}
         plan = levels(args.concurrency, args.cancel_concurrency, args.cancellation_rate)
         for index, (concurrency, rate) in enumerate(plan):
