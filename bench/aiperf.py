@@ -259,7 +259,10 @@ def report(results: dict) -> str:
         f" (after {meta['warmup']} warm-up), {meta['input_tokens']}-token synthetic prompts, "
         f"{meta['output_tokens']}-token answers with `ignore_eos`. The servers took turns level by level.",
         "",
-        *(f"- {name}: `{shlex.join(info['command'])}`" for name, info in meta["servers"].items()),
+        *(
+            f"- {name}: `{shlex.join(info['command'])}`" + (f", {info['slots']} slots" if info.get("slots") else "")
+            for name, info in meta["servers"].items()
+        ),
         "",
         tables(results["rows"]),
         *(
@@ -296,11 +299,12 @@ class StoplineDefaults:
         self.process: ServerProcess | None = None
         self.base_url = ""
         self.pid: int | None = None
+        self.info: dict = {}  # its server_started record: slots, threads, context
 
     async def start(self) -> StoplineDefaults:
         self.process = ServerProcess(*self.args, stderr_path=self.log_path, cpus=self.cpus)
         await self.process.started()
-        self.pid = self.process.pid
+        self.pid, self.info = self.process.pid, self.process.start_record
         self.base_url = self.process.api_url.removesuffix("/").removesuffix("/v1")
         return self
 
@@ -452,6 +456,7 @@ async def run(args) -> dict:
     gguf = model.gguf()
     tokenizer = write_tokenizer(model_tokenizer(args.model, gguf), out / "tokenizer", DEFAULT_CONTEXT_LENGTH)
     load_at_start = load_average()
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     stopline = StoplineDefaults(None if args.model == "smollm2" else gguf, args.cpu_set, out / "server-stopline.log")
     llama = LlamaServerDefaults(
         binary, gguf, out, LLAMA_SERVER_SLOTS, len(args.cpu_set), DEFAULT_CONTEXT_LENGTH, cpus=args.cpu_set
@@ -490,7 +495,7 @@ async def run(args) -> dict:
         await asyncio.gather(stopline.stop(), llama.stop())
     meta = {
         "command": "python -m bench aiperf " + shlex.join(sys.argv[2 if sys.argv[1:2] == ["aiperf"] else 1 :]),
-        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "started_at": started_at,
         "aiperf_version": AIPERF_VERSION,
         "machine": machine(),
         "model": model.title,
@@ -503,8 +508,19 @@ async def run(args) -> dict:
         "load_average_start": load_at_start,
         "load_average_end": load_average(),
         "servers": {
-            STOPLINE: {"command": stopline.command, "model_name": names[STOPLINE]},
-            LLAMA_SERVER: {"command": llama.info.get("command", []), "source": llama.info.get("source")},
+            STOPLINE: {
+                "command": stopline.command,
+                "model_name": names[STOPLINE],
+                "slots": stopline.info.get("workers"),
+                "threads": stopline.info.get("threads"),
+                "context_length": stopline.info.get("context_length"),
+            },
+            LLAMA_SERVER: {
+                "command": llama.info.get("command", []),
+                "source": llama.info.get("source"),
+                "slots": LLAMA_SERVER_SLOTS,
+                "threads": llama.threads,
+            },
         },
     }
     return {"meta": meta, "rows": rows, "failures": failures, "out": str(out)}
