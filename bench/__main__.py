@@ -7,6 +7,8 @@
     python -m bench native | llama-native | structured    the engines' loops in-process
     python -m bench random-llama [--layers N]             the Llama-3.2-1B-shaped model file
     python -m bench serve --engine NAME ...               one server, as ``run`` starts them
+    python -m bench aiperf --build-llama-server [--concurrency 1,2,4,8,16]
+                                                          NVIDIA's AIPerf against Stopline and llama-server
 
 ``python -m bench COMMAND --help`` says more; the microbenchmarks are ``python -m pytest bench/ --benchmark-only``.
 """
@@ -26,6 +28,7 @@ COMMANDS = {
     "structured": "bench.inprocess.structured_output:main",
     "random-llama": "bench.inprocess.random_llama:main",
     "serve": "bench.servers.serve:main",
+    "aiperf": "bench.aiperf:main",
 }
 
 
