@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName, Outcome, Reason
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)

@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from bench.launch import ServerProcess, run_stopline
-from conftest import (
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     UNIT,

@@ -22,19 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
-from bench.launch import run_stopline
-from conftest import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
-from stopline import _core
-from stopline.engine.llama_build import cached_library
-from stopline.engine.loop import Engine
-from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
-from stopline.engine.model_check import ModelFileError, read_gguf_metadata
-from stopline.observability import ConsoleRenderer
-from stopline.protocol.requests import SamplingParams, exit_outcome
-from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
 from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
-    http,
     test_closing_an_openai_stream_stops_the_model,
     test_delete_from_a_second_client,
     test_openai_streaming_with_usage,
@@ -52,16 +40,27 @@ from test_server_lifecycle import (  # noqa: F401
     test_greedy_chat_streams_tokens_then_done,
     test_total_timeout_default_override_and_cap,
 )
-from test_web import page, test_stop_button_cancels_a_streaming_generation  # noqa: F401
+from test_web import test_stop_button_cancels_a_streaming_generation  # noqa: F401
+
+from bench.launch import run_stopline
+from stopline import _core
+from stopline.engine.llama_build import cached_library
+from stopline.engine.loop import Engine
+from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
+from stopline.engine.model_check import ModelFileError, read_gguf_metadata
+from stopline.observability import ConsoleRenderer
+from stopline.protocol.requests import SamplingParams, exit_outcome
+from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
+from support import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine(llama_engine) -> Engine:
     """The embedded SmolLM2, on the llama.cpp engine (overrides conftest's for this module)."""
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+    return llama_engine
 
 
 @pytest.fixture(scope="module")

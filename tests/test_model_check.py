@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from bench.launch import run_stopline
-from conftest import UNIT
 from hub_stand_in import split_gguf
 from stopline.engine import conversion, model
 from stopline.engine.loop import Engine
@@ -38,6 +37,7 @@ from stopline.engine.tokenizer import TokenizerError, load_chat_template
 from stopline.protocol.errors import ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName
+from support import UNIT
 
 
 def write_gguf(

@@ -6,25 +6,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline.__main__ import parse_args, settings_from
 from stopline.protocol.openai_fields import FIELDS, Endpoint, Treatment, fields_of
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
 # The fields whose value the test sets itself, around the one it sends.
 BASE = {"messages", "prompt", "model"}
 # Fields that are read together with another one.
 COMPANIONS = {"top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "none"}}
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 * UNIT)) as session:
-        yield session
 
 
 def docs_table() -> set[tuple[str, frozenset[Endpoint], Treatment]]:

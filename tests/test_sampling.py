@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_generation
 from stopline._core import ExitKind
 from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import EngineName
+from support import make_generation
 
 COUNTING = "1, 2, 1, 2, 1, 2, 1, 2, 1, 2,"
 

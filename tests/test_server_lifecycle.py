@@ -10,7 +10,8 @@ import logging
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import (
+from stopline.observability import ConsoleRenderer
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     client_for,
@@ -20,7 +21,6 @@ from conftest import (
     running_server,
     wait_for,
 )
-from stopline.observability import ConsoleRenderer
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -371,6 +371,6 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server, lo
 
 
 async def http_get_healthz(server):
-    from conftest import http_get
+    from support import http_get
 
     return await http_get(server, "/healthz")

@@ -14,7 +14,11 @@ import time
 import pytest
 
 from bench.inprocess.native import abort_storm, storm_prompt
-from conftest import (
+from stopline import _core
+from stopline._core import ExitKind, Generation
+from stopline.engine.loop import Engine
+from stopline.protocol.vocabulary import AbortMode, EngineName
+from support import (
     CHAT_FRANCE,
     UNIT,
     client_for,
@@ -24,10 +28,6 @@ from conftest import (
     metric_value,
     started_running,
 )
-from stopline import _core
-from stopline._core import ExitKind, Generation
-from stopline.engine.loop import Engine
-from stopline.protocol.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
 ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "150"))

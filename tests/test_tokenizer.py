@@ -19,9 +19,9 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CHAT_FRANCE
 from stopline import _core
 from stopline.engine.tokenizer import ChatTokenizer, TextStream, compile_chat_template, load_chat_template
+from support import CHAT_FRANCE
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
