@@ -88,22 +88,33 @@ async def browser():
 
 
 @pytest.fixture(scope="session")
-def engine() -> Engine:
-    # The ctransformers engine: the modules that test the server run again on llama.cpp, the
-    # default, in test_llama_engine.py. One compute thread per slot, as on two cores by default.
-    return Engine.load(engine=EngineName.CTRANSFORMERS, threads=1, progress=False)
-
-
-@pytest.fixture(scope="session")
 def llama_engine() -> Engine:
-    """The embedded SmolLM2 on the llama.cpp engine, for the modules about that engine or about
-    what only it does (a grammar sampler): one compute thread per slot."""
+    """The embedded SmolLM2 on the llama.cpp engine, the default: one compute thread per slot,
+    as on two cores by default."""
     return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
 
 
 @pytest.fixture(scope="session")
-def original_gguf_fields(engine) -> dict:
-    """The embedded model's original GGUF metadata (``GGUFReader.fields``), read once: reading takes seconds."""
+def ctransformers_engine() -> Engine:
+    """The embedded SmolLM2 on the ctransformers engine (its converted file), one compute thread
+    per slot: for the tests about that engine, and the second run of each test that takes ``engine``."""
+    return Engine.load(engine=EngineName.CTRANSFORMERS, threads=1, progress=False)
+
+
+ENGINE_FIXTURES = {EngineName.LLAMA_CPP: "llama_engine", EngineName.CTRANSFORMERS: "ctransformers_engine"}
+
+
+@pytest.fixture(scope="session", params=list(ENGINE_FIXTURES), ids=[e.value for e in ENGINE_FIXTURES])
+def engine(request) -> Engine:
+    """The embedded SmolLM2 on each engine, llama.cpp (the default) first: every test that takes
+    ``engine``, or the ``server`` built on it, runs on both. Each engine is loaded once."""
+    return request.getfixturevalue(ENGINE_FIXTURES[request.param])
+
+
+@pytest.fixture(scope="session")
+def original_gguf_fields(llama_engine) -> dict:
+    """The embedded model's original GGUF metadata (``GGUFReader.fields``), read once: reading takes
+    seconds. Loading the llama.cpp engine has fetched the file."""
     return gguf.GGUFReader(str(original_gguf_path(progress=False))).fields
 
 

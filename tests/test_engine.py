@@ -144,6 +144,15 @@ def stream_text(engine: Engine, slot, prompt: list[int], **params) -> tuple[str,
 
 
 @pytest.fixture(scope="module")
+def engine(ctransformers_engine) -> Engine:
+    """The ctransformers engine alone (overrides conftest's for this module): this module is the
+    loop's contract on that engine, and some of its tests drive ctransformers directly (its native
+    context, its own generate(), its tokenizer). The same contract on llama.cpp is in
+    test_llama_engine.py, and the server's tests run on both engines."""
+    return ctransformers_engine
+
+
+@pytest.fixture(scope="module")
 def slot(engine):
     context = engine.open_slot()
     yield context

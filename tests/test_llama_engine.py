@@ -1,10 +1,8 @@
 """The llama.cpp engine: the same loop contract over today's llama.cpp, with the
 real shim library, the real SmolLM2 and Gemma 3 270M files and real servers.
 
-The server-level tests of the ctransformers engine are imported below and run
-here again against this module's ``engine``: every stop path (cancel frame,
-DELETE, closed stream, disconnect, deadlines, slow consumer, shutdown, the
-page's Stop button in Chromium) on the llama.cpp engine.
+The server's tests (every stop path included) run on this engine through
+conftest's ``engine``, which gives them llama.cpp first and ctransformers second.
 """
 
 from __future__ import annotations
@@ -22,25 +20,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
-    test_closing_an_openai_stream_stops_the_model,
-    test_delete_from_a_second_client,
-    test_openai_streaming_with_usage,
-    test_shutdown_ends_http_streams_with_cancelled_shutdown,
-    test_websocket_generation_cancelled_by_delete,
-)
-from test_server_input import test_slow_consumer_is_cancelled_and_memory_stays_bounded  # noqa: F401
-from test_server_lifecycle import (  # noqa: F401
-    test_cancel_during_decode,
-    test_cancel_during_prefill_stops_within_one_chunk,
-    test_cancel_racing_finish_gives_exactly_one_terminal_message,
-    test_cancel_while_queued_computes_nothing,
-    test_client_disconnect_stops_every_request_of_the_connection,
-    test_first_token_timeout_stops_prefill,
-    test_greedy_chat_streams_tokens_then_done,
-    test_total_timeout_default_override_and_cap,
-)
-from test_web import test_stop_button_cancels_a_streaming_generation  # noqa: F401
 
 from bench.launch import run_stopline
 from stopline import _core
@@ -59,7 +38,8 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def engine(llama_engine) -> Engine:
-    """The embedded SmolLM2, on the llama.cpp engine (overrides conftest's for this module)."""
+    """The embedded SmolLM2, on the llama.cpp engine alone (overrides conftest's for this module,
+    which is about that engine)."""
     return llama_engine
 
 

@@ -125,9 +125,15 @@ async def test_the_samplers_extra_fields_take_effect_through_the_openai_client(s
         assert wild.choices[0].message.content != greedy.choices[0].message.content
 
 
-async def test_structured_output_names_the_engine_that_has_it(server):
-    if server.limits.grammars:
-        pytest.skip("this engine constrains output to a grammar")
+async def test_structured_output_names_the_engine_that_has_it(ctransformers_engine):
+    # About the engine without a grammar sampler: on ctransformers, response_format and tools are
+    # refused by name, and the refusal names the engine that has them (test_structured_output.py).
+    async with running_server(ctransformers_engine) as server:
+        assert not server.limits.grammars
+        await refuses_structured_output(server)
+
+
+async def refuses_structured_output(server) -> None:
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
     for response_format in (
         {"type": "json_object"},

@@ -17,6 +17,7 @@ from support import (
     client_for,
     decode_step_ms,
     fetch_metrics,
+    http_get,
     metric_value,
     running_server,
     wait_for,
@@ -371,6 +372,4 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server, lo
 
 
 async def http_get_healthz(server):
-    from support import http_get
-
     return await http_get(server, "/healthz")

@@ -10,7 +10,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_openai_fields import test_every_field_is_honoured_or_refused_by_name  # noqa: F401  (run again on llama.cpp)
 
 from stopline.engine.loop import Engine
 from stopline.protocol.connection import Connection, Tokenize
