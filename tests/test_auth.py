@@ -14,13 +14,11 @@ import os
 import stat
 import subprocess
 
-import aiohttp
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.launch import run_stopline
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 from stopline.__main__ import main as stopline_main
 from stopline.__main__ import parse_args, settings_from
 from stopline.app import StoplineServer
@@ -36,14 +34,9 @@ from stopline.auth import (
 )
 from stopline.protocol.vocabulary import ErrorCode, KeyEvent, QuotaLimit, Refusal
 from stopline.settings import Settings
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, http_get, metric_value, running_server, wait_for
 
 METRICS_KEY = "metrics-key-0123456789"
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 * UNIT)) as session:
-        yield session
 
 
 class Keys:

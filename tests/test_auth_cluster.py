@@ -26,7 +26,6 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
 
 from bench.servers import RedisServer
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from stopline.app import StoplineServer
 from stopline.auth import ApiKey, Quota, add_key, revoke_key
 from stopline.cluster import CANCELLATIONS, generation_key
@@ -50,7 +49,8 @@ from stopline.quota import (
     quota_key,
 )
 from stopline.settings import Settings
-from test_cluster import REPLICA_IDS, Nginx, Replica
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, Client, metric_value, wait_for
+from support.cluster import REPLICA_IDS, Nginx, Replica
 
 METRICS_KEY = "metrics-key-for-the-cluster-0123"
 
@@ -236,12 +236,6 @@ async def test_the_place_of_a_replica_that_dies_frees_up_when_its_lease_ends(eng
                 await on_b.terminal("freed")
         finally:
             doomed.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as session:
-        yield session
 
 
 def bearer(key: str) -> dict:

@@ -15,12 +15,12 @@ import pexpect
 import pytest
 
 from bench.launch import ROOT, module_command, run_stopline
-from conftest import UNIT, fetch_metrics, metric_value
 from stopline.client import UsageError, summary, websocket_url
 from stopline.protocol.frames import Terminal
 from stopline.protocol.requests import Ending
 from stopline.protocol.vocabulary import Outcome, Reason
 from stopline.settings import client_url
+from support import UNIT, fetch_metrics, metric_value, running_server
 
 LONG_STORY = "Write a very long story about a dragon."
 PROMPT = "\r\n> "
@@ -290,8 +290,6 @@ async def test_ctrl_c_twice_at_the_prompt_leaves(server, logs):
 
 
 async def test_the_chat_survives_a_server_that_went_away(engine, logs):
-    from conftest import running_server
-
     async with running_server(engine) as server:
         child = spawn(STOPLINE_PORT=str(server.port))
         await expect(child, PROMPT)

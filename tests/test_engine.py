@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
 from stopline.engine.loop import Engine, sampling_args
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName, Outcome, Reason
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running
 
 # Scheduling noise allowed on top of a bound measured in steps or chunks.
 SLACK_NS = int(50e6 * UNIT)
@@ -141,6 +141,15 @@ def stream_text(engine: Engine, slot, prompt: list[int], **params) -> tuple[str,
     text = "".join(stream)
     assert stream.tokens_read == stream.result.tokens_generated
     return text, stream.result
+
+
+@pytest.fixture(scope="module")
+def engine(ctransformers_engine) -> Engine:
+    """The ctransformers engine alone (overrides conftest's for this module): this module is the
+    loop's contract on that engine, and some of its tests drive ctransformers directly (its native
+    context, its own generate(), its tokenizer). The same contract on llama.cpp is in
+    test_llama_engine.py, and the server's tests run on both engines."""
+    return ctransformers_engine
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from bench.launch import ServerProcess, run_stopline
-from conftest import (
+from stopline.protocol.vocabulary import EngineName
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     UNIT,
@@ -216,7 +217,12 @@ async def test_fuzz_ten_thousand_frames(engine, logs, tracebacks):
 # Prompt work -----------------------------------------------------------------
 
 
-async def test_an_oversized_prompt_is_refused_without_tokenizing(server):
+async def test_an_oversized_prompt_is_refused_without_tokenizing(server, request):
+    if server.engine.kind is EngineName.LLAMA_CPP:
+        # llama.cpp's tokenizer (LlamaTokenizer) has no max_token_bytes, so the bound falls back to
+        # the frame's size and such a prompt is tokenized before it is refused. Strict: this fails
+        # as soon as that engine gets the bound, and the mark should then go.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="no prompt byte bound on llama.cpp yet"))
     async with client_for(server) as client:
         started = time.monotonic()
         error = await client.generate("huge", prompt="x" * 399_000)

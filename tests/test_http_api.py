@@ -10,45 +10,26 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, fetch_metrics, http_get, metric_value, wait_for
 from stopline.app import StoplineServer
 from stopline.settings import Settings
+from support import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    UNIT,
+    client_for,
+    delete,
+    fetch_metrics,
+    http_get,
+    metric_value,
+    openai_client,
+    sse_events,
+    wait_for,
+)
 
 # Tokens a closed connection may still cost beyond the one step the loop was in: tokens the
 # server had already produced and written but the client had not read when it closed.
 IN_FLIGHT_STEPS = 8
 LONG_PROMPT = "The history of bread is long. " * 220  # about 1,500 tokens
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 * UNIT)) as session:
-        yield session
-
-
-def openai_client(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=120 * UNIT)
-
-
-async def sse_events(response: aiohttp.ClientResponse):
-    """(event, data) pairs of a text/event-stream response."""
-    event, data = None, []
-    async for raw in response.content:
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if event is not None:
-                yield event, json.loads("\n".join(data))
-            event, data = None, []
-        elif line.startswith("event: "):
-            event = line[len("event: ") :]
-        elif line.startswith("data: "):
-            data.append(line[len("data: ") :])
-
-
-async def delete(http, server, request_id: str, token: str | None) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    async with http.delete(f"{server.http.base_url}/generations/{request_id}", headers=headers) as response:
-        return response.status, await response.json()
 
 
 async def get(http, server, request_id: str, token: str) -> tuple[int, dict]:

@@ -18,11 +18,11 @@ import pytest
 import pytest_asyncio
 
 from bench.launch import ServerProcess, run_stopline
-from conftest import UNIT
 from hub_stand_in import COMMIT, HubFile, HubStandIn, Repo, split_gguf
 from stopline.engine import hub
 from stopline.engine.hub import GGUFModel, HubError, HubModelName, RemoteFile, choose, gguf_models
 from stopline.engine.model import original_gguf_path
+from support import UNIT
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"

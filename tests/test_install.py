@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import CHAT_FRANCE, UNIT, metric_value
 from package_index import PackageIndex
 from stopline import __version__, settings
 from stopline.engine import llama_build, model
+from support import CHAT_FRANCE, UNIT, metric_value
 
 pytestmark = pytest.mark.slow
 

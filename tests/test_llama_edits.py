@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from bench.inprocess.random_llama import random_llama_path
-from conftest import make_generation, started_running
 from stopline import _core
 from stopline.engine.llama_build import SDIST_VERSION, llama_source_dir
 from stopline.engine.llama_edits import EDITS, STOP_CHECK, LlamaEditError, apply_edits
 from stopline.engine.loop import Engine
 from stopline.protocol.vocabulary import Batching, EngineName
+from support import make_generation, started_running
 
 STOPS = 30
 

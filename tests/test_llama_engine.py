@@ -1,10 +1,8 @@
 """The llama.cpp engine: the same loop contract over today's llama.cpp, with the
 real shim library, the real SmolLM2 and Gemma 3 270M files and real servers.
 
-The server-level tests of the ctransformers engine are imported below and run
-here again against this module's ``engine``: every stop path (cancel frame,
-DELETE, closed stream, disconnect, deadlines, slow consumer, shutdown, the
-page's Stop button in Chromium) on the llama.cpp engine.
+The server's tests (every stop path included) run on this engine through
+conftest's ``engine``, which gives them llama.cpp first and ctransformers second.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import numpy as np
 import pytest
 
 from bench.launch import run_stopline
-from conftest import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 from stopline import _core
 from stopline.engine.llama_build import cached_library
 from stopline.engine.loop import Engine
@@ -33,35 +30,17 @@ from stopline.engine.model_check import ModelFileError, read_gguf_metadata
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
-from test_http_api import (  # noqa: F401  (run again here, on the llama.cpp engine)
-    http,
-    test_closing_an_openai_stream_stops_the_model,
-    test_delete_from_a_second_client,
-    test_openai_streaming_with_usage,
-    test_shutdown_ends_http_streams_with_cancelled_shutdown,
-    test_websocket_generation_cancelled_by_delete,
-)
-from test_server_input import test_slow_consumer_is_cancelled_and_memory_stays_bounded  # noqa: F401
-from test_server_lifecycle import (  # noqa: F401
-    test_cancel_during_decode,
-    test_cancel_during_prefill_stops_within_one_chunk,
-    test_cancel_racing_finish_gives_exactly_one_terminal_message,
-    test_cancel_while_queued_computes_nothing,
-    test_client_disconnect_stops_every_request_of_the_connection,
-    test_first_token_timeout_stops_prefill,
-    test_greedy_chat_streams_tokens_then_done,
-    test_total_timeout_default_override_and_cap,
-)
-from test_web import page, test_stop_button_cancels_a_streaming_generation  # noqa: F401
+from support import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    """The embedded SmolLM2, on the llama.cpp engine (overrides conftest's for this module)."""
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+def engine(llama_engine) -> Engine:
+    """The embedded SmolLM2, on the llama.cpp engine alone (overrides conftest's for this module,
+    which is about that engine)."""
+    return llama_engine
 
 
 @pytest.fixture(scope="module")

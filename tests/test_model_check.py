@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from bench.launch import run_stopline
-from conftest import UNIT
 from hub_stand_in import split_gguf
 from stopline.engine import conversion, model
 from stopline.engine.loop import Engine
@@ -38,6 +37,7 @@ from stopline.engine.tokenizer import TokenizerError, load_chat_template
 from stopline.protocol.errors import ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName
+from support import UNIT
 
 
 def write_gguf(
@@ -211,8 +211,9 @@ def test_the_verdict_reads_no_vocabulary(tmp_path, monkeypatch):
     assert len(tokens) == 262_144 and tokens[:3] == ["<s>", "</s>", "t0"]
 
 
-def test_the_metadata_reader_agrees_with_gguf(engine):
-    # Every field and tensor of the embedded model, as the gguf package reads them.
+def test_the_metadata_reader_agrees_with_gguf(llama_engine):
+    # Every field and tensor of the embedded model (fetched by the time an engine has loaded it),
+    # as the gguf package reads them.
     path = model.original_gguf_path(progress=False)
     reference = gguf.GGUFReader(str(path))
     metadata = read_gguf_metadata(path)
@@ -233,11 +234,11 @@ def test_an_unknown_quantization_type_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_supported_gguf_passes_the_check(engine):
+def test_a_supported_gguf_passes_the_check(ctransformers_engine):
     fields = check_model_file(model.original_gguf_path(progress=False), None)
     assert fields["general.architecture"].contents() == "llama"
-    # The converted cache file (GGUF v2) passes too.
-    assert check_model_file(engine.model_path, None)["general.architecture"].contents() == "llama"
+    # The file the ctransformers engine converted into the cache (GGUF v2) passes too.
+    assert check_model_file(ctransformers_engine.model_path, None)["general.architecture"].contents() == "llama"
 
 
 def test_a_tensor_type_newer_than_the_loader_is_refused(tmp_path):

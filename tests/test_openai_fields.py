@@ -6,25 +6,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline.__main__ import parse_args, settings_from
 from stopline.protocol.openai_fields import FIELDS, Endpoint, Treatment, fields_of
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"
 # The fields whose value the test sets itself, around the one it sends.
 BASE = {"messages", "prompt", "model"}
 # Fields that are read together with another one.
 COMPANIONS = {"top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "none"}}
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 * UNIT)) as session:
-        yield session
 
 
 def docs_table() -> set[tuple[str, frozenset[Endpoint], Treatment]]:
@@ -132,9 +125,15 @@ async def test_the_samplers_extra_fields_take_effect_through_the_openai_client(s
         assert wild.choices[0].message.content != greedy.choices[0].message.content
 
 
-async def test_structured_output_names_the_engine_that_has_it(server):
-    if server.limits.grammars:
-        pytest.skip("this engine constrains output to a grammar")
+async def test_structured_output_names_the_engine_that_has_it(ctransformers_engine):
+    # About the engine without a grammar sampler: on ctransformers, response_format and tools are
+    # refused by name, and the refusal names the engine that has them (test_structured_output.py).
+    async with running_server(ctransformers_engine) as server:
+        assert not server.limits.grammars
+        await refuses_structured_output(server)
+
+
+async def refuses_structured_output(server) -> None:
     client = openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=60 * UNIT)
     for response_format in (
         {"type": "json_object"},

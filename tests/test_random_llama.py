@@ -12,12 +12,12 @@ import pytest
 import bench.run as bench_main
 from bench.inprocess import random_llama
 from bench.inprocess.random_llama import LlamaShape, random_llama_path
-from conftest import make_generation
 from stopline import _core
 from stopline.engine.llama_build import llama_source_dir
 from stopline.engine.loop import Engine
 from stopline.engine.model_check import read_gguf_metadata
 from stopline.protocol.vocabulary import AbortMode, EngineName
+from support import make_generation
 
 LAYERS = 2
 # llama.cpp's own tokenizer test for this vocabulary: texts, and the ids Llama 3's tokenizer gives them.

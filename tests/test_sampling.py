@@ -6,24 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_generation
 from stopline._core import ExitKind
-from stopline.engine.loop import Engine
-from stopline.protocol.vocabulary import EngineName
+from support import make_generation
 
 COUNTING = "1, 2, 1, 2, 1, 2, 1, 2, 1, 2,"
 
 
-@pytest.fixture(scope="module", params=[EngineName.CTRANSFORMERS, EngineName.LLAMA_CPP])
-def any_engine(request, engine) -> Engine:
-    if request.param is EngineName.CTRANSFORMERS:
-        return engine
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
-
-
 @pytest.fixture
-def slot(any_engine):
-    slot = any_engine.open_slot()
+def slot(engine):
+    slot = engine.open_slot()
     yield slot
     slot.close()
 
@@ -42,8 +33,8 @@ def greedy_run(slot, prompt: list[int], max_tokens: int, **sampling):
 
 
 @pytest.mark.parametrize(("frequency", "presence"), [(0.7, 0.4), (-0.5, 1.5), (2.0, 0.0)])
-def test_penalties_follow_openais_definition(any_engine, slot, frequency, presence):
-    prompt = any_engine.encode(prompt=COUNTING)
+def test_penalties_follow_openais_definition(engine, slot, frequency, presence):
+    prompt = engine.encode(prompt=COUNTING)
     tokens, result, penalized = greedy_run(
         slot, prompt, 8, frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=1.0
     )
@@ -60,16 +51,16 @@ def test_penalties_follow_openais_definition(any_engine, slot, frequency, presen
         assert tokens[-1] == int(np.argmax(penalized))
 
 
-def test_no_penalty_leaves_the_logits_as_the_model_computed_them(any_engine, slot):
-    prompt = any_engine.encode(prompt=COUNTING)
+def test_no_penalty_leaves_the_logits_as_the_model_computed_them(engine, slot):
+    prompt = engine.encode(prompt=COUNTING)
     tokens, _, logits = greedy_run(slot, prompt, 4, repetition_penalty=1.0)
     slot.forget()
     _, _, raw = greedy_run(slot, prompt + tokens[:-1], 1, repetition_penalty=1.0)
     assert np.max(np.abs(logits - raw)) < 1e-4
 
 
-def test_a_frequency_penalty_changes_what_greedy_decoding_says(any_engine, slot):
-    prompt = any_engine.encode(prompt=COUNTING)
+def test_a_frequency_penalty_changes_what_greedy_decoding_says(engine, slot):
+    prompt = engine.encode(prompt=COUNTING)
     plain, _, _ = greedy_run(slot, prompt, 12, repetition_penalty=1.0)
     slot.forget()
     penalized, _, _ = greedy_run(slot, prompt, 12, repetition_penalty=1.0, frequency_penalty=2.0)
@@ -89,10 +80,10 @@ def penalized(logits: np.ndarray, context: list[int], window: int) -> np.ndarray
     return out
 
 
-def test_the_repetition_penalty_is_llama_cpps_over_the_last_64_tokens(any_engine, slot):
+def test_the_repetition_penalty_is_llama_cpps_over_the_last_64_tokens(engine, slot):
     # " Paris" comes more than 64 tokens before the question it answers: outside the window.
     text = "I was born in Paris. " + "One, two, three, four, five, six, seven, eight, nine, ten. " * 4
-    prompt = any_engine.encode(prompt=text + "The capital of France is")
+    prompt = engine.encode(prompt=text + "The capital of France is")
     tokens, _, _ = greedy_run(slot, prompt, 6, repetition_penalty=2.0)
     changed = window_mattered = 0
     for step, token in enumerate(tokens):
@@ -112,8 +103,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - (top + np.log(np.exp(logits - top).sum()))
 
 
-def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(any_engine, slot):
-    prompt = any_engine.encode(prompt=COUNTING)
+def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(engine, slot):
+    prompt = engine.encode(prompt=COUNTING)
     generation = make_generation(
         slot, prompt, max_tokens=4, temperature=0.9, seed=3, repetition_penalty=1.0, logprobs=20
     )
@@ -142,8 +133,8 @@ def test_logprobs_are_the_log_softmax_of_the_loops_own_logits(any_engine, slot):
     assert make_generation(slot, prompt, max_tokens=2).logprobs(0, 0) is None
 
 
-def test_a_logit_bias_is_added_to_its_tokens_logits(any_engine, slot):
-    prompt = any_engine.encode(prompt=COUNTING)
+def test_a_logit_bias_is_added_to_its_tokens_logits(engine, slot):
+    prompt = engine.encode(prompt=COUNTING)
     _, _, raw = greedy_run(slot, prompt, 1, repetition_penalty=1.0)
     likeliest, runner_up = (int(t) for t in np.argsort(raw)[::-1][:2])
     bias = ((likeliest, -3.5), (runner_up, 2.0), (0, 7.0))
@@ -160,10 +151,10 @@ def test_a_logit_bias_is_added_to_its_tokens_logits(any_engine, slot):
     assert tokens == [runner_up] * 5 and result.exit == ExitKind.MAX_TOKENS
 
 
-def test_ignore_eos_never_draws_an_end_of_generation_token(any_engine, slot):
+def test_ignore_eos_never_draws_an_end_of_generation_token(engine, slot):
     ends = slot.end_tokens()
     assert 0 < len(ends) < 100
-    prompt = any_engine.encode(prompt=COUNTING)
+    prompt = engine.encode(prompt=COUNTING)
     # Biased to be certain, the end comes at once...
     forced = tuple((t, 100.0) for t in ends)
     tokens, result, _ = greedy_run(slot, prompt, 6, logit_bias=forced)
@@ -181,8 +172,8 @@ def test_ignore_eos_never_draws_an_end_of_generation_token(any_engine, slot):
 
 
 @pytest.mark.parametrize("kept", [2, 12])
-def test_min_p_drops_the_tokens_under_its_share_of_the_likeliest(any_engine, slot, kept):
-    prompt = any_engine.encode(prompt="Once upon a time, there was a")
+def test_min_p_drops_the_tokens_under_its_share_of_the_likeliest(engine, slot, kept):
+    prompt = engine.encode(prompt="Once upon a time, there was a")
     _, _, raw = greedy_run(slot, prompt, 1, repetition_penalty=1.0)
     # Each token's probability as a share of the likeliest one's; min_p halfway between
     # the shares of the last token to keep and the first to drop.

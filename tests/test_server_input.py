@@ -14,7 +14,7 @@ from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.uri import parse_uri
 
-from conftest import (
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     client_for,

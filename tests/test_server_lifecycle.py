@@ -10,17 +10,18 @@ import logging
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import (
+from stopline.observability import ConsoleRenderer
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     client_for,
     decode_step_ms,
     fetch_metrics,
+    http_get,
     metric_value,
     running_server,
     wait_for,
 )
-from stopline.observability import ConsoleRenderer
 
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
@@ -379,6 +380,4 @@ async def test_event_loop_stays_responsive_while_every_slot_generates(server, lo
 
 
 async def http_get_healthz(server):
-    from conftest import http_get
-
     return await http_get(server, "/healthz")

@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.launch import ServerProcess, run_stopline
-from conftest import (
+from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     UNIT,

@@ -22,12 +22,12 @@ import pexpect
 import pytest
 
 from bench.launch import ROOT, ServerProcess, module_command, run_stopline
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 from stopline import settings
 from stopline.__main__ import _in_daemon_thread
 from stopline.engine import cores, model
 from stopline.engine.tokenizer import load_chat_template
 from stopline.protocol.origin import WILDCARD_HOSTS
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 
 
 def stopline(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

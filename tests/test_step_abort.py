@@ -14,7 +14,11 @@ import time
 import pytest
 
 from bench.inprocess.native import abort_storm, storm_prompt
-from conftest import (
+from stopline import _core
+from stopline._core import ExitKind, Generation
+from stopline.engine.loop import Engine
+from stopline.protocol.vocabulary import AbortMode, EngineName
+from support import (
     CHAT_FRANCE,
     UNIT,
     client_for,
@@ -24,19 +28,18 @@ from conftest import (
     metric_value,
     started_running,
 )
-from stopline import _core
-from stopline._core import ExitKind, Generation
-from stopline.engine.loop import Engine
-from stopline.protocol.vocabulary import AbortMode, EngineName
 
 # Aborts per thread setting in the robustness test (python -m bench --native runs 500 each).
 ABORT_CYCLES = int(os.environ.get("STOPLINE_ABORT_CYCLES", "150"))
 STORY = "Once upon a time, in a village by the sea, there lived an old fisherman and his clever daughter. "
 
 
+# The tests up to the server's are about the ctransformers engine's step abort: the hook in its
+# patched ggml, and the trimmed output projection it allows. The llama.cpp engine's stop inside an
+# evaluation is tested in test_llama_edits.py and test_llama_engine.py.
 @pytest.fixture(scope="module")
-def slot(engine):
-    context = engine.open_slot()
+def slot(ctransformers_engine):
+    context = ctransformers_engine.open_slot()
     yield context
     context.close()
 
@@ -56,23 +59,23 @@ def greedy(slot, prompt, max_tokens=8, chunk=16, threads=1):
     return result, b"".join(generation.take())
 
 
-def test_the_engine_proves_the_hook_at_startup(engine):
+def test_the_engine_proves_the_hook_at_startup(ctransformers_engine):
     assert _core.step_abort_installed()
-    assert engine.abort_mode is AbortMode.IN_STEP
+    assert ctransformers_engine.abort_mode is AbortMode.IN_STEP
     # The last token's logits, computed alone, are bit-identical to a full evaluation's.
-    assert engine.trim_output
+    assert ctransformers_engine.trim_output
 
 
 @pytest.mark.slow
-def test_trimmed_output_projection_is_bit_identical_on_a_long_chunk(engine, slot):
+def test_trimmed_output_projection_is_bit_identical_on_a_long_chunk(ctransformers_engine, slot):
     # 100 tokens: past the 32-token width where ggml's f16 dot products change summation order.
-    tokens = engine.encode(prompt=STORY * 5)[:100]
+    tokens = ctransformers_engine.encode(prompt=STORY * 5)[:100]
     assert slot.probe_step_abort(tokens) == (True, True)
 
 
-def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
+def test_cancel_stops_a_single_huge_evaluation_part_way(ctransformers_engine, slot):
     """One chunk of 512 tokens takes seconds; a cancel ends it between two graph nodes."""
-    prompt = engine.encode(prompt=STORY * 30)[:600]
+    prompt = ctransformers_engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
     generation = make_generation(slot, prompt, max_tokens=4, temperature=0, prefill_chunk=_core.MAX_PREFILL_CHUNK)
     thread, box = run_in_thread(generation)
@@ -93,8 +96,8 @@ def test_cancel_stops_a_single_huge_evaluation_part_way(engine, slot):
     assert slot.n_held == 0
 
 
-def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
-    prompt = engine.encode(prompt=STORY * 30)[:600]
+def test_first_token_deadline_stops_inside_an_evaluation(ctransformers_engine, slot):
+    prompt = ctransformers_engine.encode(prompt=STORY * 30)[:600]
     slot.forget()
     deadline_ns = time.monotonic_ns() + int(0.3e9 * UNIT)
     result = make_generation(
@@ -106,8 +109,8 @@ def test_first_token_deadline_stops_inside_an_evaluation(engine, slot):
 
 
 @pytest.mark.slow
-def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
-    prompt = engine.encode(prompt=STORY * 20)[:300]
+def test_between_steps_mode_finishes_the_evaluation_in_progress(ctransformers_engine, slot):
+    prompt = ctransformers_engine.encode(prompt=STORY * 20)[:300]
     slot.forget()
     generation = make_generation(slot, prompt, max_tokens=4, prefill_chunk=128, step_abort=False)
     thread, box = run_in_thread(generation)
@@ -122,11 +125,11 @@ def test_between_steps_mode_finishes_the_evaluation_in_progress(engine, slot):
     assert result.prompt_tokens_evaluated % 128 == 0 and result.prompt_tokens_evaluated > 0
 
 
-def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
+def test_follow_up_turn_evaluates_only_the_new_tokens(ctransformers_engine, slot):
     slot.forget()
-    first = engine.encode(messages=CHAT_FRANCE)
-    r1, answer = greedy(slot, first, max_tokens=24, chunk=engine.prefill_chunk)
-    follow_up = engine.encode(
+    first = ctransformers_engine.encode(messages=CHAT_FRANCE)
+    r1, answer = greedy(slot, first, max_tokens=24, chunk=ctransformers_engine.prefill_chunk)
+    follow_up = ctransformers_engine.encode(
         messages=CHAT_FRANCE
         + [{"role": "assistant", "content": answer.decode()}, {"role": "user", "content": "And of Italy?"}]
     )
@@ -134,16 +137,16 @@ def test_follow_up_turn_evaluates_only_the_new_tokens(engine, slot):
     # but the last, unless the answer ended with EOS (never evaluated, never counted).
     last_evaluated = 0 if r1.exit is ExitKind.EOS else 1
     assert slot.n_held == len(first) + r1.tokens_generated - last_evaluated
-    expected = slot.reusable_prefix(follow_up, engine.prefill_chunk)
+    expected = slot.reusable_prefix(follow_up, ctransformers_engine.prefill_chunk)
     # The first turn's prompt, and as much of its answer as the new prompt repeats.
     assert expected >= len(first)
-    r2, _ = greedy(slot, follow_up, max_tokens=8, chunk=engine.prefill_chunk)
+    r2, _ = greedy(slot, follow_up, max_tokens=8, chunk=ctransformers_engine.prefill_chunk)
     assert r2.prompt_tokens_reused == expected
     assert r2.prompt_tokens_evaluated == r2.prompt_tokens - expected
 
 
-def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
-    prompt = engine.encode(prompt=STORY * 3)
+def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(ctransformers_engine, slot):
+    prompt = ctransformers_engine.encode(prompt=STORY * 3)
     slot.forget()
     _, fresh = greedy(slot, prompt, chunk=16)
     # Same prompt again: all but the last token is reused, and that token is
@@ -157,11 +160,11 @@ def test_a_resumed_prompt_computes_what_a_fresh_slot_computes(engine, slot):
 # stalls its partner, so that case runs alone.
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.alone)])
 @pytest.mark.slow
-def test_aborts_at_random_moments_never_corrupt_a_slot(engine, threads):
+def test_aborts_at_random_moments_never_corrupt_a_slot(ctransformers_engine, threads):
     """The same generation cancelled at random moments, over and over, on one
     slot: no abort, in the prompt or in decode, may leave a trace. Every run
     that escapes its cancel, and a final one, gives a fresh slot's tokens."""
-    counts = abort_storm(engine, storm_prompt(engine), ABORT_CYCLES, threads, seed=threads)
+    counts = abort_storm(ctransformers_engine, storm_prompt(ctransformers_engine), ABORT_CYCLES, threads, seed=threads)
     print(f"\nthreads={threads}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "cancel_to_exit_ms"))
     assert counts["hangs"] == 0 and counts["other"] == 0 and counts["mismatches"] == 0
     # Some runs escape their cancel (it is placed at random within a run's
@@ -214,7 +217,7 @@ async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engin
 
 
 @pytest.mark.slow
-def test_between_steps_fallback_is_explicit(engine):
+def test_between_steps_fallback_is_explicit(ctransformers_engine):
     other = Engine.load(threads=1, progress=False, abort_mode=AbortMode.BETWEEN_STEPS, engine=EngineName.CTRANSFORMERS)
     assert other.abort_mode is AbortMode.BETWEEN_STEPS and not other.trim_output
     assert other.prefill_chunk == 1

@@ -11,14 +11,12 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import UNIT, make_generation
 from stopline.engine.loop import Engine
 from stopline.protocol.connection import Connection, Tokenize
 from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from stopline.protocol.requests import Limits
-from stopline.protocol.vocabulary import EngineName
-from test_http_api import delete, http, sse_events  # noqa: F401  (http: the fixture)
-from test_openai_fields import test_every_field_is_honoured_or_refused_by_name  # noqa: F401  (run again on llama.cpp)
+from support import cancelled_records, delete, make_generation, openai_client, sse_events
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS, WEATHER_TOOL
 
 PERSON = {
     "type": "object",
@@ -96,13 +94,10 @@ ASK = {
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    """The embedded SmolLM2 on the llama.cpp engine (overrides conftest's for this module)."""
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
-
-
-def openai_client(server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=300 * UNIT)
+def engine(llama_engine) -> Engine:
+    """The embedded SmolLM2 on the llama.cpp engine, the one with a grammar sampler
+    (overrides conftest's for this module)."""
+    return llama_engine
 
 
 @pytest.mark.parametrize(
@@ -184,7 +179,7 @@ async def structured(client, server, name: str, *, seed: int, stream: bool = Fal
 
 
 async def test_json_schema_output_always_parses_and_validates(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     for seed, name in enumerate(SCHEMAS):
         for stream in (False, True):
             text, finish_reason = await structured(client, server, name, seed=seed, stream=stream)
@@ -199,7 +194,7 @@ MANY_REQUESTS = 20
 
 @pytest.mark.slow
 async def test_many_json_schema_requests(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     names = list(SCHEMAS)
     # Two at a time: one on each slot.
     for start in range(0, MANY_REQUESTS, 2):
@@ -214,7 +209,7 @@ async def test_many_json_schema_requests(server):
 
 @pytest.mark.slow
 async def test_many_json_object_requests(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     names = list(SCHEMAS)
     for start in range(0, MANY_REQUESTS, 2):
         answers = await asyncio.gather(
@@ -236,7 +231,7 @@ async def test_many_json_object_requests(server):
 
 
 async def test_json_object_output_is_an_object(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     for seed in range(3):
         answer = await client.chat.completions.create(
             model=server.engine.name,
@@ -254,7 +249,7 @@ async def test_json_object_output_is_an_object(server):
 ENDLESS = {"type": "array", "items": {"type": "integer"}, "minItems": 500}
 
 
-async def test_a_delete_stops_a_constrained_generation(server, http):  # noqa: F811
+async def test_a_delete_stops_a_constrained_generation(server, http):
     body = {"prompt": "A list of every word you know:", "json_schema": ENDLESS, "max_tokens": 1500}
     async with http.post(f"{server.http.base_url}/generations", json=body) as response:
         assert response.status == 200
@@ -274,7 +269,7 @@ async def test_a_delete_stops_a_constrained_generation(server, http):  # noqa: F
 
 
 async def test_closing_a_constrained_openai_stream_stops_the_model(server, logs):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     stream = await client.chat.completions.create(
         model=server.engine.name,
         messages=[{"role": "user", "content": "List every word you know."}],
@@ -288,47 +283,9 @@ async def test_closing_a_constrained_openai_stream_stops_the_model(server, logs)
         if len(ids) == 5:
             break
     await stream.close()
-    [record] = await _ended(logs, ids[0])
+    [record] = await cancelled_records(logs, ids[0])
     assert record["reason"] == "client_disconnected"
     await client.close()
-
-
-async def _ended(logs, request_id: str) -> list[dict]:
-    for _ in range(int(200 * UNIT)):
-        records = logs.records("generation_cancelled", request_id=request_id)
-        if records:
-            return records
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{request_id} did not end")
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Today's weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER_TOOL, ADD_TOOL]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 async def call_tool(client, server, messages: list, tool_choice, *, stream: bool):
@@ -359,7 +316,7 @@ async def call_tool(client, server, messages: list, tool_choice, *, stream: bool
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tool_calling_loop_with_the_openai_package(server, stream):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
     name, arguments, call_id, finish_reason = await call_tool(client, server, messages, "required", stream=stream)
     assert finish_reason == "tool_calls" and name in PARAMETERS
@@ -388,7 +345,7 @@ async def test_a_tool_calling_loop_with_the_openai_package(server, stream):
 
 
 async def test_bad_tools_and_tool_choices_are_refused_by_name(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     for tools, tool_choice, param in [
         (TOOLS, "sometimes", "tool_choice"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
@@ -403,23 +360,8 @@ async def test_bad_tools_and_tool_choices_are_refused_by_name(server):
     await client.close()
 
 
-# A function whose arguments cannot end soon: at least 500 integers.
-SLOW_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "store",
-        "parameters": {
-            "type": "object",
-            "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 500}},
-            "required": ["values"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
-async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server, logs, http):  # noqa: F811
-    client = openai_client(server)
+async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server, logs, http):
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     for how in ("close", "delete"):
         stream = await client.chat.completions.create(
             model=server.engine.name,
@@ -432,7 +374,7 @@ async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server,
         first = await anext(aiter(stream))
         if how == "close":
             await stream.close()
-            [record] = await _ended(logs, first.id)
+            [record] = await cancelled_records(logs, first.id)
             assert record["reason"] == "client_disconnected"
             continue
         token = stream.response.headers["X-Cancel-Token"]

@@ -19,9 +19,9 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CHAT_FRANCE
 from stopline import _core
 from stopline.engine.tokenizer import ChatTokenizer, TextStream, compile_chat_template, load_chat_template
+from support import CHAT_FRANCE
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -140,14 +140,18 @@ def reference(original_gguf_fields) -> ReferenceBPE:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine) -> ChatTokenizer:
-    return engine.tokenizer
+def tokenizer(ctransformers_engine) -> ChatTokenizer:
+    # The ``tokenizers`` library rebuilt from the GGUF: the ctransformers engine's tokenizer, which
+    # this module is about. The llama.cpp engine tokenizes with llama.cpp's own (LlamaTokenizer);
+    # test_special_tokens_are_single_ids checks a chat prompt of each engine against the reference.
+    return ctransformers_engine.tokenizer
 
 
 @pytest.fixture(scope="module")
-def token_table(engine) -> list[bytes]:
-    """Every token's bytes as the token loop sees them (ctransformers' detokenize)."""
-    context = _core.CtransformersSlot(str(engine.model_path), engine.model_type, 16)
+def token_table(ctransformers_engine) -> list[bytes]:
+    """Every token's bytes as the ctransformers engine's loop sees them (ctransformers' detokenize,
+    which the tests below are about)."""
+    context = _core.CtransformersSlot(str(ctransformers_engine.model_path), ctransformers_engine.model_type, 16)
     try:
         return [context.token_bytes(i) for i in range(context.vocab_size)]
     finally:

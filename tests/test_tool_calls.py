@@ -11,10 +11,20 @@ import urllib.parse
 import jsonschema
 import openai
 import pytest
-from test_structured_output import PARAMETERS, SLOW_TOOL, TOOLS, _ended, engine, openai_client  # noqa: F401
 
+from stopline.engine.loop import Engine
 from stopline.protocol.json_grammar import SchemaError, schema_grammar
 from stopline.protocol.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
+from support import cancelled_records, openai_client
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS
+
+
+@pytest.fixture(scope="module")
+def engine(llama_engine) -> Engine:
+    """The embedded SmolLM2 on the llama.cpp engine, the one with a grammar sampler
+    (overrides conftest's for this module)."""
+    return llama_engine
+
 
 # A conversation with one call and its result already in it: the small model then calls again.
 HISTORY = [
@@ -93,7 +103,7 @@ async def tool_answer(client, server, messages, *, stream: bool, **fields):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tool_calling_loop_with_tool_choice_auto(server, stream):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     messages = list(HISTORY)
     # tool_choice is left out: auto, OpenAI's default when tools are given.
     content, calls, finish_reason = await tool_answer(client, server, messages, stream=stream)
@@ -117,7 +127,7 @@ async def test_a_tool_calling_loop_with_tool_choice_auto(server, stream):
 
 
 async def test_streamed_arguments_come_in_pieces_as_openai_streams_them(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     stream = await client.chat.completions.create(
         model=server.engine.name, messages=HISTORY, tools=TOOLS, max_tokens=100, seed=0, stream=True
     )
@@ -137,7 +147,7 @@ async def test_streamed_arguments_come_in_pieces_as_openai_streams_them(server):
 
 
 async def test_parallel_tool_calls_false_never_gives_two_calls(server):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     messages = [{"role": "user", "content": "Add 2 and 3, and tell me the weather in Paris."}]
     counts = []
     for seed in range(4):
@@ -165,7 +175,7 @@ async def test_parallel_tool_calls_false_never_gives_two_calls(server):
 
 
 async def test_closing_the_stream_inside_a_call_stops_the_model(server, logs):
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     stream = await client.chat.completions.create(
         model=server.engine.name,
         messages=[{"role": "user", "content": "Store many numbers."}],
@@ -182,7 +192,7 @@ async def test_closing_the_stream_inside_a_call_stops_the_model(server, logs):
         if pieces == 5:
             break
     await stream.close()
-    [record] = await _ended(logs, request_id)
+    [record] = await cancelled_records(logs, request_id)
     assert record["reason"] == "client_disconnected" and record["tokens_generated"] < 1500
     await client.close()
 
@@ -278,7 +288,7 @@ def check_formats(value: dict) -> None:
 @pytest.mark.parametrize("name", list(KEYWORD_SCHEMAS))
 async def test_schemas_with_each_keyword_always_validate(server, name):
     schema, ask = KEYWORD_SCHEMAS[name]
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     for seed in range(4):
         answer = await client.chat.completions.create(
             model=server.engine.name,
@@ -321,7 +331,7 @@ async def test_a_keyword_the_grammar_cannot_hold_is_refused_by_name(server, sche
     with pytest.raises(SchemaError) as caught:
         schema_grammar(schema)
     assert caught.value.keyword == keyword and keyword in str(caught.value)
-    client = openai_client(server)
+    client = openai_client(server, GRAMMAR_TIMEOUT)
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model=server.engine.name,

@@ -16,114 +16,36 @@ import socket
 import statistics
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from playwright.async_api import expect
 
-from conftest import UNIT, decode_step_ms, metric_value
 from stopline.app import StoplineServer
 from stopline.settings import Settings
+from support import UNIT, decode_step_ms, metric_value
+from support.web import (
+    ARTIFACTS,
+    FRANCE,
+    LONG_STORY,
+    close_page,
+    expect_connected,
+    expect_state,
+    meta,
+    ms,
+    new_page,
+    screenshot,
+    send,
+    settings,
+    wait_for_record,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "artifacts"
-SCREENSHOTS = ARTIFACTS / "screenshots"
-
-LONG_STORY = "Write a very long story about a dragon."
-FRANCE = "What is the capital of France? Answer in one word."
 STOP_TRIES = 20
 
 
-def ms(seconds: float) -> float:
-    """A Playwright timeout (milliseconds) for a wait of ``seconds``, scaled by UNIT."""
-    return seconds * 1000 * UNIT
-
-
-# ---------- fixtures ----------
-
-
-async def new_page(browser, url: str | None = None, **context_options):
-    """A fresh context and page; uncaught page errors are collected on ``page.errors``."""
-    context = await browser.new_context(**{"viewport": {"width": 1024, "height": 768}, **context_options})
-    page = await context.new_page()
-    page.set_default_timeout(ms(30))
-    page.errors = []
-    page.on("pageerror", lambda error: page.errors.append(str(error)))
-    if url is not None:
-        await open_app(page, url)
-    return page
-
-
-async def close_page(page) -> None:
-    errors = list(page.errors)
-    await page.context.close()
-    assert not errors, f"uncaught errors in the page: {errors}"
-
-
-@pytest_asyncio.fixture
-async def page(browser, server):
-    """The web client, loaded from the ``server`` fixture and connected."""
-    p = await new_page(browser, server.http_url + "/")
-    try:
-        yield p
-    finally:
-        await close_page(p)
-
-
 # ---------- helpers ----------
-
-
-async def open_app(page, url: str) -> None:
-    await page.goto(url)
-    await expect_connected(page)
-
-
-async def expect_connected(page, timeout: float = 30) -> None:
-    await expect(page.locator("#status")).to_have_attribute("data-state", "connected", timeout=ms(timeout))
-    await expect(page.locator("#send")).to_be_enabled()
-
-
-async def settings(page, *, max_tokens=None, temperature=None, timeout=None) -> None:
-    """Fill the Settings fields the way a user would: open the panel, type the numbers."""
-    panel = page.locator("details.settings")
-    if not await panel.evaluate("d => d.open"):
-        await page.click("details.settings summary")
-    for selector, value in (("#max-tokens", max_tokens), ("#temperature", temperature), ("#timeout", timeout)):
-        if value is not None:
-            await page.fill(selector, str(value))
-
-
-async def send(page, text: str):
-    """Type a prompt, click Send; return the new assistant message and its request id."""
-    before = await page.locator(".msg.assistant").count()
-    await page.fill("#prompt", text)
-    await page.click("#send")
-    messages = page.locator(".msg.assistant")
-    await expect(messages).to_have_count(before + 1)
-    message = messages.last
-    request_id = await message.get_attribute("data-id")
-    assert request_id
-    return message, request_id
-
-
-async def wait_for_text(page, message, at_least: int, timeout: float = 60) -> int:
-    """Wait until the message shows at least ``at_least`` characters; return how many it shows."""
-    handle = await message.element_handle()
-    await page.wait_for_function(
-        "([el, n]) => el.querySelector('.text').textContent.length >= n", arg=[handle, at_least], timeout=ms(timeout)
-    )
-    return await message.locator(".text").evaluate("el => el.textContent.length")
-
-
-async def expect_state(message, state: str, timeout: float = 30) -> None:
-    await expect(message).to_have_attribute("data-state", state, timeout=ms(timeout))
-
-
-async def meta(message) -> str:
-    return await message.locator(".meta").inner_text()
 
 
 async def metrics(port: int) -> str:
@@ -138,22 +60,6 @@ async def metrics(port: int) -> str:
     head, _, body = data.decode().partition("\r\n\r\n")
     assert head.split()[1] == "200", head
     return body
-
-
-async def wait_for_record(logs, event: str, timeout: float = 10, **match) -> dict:
-    deadline = time.monotonic() + timeout * UNIT
-    while True:
-        records = logs.records(event, **match)
-        if records:
-            assert len(records) == 1, records
-            return records[0]
-        assert time.monotonic() < deadline, f"no {event} log record matching {match}"
-        await asyncio.sleep(0.02)
-
-
-async def screenshot(page, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    await page.screenshot(path=str(SCREENSHOTS / f"{name}.png"))
 
 
 async def stop_server(server: StoplineServer) -> None:

@@ -18,14 +18,18 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import expect
 
-from test_web import (
+from support.web import (
+    FRANCE,
+    LONG_STORY,
     ROOT,
     close_page,
     expect_connected,
     expect_state,
+    generates,
     meta,
     new_page,
     open_app,
+    record_frames,
     screenshot,
     send,
     settings,
@@ -36,24 +40,7 @@ from test_web import (
 pytestmark = pytest.mark.browser
 
 
-LONG_STORY = "Write a very long story about a dragon."
-FRANCE = "What is the capital of France? Answer in one word."
 CODE = "Write a Python function that adds two numbers. Use a markdown code block."
-
-
-def record_frames(page) -> list[dict]:
-    """Every JSON frame the page sends on its WebSockets, in order."""
-    sent: list[dict] = []
-
-    def on_websocket(ws):
-        ws.on("framesent", lambda payload: sent.append(json.loads(payload)) if isinstance(payload, str) else None)
-
-    page.on("websocket", on_websocket)
-    return sent
-
-
-def generates(sent: list[dict]) -> list[dict]:
-    return [f for f in sent if f["type"] == "generate"]
 
 
 @pytest_asyncio.fixture

@@ -11,17 +11,26 @@ import re
 import pytest
 import pytest_asyncio
 from playwright.async_api import expect
-from test_web_chat import generates, record_frames
 
-from conftest import running_server
 from stopline.engine.loop import Engine
 from stopline.protocol.requests import DEFAULT_SAMPLING
-from test_web import close_page, expect_connected, expect_state, meta, new_page, open_app, screenshot, send, settings
+from support import running_server
+from support.web import (
+    LONG_STORY,
+    close_page,
+    expect_connected,
+    expect_state,
+    generates,
+    meta,
+    new_page,
+    open_app,
+    record_frames,
+    screenshot,
+    send,
+    settings,
+)
 
 pytestmark = pytest.mark.browser
-
-
-LONG_STORY = "Write a very long story about a dragon."
 
 
 @pytest_asyncio.fixture

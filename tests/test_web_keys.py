@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from playwright.async_api import expect
 
-from conftest import running_server
 from stopline.auth import Quota, add_key
-from test_web import FRANCE, close_page, expect_connected, expect_state, ms, new_page, send, settings
+from support import running_server
+from support.web import FRANCE, close_page, expect_connected, expect_state, ms, new_page, send, settings
 
 pytestmark = pytest.mark.browser
 
