@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import CHAT_FRANCE, LONG_ANSWER, UNIT, wait_for
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, wait_for
 
 STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
 
