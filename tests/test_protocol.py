@@ -198,6 +198,10 @@ def test_prompt_too_long_is_measured_in_tokens():
     conn = connection()
     [error] = generate(conn, prompt=" ".join(["w"] * 16))
     assert error.frame.json()["code"] == ErrorCode.PROMPT_TOO_LONG and error.frame.json()["id"] == "r1"
+    # It names the setting that would let the prompt in.
+    assert (
+        "the context holds 16" in error.frame.json()["message"] and "--context-length" in error.frame.json()["message"]
+    )
     assert conn.live == {}
 
 

@@ -235,9 +235,10 @@ class Connection:
                 if frame.min_answer_tokens == 1
                 else f"the {frame.min_answer_tokens} generated tokens min_answer_tokens asks room for"
             )
+            # The server's operator can give a longer one, up to the model's own limit.
             return PromptTooLong(
                 f"the prompt has {len(tokens)} tokens; the context holds "
-                f"{self.limits.context_length}, including {answer}",
+                f"{self.limits.context_length}, including {answer} (the server's --context-length)",
                 draft.id,
             )
         return tokens
