@@ -333,7 +333,9 @@ class OpenAIReply(HttpReply):
         if not self.completes(frame):
             return
         choices = sorted(self._choices.values(), key=lambda c: c.index)
-        endings = [c.ending.ending for c in choices if c.ending is not None]
+        terminals = [c.ending for c in choices if c.ending is not None]
+        assert len(terminals) == len(choices)  # completes() said every choice has ended
+        endings = [t.ending for t in terminals]
         # The prompt is counted once, as OpenAI counts it for several choices.
         prompt_tokens = endings[0].prompt_tokens
         completion_tokens = sum(e.tokens_generated for e in endings)
@@ -355,7 +357,7 @@ class OpenAIReply(HttpReply):
             "choices": [self._whole(c) for c in choices],
             "usage": usage,
             # The first choice's terminal frame (each choice carries its own).
-            "stopline": choices[0].ending.json() if choices[0].ending is not None else None,
+            "stopline": terminals[0].json(),
         }
         self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
 

@@ -16,7 +16,7 @@ from .frames import GenerateFrame
 from .openai_fields import ServedModels, Treatment
 from .requests import Ending, Limits
 from .validation import generate_frame
-from .vocabulary import Outcome, Reason
+from .vocabulary import Reason
 
 # Every field of the request body, as Anthropic's API reference and its Python package list
 # them (temperature, top_p and top_k through the package's extra_body).
@@ -76,7 +76,8 @@ class MessagesRequest:
     model: str
 
     def stop_reason(self, ending: Ending) -> str:
-        return _STOP_REASON.get(ending.reason, str(ending.reason)) if ending.outcome is not Outcome.ERROR else "error"
+        # An error is answered as Anthropic's error, never with a stop reason.
+        return _STOP_REASON.get(ending.reason, str(ending.reason))
 
     def stop_sequence(self, ending: Ending) -> str | None:
         """The stop sequence that ended the answer: known when the request gave one."""
