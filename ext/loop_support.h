@@ -2,6 +2,7 @@
 #ifndef STOPLINE_LOOP_SUPPORT_H
 #define STOPLINE_LOOP_SUPPORT_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,6 +42,33 @@ static inline void sl_drain(int fd) {
     uint64_t counter;
     ssize_t unused = read(fd, &counter, sizeof counter);
     (void)unused;
+}
+
+/* A condition variable whose timed waits read CLOCK_MONOTONIC, the deadlines' clock. */
+static inline int sl_cond_init_monotonic(pthread_cond_t *cond) {
+    pthread_condattr_t attr;
+    int status = pthread_condattr_init(&attr);
+    if (status == 0)
+        status = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    if (status == 0)
+        status = pthread_cond_init(cond, &attr);
+    pthread_condattr_destroy(&attr);
+    return status;
+}
+
+/* Wait on `cond` until woken, or until `deadline_ns` on the monotonic clock (0: none). */
+static inline void sl_cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mutex, int64_t deadline_ns) {
+    if (deadline_ns <= 0) {
+        pthread_cond_wait(cond, mutex);
+        return;
+    }
+    struct timespec until = {(time_t)(deadline_ns / 1000000000LL), (long)(deadline_ns % 1000000000LL)};
+    pthread_cond_timedwait(cond, mutex, &until);
+}
+
+/* Start a thread that runs fn(arg); 0 on success, else an errno value. */
+static inline int sl_thread_start(pthread_t *thread, void *(*fn)(void *), void *arg) {
+    return pthread_create(thread, NULL, fn, arg);
 }
 
 #endif

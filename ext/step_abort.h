@@ -70,6 +70,14 @@ static inline sl_stop sl_check_at(const sl_watch *w, int64_t now) {
 
 static inline sl_stop sl_check(const sl_watch *w) { return sl_check_at(w, 0); }
 
+/* When `w`'s next deadline passes (0: it has none). */
+static inline int64_t sl_next_deadline(const sl_watch *w) {
+    int64_t total = w->deadline_ns, first = w->first_token_deadline_ns;
+    if (total == 0 || (first != 0 && first < total))
+        return first;
+    return total;
+}
+
 /* The same check as a stop callback (sll_abort_fn), for one generation's watch. */
 static bool sl_watch_says_stop(void *data) { return sl_check((const sl_watch *)data) != SL_RUN; }
 

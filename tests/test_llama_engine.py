@@ -403,9 +403,61 @@ def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
         # The others finished, and computed what they compute alone, up to a near-tie.
         assert [g.result.exit for g in generations[1:]] == [_core.ExitKind.MAX_TOKENS] * 3
         assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations[1:], strict=True))
-        # A stop inside a shared step re-runs that step once for the others.
-        assert slots[0].owner.step_counts[2] <= 1
+        # A decoding generation's stop never aborts the step it leaves: the others go on with it.
+        assert slots[0].owner.step_counts[2] == 0
         assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+
+
+def test_a_stopped_generation_leaves_the_shared_step_under_way(engine):
+    # A long prompt's chunks make the steps long; a second generation decodes beside them, its
+    # token in each of those steps. Stopped during one, it ends while that step goes on for the
+    # prompt, which is neither aborted nor evaluated again.
+    long_prompt = engine.encode(prompt="The history of bread is long. " * 120)
+    prompt = engine.encode(messages=STORIES[0])
+    slots = engine.open_slots(2, Batching.SHARED)
+    owner = slots[0].owner
+    ended_during_the_step = []
+    try:
+        # A stop that comes between two steps (while the generation samples) cannot
+        # show it: a few tries, of which one is enough.
+        for _ in range(3):
+            for slot in slots:
+                slot.forget()
+            decoding = make_generation(slots[0], prompt, max_tokens=400, prefill_chunk=engine.prefill_chunk, **GREEDY)
+            prefilling = make_generation(
+                slots[1], long_prompt, max_tokens=1, prefill_chunk=engine.prefill_chunk, **GREEDY
+            )
+            workers = [threading.Thread(target=g.run) for g in (decoding, prefilling)]
+            workers[0].start()
+            deadline = time.monotonic() + 60 * UNIT
+            while len(decoding.token_ids()) < 2:
+                assert time.monotonic() < deadline and not decoding.finished
+                time.sleep(0.001)
+            workers[1].start()
+            started_running(prefilling)
+            time.sleep(0.02 * UNIT)
+            while not owner.step_under_way:
+                assert time.monotonic() < deadline and not prefilling.finished
+            decoding.cancel()
+            while not decoding.finished:
+                assert time.monotonic() < deadline
+            ended_during_the_step.append(owner.step_under_way)
+            for worker in workers:
+                worker.join(120 * UNIT)
+                assert not worker.is_alive()
+            cancelled, finished = decoding.result, prefilling.result
+            assert cancelled.exit is _core.ExitKind.CANCELLED and cancelled.tokens_after_cancel == 0
+            assert finished.exit is _core.ExitKind.MAX_TOKENS and finished.prompt_tokens_wasted == 0
+            assert finished.prompt_tokens_evaluated == len(long_prompt)
+            # Its positions in the step it left are dropped once that step ends.
+            assert all(slot.kv_positions == slot.n_held for slot in slots)
+            if ended_during_the_step[-1]:
+                break
+        assert any(ended_during_the_step), ended_during_the_step
+        assert owner.step_counts[2] == 0
     finally:
         for slot in slots:
             slot.close()
@@ -439,7 +491,7 @@ def batched_aborts(engine: Engine, slot, count: int, seed: int) -> dict:
         head = prompt[: rng.randrange(2, len(prompt) + 1)]
         if rng.random() < 0.5:
             slot.forget()
-        generation = make_generation(slot, head, max_tokens=64, prefill_chunk=engine.prefill_chunk, seed=n)
+        generation = make_generation(slot, head, max_tokens=256, prefill_chunk=engine.prefill_chunk, seed=n)
         worker = threading.Thread(target=generation.run)
         worker.start()
         time.sleep(rng.uniform(0, 0.2) * UNIT)

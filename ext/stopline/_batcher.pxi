@@ -1,16 +1,19 @@
 # Included by _core.pyx: how generations that run on one llama.cpp context share
 # its steps. Each generation's loop posts its tokens (evaluate_in_step, the llama.cpp
-# engine's evaluation); whichever finds every present generation posted leads
-# the step, evaluating all their tokens in one batch, and hands each its result.
-# A stop is seen by the generation it concerns at once, whoever leads.
+# engine's evaluation) and waits; once every present generation has posted, the
+# step is led: all their tokens are evaluated in one batch, and each is handed
+# its result. A context of several sequences leads its steps on a thread of its
+# own (run_context_steps), so that a generation stopped during a step leaves it
+# at once, without waiting for the others' work; a context of one sequence is led
+# by its generation's thread.
 
 
 cdef struct Batcher:
-    # Generations running on one llama.cpp context take turns leading: the
-    # leader evaluates the tokens every present generation has posted, in one
-    # batch, while the others wait. The lock guards present, the posts and
-    # leading; the context and everything after leading belong to the thread
-    # that set leading.
+    # The generations running on one llama.cpp context post their tokens and
+    # wait; a step's leader evaluates the tokens of every present generation in
+    # one batch. The lock guards present, the posts, leading and each member's
+    # turn (LoopState's in_step, left_step, delivering); the context and
+    # everything after leading belong to the thread that set leading.
     sl.pthread_mutex_t lock
     sl.pthread_cond_t changed
     ll.sll_context *ctx
@@ -21,6 +24,11 @@ cdef struct Batcher:
     LoopState *posted[ll.SLL_MAX_SEQUENCES]
     # A thread is using the context (evaluating, or changing its cache).
     bint leading
+    # The context's steps are led by a thread of its own (see run_context_steps),
+    # which ends once closing is set.
+    bint own_thread
+    bint closing
+    sl.pthread_t thread
     # Per sequence, where its cache is to be cut (-1: nowhere): a cut asked for
     # while a thread uses the context waits for that thread to end its turn.
     int cut_from[ll.SLL_MAX_SEQUENCES]
@@ -99,27 +107,43 @@ cdef int32_t decode_batch(Batcher *b) noexcept nogil:
 
 cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
     """The llama.cpp engine's evaluation: post the tokens for the context's next
-    step and wait for it. Whichever waiting generation finds every present one
-    posted leads the step for all of them."""
+    step and wait for it. On a context of one sequence, the generation leads its
+    own steps; a context of several has a thread that leads them."""
     cdef Batcher *b = s.batcher
     sl.pthread_mutex_lock(&b.lock)
     s.post_count = count
     s.post_result = PostResult.POST_WAITING
     b.posted[b.n_posted] = s
     b.n_posted += 1
+    sl.pthread_cond_broadcast(&b.changed)
     while s.post_result == PostResult.POST_WAITING:
-        if not b.leading and b.n_posted >= b.present:
+        if not b.own_thread and not b.leading and b.n_posted >= b.present:
             lead_step(b, s)
-        elif sl.sl_check(&s.watch) != sl.SL_RUN and withdraw(b, s):
-            # Stopped while a step it is not part of runs: it leaves without waiting for it.
-            should_stop(s)
-            s.withdrawn = True
-            s.post_result = PostResult.POST_STOPPED
+        elif sl.sl_check(&s.watch) != sl.SL_RUN and leave(b, s):
+            pass
         else:
-            # Woken by every result, every step's end, and a cancel (Generation.cancel).
-            sl.pthread_cond_wait(&b.changed, &b.lock)
+            # Woken by every post, result and step's end, and by a cancel
+            # (Generation.cancel); a deadline is a time to wake at.
+            sl.sl_cond_wait_until(&b.changed, &b.lock, sl.sl_next_deadline(&s.watch))
     sl.pthread_mutex_unlock(&b.lock)
     return s.post_result == PostResult.POST_DONE
+
+
+cdef bint leave(Batcher *b, LoopState *s) noexcept nogil:
+    """End ``s``'s wait for a step it must no longer take part in (called with
+    the lock held): its tokens are taken back if no step has taken them yet
+    (``withdrawn``), or, on a context with a thread of its own, left in the step
+    under way, which drops them when it ends (``left_step``). Its loop ends at
+    once either way. Not while the step is handing ``s`` its result."""
+    if withdraw(b, s):
+        s.withdrawn = True
+    elif b.own_thread and s.in_step and not s.delivering:
+        s.left_step = True
+    else:
+        return False
+    should_stop(s)
+    s.post_result = PostResult.POST_STOPPED
+    return True
 
 
 cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
@@ -134,22 +158,71 @@ cdef bint withdraw(Batcher *b, LoopState *s) noexcept nogil:
     return False
 
 
+cdef void wait_out_step(LoopState *s) noexcept nogil:
+    """Wait until the step ``s`` left (if any) has let go of it: until then the
+    step may read its record, which must outlive it."""
+    cdef Batcher *b = s.batcher
+    sl.pthread_mutex_lock(&b.lock)
+    while s.in_step:
+        sl.pthread_cond_wait(&b.changed, &b.lock)
+    sl.pthread_mutex_unlock(&b.lock)
+
+
+cdef void *run_context_steps(void *arg) noexcept nogil:
+    """The thread of a context of several sequences: it leads every step once
+    each present generation has posted, until the context closes. A generation's
+    own thread only posts and waits, so a stopped one is never inside a step's
+    evaluation: it leaves the step at once (see leave)."""
+    cdef Batcher *b = <Batcher *>arg
+    sl.pthread_mutex_lock(&b.lock)
+    while not b.closing:
+        if not b.leading and b.n_posted > 0 and b.n_posted >= b.present:
+            lead_step(b, NULL)
+        else:
+            sl.pthread_cond_wait(&b.changed, &b.lock)
+    sl.pthread_mutex_unlock(&b.lock)
+    return NULL
+
+
+cdef int start_step_thread(Batcher *b) noexcept nogil:
+    """Start the context's own thread; 0, or the errno that kept it from starting."""
+    cdef int errnum = sl.sl_thread_start(&b.thread, run_context_steps, b)
+    b.own_thread = errnum == 0
+    return errnum
+
+
+cdef void stop_step_thread(Batcher *b) noexcept nogil:
+    if not b.own_thread:
+        return
+    sl.pthread_mutex_lock(&b.lock)
+    b.closing = True
+    sl.pthread_cond_broadcast(&b.changed)
+    sl.pthread_mutex_unlock(&b.lock)
+    sl.pthread_join(b.thread, NULL)
+    b.own_thread = False
+
+
 cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
-    """Evaluate what is posted, on ``leader``'s thread (called and returning with
-    the lock held)."""
+    """Evaluate what is posted (called and returning with the lock held), on the
+    thread of ``leader``, a generation whose tokens are posted, or on the
+    context's own thread (``leader`` NULL)."""
     cdef LoopState *members[ll.SLL_MAX_SEQUENCES]
-    cdef int i, n = 1
+    cdef int i, n = 0
     # The leader first: its tokens always fit the batch.
-    members[0] = leader
+    if leader is not NULL:
+        members[0] = leader
+        n = 1
     for i in range(b.n_posted):
         if b.posted[i] != leader:
             members[n] = b.posted[i]
             n += 1
+    for i in range(n):
+        members[i].in_step = True
     b.n_posted = 0
     b.leading = True
     make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
-    evaluate_together(b, members, n)
+    evaluate_together(b, members, n, leader is not NULL)
     sl.pthread_mutex_lock(&b.lock)
     for i in range(n):
         if members[i] is not NULL:
@@ -161,29 +234,50 @@ cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
 
 cdef int post_again(Batcher *b, LoopState **members, int i) noexcept nogil:
     """Hand member ``i`` back to the posted tokens (called with the lock held): a
-    step led by one of the waiting generations takes it, and until then it can
-    leave at once if it is stopped. Returns 1 (one member fewer waiting)."""
-    b.posted[b.n_posted] = members[i]
-    b.n_posted += 1
+    later step takes it, and until then it can leave at once if it is stopped. A
+    member that has left the step is only let go. Returns 1 (one member fewer
+    waiting)."""
+    cdef LoopState *s = members[i]
     members[i] = NULL
+    s.in_step = False
+    if not s.left_step:
+        b.posted[b.n_posted] = s
+        b.n_posted += 1
     sl.pthread_cond_broadcast(&b.changed)
     return 1
 
 
-cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nogil:
-    """Evaluate the ``n`` members' posted tokens in one batch, led by
-    ``members[0]``, and again without a member whose stop aborted it. A member
-    leaves ``members`` (set to NULL) as soon as it has its result: it may post
-    again at once, for the next step. A member is handed back to the posted
-    tokens (see post_again) when its tokens do not fit the batch, and every
-    member still waiting once the leader has its result, so that no generation
-    waits for an evaluation it is not part of: a stopped one would wait for it
-    to end, a whole step."""
+cdef int let_go(Batcher *b, LoopState **members, int i) noexcept nogil:
+    """Let go of member ``i``, which has left the step (called with the lock
+    held): its positions the step evaluated are dropped, and its loop may return.
+    Returns 1 (one member fewer waiting)."""
+    cdef LoopState *s = members[i]
+    members[i] = NULL
+    LLAMA.truncate(b.ctx, s.seq, s.n_past)
+    s.in_step = False
+    sl.pthread_cond_broadcast(&b.changed)
+    return 1
+
+
+cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_member) noexcept nogil:
+    """Evaluate the ``n`` members' posted tokens in one batch, and again without
+    a member whose stop aborted it. A member leaves ``members`` (set to NULL) as
+    soon as it has its result: it may post again at once, for the next step. A
+    member is handed back to the posted tokens (see post_again) when its tokens
+    do not fit the batch. Led by a member (``members[0]``), every member still
+    waiting once the leader has its result is handed back too, so that no
+    generation waits for an evaluation it is not part of: a stopped one would
+    wait for it to end, a whole step.
+
+    Only a member whose tokens are most of the step's work can abort it: a
+    prompt chunk beside decode tokens, or a lone member. Any other member that
+    is stopped leaves the step under way (see leave), which goes on for the
+    rest; its positions are dropped when the step ends."""
     cdef LoopState *s
     # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
     cdef int32_t output[ll.SLL_MAX_SEQUENCES]
-    cdef int i, j, k, room, stopped, waiting = n, threads = 1
+    cdef int i, j, k, room, stopped, total, waiting = n, threads = 1
     cdef int32_t index, status
     cdef bint want_logits
     cdef const float *row
@@ -197,22 +291,25 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
         LLAMA.batch_clear(b.ctx)
         k = 0
         room = b.max_tokens
-        b.group.n = 0
+        # Under the lock, a member can neither leave nor be stopped unseen while it joins the batch.
+        sl.pthread_mutex_lock(&b.lock)
         for i in range(n):
             s = members[i]
             if s is NULL:
                 continue
+            s.delivering = False
+            if s.left_step:
+                waiting -= let_go(b, members, i)
+                continue
             if should_stop(s):
-                waiting -= give_result(b, members, i, PostResult.POST_STOPPED)
+                waiting -= give_result_locked(b, members, i, PostResult.POST_STOPPED)
                 continue
             if s.n_past == s.n_reused > 0 and not LLAMA.holds(b.ctx, s.seq, s.n_past):
                 evaluate_from_start(b, s)
             # The batch holds one prompt chunk beside every other member's token
             # (see LlamaContext); a second chunk waits for the next step.
             if s.post_count > room:
-                sl.pthread_mutex_lock(&b.lock)
                 waiting -= post_again(b, members, i)
-                sl.pthread_mutex_unlock(&b.lock)
                 continue
             # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
             want_logits = s.n_past + s.post_count >= s.n_prompt
@@ -220,29 +317,48 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
                                     s.n_past, want_logits)
             if index < 0:
                 s.exit = ExitKind.EVAL_FAILED
-                waiting -= give_result(b, members, i, PostResult.POST_FAILED)
+                waiting -= give_result_locked(b, members, i, PostResult.POST_FAILED)
                 continue
             room -= s.post_count
             output[k] = index if want_logits else -1
             included[k] = i
             k += 1
-            if s.step_abort:
-                b.group.members[b.group.n] = &s.watch
-                b.group.n += 1
-        if members[0] is NULL:
+        sl.pthread_mutex_unlock(&b.lock)
+        if led_by_member and members[0] is NULL:
             return
         if k == 0:
-            # Nothing left fits an empty batch (Generation bounds a chunk by it, so
-            # this cannot happen): end those generations rather than leave them waiting.
-            fail_the_rest(b, members, n)
+            if waiting:
+                # Nothing left fits an empty batch (Generation bounds a chunk by it, so
+                # this cannot happen): end those generations rather than leave them waiting.
+                fail_the_rest(b, members, n)
             return
+        total = b.max_tokens - room
+        b.group.n = 0
+        for j in range(k):
+            s = members[included[j]]
+            if s.step_abort and (k == 1 or 2 * s.post_count > total):
+                b.group.members[b.group.n] = &s.watch
+                b.group.n += 1
         status = decode_batch(b)
         b.steps += 1
         b.step_members += k
+        # From here until its result, a member that has not left stays: see leave.
+        sl.pthread_mutex_lock(&b.lock)
         for j in range(k):
-            record_longest_node(members[included[j]], b.group.longest_gap_ns)
+            s = members[included[j]]
+            if s.left_step:
+                waiting -= let_go(b, members, included[j])
+                included[j] = -1
+            else:
+                s.delivering = True
+        sl.pthread_mutex_unlock(&b.lock)
+        for j in range(k):
+            if included[j] >= 0:
+                record_longest_node(members[included[j]], b.group.longest_gap_ns)
         if status == ll.SLL_OK:
             for j in range(k):
+                if included[j] < 0:
+                    continue
                 s = members[included[j]]
                 row = LLAMA.logits(b.ctx, output[j]) if output[j] >= 0 else NULL
                 if output[j] >= 0 and row is NULL:
@@ -258,18 +374,21 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n) noexcept nog
         # One call is one physical batch, so an aborted or failed step leaves
         # at most its own positions behind: drop them, so that each sequence's
         # cache holds exactly the tokens of its record.
+        # (A member that left is counted as stopped: it has been let go already.)
+        stopped = 0
         for j in range(k):
-            s = members[included[j]]
-            LLAMA.truncate(b.ctx, s.seq, s.n_past)
+            if included[j] < 0:
+                stopped += 1
+            else:
+                LLAMA.truncate(b.ctx, members[included[j]].seq, members[included[j]].n_past)
         # Stopped part-way: the stop condition that did it still holds (the
         # flag is sticky, deadlines only pass). Its generation leaves at once;
         # the others evaluate the step again without it.
-        stopped = 0
         if b.group.aborted:
             for j in range(k):
-                if should_stop(members[included[j]]):
-                    stopped += give_result(b, members, included[j], PostResult.POST_STOPPED)
-        waiting -= stopped
+                if included[j] >= 0 and should_stop(members[included[j]]):
+                    waiting -= give_result(b, members, included[j], PostResult.POST_STOPPED)
+                    stopped += 1
         if stopped and waiting:
             b.reruns += 1
         if stopped == 0:
@@ -301,12 +420,20 @@ cdef int give_result(Batcher *b, LoopState **members, int i, PostResult result) 
     """Hand member ``i`` its step's result and wake it; returns 1 (one member fewer
     waiting). Its fields the step wrote (n_past, logits, exit) are published by the
     same lock, and from then on it is its own again."""
+    sl.pthread_mutex_lock(&b.lock)
+    give_result_locked(b, members, i, result)
+    sl.pthread_mutex_unlock(&b.lock)
+    return 1
+
+
+cdef int give_result_locked(Batcher *b, LoopState **members, int i, PostResult result) noexcept nogil:
+    """give_result, called with the lock held."""
     cdef LoopState *s = members[i]
     members[i] = NULL
-    sl.pthread_mutex_lock(&b.lock)
     s.post_result = result
+    s.in_step = False
+    s.delivering = False
     sl.pthread_cond_broadcast(&b.changed)
-    sl.pthread_mutex_unlock(&b.lock)
     return 1
 
 

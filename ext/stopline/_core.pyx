@@ -651,6 +651,9 @@ cdef struct LoopState:
     bint is_present        # counted in Batcher.present
     int post_count         # tokens posted for the next step
     PostResult post_result
+    bint in_step           # a step has taken its tokens and not yet let go of it
+    bint left_step         # it ended during that step, which drops its tokens (see leave)
+    bint delivering        # that step is handing it its result: it can no longer leave
 
 
 # How generations share one llama.cpp context's steps.
@@ -672,6 +675,7 @@ cdef class LlamaContext:
     def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1,
                   int sequences=1):
         cdef char err[512]
+        cdef int errnum
         model._check_open()
         if not 1 <= batch <= ll.SLL_MAX_CHUNK:
             raise ValueError(f"batch is 1 to {ll.SLL_MAX_CHUNK}")
@@ -688,7 +692,7 @@ cdef class LlamaContext:
         if self.b.ctx is NULL:
             raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
         sl.pthread_mutex_init(&self.b.lock, NULL)
-        sl.pthread_cond_init(&self.b.changed, NULL)
+        sl.sl_cond_init_monotonic(&self.b.changed)
         for seq in range(ll.SLL_MAX_SEQUENCES):
             self.b.cut_from[seq] = -1
         self.b.applied_threads = threads
@@ -698,10 +702,22 @@ cdef class LlamaContext:
         self.context_length = LLAMA.context_n_ctx(self.b.ctx)
         self.sequences = tuple(LlamaSequence(self, seq) for seq in range(sequences))
         self.open_sequences = sequences
+        if sequences > 1:
+            errnum = start_step_thread(&self.b)
+            if errnum:
+                raise c_failure(EngineError, "could not start the context's step thread", errnum)
 
     @property
     def closed(self):
         return self.b.ctx is NULL
+
+    @property
+    def step_under_way(self):
+        """Whether a thread is using the context now: a step, or a change to its cache."""
+        sl.pthread_mutex_lock(&self.b.lock)
+        under_way = self.b.leading
+        sl.pthread_mutex_unlock(&self.b.lock)
+        return under_way
 
     @property
     def step_counts(self):
@@ -716,10 +732,14 @@ cdef class LlamaContext:
     cdef void sequence_closed(self) noexcept:
         self.open_sequences -= 1
         if self.open_sequences == 0 and self.b.ctx is not NULL:
+            with nogil:
+                stop_step_thread(&self.b)
             LLAMA.context_free(self.b.ctx)
             self.b.ctx = NULL
 
     def __dealloc__(self):
+        with nogil:
+            stop_step_thread(&self.b)
         if self.b.ctx is not NULL:
             LLAMA.context_free(self.b.ctx)
             self.b.ctx = NULL
@@ -1516,6 +1536,8 @@ cdef class Generation:
             # that was woken by the last wake-up, finds the record (see result).
             sl.sl_store_release(&self._state, GenerationState.FINISHED)
             sl.sl_wake(self.s.wake_fd)
+            if self.s.batcher is not NULL:
+                wait_out_step(&self.s)
             if yield_to_reader:
                 wait_for_reader(&self.s)
         return self.result

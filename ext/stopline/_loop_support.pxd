@@ -5,6 +5,22 @@
 
 from libc.stdint cimport int64_t
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef unsigned long pthread_t
+    int pthread_join(pthread_t thread, void **retval)
+    int pthread_mutex_init(pthread_mutex_t *mutex, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+    int pthread_cond_init(pthread_cond_t *cond, const void *attr)
+    int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
+    int pthread_cond_broadcast(pthread_cond_t *cond)
+
 cdef extern from "loop_support.h" nogil:
     int sl_load_acquire(const int *p)
     void sl_store_release(int *p, int v)
@@ -14,6 +30,9 @@ cdef extern from "loop_support.h" nogil:
     int sl_eventfd()
     void sl_wake(int fd)
     void sl_drain(int fd)
+    int sl_cond_init_monotonic(pthread_cond_t *cond)
+    void sl_cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mutex, int64_t deadline_ns)
+    int sl_thread_start(pthread_t *thread, void *(*fn)(void *) noexcept nogil, void *arg)
 
 cdef extern from "step_abort.h" nogil:
     ctypedef enum sl_stop:
@@ -47,6 +66,7 @@ cdef extern from "step_abort.h" nogil:
         int64_t longest_gap_ns
 
     sl_stop sl_check(const sl_watch *w)
+    int64_t sl_next_deadline(const sl_watch *w)
     # sl_check() as a stop callback, its data a watch.
     bint sl_watch_says_stop(void *data) noexcept nogil
     # llama.cpp's abort callback: polls every watch of the group passed as its data.
@@ -54,17 +74,3 @@ cdef extern from "step_abort.h" nogil:
     sl_hook_status sl_step_abort_install(void *handle)
     void sl_watch_enter(sl_watch *w)
     void sl_watch_leave()
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t *mutex, const void *attr)
-    int pthread_mutex_destroy(pthread_mutex_t *mutex)
-    int pthread_mutex_lock(pthread_mutex_t *mutex)
-    int pthread_mutex_unlock(pthread_mutex_t *mutex)
-    int pthread_cond_init(pthread_cond_t *cond, const void *attr)
-    int pthread_cond_destroy(pthread_cond_t *cond)
-    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
-    int pthread_cond_broadcast(pthread_cond_t *cond)
