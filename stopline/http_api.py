@@ -525,6 +525,10 @@ class HttpApi:
                 web.get("/v1/models/{model:.+}", self._model),
             ]
         )
+        # Ollama's API under /api; its module builds on this one's replies, so it is imported here.
+        from .ollama_api import OllamaApi
+
+        self.app.add_routes(OllamaApi(self).routes())
         self.app.on_response_prepare.append(self._cors_headers)
         if cluster is not None:
             cluster.cancel_here = self._cancel_here

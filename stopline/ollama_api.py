@@ -1,0 +1,187 @@
+"""Ollama's API under /api: chat and generate, streamed as NDJSON (Ollama's default) or one body,
+and the model listings its clients read (tags, show, ps, version).
+
+Each generation runs through the same session, scheduler and native loop as every other API's
+(:meth:`HttpApi._generate`), so a closed connection cancels it with reason client_disconnected.
+The request's translation is :mod:`.protocol.ollama`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from . import __version__
+from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
+from .protocol.errors import ProtocolError
+from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
+from .protocol.ollama import OLLAMA_VERSION, OllamaRequest, counts, done_reason, ollama_request
+from .protocol.validation import parse_json_object
+from .protocol.vocabulary import ErrorCode, Refusal
+
+if TYPE_CHECKING:
+    from .http_api import HttpApi
+
+_NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "X-Accel-Buffering": "no", **_NO_STORE}
+# Ollama's keep_alive never runs out here: the model is loaded as long as the server runs.
+_NEVER = "2999-01-01T00:00:00Z"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def ollama_error(code: ErrorCode | Refusal, message: str) -> web.Response:
+    """An error in Ollama's shape, ``{"error": message}``, with the status Stopline gives its code."""
+    status = http_status(code) if isinstance(code, ErrorCode) else HTTPStatus.BAD_REQUEST
+    return web.json_response({"error": message}, status=status, headers=dict(_NO_STORE))
+
+
+class OllamaReply(HttpReply):
+    """POST /api/chat and /api/generate: one JSON object a line, or one body at the end."""
+
+    def __init__(self, http_request: web.Request, asked: OllamaRequest):
+        super().__init__(http_request)
+        self.asked = asked
+        self._headers: dict = {}
+        self._texts: list[str] = []
+
+    async def emit(self, frame: Frame) -> None:
+        error = as_error(frame)
+        if error is not None:
+            if self.asked.stream and self.response is not None:
+                # The stream had started: Ollama's in-stream error line ends it.
+                await self._line({"error": error.message, "code": str(error.code)})
+            else:
+                self.response = ollama_error(error.code, error.message)
+                self.response.headers.update(self._headers)
+        elif isinstance(frame, Accepted):
+            self._headers = _request_headers(frame)
+            if self.asked.stream:
+                self.response = web.StreamResponse(headers={**_NDJSON_HEADERS, **self._headers})
+                await self.response.prepare(self.http_request)
+        elif isinstance(frame, Token):
+            if self.asked.stream:
+                await self._line({**self._text(frame.text), "done": False})
+            else:
+                self._texts.append(frame.text)
+        elif isinstance(frame, Terminal):
+            ending = frame.ending
+            text = "" if self.asked.stream else "".join(self._texts)
+            # The final object also carries Stopline's terminal frame: how it ended and what stopping cost.
+            final = {
+                **self._text(text),
+                "done": True,
+                "done_reason": done_reason(ending),
+                **counts(ending),
+                "stopline": frame.json(),
+            }
+            if self.asked.stream:
+                await self._line(final)
+            else:
+                self.response = web.json_response(final, headers={**_NO_STORE, **self._headers})
+
+    def _text(self, text: str) -> dict:
+        """An object's model, time and text: chat's assistant message, or generate's response."""
+        shown = {"message": {"role": "assistant", "content": text}} if self.asked.chat else {"response": text}
+        return {"model": self.asked.model, "created_at": _now(), **shown}
+
+    async def _line(self, body: dict) -> None:
+        assert self.response is not None  # a stream's response is prepared before its first line
+        await self.response.write(encode_json(body).encode() + b"\n")
+
+
+class OllamaApi:
+    """The /api routes, answered with the HTTP API's models, limits and generations."""
+
+    def __init__(self, api: HttpApi):
+        self.api = api
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/api/chat", self._chat),
+            web.post("/api/generate", self._generate),
+            web.get("/api/tags", self._tags),
+            web.post("/api/show", self._show),
+            web.get("/api/ps", self._ps),
+            web.get("/api/version", self._version),
+        ]
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, chat=True)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, chat=False)
+
+    async def _run(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        api = self.api
+        try:
+            body = parse_json_object(await request.text(), "body")
+            asked = ollama_request(body, chat=chat, models=api.models, limits=api.services.limits)
+        except ProtocolError as exc:
+            return ollama_error(exc.code, exc.message)
+        if asked.frame is None:
+            # No messages or no prompt: Ollama's way to load a model, which is loaded.
+            shown = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+            body = {"model": asked.model, "created_at": _now(), **shown, "done": True, "done_reason": "load"}
+            return web.json_response(body, headers=_NO_STORE)
+        return await api._generate(request, [asked.frame], OllamaReply(request, asked))
+
+    def _modified_at(self) -> str:
+        return datetime.fromtimestamp(self.api.created, UTC).isoformat().replace("+00:00", "Z")
+
+    def _details(self) -> dict:
+        return {"parent_model": "", "format": "gguf", "family": "", "families": None}
+
+    def _entry(self, name: str) -> dict:
+        # Stopline serves one loaded model under each of its names; size and digest are not tracked.
+        return {"name": name, "model": name, "modified_at": self._modified_at(), "size": 0, "digest": ""}
+
+    async def _tags(self, request: web.Request) -> web.Response:
+        models = [{**self._entry(n), "details": self._details()} for n in self.api.models.names]
+        return web.json_response({"models": models}, headers=_NO_STORE)
+
+    async def _ps(self, request: web.Request) -> web.Response:
+        models = [
+            {
+                **self._entry(n),
+                "details": self._details(),
+                "expires_at": _NEVER,
+                "size_vram": 0,
+                "context_length": self._context_length(),
+            }
+            for n in self.api.models.names
+        ]
+        return web.json_response({"models": models}, headers=_NO_STORE)
+
+    async def _show(self, request: web.Request) -> web.Response:
+        try:
+            body = parse_json_object(await request.text(), "body")
+        except ProtocolError as exc:
+            return ollama_error(exc.code, exc.message)
+        # Older clients name the model "name".
+        name = body.get("model", body.get("name"))
+        if name not in self.api.models.names:
+            served = ", ".join(repr(n) for n in self.api.models.names)
+            return ollama_error(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} not found; this server serves {served}")
+        show = {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": self._details(),
+            # Clients read the context length from here.
+            "model_info": {"general.architecture": "stopline", "stopline.context_length": self._context_length()},
+            "capabilities": ["completion"],
+            "modified_at": self._modified_at(),
+            "chat_format": str(self.api.models.chat_format),
+        }
+        return web.json_response(show, headers=_NO_STORE)
+
+    def _context_length(self) -> int:
+        return self.api.services.limits.context_length
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": OLLAMA_VERSION, "stopline": __version__}, headers=_NO_STORE)
