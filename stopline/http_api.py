@@ -512,6 +512,9 @@ class HttpApi:
         self.edge = edge
         self.cluster = cluster
         self.app = web.Application(middlewares=[self._guard], client_max_size=settings.max_frame_bytes)
+        # Here: the Responses API's module builds on this one's replies.
+        from .responses_api import ResponsesApi
+
         self.app.add_routes(
             [
                 web.post("/v1/generations", self._post_generation),
@@ -520,6 +523,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/messages", self._messages),
+                *ResponsesApi(self).routes(),
                 web.get("/v1/models", self._models),
                 # A served name may hold slashes (OWNER/REPO:QUANT).
                 web.get("/v1/models/{model:.+}", self._model),
@@ -704,7 +708,8 @@ class HttpApi:
     async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
         """Answer for the generation named in the path: from this replica's registry if it holds it,
         else (``--redis-url``) from the shared store, under the same authorization."""
-        request_id = request.match_info["request_id"]
+        # A response's id is its generation's, prefixed with resp_.
+        request_id = request.match_info["request_id"].removeprefix("resp_")
         token = bearer(request.headers.get("Authorization"))
         # The credential is the generation's cancel token, or the API key that started it.
         key = self.services.keyring.lookup(token) if self.services.keyring.required else None
