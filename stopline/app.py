@@ -52,6 +52,7 @@ from .edge import Edge, host_rules, peer_name
 from .engine.loop import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
+from .ollama_api import OllamaApi
 from .protocol.connection import AddressQuota
 from .protocol.frames import ErrorFrame, encode_frame
 from .protocol.openai_fields import ServedModels
@@ -59,6 +60,7 @@ from .protocol.origin import LOOPBACK_NAMES
 from .protocol.vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
+from .responses_api import ResponsesApi
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport
 from .settings import Settings
@@ -137,6 +139,8 @@ class StoplineServer:
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
         self.http = HttpApi(self.services, settings, self.edge, self.cluster, self.models)
+        # The other dialects build on the HTTP API's replies and routes.
+        self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http).routes()])
 
     @property
     def sessions(self) -> set[ClientSession]:

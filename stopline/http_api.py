@@ -525,10 +525,6 @@ class HttpApi:
                 web.get("/v1/models/{model:.+}", self._model),
             ]
         )
-        # Ollama's API under /api; its module builds on this one's replies, so it is imported here.
-        from .ollama_api import OllamaApi
-
-        self.app.add_routes(OllamaApi(self).routes())
         self.app.on_response_prepare.append(self._cors_headers)
         if cluster is not None:
             cluster.cancel_here = self._cancel_here
@@ -708,7 +704,8 @@ class HttpApi:
     async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
         """Answer for the generation named in the path: from this replica's registry if it holds it,
         else (``--redis-url``) from the shared store, under the same authorization."""
-        request_id = request.match_info["request_id"]
+        # A response's id is its generation's, prefixed with resp_.
+        request_id = request.match_info["request_id"].removeprefix("resp_")
         token = bearer(request.headers.get("Authorization"))
         # The credential is the generation's cancel token, or the API key that started it.
         key = self.services.keyring.lookup(token) if self.services.keyring.required else None

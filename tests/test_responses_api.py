@@ -1,0 +1,207 @@
+"""OpenAI's Responses API, driven by the real ``openai`` package against a real server, the real
+model and the real loop: the same generation as every other API, in Responses' shapes; stopped
+by its cancel, by id, or when the stream closes."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from stopline.protocol.openai_fields import Treatment
+from stopline.protocol.responses import FIELDS
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+
+KEY = "responses-test-key-0123456789"
+OTHER_KEY = "responses-other-key-0123456789"
+
+
+def keyed_client(server, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.http.base_url, api_key=key, max_retries=0, timeout=120 * UNIT)
+
+
+async def test_a_response_is_the_same_greedy_answer_as_a_chat_completion(server):
+    async with openai_client(server) as client:
+        response = await client.responses.create(
+            model=server.engine.name, input=CHAT_FRANCE[0]["content"], max_output_tokens=32, temperature=0
+        )
+        chat = await client.chat.completions.create(
+            model=server.engine.name, max_tokens=32, messages=CHAT_FRANCE, temperature=0
+        )
+    end = response.model_extra["stopline"]
+    assert response.object == "response" and response.id == f"resp_{end['id']}"
+    assert response.status == ("incomplete" if end["reason"] == "max_tokens" else "completed")
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.output_text == chat.choices[0].message.content and "Paris" in response.output_text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens == end["prompt_tokens"]
+    assert response.usage.output_tokens == end["tokens_generated"]
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+
+
+async def test_a_streamed_response_has_responses_events_in_order_and_the_same_text(server):
+    asked = dict(
+        model=server.engine.name,
+        instructions="You count.",
+        input=[
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Count: "}, {"type": "input_text", "text": "1, 2,"}],
+            }
+        ],
+        max_output_tokens=12,
+        temperature=0,
+        metadata={"run": "streamed"},
+    )
+    async with openai_client(server) as client:
+        whole = await client.responses.create(**asked)
+        events = [event async for event in await client.responses.create(stream=True, **asked)]
+    names = [e.type for e in events]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if whole.status == "completed" else "response.incomplete",
+    ]
+    assert set(names[4:-4]) <= {"response.output_text.delta"}
+    numbers = [e.sequence_number for e in events]
+    assert numbers == sorted(set(numbers))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1]
+    assert final.response.id == events[0].response.id and final.response.output_text == text
+    assert final.response.metadata == {"run": "streamed"} and final.response.instructions == "You count."
+    assert (
+        final.model_extra["stopline"]["tokens_generated"]
+        == whole.usage.output_tokens
+        == final.response.usage.output_tokens
+    )
+
+
+async def test_max_output_tokens_leaves_a_response_incomplete(server):
+    async with openai_client(server) as client:
+        response = await client.responses.create(model=server.engine.name, input=LONG_ANSWER, max_output_tokens=3)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output[0].status == "incomplete"
+
+
+async def test_cancel_by_id_stops_a_streamed_response(engine, logs):
+    async with running_server(engine, api_keys=(KEY, OTHER_KEY)) as server:
+        async with keyed_client(server, KEY) as client, keyed_client(server, OTHER_KEY) as other:
+            stream = await client.responses.create(
+                model=server.engine.name, input=LONG_ANSWER, max_output_tokens=500, stream=True
+            )
+            deltas, response_id = 0, ""
+            async for event in stream:
+                if event.type == "response.created":
+                    response_id = event.response.id
+                deltas += event.type == "response.output_text.delta"
+                if deltas == 5:
+                    break
+            # Only the key that started it may stop it.
+            with pytest.raises(openai.PermissionDeniedError):
+                await other.responses.cancel(response_id)
+            cancelled = await client.responses.cancel(response_id)
+            rest = [event async for event in stream]
+            again = await client.responses.retrieve(response_id)
+    assert cancelled.id == response_id and cancelled.status == "cancelled"
+    assert cancelled.incomplete_details.reason == "user_cancelled"
+    final = rest[-1]
+    assert final.type == "response.incomplete" and final.response.status == "cancelled"
+    end = final.model_extra["stopline"]
+    assert end["type"] == "cancelled" and end["reason"] == "user_cancelled" and end["tokens_after_cancel"] <= 1
+    # The stream carried every token generated, and the cancel's answer counts them all.
+    deltas += sum(e.type == "response.output_text.delta" for e in rest)
+    assert deltas == end["tokens_generated"] == cancelled.usage.output_tokens
+    assert again.status == "cancelled" and again.output_text == cancelled.output_text
+    [record] = logs.records("generation_cancelled", request_id=end["id"])
+    assert record["reason"] == "user_cancelled"
+
+
+async def test_closing_a_response_stream_stops_the_model(server, logs):
+    async with openai_client(server) as client:
+        stream = await client.responses.create(
+            model=server.engine.name, input=LONG_ANSWER, max_output_tokens=500, stream=True
+        )
+        deltas = 0
+        async for event in stream:
+            deltas += event.type == "response.output_text.delta"
+            if deltas == 5:
+                break
+        await stream.close()
+    await wait_for(lambda: logs.records("generation_cancelled"))
+    [end] = logs.records("generation_cancelled")
+    assert end["reason"] == "client_disconnected" and end["tokens_after_cancel"] <= 1
+    await wait_for(lambda: server.scheduler.active == 0)
+
+
+async def test_a_background_response_is_answered_at_once_and_cancelled_by_id(engine):
+    async with running_server(engine, api_keys=(KEY,)) as server, keyed_client(server, KEY) as client:
+        done = await client.responses.create(
+            model=server.engine.name, input=CHAT_FRANCE[0]["content"], max_output_tokens=8, background=True
+        )
+        assert done.status in ("queued", "in_progress") and done.background
+        finished = await wait_for(lambda: _settled(client, done.id))
+        assert finished.status in ("completed", "incomplete") and finished.usage.output_tokens >= 1
+        running = await client.responses.create(
+            model=server.engine.name, input=LONG_ANSWER, max_output_tokens=500, background=True
+        )
+        assert running.status in ("queued", "in_progress")
+        cancelled = await client.responses.cancel(running.id)
+        assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 500
+        assert (await client.responses.retrieve(running.id)).status == "cancelled"
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve("resp_00000000-0000-0000-0000-000000000000")
+
+
+async def _settled(client, response_id: str):
+    response = await client.responses.retrieve(response_id)
+    return response if response.status not in ("queued", "in_progress") else None
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
+        ({"background": True, "stream": True}, "background"),
+        ({"temperature": 9}, "temperature"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+async def test_what_is_not_honoured_is_refused_by_name(server, change, named):
+    body = {"model": server.engine.name, "input": "Hi", "max_output_tokens": 4, **change}
+    async with openai_client(server) as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.post("/responses", cast_to=openai.types.responses.Response, body=body)
+    assert refused.value.status_code == 400
+    assert named in refused.value.body["message"]
+    assert server.scheduler.active == 0
+
+
+def test_every_field_is_honoured_or_refused():
+    assert set(FIELDS.values()) == {Treatment.HONOURED, Treatment.REFUSED}
+    assert {"model", "input", "instructions", "max_output_tokens", "stream", "background"} <= {
+        name for name, treatment in FIELDS.items() if treatment is Treatment.HONOURED
+    }
+
+
+async def test_text_format_json_schema_constrains_the_answer(llama_engine):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    async with running_server(llama_engine) as server, openai_client(server) as client:
+        response = await client.responses.create(
+            model=server.engine.name, input=CHAT_FRANCE, max_output_tokens=64, temperature=0, text=text
+        )
+    assert response.status == "completed" and response.text.format.type == "json_schema"
+    assert isinstance(json.loads(response.output_text)["city"], str)
