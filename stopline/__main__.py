@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             HubModelName.parse(args.model)  # its form now; the hub is asked once the ports are taken
         except HubError as exc:
             p.error(f"argument --model: {exc}")
-    if args.model is None and args.context_length > EMBEDDED_CONTEXT_LIMIT:
+    if args.model is None and args.context_length and args.context_length > EMBEDDED_CONTEXT_LIMIT:
         p.error(
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
             f"of {EMBEDDED_CONTEXT_LIMIT}"
@@ -203,6 +203,7 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
             threads=settings.threads,
             prefill_chunk=settings.prefill_chunk,
             abort_mode=settings.abort_mode,
+            sequences=settings.workers,
         ),
     )
     stopped = asyncio.ensure_future(stop.wait())

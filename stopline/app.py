@@ -211,6 +211,7 @@ class StoplineServer:
             chat_format=str(self.models.chat_format),
             engine=str(self.engine.kind),
             workers=self.settings.workers,
+            batching=str(self.scheduler.batching),
             threads=self.engine.threads,
             context_length=self.engine.context_length,
             prefill_chunk=self.engine.prefill_chunk,

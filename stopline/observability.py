@@ -142,6 +142,11 @@ class Metrics:
         self.queue_depth = Gauge("stopline_queue_depth", "Requests waiting for a slot.", registry=r)
         self.active = Gauge("stopline_active_generations", "Generations running on a slot.", registry=r)
         self.slots = Gauge("stopline_slots", "Generation slots.", registry=r)
+        self.preemptions = Counter(
+            "stopline_preemptions",
+            "Running generations paused for a request of higher priority, their cache kept.",
+            registry=r,
+        )
         self.connections = Gauge("stopline_connections", "Open WebSocket connections.", registry=r)
         self.rejected = Counter(
             "stopline_rejected_frames", "Frames answered with an error, by code.", ["code"], registry=r
@@ -268,6 +273,7 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         tokens_per_s=ending.tokens_per_s,
         longest_prefill_node_ms=ending.longest_prefill_node_ms,
         longest_decode_node_ms=ending.longest_decode_node_ms,
+        **({"preemptions": ending.preemptions, "preempted_ms": ending.preempted_ms} if ending.preemptions else {}),
         **({"message": ending.message} if ending.message else {}),
         **({"limit": str(ending.limit), "retry_after_s": ending.retry_after_s} if ending.limit else {}),
     )

@@ -34,6 +34,11 @@ from .protocol.requests import GenerationResult, Request
 from .protocol.vocabulary import Batching
 from .settings import Settings
 
+# Sequences beyond the workers in a context of shared steps: how many generations of a
+# higher priority can start at once by preempting running ones (each spare sequence adds
+# one context length to the KV cache).
+PREEMPTION_SLOTS = 1
+
 
 class Sink(Protocol):
     """Where the scheduler reports what happened to a request: the session that
@@ -48,6 +53,12 @@ class Sink(Protocol):
 
     async def finished(self, request: Request, result: GenerationResult) -> None:
         """Its loop exited and reported ``result``."""
+
+    async def preempted(self, request: Request) -> None:
+        """Its loop was paused for a request of higher priority, keeping what it evaluated."""
+
+    async def resumed(self, request: Request) -> None:
+        """Its paused loop goes on."""
 
     async def failed(self, request: Request, message: str) -> None:
         """Starting or running it raised."""
@@ -68,7 +79,7 @@ class Scheduler:
         window: int = Settings.window,
         metrics=None,
         threads: int | None = None,
-        batching: Batching = Settings.batching,
+        batching: Batching | None = None,
     ):
         if workers < 1 or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
@@ -83,14 +94,22 @@ class Scheduler:
         self.metrics = metrics
         # Whether the running generations share each evaluation (the llama.cpp engine's
         # continuous batching) or evaluate each on its own context.
-        self.batching = batching
-        # Free slots, least recently used first.
-        self._free = deque(engine.open_slots(workers, batching))
+        self.batching = batching or engine.batching
+        self._workers = workers
+        # Free slots, least recently used first. Generations in shared steps get spare sequences
+        # beyond the workers: a request of higher priority starts on one while the generation
+        # it preempts keeps its own sequence, and its cache (see _preempt).
+        spare = PREEMPTION_SLOTS if self.batching is Batching.SHARED else 0
+        self._free = deque(engine.open_slots(workers + spare, self.batching))
         self._slots = list(self._free)
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stopline-slot")
+        self._executor = ThreadPoolExecutor(max_workers=workers + spare, thread_name_prefix="stopline-slot")
+        # Waiting requests, by priority (lower first), then in order of arrival.
         self._queue: deque[tuple[Request, Sink]] = deque()
         self._queue_timers: dict[Request, asyncio.TimerHandle] = {}
         self._running: dict[Request, Stream] = {}
+        self._sinks: dict[Request, Sink] = {}
+        # Running requests preempted by ones of higher priority, in the order they were paused.
+        self._paused: dict[Request, Stream] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self._warn_if_threads_outnumber_cores()
@@ -115,7 +134,8 @@ class Scheduler:
 
     @property
     def workers(self) -> int:
-        return len(self._slots)
+        """How many generations run at once (paused ones aside)."""
+        return self._workers
 
     @property
     def queue_depth(self) -> int:
@@ -155,15 +175,18 @@ class Scheduler:
         """Queue ``request``; returns its queue position (0: it starts now)."""
         if self._closed:
             raise Busy("the server is shutting down")
-        if self._free:
+        if self._free and (self._unpaused() < self.workers or self._preempt_for(request)):
             self._start(request, sink, self._take_free_slot(request.prompt_tokens))
             return 0
         if len(self._queue) >= self.max_queue:
             raise Busy(f"all {self.workers} slots are busy and the queue is full ({self.max_queue})")
-        self._queue.append((request, sink))
+        # Behind every request of the same or a higher priority (a lower or equal value).
+        position = next((i for i, (queued, _) in enumerate(self._queue) if queued.priority > request.priority), None)
+        position = len(self._queue) if position is None else position
+        self._queue.insert(position, (request, sink))
         self._arm_queue_deadline(request)
         self._update_gauges()
-        return len(self._queue)
+        return position + 1
 
     def cancel(self, request: Request) -> None:
         """Stop ``request`` wherever it is. The protocol has recorded why and when."""
@@ -195,6 +218,35 @@ class Scheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _unpaused(self) -> int:
+        return len(self._running) - len(self._paused)
+
+    def _preempt_for(self, request: Request) -> bool:
+        """Pause the running generation of the lowest priority below ``request``'s (the
+        latest started among equals), if there is one, so that ``request`` can start now
+        on a spare slot. Its loop ends the step under way and then waits, its cache kept:
+        it resumes where it stopped, nothing recomputed (Generation.pause)."""
+        if self.batching is not Batching.SHARED:
+            return False
+        below = [r for r in self._running if r not in self._paused and r.priority > request.priority]
+        if not below:
+            return False
+        victim = max(below, key=lambda r: (r.priority, r.started_ns))
+        stream = self._running[victim]
+        stream.generation.pause()
+        self._paused[victim] = stream
+        log.info("preempted", request_id=victim.request_id, by=request.request_id, priority=victim.priority)
+        if self.metrics is not None:
+            self.metrics.preemptions.inc()
+        self._spawn(self._sinks[victim].preempted(victim))
+        return True
+
+    def _resume(self, request: Request) -> None:
+        stream = self._paused.pop(request)
+        stream.generation.resume()
+        log.info("resumed", request_id=request.request_id)
+        self._spawn(self._sinks[request].resumed(request))
+
     def _take_free_slot(self, prompt_tokens: list[int]):
         # A slot whose cache is mostly the start of this prompt holds this
         # conversation: take the one that saves the most. Otherwise take the
@@ -222,6 +274,7 @@ class Scheduler:
             self._free.appendleft(slot)
             raise
         self._running[request] = stream
+        self._sinks[request] = sink
         self._share_cores()
         sink.started(request)
         self._update_gauges()
@@ -241,6 +294,8 @@ class Scheduler:
             failure = f"{type(exc).__name__}: {exc}"
         finally:
             del self._running[request]
+            del self._sinks[request]
+            self._paused.pop(request, None)
             self._share_cores()
             # The slot is free the moment the loop has published its result: start the next request first.
             self._release(slot)
@@ -257,15 +312,27 @@ class Scheduler:
             stream.generation.close()
 
     def _release(self, slot) -> None:
-        while self._queue and not self._closed:
+        """``slot`` is free. While fewer than the workers run, resume the preempted generation
+        or start the queued request of the highest priority (a preempted one first among
+        equals); then let a queued request preempt a running one of a lower priority."""
+        self._free.append(slot)
+        while not self._closed:
+            paused = min(self._paused, key=lambda r: r.priority, default=None)
+            queued = self._queue[0][0] if self._queue else None
+            if self._unpaused() < self.workers:
+                if paused is not None and (queued is None or paused.priority <= queued.priority):
+                    self._resume(paused)
+                    continue
+                if queued is None or not self._free:
+                    break
+            elif queued is None or not self._free or not self._preempt_for(queued):
+                break
             request, sink = self._queue.popleft()
             self._disarm_queue_deadline(request)
             try:
-                self._start(request, sink, slot)
-                return
+                self._start(request, sink, self._take_free_slot(request.prompt_tokens))
             except Exception as exc:
                 self._spawn(sink.failed(request, str(exc)))
-        self._free.append(slot)
         self._update_gauges()
 
     def _take_from_queue(self, request: Request) -> Sink | None:

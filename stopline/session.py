@@ -281,6 +281,12 @@ class ClientSession:
     async def finished(self, request: Request, result: GenerationResult) -> None:
         await self.perform(self.protocol.finished(request, result))
 
+    async def preempted(self, request: Request) -> None:
+        await self.perform(self.protocol.preempted(request))
+
+    async def resumed(self, request: Request) -> None:
+        await self.perform(self.protocol.resumed(request))
+
     async def failed(self, request: Request, message: str) -> None:
         await self.perform(self.protocol.failed(request, message))
 

@@ -28,7 +28,8 @@ from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
 from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
 
-# The tokens each slot holds when no context length is asked for, whatever the model.
+# The tokens each slot holds when no context length is asked for, on the ctransformers
+# engine; on llama.cpp, the least that sizing a context from the model chooses.
 DEFAULT_CONTEXT_LENGTH = 2048
 LOG_FORMATS = ("auto", "text", "json")
 
@@ -51,13 +52,15 @@ class Settings:
     # only the served names (others get 404 model_not_found).
     model_names: ModelNames = ModelNames.ANY
     engine: EngineName = EngineName.LLAMA_CPP
-    context_length: int = DEFAULT_CONTEXT_LENGTH
+    # Each slot's tokens; None: sized from the model (Engine.load).
+    context_length: int | None = None
     abort_mode: AbortMode = AbortMode.IN_STEP
     # Prompt tokens per evaluation; None: what suits the abort mode in force.
     prefill_chunk: int | None = None
-    workers: int = 2
-    # How the llama.cpp engine evaluates the generations that run at once.
-    batching: Batching = Batching.PER_SLOT
+    workers: int = 4
+    # How the llama.cpp engine evaluates the generations that run at once; None: the engine's
+    # own way (Engine.batching): shared steps on llama.cpp.
+    batching: Batching | None = None
     # Compute threads per generation; None: the cores, shared among the generations
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
@@ -99,13 +102,14 @@ class Settings:
     def __post_init__(self) -> None:
         # A choice given by its name (a flag's text, a test's string) is held as its member.
         for name, kind in _CHOICES.items():
-            object.__setattr__(self, name, kind(getattr(self, name)))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, kind(getattr(self, name)))
         # Rules between settings, named by their flags.
         if self.model_type is not None and self.engine is not EngineName.CTRANSFORMERS:
             raise UsageError(
                 f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads"
             )
-        if self.prefill_chunk and self.prefill_chunk > self.context_length:
+        if self.prefill_chunk and self.context_length and self.prefill_chunk > self.context_length:
             raise UsageError(
                 f"argument --prefill-chunk: {self.prefill_chunk} exceeds --context-length {self.context_length}"
             )
@@ -412,6 +416,7 @@ FLAGS = [
         "llama.cpp engine only. per_slot: each running generation is evaluated on a context of its own; "
         "shared: the slots are sequences of one context, and every step is one batch of every running "
         "generation's next tokens (continuous batching; docs/engine.md compares the two)",
+        default_text="shared on llama.cpp, per_slot on ctransformers",
     ),
     Flag(
         "--threads",
@@ -422,7 +427,14 @@ FLAGS = [
         '"One user and two")',
         default_text="the idle cores, shared",
     ),
-    Flag("--context-length", "context_length", integer(2), "tokens per slot, up to the model's limit"),
+    Flag(
+        "--context-length",
+        "context_length",
+        integer(2),
+        "tokens per slot, up to the model's limit",
+        default_text="llama.cpp: the model's trained context, as far as every slot's fits a quarter of "
+        "the memory (the startup line context_sized says what was chosen); ctransformers: `2048`",
+    ),
     Flag(
         "--abort-mode",
         "abort_mode",

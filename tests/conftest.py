@@ -90,8 +90,9 @@ async def browser():
 @pytest.fixture(scope="session")
 def llama_engine() -> Engine:
     """The embedded SmolLM2 on the llama.cpp engine, the default: one compute thread per slot,
-    as on two cores by default."""
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+    as on two cores by default, and 2,048 tokens per slot, which every test fits (a context
+    sized from the model is 4 times as large, and slower to create for each test's server)."""
+    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, context_length=2048, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,7 @@ class FakeEngine:
     """The engine interface the scheduler and the sessions use, answering ``words``."""
 
     kind = EngineName.CTRANSFORMERS
+    batching = Batching.PER_SLOT
     name = "fake"
     context_length = 256
     vocab_size = 100
@@ -142,8 +143,8 @@ class FakeEngine:
         self.slots.append(slot)
         return slot
 
-    def open_slots(self, count: int, batching: Batching = Settings.batching) -> list[FakeSlot]:
-        assert batching is Batching.PER_SLOT
+    def open_slots(self, count: int, batching: Batching | None = None) -> list[FakeSlot]:
+        assert batching in (None, Batching.PER_SLOT)
         return [self.open_slot() for _ in range(count)]
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

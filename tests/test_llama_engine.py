@@ -24,7 +24,7 @@ import pytest
 from bench.launch import run_stopline
 from stopline import _core
 from stopline.engine.llama_build import cached_library
-from stopline.engine.loop import Engine
+from stopline.engine.loop import KV_MEMORY_SHARE, Engine, kv_bytes_per_token, sized_context
 from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.engine.model_check import ModelFileError, read_gguf_metadata
 from stopline.observability import ConsoleRenderer
@@ -98,6 +98,37 @@ def reference(engine: Engine, prompt: list[int], max_tokens: int) -> Reference:
         return Reference(ids, [top for _, top in generation.logprobs(0, len(ids))])
     finally:
         alone.close()
+
+
+async def test_by_default_each_of_four_shared_slots_holds_the_models_trained_context(logs):
+    # The README's command: the embedded model, 4 slots in shared steps, its 8,192-token context.
+    engine = Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
+    assert engine.context_length == 8192 == engine.model.context_limit
+    [sized] = logs.records("context_sized")
+    assert sized["context_length"] == 8192 and sized["sequences"] == 4
+    assert sized["why"] == "the model's trained context"
+    async with running_server(engine) as server:
+        assert server.scheduler.batching is Batching.SHARED and server.scheduler.workers == 4
+        assert logs.records("server_started")[0]["batching"] == "shared"
+        async with client_for(server) as client:
+            # Longer than the 2,048 tokens a slot held by default before.
+            accepted = await client.generate("long", prompt="The history of bread is long. " * 450, max_tokens=4)
+            assert accepted["type"] == "accepted" and accepted["prompt_tokens"] > 3031
+            done = await client.terminal("long", timeout=120 * UNIT)
+    assert done["type"] == "done" and done["tokens_generated"] == 4
+
+
+def test_a_context_sized_from_the_model_fits_the_kv_caches_share_of_memory(engine, logs):
+    # SmolLM2: 30 layers, 3 KV heads of 64 dimensions, K and V in f16.
+    per_token = kv_bytes_per_token(engine.model)
+    assert per_token == 30 * 3 * (64 + 64) * 2
+    # Memory for 4 slots of 4,096 tokens: the trained 8,192 is halved.
+    memory = int(4 * 4096 * per_token / KV_MEMORY_SHARE)
+    assert sized_context(engine.model, 4, memory) == 4096
+    assert logs.records("context_sized")[-1]["why"] == "what fits the KV cache's share of memory"
+    # Never under 2,048 tokens, nor over the trained context.
+    assert sized_context(engine.model, 4, 1 << 20) == 2048
+    assert sized_context(engine.model, 1, 1 << 50) == 8192
 
 
 def test_the_engine_proves_its_abort_and_names_itself(engine):
@@ -461,6 +492,79 @@ def test_a_stopped_generation_leaves_the_shared_step_under_way(engine):
     finally:
         for slot in slots:
             slot.close()
+
+
+def wait_for_tokens(generation, count: int) -> None:
+    deadline = time.monotonic() + 60 * UNIT
+    while len(generation.token_ids()) < count:
+        assert time.monotonic() < deadline and not generation.finished
+        time.sleep(0.001)
+
+
+def test_a_paused_generation_takes_no_step_and_resumes_from_its_cache(engine):
+    prompts = [engine.encode(messages=story) for story in STORIES[:2]]
+    expected = reference(engine, prompts[0], 48)
+    slots = engine.open_slots(2, Batching.SHARED)
+    try:
+        paused = make_generation(slots[0], prompts[0], max_tokens=48, prefill_chunk=engine.prefill_chunk, **GREEDY)
+        other = make_generation(slots[1], prompts[1], max_tokens=2000, ignore_eos=True, **GREEDY)
+        workers = [threading.Thread(target=g.run) for g in (paused, other)]
+        for worker in workers:
+            worker.start()
+        wait_for_tokens(paused, 4)
+        at_pause = len(paused.token_ids())
+        paused.pause()
+        # The step under way ends (its token is published), and then no other is taken while
+        # the other generation goes on alone.
+        wait_for_tokens(other, len(other.token_ids()) + 8)
+        held = len(paused.token_ids())
+        wait_for_tokens(other, len(other.token_ids()) + 16)
+        assert at_pause <= len(paused.token_ids()) == held <= at_pause + 1
+        paused.resume()
+        workers[0].join(120 * UNIT)
+        assert not workers[0].is_alive()
+        result = paused.result
+        assert result.exit is _core.ExitKind.MAX_TOKENS and result.tokens_generated == 48
+        # It went on from its cache: the prompt was evaluated once, and the text is what it is unpaused.
+        assert result.preemptions == 1 and result.preempted_ns > 0
+        assert result.prompt_tokens_evaluated == len(prompts[0]) and result.prompt_tokens_wasted == 0
+        assert expected.agrees_up_to_a_near_tie(paused.token_ids())
+        # A stop ends a paused generation at once.
+        other.pause()
+        other.cancel()
+        workers[1].join(60 * UNIT)
+        assert not workers[1].is_alive()
+        assert other.result.exit is _core.ExitKind.CANCELLED and other.result.tokens_after_cancel == 0
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+
+
+async def test_a_request_of_higher_priority_preempts_one_of_lower_and_it_resumes_losing_nothing(engine, logs):
+    async with running_server(engine, workers=2) as server:
+        async with client_for(server) as client:
+            for name in ("low-1", "low-2"):
+                await client.generate(name, messages=LONG_ANSWER, max_tokens=120, ignore_eos=True, priority=5)
+                await client.recv_until(lambda f, n=name: f["type"] == "token" and f["id"] == n)
+            # Both workers run: the urgent request starts at once on the spare sequence, and the
+            # low-priority request started last is paused.
+            accepted = await client.generate("urgent", messages=FRANCE, max_tokens=8, temperature=0)
+            assert accepted["queue_position"] == 0
+            preempted = await client.recv_until(lambda f: f["type"] == "preempted", timeout=60 * UNIT)
+            urgent = await client.terminal("urgent", timeout=120 * UNIT)
+            resumed = await client.recv_until(lambda f: f["type"] == "resumed", timeout=60 * UNIT)
+            ends = {name: await client.terminal(name, timeout=180 * UNIT) for name in ("low-1", "low-2")}
+    assert preempted["id"] == resumed["id"] == "low-2" and urgent["type"] == "done"
+    # The urgent request ended before the preempted one was resumed.
+    order = [(f["type"], f["id"]) for f in client.frames]
+    assert order.index(("done", "urgent")) < order.index(("resumed", "low-2"))
+    # Every token of the preempted request came once, in order, and it ran to its end.
+    for name, end in ends.items():
+        assert end["type"] == "done" and end["tokens_generated"] == 120
+        assert [f["index"] for f in client.tokens(name)] == list(range(120))
+    [record] = logs.records("generation_done", id="low-2")
+    assert record["preemptions"] == 1 and record["prompt_tokens_evaluated"] == record["prompt_tokens"]
 
 
 async def test_a_server_with_shared_steps_stops_one_request_and_finishes_the_other(engine, logs):

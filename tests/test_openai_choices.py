@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from support import CHAT_FRANCE, LONG_ANSWER, UNIT, wait_for
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, running_server, wait_for
 
 STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
 
@@ -22,7 +22,17 @@ async def client(server):
         yield client
 
 
-async def test_several_choices_are_answered_in_one_body(server, client):
+async def test_several_choices_are_answered_in_one_body(engine):
+    # Each choice on a context of its own: in shared steps a token's logits depend on the
+    # batch it was evaluated in, so a seeded draw repeats only where the batches do.
+    async with running_server(engine, batching="per_slot") as server:
+        async with openai.AsyncOpenAI(
+            base_url=server.http.base_url, api_key="unused", max_retries=0, timeout=120 * UNIT
+        ) as client:
+            await several_choices_in_one_body(server, client)
+
+
+async def several_choices_in_one_body(server, client):
     asked = dict(model=server.engine.name, messages=STORY, max_tokens=12, temperature=1.0, seed=5)
     answer = await client.chat.completions.create(n=3, **asked)
     assert [c.index for c in answer.choices] == [0, 1, 2]

@@ -67,6 +67,8 @@ def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
         longest_decode_node_ns=0,
         prompt_tokens_wasted=0,
         wasted_eval_ns=0,
+        preemptions=0,
+        preempted_ns=0,
     )
     return SimpleNamespace(exit=exit, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts})
 

@@ -100,9 +100,10 @@ async def test_cancel_during_prefill_stops_within_one_chunk(server, logs):
 
 
 async def test_cancel_while_queued_computes_nothing(server, logs):
+    busy = [f"busy{i}" for i in range(server.scheduler.workers)]
     async with client_for(server) as client:
-        await client.generate("busy1", messages=LONG_ANSWER, max_tokens=400)
-        await client.generate("busy2", messages=LONG_ANSWER, max_tokens=400)
+        for request_id in busy:
+            await client.generate(request_id, messages=LONG_ANSWER, max_tokens=400)
         queued = await client.generate("q", messages=CHAT_FRANCE)
         assert queued["queue_position"] == 1
         await client.send({"type": "cancel", "id": "q"})
@@ -112,21 +113,22 @@ async def test_cancel_while_queued_computes_nothing(server, logs):
         [end] = logs.records("generation_cancelled", id="q")
         assert end["prompt_tokens_evaluated"] == 0 and end["tokens_wasted"] == 0
         assert cancelled["prompt_tokens_wasted"] == 0 and cancelled["wasted_eval_ms"] == 0
-        for request_id in ("busy1", "busy2"):
+        for request_id in busy:
             await client.send({"type": "cancel", "id": request_id})
             assert (await client.terminal(request_id))["type"] == "cancelled"
 
 
 async def test_freed_slot_starts_the_next_queued_request_at_once(server, logs):
+    others = [f"b{i}" for i in range(server.scheduler.workers - 1)]
     async with client_for(server) as client:
-        await client.generate("a", messages=LONG_ANSWER, max_tokens=400)
-        await client.generate("b", messages=LONG_ANSWER, max_tokens=400)
+        for request_id in ("a", *others):
+            await client.generate(request_id, messages=LONG_ANSWER, max_tokens=400)
         assert (await client.generate("c", messages=CHAT_FRANCE, temperature=0))["queue_position"] == 1
         await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "a")
         await client.send({"type": "cancel", "id": "a"})
         await client.terminal("a")
         assert (await client.terminal("c"))["type"] == "done"
-        for request_id in ("b",):
+        for request_id in others:
             await client.send({"type": "cancel", "id": request_id})
             await client.terminal(request_id)
     [a_end] = logs.records("generation_cancelled", id="a")

@@ -105,6 +105,29 @@ async def test_the_scheduler_fills_its_slots_then_queues_then_starts_the_next_at
     assert all(slot.closed for slot in engine.slots)
 
 
+async def test_the_queue_serves_a_lower_priority_value_first_and_equals_in_order_of_arrival():
+    engine = FakeEngine()
+    scheduler = Scheduler(engine, workers=1, max_queue=4, threads=1)
+    sinks = {name: Recorder() for name in ("run", "late", "urgent", "later", "routine")}
+    priorities = {"run": 0, "late": 1, "urgent": -1, "later": 1, "routine": 0}
+    positions = []
+    for name, sink in sinks.items():
+        queued = request(name)
+        queued.priority = priorities[name]
+        positions.append(scheduler.submit(queued, sink))
+        if name == "run":
+            engine.streams[0].hold.clear()
+    # Each is placed behind every request of its priority or a more urgent one.
+    assert positions == [0, 1, 1, 3, 2]
+    started: list[str] = []
+    for sink in sinks.values():
+        sink.started = lambda request, s=sink: started.append(request.id) or Recorder.started(s, request)
+    engine.streams[0].hold.set()
+    await until(lambda: all(sink.done.is_set() for sink in sinks.values()))
+    assert started == ["urgent", "routine", "late", "later"]
+    await scheduler.shutdown()
+
+
 async def test_the_scheduler_refuses_past_its_queue_and_stops_where_the_request_is():
     from stopline.protocol.errors import Busy
 

@@ -266,7 +266,7 @@ def test_help_shows_defaults_and_which_model_files_work():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "--port PORT port to listen on (0: any free port) (default: 8765)" in text
-    assert "--workers WORKERS generation slots: users served at once (default: 2)" in text
+    assert "--workers WORKERS generation slots: users served at once (default: 4)" in text
     assert "Model files: The ctransformers engine runs GGUF v2-v3 files of architecture llama" in text
     client = run_stopline("--help", module="stopline.client", timeout=60 * UNIT)
     help_text = " ".join(client.stdout.split())
@@ -366,7 +366,8 @@ async def test_a_generation_alone_gets_every_core_and_users_together_share_them(
     monkeypatch.setattr(type(engine), "start", start)
     # An otherwise idle machine; how busy this one is depends on who else uses it.
     monkeypatch.setattr(cores.MachineLoad, "others", lambda self: 0.0)
-    async with running_server(engine, workers=2) as server, client_for(server) as client:
+    # Generations on contexts of their own share the cores; shared steps give every step all of them.
+    async with running_server(engine, workers=2, batching="per_slot") as server, client_for(server) as client:
         await ask(client, "alone")
         await client.generate("first", messages=LONG_ANSWER, max_tokens=400, temperature=0)
         await client.recv_until(lambda f: f["type"] == "token" and f["id"] == "first")

@@ -32,7 +32,7 @@ from stopline.engine.llama_build import ensure_llama_library
 from stopline.engine.loop import Engine
 from stopline.observability import configure_logging
 from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
-from stopline.settings import Settings
+from stopline.settings import DEFAULT_CONTEXT_LENGTH, Settings
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ async def serve(args: argparse.Namespace) -> None:
         threads=args.threads,
         progress=False,
         abort_mode=served.abort_mode,
+        # The context per slot llama-server is given (bench/run.py), whatever the model.
+        context_length=DEFAULT_CONTEXT_LENGTH,
         llama_library=ensure_llama_library(progress=False, edited=False) if served.unedited else None,
     )
     if args.engine == "baseline":

@@ -111,6 +111,7 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
     own steps; a context of several has a thread that leads them."""
     cdef Batcher *b = s.batcher
     sl.pthread_mutex_lock(&b.lock)
+    stay_paused(b, s)
     s.post_count = count
     s.post_result = PostResult.POST_WAITING
     b.posted[b.n_posted] = s
@@ -121,12 +122,37 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
             lead_step(b, s)
         elif sl.sl_check(&s.watch) != sl.SL_RUN and leave(b, s):
             pass
+        elif sl.sl_load_acquire(&s.pause_requested) and withdraw(b, s):
+            # Preempted before a step took its tokens: they wait with it.
+            stay_paused(b, s)
+            b.posted[b.n_posted] = s
+            b.n_posted += 1
+            sl.pthread_cond_broadcast(&b.changed)
         else:
             # Woken by every post, result and step's end, and by a cancel
             # (Generation.cancel); a deadline is a time to wake at.
             sl.sl_cond_wait_until(&b.changed, &b.lock, sl.sl_next_deadline(&s.watch))
     sl.pthread_mutex_unlock(&b.lock)
     return s.post_result == PostResult.POST_DONE
+
+
+cdef void stay_paused(Batcher *b, LoopState *s) noexcept nogil:
+    """While ``s`` is preempted (Generation.pause), wait out of the context's steps
+    (called with the lock held, its tokens not posted). A stop ends the wait: the
+    post that follows is then withdrawn at once (see leave)."""
+    cdef int64_t start
+    if not sl.sl_load_acquire(&s.pause_requested):
+        return
+    start = sl.sl_monotonic_ns()
+    s.preemptions += 1
+    if s.is_present:
+        b.present -= 1
+        sl.pthread_cond_broadcast(&b.changed)
+    while sl.sl_load_acquire(&s.pause_requested) and sl.sl_check(&s.watch) == sl.SL_RUN:
+        sl.sl_cond_wait_until(&b.changed, &b.lock, sl.sl_next_deadline(&s.watch))
+    if s.is_present:
+        b.present += 1
+    s.preempted_ns += sl.sl_monotonic_ns() - start
 
 
 cdef bint leave(Batcher *b, LoopState *s) noexcept nogil:

@@ -654,6 +654,11 @@ cdef struct LoopState:
     bint in_step           # a step has taken its tokens and not yet let go of it
     bint left_step         # it ended during that step, which drops its tokens (see leave)
     bint delivering        # that step is handing it its result: it can no longer leave
+    # Preemption: while pause_requested is set (Generation.pause) the loop takes no step;
+    # what it evaluated stays in its cache. How often it paused, and for how long.
+    int pause_requested
+    int preemptions
+    int64_t preempted_ns
 
 
 # How generations share one llama.cpp context's steps.
@@ -1266,11 +1271,13 @@ cdef class LoopResult:
     cdef readonly int64_t longest_decode_node_ns
     cdef readonly int prompt_tokens_wasted
     cdef readonly int64_t wasted_eval_ns
+    cdef readonly int preemptions
+    cdef readonly int64_t preempted_ns
 
     FIELDS = ("exit", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated", "tokens_generated",
               "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns", "end_ns",
               "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns", "prompt_tokens_wasted",
-              "wasted_eval_ns")
+              "wasted_eval_ns", "preemptions", "preempted_ns")
 
     def __repr__(self):
         return "LoopResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS) + ")"
@@ -1296,6 +1303,8 @@ cdef LoopResult loop_result(const LoopState *s):
     r.longest_decode_node_ns = s.longest_decode_node_ns
     r.prompt_tokens_wasted = s.prompt_tokens_wasted
     r.wasted_eval_ns = s.wasted_eval_ns
+    r.preemptions = s.preemptions
+    r.preempted_ns = s.preempted_ns
     return r
 
 
@@ -1492,11 +1501,34 @@ cdef class Generation:
         self.s.published_at_cancel = sl.sl_load_acquire(&self.s.published)
         sl.sl_store_release(&self.s.watch.cancel_flag, 1)
         if self.s.batcher is not NULL:
-            # Waiting for a step it is not part of, it would otherwise see the flag only once that step ends.
-            sl.pthread_mutex_lock(&self.s.batcher.lock)
-            sl.pthread_cond_broadcast(&self.s.batcher.changed)
-            sl.pthread_mutex_unlock(&self.s.batcher.lock)
+            # Waiting for a step, or paused, it would otherwise see the flag only once woken.
+            self._wake_step_waiters()
         return True
+
+    def pause(self):
+        """Preempt the generation: from its next step on, until :meth:`resume`, its loop
+        takes no step (a step under way ends first, so nothing it computes is lost). What
+        it has evaluated stays in its context's cache, and it resumes from there. A stop
+        still ends it at once. Thread-safe; the llama.cpp engine only."""
+        self._check_pausable()
+        sl.sl_store_release(&self.s.pause_requested, 1)
+        self._wake_step_waiters()
+
+    def resume(self):
+        """End a :meth:`pause`: the loop takes its next step."""
+        self._check_pausable()
+        sl.sl_store_release(&self.s.pause_requested, 0)
+        self._wake_step_waiters()
+
+    cdef _check_pausable(self):
+        if self.s.batcher is NULL:
+            raise EngineError("only a generation of the llama.cpp engine can pause")
+
+    cdef void _wake_step_waiters(self) noexcept:
+        # A generation waiting for a step, or paused, waits on its context's condition.
+        sl.pthread_mutex_lock(&self.s.batcher.lock)
+        sl.pthread_cond_broadcast(&self.s.batcher.changed)
+        sl.pthread_mutex_unlock(&self.s.batcher.lock)
 
     def run(self, bint yield_to_reader=False):
         """Run the loop to its end and return the :class:`LoopResult`.

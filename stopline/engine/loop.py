@@ -39,7 +39,7 @@ from stopline import _core
 from ..protocol.errors import EngineError, ModelLoadError, SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
-from ..settings import Settings
+from ..settings import DEFAULT_CONTEXT_LENGTH, Settings
 from . import conversion
 from . import model as embedded
 from .cores import usable_cores
@@ -61,6 +61,12 @@ DEFAULT_PREFILL_CHUNK = {
     EngineName.CTRANSFORMERS: {AbortMode.IN_STEP: 64, AbortMode.BETWEEN_STEPS: 1},
     EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 512, AbortMode.BETWEEN_STEPS: 1},
 }
+
+
+# The share of the machine's memory that the llama.cpp engine's KV cache may take when no
+# context length is asked for: every sequence gets the model's trained context, shortened
+# to fit this share (the cache is allocated whole when the context is created).
+KV_MEMORY_SHARE = 0.25
 
 
 class SamplingArgs(TypedDict):
@@ -132,6 +138,8 @@ class Engine:
     model and open a slot."""
 
     kind: EngineName
+    # How it evaluates generations that run at once, unless told (--batching).
+    batching: Batching
     name: str
     model_path: Path
     context_length: int
@@ -149,17 +157,21 @@ class Engine:
         model_type: str | None = None,
         *,
         engine: EngineName | str = Settings.engine,
-        context_length: int = Settings.context_length,
+        context_length: int | None = Settings.context_length,
         threads: int | None = None,
         prefill_chunk: int | None = None,
         abort_mode: AbortMode | str = Settings.abort_mode,
         progress: bool = True,
         llama_library: str | os.PathLike | None = None,
+        sequences: int = Settings.workers,
     ) -> Engine:
         """Load ``model_path`` (default: the embedded SmolLM2 model, fetched once) on ``engine``.
 
-        ``prefill_chunk`` defaults to the size that suits the abort mode in force."""
-        if context_length < 1:
+        ``context_length`` is each slot's; by default, on llama.cpp, the model's trained
+        context, as far as ``sequences`` slots of it fit the KV cache's share of memory
+        (``sized_context``), and on ctransformers DEFAULT_CONTEXT_LENGTH. ``prefill_chunk``
+        defaults to the size that suits the abort mode in force."""
+        if context_length is not None and context_length < 1:
             raise ValueError("context_length must be positive")
         threads = threads or usable_cores()
         abort_mode = AbortMode(abort_mode)
@@ -167,19 +179,26 @@ class Engine:
             if model_type is not None:
                 raise ValueError("--model-type names a GGML file's type, which only the ctransformers engine loads")
             return LlamaEngine.from_file(
-                model_path, context_length, threads, prefill_chunk, abort_mode, progress, llama_library
+                model_path, context_length, threads, prefill_chunk, abort_mode, progress, llama_library, sequences
             )
         return CtransformersEngine.from_file(
-            model_path, model_type, context_length, threads, prefill_chunk, abort_mode, progress
+            model_path,
+            model_type,
+            context_length or DEFAULT_CONTEXT_LENGTH,
+            threads,
+            prefill_chunk,
+            abort_mode,
+            progress,
         )
 
     def open_slot(self) -> _core.Slot:
         """A new native context for this model. Close it with ``slot.close()``."""
         raise NotImplementedError
 
-    def open_slots(self, count: int, batching: Batching = Settings.batching) -> Sequence[_core.Slot]:
-        """``count`` slots for generations that run at the same time."""
-        if batching is not Batching.PER_SLOT:
+    def open_slots(self, count: int, batching: Batching | None = None) -> Sequence[_core.Slot]:
+        """``count`` slots for generations that run at the same time (``batching``: the
+        engine's own, :attr:`batching`, unless given)."""
+        if (batching or self.batching) is not Batching.PER_SLOT:
             raise SettingError("--batching shared needs the llama.cpp engine")
         return [self.open_slot() for _ in range(count)]
 
@@ -240,6 +259,7 @@ class CtransformersEngine(Engine):
     evaluation by the step hook (ext/step_abort.h)."""
 
     kind = EngineName.CTRANSFORMERS
+    batching = Batching.PER_SLOT
 
     def __init__(
         self,
@@ -381,22 +401,26 @@ class LlamaEngine(Engine):
     own vocabulary tokenizes, and its chat template renders."""
 
     kind = EngineName.LLAMA_CPP
+    batching = Batching.SHARED
 
     def __init__(
         self,
         model: _core.LlamaModel,
         model_path: Path,
         name: str,
-        context_length: int,
+        context_length: int | None,
         threads: int,
         prefill_chunk: int | None,
         abort_mode: AbortMode,
+        sequences: int = Settings.workers,
     ):
         self.model = model
         self.model_path = model_path
         self.name = name
         self.threads = threads
-        if model.context_limit and context_length > model.context_limit:
+        if context_length is None:
+            context_length = sized_context(model, sequences, physical_memory())
+        elif model.context_limit and context_length > model.context_limit:
             raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
         self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][AbortMode.IN_STEP]
@@ -428,12 +452,13 @@ class LlamaEngine(Engine):
     def from_file(
         cls,
         model_path: str | os.PathLike | None,
-        context_length: int,
+        context_length: int | None,
         threads: int,
         prefill_chunk: int | None,
         abort_mode: AbortMode,
         progress: bool,
         library: str | os.PathLike | None = None,
+        sequences: int = Settings.workers,
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
         library is ``library``, else the one an installed wheel carries, else the one built on
@@ -467,7 +492,7 @@ class LlamaEngine(Engine):
                 "back to an earlier token, which stopping mid-prompt and reusing a prompt need",
                 engine=EngineName.LLAMA_CPP,
             )
-        return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode)
+        return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode, sequences)
 
     def open_slot(self) -> _core.LlamaSequence:
         if self._probe is not None:
@@ -475,13 +500,60 @@ class LlamaEngine(Engine):
             return slot
         return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads).sequences[0]
 
-    def open_slots(self, count: int, batching: Batching = Settings.batching) -> Sequence[_core.LlamaSequence]:
-        """``count`` contexts of one sequence each, or with ``Batching.SHARED`` the
-        ``count`` sequences of one context."""
-        if batching is Batching.PER_SLOT:
+    def open_slots(self, count: int, batching: Batching | None = None) -> Sequence[_core.LlamaSequence]:
+        """``count`` contexts of one sequence each, or with ``Batching.SHARED`` (the
+        default) the ``count`` sequences of one context."""
+        if (batching or self.batching) is Batching.PER_SLOT:
             return [self.open_slot() for _ in range(count)]
+        if self._probe is not None:
+            # The probe's cache would sit unused beside the shared context's.
+            self._probe.close()
+            self._probe = None
         context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count)
         return list(context.sequences)
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_bytes_per_token(model: _core.LlamaModel) -> int | None:
+    """What one position of one sequence takes in the (f16) KV cache, from the file's
+    shapes; None when the file does not say them."""
+    arch = model.metadata("general.architecture")
+
+    def number(key: str) -> int | None:
+        value = model.metadata(f"{arch}.{key}")
+        return int(value) if value is not None and value.isdigit() else None
+
+    layers, heads, width = number("block_count"), number("attention.head_count"), number("embedding_length")
+    if not (layers and heads and width):
+        return None
+    kv_heads = number("attention.head_count_kv") or heads
+    key = number("attention.key_length") or width // heads
+    value = number("attention.value_length") or width // heads
+    return layers * kv_heads * (key + value) * 2
+
+
+def sized_context(model: _core.LlamaModel, sequences: int, memory: int) -> int:
+    """Each slot's context when none is asked for: the model's trained context, shortened
+    (to a multiple of 256, and never under DEFAULT_CONTEXT_LENGTH) until ``sequences`` slots
+    of it fit KV_MEMORY_SHARE of ``memory``. Says in one line what it chose and why."""
+    trained = model.context_limit or DEFAULT_CONTEXT_LENGTH
+    per_token = kv_bytes_per_token(model)
+    budget = int(memory * KV_MEMORY_SHARE)
+    fits = budget // (per_token * sequences) // 256 * 256 if per_token else trained
+    chosen = min(trained, max(fits, DEFAULT_CONTEXT_LENGTH))
+    log.info(
+        "context_sized",
+        context_length=chosen,
+        sequences=sequences,
+        trained_context=model.context_limit or None,
+        kv_bytes=per_token * sequences * chosen if per_token else None,
+        kv_budget_bytes=budget,
+        why="the model's trained context" if chosen == trained else "what fits the KV cache's share of memory",
+    )
+    return chosen
 
 
 def _with_file_template(engine: CtransformersEngine, fields: dict | None) -> CtransformersEngine:

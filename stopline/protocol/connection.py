@@ -49,7 +49,19 @@ from .errors import (
     TooManyRequests,
     TooManyRequestsFromAddress,
 )
-from .frames import Accepted, CancelAck, CancelFrame, ErrorFrame, Frame, GenerateFrame, Hello, Terminal, Token
+from .frames import (
+    Accepted,
+    CancelAck,
+    CancelFrame,
+    ErrorFrame,
+    Frame,
+    GenerateFrame,
+    Hello,
+    Preempted,
+    Resumed,
+    Terminal,
+    Token,
+)
 from .requests import (
     Ending,
     GenerationResult,
@@ -260,6 +272,7 @@ class Connection:
             user=draft.frame.user,
             user_id=self.user_id,
             key_id=self.key_id,
+            priority=draft.frame.priority,
         )
         if draft.frame.id is None:
             request.request_id = draft.id  # one id is enough when the client gave none
@@ -389,6 +402,14 @@ class Connection:
         request.started_ns = now_ns
         return [Cancel(request)] if request.cancel_reason is not None else []
 
+    def preempted(self, request: Request) -> list[Action]:
+        """``request``'s generation was paused for one of higher priority: its client is told."""
+        return [] if request.ended else [Send(Preempted(request.id), request)]
+
+    def resumed(self, request: Request) -> list[Action]:
+        """``request``'s preempted generation goes on."""
+        return [] if request.ended else [Send(Resumed(request.id), request)]
+
     def token(self, request: Request, text: str, now_ns: int, logprobs: list[dict] | None = None) -> list[Action]:
         """Newly generated text: its token frame (none once the request has ended), with the
         log probabilities of the tokens it was read with, when they were asked for."""
@@ -452,6 +473,8 @@ class Connection:
                 longest_decode_node_ms=result.longest_decode_node_ns / 1e6,
                 prompt_tokens_wasted=result.prompt_tokens_wasted,
                 wasted_eval_ms=result.wasted_eval_ns / 1e6,
+                preemptions=result.preemptions,
+                preempted_ms=result.preempted_ns / 1e6,
             ),
         )
 

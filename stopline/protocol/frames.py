@@ -36,6 +36,8 @@ class GenerateFrame:
     user: str | None = None
     # The room the prompt must leave in the context for the answer, in tokens.
     min_answer_tokens: int = 1
+    # vLLM's priority: a lower value is served first, and may preempt a higher one (0: the default).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,29 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """The request's generation was paused for a request of higher priority. What it evaluated
+    stays in the KV cache: it goes on from there once ``resumed``, losing and repeating nothing."""
+
+    type: ClassVar[str] = "preempted"
+    id: str
+
+    def json(self) -> dict:
+        return {"type": self.type, "id": self.id}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A preempted generation goes on."""
+
+    type: ClassVar[str] = "resumed"
+    id: str
+
+    def json(self) -> dict:
+        return {"type": self.type, "id": self.id}
+
+
+@dataclass(frozen=True)
 class ErrorFrame:
     """A frame or a request refused. A quota refusal names its limit, and when trying again may succeed."""
 
@@ -177,7 +202,7 @@ class CancelAck:
         return {"type": self.type, "id": self.id, "status": str(self.status)}
 
 
-Frame = Hello | Accepted | Token | ErrorFrame | Terminal | CancelAck
+Frame = Hello | Accepted | Token | Preempted | Resumed | ErrorFrame | Terminal | CancelAck
 
 
 def as_error(frame: Frame) -> ErrorFrame | None:

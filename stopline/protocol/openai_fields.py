@@ -107,6 +107,7 @@ FIELDS: tuple[Field, ...] = (
     # llama-server's and vLLM's.
     Field("min_p", BOTH, Treatment.HONOURED, frame_name="min_p", example=0.05),
     Field("ignore_eos", BOTH, Treatment.HONOURED, frame_name="ignore_eos", example=True),
+    Field("priority", BOTH, Treatment.HONOURED, frame_name="priority", example=-1),
     Field("timeout_s", BOTH, Treatment.HONOURED, frame_name="timeout_s", example=60),
     Field("ttft_timeout_s", BOTH, Treatment.HONOURED, frame_name="ttft_timeout_s", example=60),
 )

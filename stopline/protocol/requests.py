@@ -13,6 +13,8 @@ from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+# Priorities are -MAX_PRIORITY to MAX_PRIORITY (lower first).
+MAX_PRIORITY = 2**31 - 1
 # Seeds are 0 to MAX_SEED - 1.
 MAX_SEED = 2**31
 # The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
@@ -157,6 +159,8 @@ class Request:
     key_id: str | None = None
     # Cancel frames still owed an answer; it names the outcome once the request has ended.
     unanswered_cancels: int = 0
+    # vLLM's: a lower value is served first, and preempts a running request of a higher one.
+    priority: int = 0
 
     def advance(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:
@@ -211,6 +215,9 @@ class Ending:
     # KV cache for a resend), and how long the evaluation it cut short had run.
     prompt_tokens_wasted: int = 0
     wasted_eval_ms: float = 0.0
+    # How often it was paused for a request of higher priority, and for how long in all.
+    preemptions: int = 0
+    preempted_ms: float = 0.0
     message: str = ""
     # A quota refusal: which limit, and when trying again may succeed (None: it will not).
     limit: QuotaLimit | None = None
@@ -277,3 +284,6 @@ class GenerationResult:
     longest_decode_node_ns: int
     prompt_tokens_wasted: int
     wasted_eval_ns: int
+    # How often a request of higher priority paused it, and for how long in all.
+    preemptions: int = 0
+    preempted_ns: int = 0

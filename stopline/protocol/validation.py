@@ -15,6 +15,7 @@ from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from .requests import (
     DEFAULT_SAMPLING,
     MAX_LOGIT_BIAS,
+    MAX_PRIORITY,
     MAX_SECONDS,
     MAX_SEED,
     MAX_TOP_LOGPROBS,
@@ -307,5 +308,6 @@ def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
     min_answer_tokens = _number_field(
         frame, "min_answer_tokens", 1, 1, limits.context_length, integer=True, request_id=request_id
     )
+    priority = _number_field(frame, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY, integer=True, request_id=request_id)
 
-    return GenerateFrame(client_id, params, prompt, messages, size, user, min_answer_tokens)
+    return GenerateFrame(client_id, params, prompt, messages, size, user, min_answer_tokens, priority)
