@@ -24,7 +24,8 @@ answer ``GET`` and ``DELETE /v1/generations/{request_id}`` for any of them:
   generations as ``owner_lost``, each by a script that writes the terminal
   status and the cancellation-log record only if the hash is not ended yet,
   so each ends once, whoever else tries. A status ``owner_lost`` is never
-  written over.
+  written over, and its owner logs no record of its own for it: a
+  generation's ending and its record are one script too.
 - ``stopline:replica:{<id>}:inbox``, a pub/sub channel per replica: a DELETE
   that lands on a replica that does not hold the request is published to the
   owner's inbox; the owner stops it and publishes the outcome that won to the
@@ -121,15 +122,21 @@ def sweep_key(replica_id: str, incarnation: str) -> str:
     return f"stopline:replica:{{{replica_id}}}:{incarnation}:swept"
 
 
-# A generation's hash, as its owner writes it: never over owner_lost (its owner was taken for dead and
-# its generation ended there), and kept in the owner's set of live generations while it runs.
-# KEYS: the hash, the owner's set. ARGV: TTL, "1" live or "0" ended, request id, then field, value, ...
+# A generation's hash as its owner writes it, with its cancellation-log record when it ends so: never
+# over owner_lost (its owner was taken for dead and its generation ended there, record and all), and
+# kept in the owner's set of live generations while it runs.
+# KEYS: the hash, the owner's set, the cancellation log. ARGV: TTL, "1" live or "0" ended, request id,
+# the log's length, the hash's field count n, then n fields and values, then the record's.
 WRITE_SCRIPT = f"""
 if redis.call('HGET', KEYS[1], 'status') == '{Status.OWNER_LOST}' then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+local n = tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + 2 * n))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) else redis.call('SREM', KEYS[2], ARGV[3]) end
 redis.call('EXPIRE', KEYS[2], ARGV[1])
+if #ARGV > 5 + 2 * n then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6 + 2 * n))
+end
 return 1
 """
 
@@ -167,24 +174,23 @@ def _iso(seconds: float) -> str:
 
 @dataclass
 class Write:
-    """One queued write, one command: a generation's whole hash (and its place in its owner's set of
-    live generations), or one cancellation-log record."""
+    """One queued write, one command: a generation's whole hash, its place in its owner's set of live
+    generations, and, for a cancel or a timeout, its cancellation-log record."""
 
     key: str
     fields: dict[str, str | int | float]
-    # A hash's: its owner's set of live generations, and whether it is in it.
-    live_set: str = ""
-    live: bool = False
+    # Its owner's set of live generations, and whether it is in it.
+    live_set: str
+    live: bool
+    record: dict[str, str | int | float] | None = None
     attempts: int = field(default=0)
 
     def add_to(self, pipe, ttl_s: int, write_script) -> None:
-        if self.key == CANCELLATIONS:
-            pipe.xadd(CANCELLATIONS, self.fields, maxlen=CANCELLATIONS_MAXLEN, approximate=True)
-        else:
-            pipe.scripts.add(write_script)
-            pairs = [item for pair in self.fields.items() for item in pair]
-            args = (ttl_s, int(self.live), self.fields.get("request_id", ""), *pairs)
-            pipe.evalsha(write_script.sha, 2, self.key, self.live_set, *args)
+        pipe.scripts.add(write_script)
+        pairs = [item for pair in self.fields.items() for item in pair]
+        logged = [item for pair in (self.record or {}).items() for item in pair]
+        args = (ttl_s, int(self.live), self.fields.get("request_id", ""), CANCELLATIONS_MAXLEN, len(self.fields))
+        pipe.evalsha(write_script.sha, 3, self.key, self.live_set, CANCELLATIONS, *args, *pairs, *logged)
 
 
 class Cluster:
@@ -347,29 +353,25 @@ class Cluster:
 
     def ended(self, entry: Entry) -> None:
         self._synced.pop(entry.request_id, None)
-        self._write(self._hash(entry))
+        write = self._hash(entry)
         ending = entry.ending
         if ending is not None and ending.outcome in LOGGED_OUTCOMES:
-            self._write(
-                Write(
-                    CANCELLATIONS,
-                    _without_none(
-                        {
-                            "event": END_EVENTS[ending.outcome],
-                            "request_id": entry.request_id,
-                            "user_id": entry.user_id or "",
-                            "key_id": entry.key_id or "",
-                            "user": entry.user or "",
-                            "reason": ending.reason,
-                            "tokens_generated": ending.tokens_generated,
-                            "tokens_wasted": ending.tokens_wasted,
-                            "cancel_latency_ms": ending.cancel_latency_ms,
-                            "timestamp": _iso(time.time()),
-                            "replica_id": self.replica_id,
-                        }
-                    ),
-                )
+            write.record = _without_none(
+                {
+                    "event": END_EVENTS[ending.outcome],
+                    "request_id": entry.request_id,
+                    "user_id": entry.user_id or "",
+                    "key_id": entry.key_id or "",
+                    "user": entry.user or "",
+                    "reason": ending.reason,
+                    "tokens_generated": ending.tokens_generated,
+                    "tokens_wasted": ending.tokens_wasted,
+                    "cancel_latency_ms": ending.cancel_latency_ms,
+                    "timestamp": _iso(time.time()),
+                    "replica_id": self.replica_id,
+                }
             )
+        self._write(write)
 
     def _hash(self, entry: Entry) -> Write:
         described = entry.describe()
