@@ -113,7 +113,13 @@ class StoplineServer:
         if settings.redis_url:
             from .cluster import Cluster
 
-            self.cluster = Cluster(settings.redis_url, self.registry, self.metrics, status_ttl_s=settings.status_ttl_s)
+            self.cluster = Cluster(
+                settings.redis_url,
+                self.registry,
+                self.metrics,
+                status_ttl_s=settings.status_ttl_s,
+                heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            )
             self.registry.listener = self.cluster
         # The names the model is served under, and whether a request may name any model.
         self.models = ServedModels(

@@ -10,10 +10,22 @@ answer ``GET`` and ``DELETE /v1/generations/{request_id}`` for any of them:
   expires ``--status-ttl`` seconds after its last write.
 - ``stopline:cancellations``, a stream capped with ``MAXLEN ~``: one record
   per cancel and per timeout.
-- ``stopline:replica:{<id>}:heartbeat``, a key each replica sets every
-  heartbeat period to its incarnation (one per process), expiring after
-  three: a replica whose key is gone is dead or cut off, and one whose key
-  names another incarnation has restarted and lost its generations.
+- ``stopline:replica:{<id>}:heartbeat``, a key each replica sets three
+  times per ``--heartbeat-ttl`` to its incarnation (one per process),
+  expiring after that TTL: a replica whose key is gone is dead or cut off,
+  and one whose key names another incarnation has restarted and lost its
+  generations.
+- ``stopline:incarnations``, a hash of every incarnation that wrote
+  generations (incarnation -> replica id), and
+  ``stopline:replica:{<id>}:<incarnation>:generations``, a set of that
+  incarnation's live generations. Every replica looks, once a heartbeat
+  period, for an incarnation whose heartbeat has lapsed; the one that wins
+  ``stopline:replica:{<id>}:<incarnation>:swept`` (SET NX) ends its live
+  generations as ``owner_lost``, each by a script that writes the terminal
+  status and the cancellation-log record only if the hash is not ended yet,
+  so each ends once, whoever else tries. A status ``owner_lost`` is never
+  written over, and its owner logs no record of its own for it: a
+  generation's ending and its record are one script too.
 - ``stopline:replica:{<id>}:inbox``, a pub/sub channel per replica: a DELETE
   that lands on a replica that does not hold the request is published to the
   owner's inbox; the owner stops it and publishes the outcome that won to the
@@ -49,18 +61,31 @@ from redis.exceptions import RedisError
 from .observability import Metrics, log
 from .protocol.errors import InvalidCancelToken, OwnerUnreachable, StoreUnavailable, UnknownRequest
 from .protocol.throttle import Throttle
-from .protocol.vocabulary import END_EVENTS, STATUS_BY_OUTCOME, DropCause, Outcome, Status, StoreEvent, StoreState
+from .protocol.vocabulary import (
+    END_EVENTS,
+    STATUS_BY_OUTCOME,
+    DropCause,
+    Outcome,
+    Reason,
+    Status,
+    StoreEvent,
+    StoreState,
+)
 from .registry import Entry, Registry
 from .tasks import stop_tasks
 
 CANCELLATIONS = "stopline:cancellations"
 # The stream keeps about this many records (MAXLEN ~ trims whole nodes, cheaply).
 CANCELLATIONS_MAXLEN = 100_000
-HEARTBEAT_PERIOD_S = 1.0
-# A replica missing three heartbeats in a row is taken for dead.
-HEARTBEAT_TTL_S = 3 * HEARTBEAT_PERIOD_S
-# How long a DELETE waits for the owner's answer; a live owner answers within one step of its token loop.
-REPLY_TIMEOUT_S = HEARTBEAT_TTL_S
+INCARNATIONS = "stopline:incarnations"
+# A replica missing this many heartbeats in a row (its --heartbeat-ttl) is taken for dead.
+BEATS_PER_TTL = 3
+# Live generations' progress reaches the store once this period, however often the heartbeat goes.
+PROGRESS_PERIOD_S = 1.0
+# How long a DELETE waits for a live owner's answer; it answers within one step of its token loop.
+REPLY_TIMEOUT_S = 3.0
+# A survivor that claimed a dead incarnation and died before ending its generations is relieved after this.
+SWEEP_LEASE_S = 10.0
 # Every command gives up after this long, so that a Redis that hangs is found down instead of waited on.
 COMMAND_TIMEOUT_S = 2.0
 WRITE_QUEUE_LIMIT = 10_000
@@ -71,7 +96,7 @@ RECONNECT_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # After shutdown's last writes: how long to wait for them to reach Redis.
 FLUSH_TIMEOUT_S = 2.0
 
-ENDED_STATUSES = frozenset(str(status) for status in STATUS_BY_OUTCOME.values())
+ENDED_STATUSES = frozenset(str(status) for status in (*STATUS_BY_OUTCOME.values(), Status.OWNER_LOST))
 LOGGED_OUTCOMES = (Outcome.CANCELLED, Outcome.TIMEOUT)
 
 
@@ -89,6 +114,56 @@ def inbox_channel(replica_id: str) -> str:
     return f"stopline:replica:{{{replica_id}}}:inbox"
 
 
+def generations_key(replica_id: str, incarnation: str) -> str:
+    return f"stopline:replica:{{{replica_id}}}:{incarnation}:generations"
+
+
+def sweep_key(replica_id: str, incarnation: str) -> str:
+    return f"stopline:replica:{{{replica_id}}}:{incarnation}:swept"
+
+
+# A generation's hash as its owner writes it, with its cancellation-log record when it ends so: never
+# over owner_lost (its owner was taken for dead and its generation ended there, record and all), and
+# kept in the owner's set of live generations while it runs.
+# KEYS: the hash, the owner's set, the cancellation log. ARGV: TTL, "1" live or "0" ended, request id,
+# the log's length, the hash's field count n, then n fields and values, then the record's.
+WRITE_SCRIPT = f"""
+if redis.call('HGET', KEYS[1], 'status') == '{Status.OWNER_LOST}' then return 0 end
+local n = tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + 2 * n))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) else redis.call('SREM', KEYS[2], ARGV[3]) end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+if #ARGV > 5 + 2 * n then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6 + 2 * n))
+end
+return 1
+"""
+
+# Ends one generation of a dead incarnation: its terminal status and its one cancellation-log record, in
+# one step, and only while the hash is that incarnation's and not ended: whoever runs it again, it ends once.
+# KEYS: the hash, the cancellation log. ARGV: the incarnation, TTL, log length, now (ISO), the ending replica.
+END_LOST_SCRIPT = (
+    "local ended = {"
+    + ", ".join(f"['{status}'] = true" for status in sorted(ENDED_STATUSES))
+    + f"""}}
+local h = redis.call('HMGET', KEYS[1], 'status', 'owner_incarnation', 'request_id', 'user_id', 'key_id', 'user',
+  'prompt_tokens', 'tokens_generated', 'owner')
+if not h[1] or h[2] ~= ARGV[1] or ended[h[1]] then return 0 end
+redis.call('HSET', KEYS[1], 'status', '{Status.OWNER_LOST}', 'reason', '{Reason.OWNER_LOST}',
+  'updated_at', ARGV[4], 'ended_at', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+local generated = tonumber(h[8]) or 0
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', '{END_EVENTS[Outcome.ERROR]}',
+  'request_id', h[3] or '', 'user_id', h[4] or '', 'key_id', h[5] or '', 'user', h[6] or '',
+  'reason', '{Reason.OWNER_LOST}', 'tokens_generated', generated,
+  'tokens_wasted', (tonumber(h[7]) or 0) + generated, 'timestamp', ARGV[4], 'replica_id', h[9] or '',
+  'ended_by', ARGV[5])
+return 1
+"""
+)
+
+
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -99,18 +174,23 @@ def _iso(seconds: float) -> str:
 
 @dataclass
 class Write:
-    """One queued write: a generation's whole hash, or one cancellation-log record."""
+    """One queued write, one command: a generation's whole hash, its place in its owner's set of live
+    generations, and, for a cancel or a timeout, its cancellation-log record."""
 
     key: str
     fields: dict[str, str | int | float]
+    # Its owner's set of live generations, and whether it is in it.
+    live_set: str
+    live: bool
+    record: dict[str, str | int | float] | None = None
     attempts: int = field(default=0)
 
-    def add_to(self, pipe, ttl_s: int) -> None:
-        if self.key == CANCELLATIONS:
-            pipe.xadd(CANCELLATIONS, self.fields, maxlen=CANCELLATIONS_MAXLEN, approximate=True)
-        else:
-            pipe.hset(self.key, mapping=self.fields)
-            pipe.expire(self.key, ttl_s)
+    def add_to(self, pipe, ttl_s: int, write_script) -> None:
+        pipe.scripts.add(write_script)
+        pairs = [item for pair in self.fields.items() for item in pair]
+        logged = [item for pair in (self.record or {}).items() for item in pair]
+        args = (ttl_s, int(self.live), self.fields.get("request_id", ""), CANCELLATIONS_MAXLEN, len(self.fields))
+        pipe.evalsha(write_script.sha, 3, self.key, self.live_set, CANCELLATIONS, *args, *pairs, *logged)
 
 
 class Cluster:
@@ -123,6 +203,7 @@ class Cluster:
         metrics: Metrics,
         *,
         status_ttl_s: int = 86_400,
+        heartbeat_ttl_s: float = 0.6,
         queue_limit: int = WRITE_QUEUE_LIMIT,
     ):
         self.url = url
@@ -131,6 +212,8 @@ class Cluster:
         metrics.add_store_metrics()
         metrics.redis_up.set(0)
         self.status_ttl_s = status_ttl_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.heartbeat_period_s = heartbeat_ttl_s / BEATS_PER_TTL
         self.queue_limit = queue_limit
         self.replica_id = ""
         # This process's life: a replica restarted under the same id is not the owner of its
@@ -149,6 +232,8 @@ class Cluster:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        self._write_script = self._client.register_script(WRITE_SCRIPT)
+        self._end_lost_script = self._client.register_script(END_LOST_SCRIPT)
         self._queue: deque[Write] = deque()
         self._queued = asyncio.Event()
         # Writes taken off the queue whose pipeline has not come back yet.
@@ -234,6 +319,7 @@ class Cluster:
                 loop.create_task(self._listen(pubsub)),
                 loop.create_task(self._heartbeats()),
                 loop.create_task(self._drain()),
+                loop.create_task(self._watch()),
             ]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -267,29 +353,25 @@ class Cluster:
 
     def ended(self, entry: Entry) -> None:
         self._synced.pop(entry.request_id, None)
-        self._write(self._hash(entry))
+        write = self._hash(entry)
         ending = entry.ending
         if ending is not None and ending.outcome in LOGGED_OUTCOMES:
-            self._write(
-                Write(
-                    CANCELLATIONS,
-                    _without_none(
-                        {
-                            "event": END_EVENTS[ending.outcome],
-                            "request_id": entry.request_id,
-                            "user_id": entry.user_id or "",
-                            "key_id": entry.key_id or "",
-                            "user": entry.user or "",
-                            "reason": ending.reason,
-                            "tokens_generated": ending.tokens_generated,
-                            "tokens_wasted": ending.tokens_wasted,
-                            "cancel_latency_ms": ending.cancel_latency_ms,
-                            "timestamp": _iso(time.time()),
-                            "replica_id": self.replica_id,
-                        }
-                    ),
-                )
+            write.record = _without_none(
+                {
+                    "event": END_EVENTS[ending.outcome],
+                    "request_id": entry.request_id,
+                    "user_id": entry.user_id or "",
+                    "key_id": entry.key_id or "",
+                    "user": entry.user or "",
+                    "reason": ending.reason,
+                    "tokens_generated": ending.tokens_generated,
+                    "tokens_wasted": ending.tokens_wasted,
+                    "cancel_latency_ms": ending.cancel_latency_ms,
+                    "timestamp": _iso(time.time()),
+                    "replica_id": self.replica_id,
+                }
             )
+        self._write(write)
 
     def _hash(self, entry: Entry) -> Write:
         described = entry.describe()
@@ -306,7 +388,12 @@ class Cluster:
         }
         if entry.ending is not None:
             fields["ended_at"] = fields["updated_at"]
-        return Write(generation_key(entry.request_id), _without_none(fields))
+        return Write(
+            generation_key(entry.request_id),
+            _without_none(fields),
+            live_set=generations_key(self.replica_id, self.incarnation),
+            live=entry.ending is None,
+        )
 
     def _write(self, write: Write) -> None:
         self._queue.append(write)
@@ -337,12 +424,21 @@ class Cluster:
     # Background work while connected -----------------------------------------------------------
 
     async def _beat(self) -> None:
-        await self._client.set(heartbeat_key(self.replica_id), self.incarnation, px=int(HEARTBEAT_TTL_S * 1000))
+        # Listed among the incarnations at every beat, so that a replica once taken for dead (stalled, or cut
+        # off from Redis) and back is looked after again.
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(heartbeat_key(self.replica_id), self.incarnation, px=int(self.heartbeat_ttl_s * 1000))
+        pipe.hset(INCARNATIONS, self.incarnation, self.replica_id)
+        await pipe.execute()
 
     async def _heartbeats(self) -> None:
+        progress_due = time.monotonic() + PROGRESS_PERIOD_S
         while True:
-            await asyncio.sleep(HEARTBEAT_PERIOD_S)
+            await asyncio.sleep(self.heartbeat_period_s)
             await self._beat()
+            if time.monotonic() < progress_due:
+                continue
+            progress_due = time.monotonic() + PROGRESS_PERIOD_S
             # Live generations' progress (queued, prefill, decoding; tokens so far), once a period.
             for entry in self.registry.live():
                 progress = (str(entry.status), entry.request.next_index if entry.request else 0)
@@ -359,7 +455,7 @@ class Cluster:
             batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
             pipe = self._client.pipeline(transaction=False)
             for write in batch:
-                write.add_to(pipe, self.status_ttl_s)
+                write.add_to(pipe, self.status_ttl_s, self._write_script)
             self._sending = len(batch)
             try:
                 results = await pipe.execute(raise_on_error=False)
@@ -383,7 +479,7 @@ class Cluster:
 
     async def _listen(self, pubsub) -> None:
         while True:
-            message = await pubsub.get_message(timeout=HEARTBEAT_PERIOD_S)
+            message = await pubsub.get_message(timeout=self.heartbeat_period_s)
             if message is None or message.get("type") != "message":
                 continue
             try:
@@ -400,6 +496,59 @@ class Cluster:
                 future = self._replies.get(body.get("nonce"))
                 if future is not None and not future.done():
                     future.set_result(body.get("status"))
+
+    async def _watch(self) -> None:
+        """Once a heartbeat period: end the generations of every incarnation whose heartbeat has lapsed."""
+        while True:
+            await asyncio.sleep(self.heartbeat_period_s)
+            await self._end_lapsed()
+
+    async def _end_lapsed(self) -> None:
+        listed = await self._client.hgetall(INCARNATIONS)
+        others = [(str(incarnation), str(owner)) for incarnation, owner in listed.items()]
+        others = [(incarnation, owner) for incarnation, owner in others if incarnation != self.incarnation]
+        if not others:
+            return
+        owners = sorted({owner for _, owner in others})
+        beating = dict(zip(owners, await self._client.mget([heartbeat_key(owner) for owner in owners])))
+        for incarnation, owner in others:
+            if beating[owner] != incarnation:
+                await self._end_lost(owner, incarnation)
+
+    async def _end_lost(self, owner: str, incarnation: str) -> None:
+        """End a dead incarnation's live generations, if this replica is the one that claims it."""
+        if not await self._client.set(
+            sweep_key(owner, incarnation), self.replica_id, nx=True, px=int(SWEEP_LEASE_S * 1000)
+        ):
+            return  # another replica has it (or had it, within the lease)
+        live = generations_key(owner, incarnation)
+        request_ids = sorted(str(request_id) for request_id in await self._client.smembers(live))
+        ended = await self._end_lost_generations(incarnation, request_ids)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hdel(INCARNATIONS, incarnation)
+        pipe.delete(live)
+        await pipe.execute()
+        log.warning(
+            StoreEvent.REPLICA_LOST,
+            replica_id=owner,
+            incarnation=incarnation,
+            generations_ended=ended,
+            ended_by=self.replica_id,
+        )
+
+    async def _end_lost_generations(self, incarnation: str, request_ids: list[str]) -> int:
+        """Each one's terminal status and log record, unless it has ended already; how many were ended here."""
+        if not request_ids:
+            return 0
+        now = _iso(time.time())
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            await self._end_lost_script(
+                keys=[generation_key(request_id), CANCELLATIONS],
+                args=[incarnation, self.status_ttl_s, CANCELLATIONS_MAXLEN, now, self.replica_id],
+                client=pipe,
+            )
+        return sum(int(result) for result in await pipe.execute())
 
     async def _serve_cancel(self, body: dict) -> None:
         """Another replica's DELETE of a request held here: stop it, answer with the outcome that won."""
@@ -422,9 +571,9 @@ class Cluster:
     async def describe(self, request_id: str, cancel_token: str | None, key_id: str | None = None) -> dict:
         """GET for a request this replica does not hold: from its hash, as of the owner's last heartbeat."""
         record = await self._authorized(request_id, cancel_token, key_id)
+        if record["status"] not in ENDED_STATUSES and not await self._owner_alive(record):
+            record = await self._ended_with_owner(request_id, record)
         status = record["status"]
-        if status not in ENDED_STATUSES and not await self._owner_alive(record):
-            status = str(Status.OWNER_LOST)
         answer: dict = {
             "request_id": request_id,
             "status": status,
@@ -445,7 +594,10 @@ class Cluster:
             return record["status"]
         owner = record["owner"]
         if owner == self.replica_id:
-            return str(Status.OWNER_LOST)  # not in the registry, so written by this replica's previous life
+            # Not in the registry: written by this replica's previous life, or just ended here.
+            if record.get("owner_incarnation") != self.incarnation:
+                return (await self._ended_with_owner(request_id, record))["status"]
+            return str(Status.OWNER_LOST)
         nonce = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._replies[nonce] = future
@@ -467,20 +619,20 @@ class Cluster:
                     pipe.publish(inbox_channel(owner), message)
                     beating, receivers = await pipe.execute()
                 if beating != record.get("owner_incarnation"):
-                    return str(Status.OWNER_LOST)
+                    return (await self._ended_with_owner(request_id, record))["status"]
                 if receivers:
                     break
                 # Alive but not listening: reconnecting to Redis, or just killed. Either it listens
                 # again or its heartbeat expires, within one heartbeat lifetime.
                 if time.monotonic() > deadline:
                     raise OwnerUnreachable(f"replica {owner} did not listen within {REPLY_TIMEOUT_S:g} s")
-                await asyncio.sleep(HEARTBEAT_PERIOD_S / 10)
+                await asyncio.sleep(self.heartbeat_period_s / 10)
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     return await future
             except TimeoutError:
                 if not await self._owner_alive(record):
-                    return str(Status.OWNER_LOST)
+                    return (await self._ended_with_owner(request_id, record))["status"]
                 raise OwnerUnreachable(f"replica {owner} did not answer within {REPLY_TIMEOUT_S:g} s") from None
         finally:
             self._replies.pop(nonce, None)
@@ -500,6 +652,17 @@ class Cluster:
         if not (by_token or by_key):
             raise InvalidCancelToken(request_id)
         return record
+
+    async def _ended_with_owner(self, request_id: str, record: dict) -> dict:
+        """The hash of a generation whose owner is dead, once ended in the store: by this replica now, or
+        by whichever got there first (the owner's own ending, written just before it died, stays)."""
+        async with self._store():
+            await self._end_lost_generations(str(record.get("owner_incarnation", "")), [request_id])
+            ended = await self._client.hgetall(generation_key(request_id))
+        if ended.get("status") in ENDED_STATUSES:
+            return ended
+        # Gone meanwhile (its TTL), or not this incarnation's any more: it ended with its owner all the same.
+        return {**record, "status": str(Status.OWNER_LOST), "reason": str(Reason.OWNER_LOST)}
 
     async def _owner_alive(self, record: dict) -> bool:
         """The owner's heartbeat has not expired, and is still from the process that ran this generation."""
@@ -531,14 +694,8 @@ class _StoreCall:
 
 
 def _failed_writes(batch: list[Write], results: list) -> list[Write]:
-    """The writes whose commands Redis answered with an error (a hash write is two commands)."""
-    failed, position = [], 0
-    for write in batch:
-        count = 1 if write.key == CANCELLATIONS else 2
-        if any(isinstance(r, Exception) for r in results[position : position + count]):
-            failed.append(write)
-        position += count
-    return failed
+    """The writes whose command Redis answered with an error."""
+    return [write for write, result in zip(batch, results) if isinstance(result, Exception)]
 
 
 def _without_none(fields: dict) -> dict:

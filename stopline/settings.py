@@ -85,6 +85,9 @@ class Settings:
     # The shared store of a scale-out deployment (docs/deploy.md); None: this process alone.
     redis_url: str | None = None
     status_ttl_s: int = 86_400
+    # A replica whose heartbeat is this old is taken for dead, and its generations end owner_lost;
+    # it beats three times in this time.
+    heartbeat_ttl_s: float = 0.6
     # This replica's name in the store; None: "<hostname>-<port>".
     replica_id: str | None = None
     # API keys (docs/http.md#api-keys): keys without limits, and a file of keys with their users and limits.
@@ -535,6 +538,13 @@ FLAGS = [
         default_text="none, this process alone",
     ),
     Flag("--status-ttl", "status_ttl_s", POSITIVE, "seconds a generation's status stays in the shared store"),
+    Flag(
+        "--heartbeat-ttl",
+        "heartbeat_ttl_s",
+        seconds,
+        "seconds without a heartbeat (sent three times in that time) after which a replica is taken for dead "
+        "and another ends its generations in the shared store as owner_lost",
+    ),
     Flag(
         "--replica-id",
         "replica_id",

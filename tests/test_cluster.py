@@ -2,7 +2,8 @@
 
 A DELETE or GET that lands on a replica that does not hold the generation is
 answered through Redis; Redis going away never stops tokens or local cancels;
-a replica that dies leaves its generations answered at once, never hanging.
+a replica that dies has its generations ended in the store by one survivor,
+within its heartbeat TTL and a period, and answered owner_lost everywhere.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from websockets.asyncio.client import connect
 from bench.servers import RedisServer, free_port
 from stopline.auth import ApiKey, Quota
 from stopline.cluster import (
+    BEATS_PER_TTL,
     CANCELLATIONS,
-    HEARTBEAT_PERIOD_S,
-    HEARTBEAT_TTL_S,
+    INCARNATIONS,
+    PROGRESS_PERIOD_S,
     Cluster,
     generation_key,
+    generations_key,
     heartbeat_key,
 )
 from stopline.observability import Metrics
@@ -33,9 +36,14 @@ from stopline.protocol.requests import Ending, Request, SamplingParams
 from stopline.protocol.vocabulary import TERMINAL_TYPES, ErrorCode, Outcome, Reason, Status, StoreEvent, StoreState
 from stopline.quota import Quotas
 from stopline.registry import Registry
+from stopline.settings import Settings
 from stopline.tasks import stop_tasks
 from support import LONG_ANSWER, UNIT, Client, metric_value, wait_for
 from support.cluster import REPLICA_IDS, Nginx, Replica
+
+# The default heartbeat, which the replicas here run with: a dead one is noticed within its TTL and a period.
+HEARTBEAT_TTL_S = Settings().heartbeat_ttl_s
+HEARTBEAT_PERIOD_S = HEARTBEAT_TTL_S / BEATS_PER_TTL
 
 
 def store_client(redis_server: RedisServer) -> aioredis.Redis:
@@ -239,40 +247,86 @@ async def _answered(response):
 
 
 @pytest.mark.slow
-async def test_dead_owner_is_answered_at_once(deployment, http, tmp_path):
-    """The owner is killed mid-generation: a DELETE elsewhere answers owner_lost once its heartbeat expires,
-    within heartbeat periods; from then on, GET and DELETE answer it at once."""
-    a = deployment.by_id["a"]
-    doomed = Replica("doomed", deployment.redis.url, tmp_path).wait_started()
+async def test_a_dead_replicas_generations_end_everywhere_at_once(deployment, http, tmp_path):
+    """A replica running generations is killed (SIGKILL): a DELETE through a survivor answers owner_lost once
+    its heartbeat lapses, and within its TTL and a period every one of its generations reads owner_lost in
+    Redis and through any survivor, with one cancellation-log record each, ended by one of the three
+    survivors. Restarted under the same id, it revives nothing."""
+    a, b = deployment.by_id["a"], deployment.by_id["b"]
+    doomed = Replica("doomed", deployment.redis.url, tmp_path, ("--workers", "2")).wait_started()
+    store = store_client(deployment.redis)
+    accepted: list[dict] = []
     try:
         async with ws_client(doomed.ws_url) as client:
-            accepted = await running_generation(client, "doomed")
-            request_id, token = accepted["request_id"], accepted["cancel_token"]
-            # Its progress reaches the store once a heartbeat period.
-            status, body, _ = await wait_for(
-                lambda: _decoding(call(http, "GET", a.api_url, request_id, token)), timeout=3 * HEARTBEAT_PERIOD_S
-            )
+            # Two decoding, one waiting for a slot.
+            accepted = [await running_generation(client, name) for name in ("g0", "g1")]
+            third = await client.generate("g2", messages=LONG_ANSWER, max_tokens=1500)
+            assert third["type"] == "accepted", third
+            accepted.append(third)
+            ids = [acc["request_id"] for acc in accepted]
+            # Their progress reaches the store once a progress period.
+            for acc in accepted[:2]:
+                await wait_for(
+                    lambda acc=acc: _decoding(call(http, "GET", a.api_url, acc["request_id"], acc["cancel_token"])),
+                    timeout=3 * PROGRESS_PERIOD_S,
+                )
+            await wait_for(lambda: store.exists(generation_key(ids[2])), timeout=10)
+            incarnation = (await store.hgetall(generation_key(ids[0])))["owner_incarnation"]
             doomed.stop(signal.SIGKILL)
-            started = time.monotonic()
-            status, body, replica = await call(http, "DELETE", a.api_url, request_id, token)
-            elapsed = time.monotonic() - started
-        assert (status, body, replica) == (200, {"request_id": request_id, "status": Status.OWNER_LOST}, "a")
-        # Once its heartbeat has expired, however long the generation had to go.
-        assert elapsed < (HEARTBEAT_TTL_S + 2 * HEARTBEAT_PERIOD_S) * UNIT, elapsed
-        store = store_client(deployment.redis)
-        try:
-            assert not await store.exists(heartbeat_key("doomed"))
-        finally:
-            await store.aclose()
-        # And from then on at once.
-        status, body, _ = await call(http, "GET", a.api_url, request_id, token)
-        assert (status, body["status"]) == (200, Status.OWNER_LOST)
-        assert (await call(http, "DELETE", a.api_url, request_id, token))[:2] == (
-            200,
-            {"request_id": request_id, "status": Status.OWNER_LOST},
-        )
+            killed = time.monotonic()
+            status, body, replica = await call(http, "DELETE", a.api_url, ids[0], accepted[0]["cancel_token"])
+            answered = time.monotonic() - killed
+            assert (status, body, replica) == (200, {"request_id": ids[0], "status": Status.OWNER_LOST}, "a")
+            assert answered < (HEARTBEAT_TTL_S + HEARTBEAT_PERIOD_S) * UNIT, answered
+            # Ended in the store, every one, by the watch of some survivor.
+            ended = await wait_for(lambda: _all_lost(store, ids), timeout=10)
+            ended_after = time.monotonic() - killed
+        assert ended_after < (HEARTBEAT_TTL_S + 2 * HEARTBEAT_PERIOD_S) * UNIT, ended_after
+        survivors = set(REPLICA_IDS)
+        for record in ended:
+            assert record["reason"] == Reason.OWNER_LOST and record["owner"] == "doomed" and "ended_at" in record
+        for request_id in ids:
+            assert 0 < await store.ttl(generation_key(request_id)) <= Settings().status_ttl_s
+        # One cancellation-log record each, from one survivor or another.
+        for request_id in ids:
+            [logged] = await stream_records(store, request_id)
+            assert logged["event"] == "generation_error" and logged["reason"] == Reason.OWNER_LOST
+            assert logged["replica_id"] == "doomed" and logged["ended_by"] in survivors
+        # One survivor claimed the dead incarnation, and it is no longer listed.
+        lost = [
+            (replica.replica_id, r)
+            for replica in deployment.replicas
+            for r in replica.records
+            if r.get("event") == StoreEvent.REPLICA_LOST and r.get("incarnation") == incarnation
+        ]
+        assert len(lost) == 1 and lost[0][0] in survivors, lost
+        assert not await store.hexists(INCARNATIONS, incarnation)
+        assert not await store.exists(generations_key("doomed", incarnation))
+        # GET and DELETE answer from the store, through any survivor.
+        for acc in accepted:
+            status, body, _ = await call(http, "GET", b.api_url, acc["request_id"], acc["cancel_token"])
+            assert (status, body["status"], body["reason"]) == (200, Status.OWNER_LOST, Reason.OWNER_LOST)
+            assert (await call(http, "DELETE", b.api_url, acc["request_id"], acc["cancel_token"]))[:2] == (
+                200,
+                {"request_id": acc["request_id"], "status": Status.OWNER_LOST},
+            )
+        # The same id again, a new process: nothing of the old life comes back or is ended twice.
+        (tmp_path / "again").mkdir()
+        doomed = Replica("doomed", deployment.redis.url, tmp_path / "again").wait_started()
+        await asyncio.sleep(2 * HEARTBEAT_TTL_S * UNIT)
+        for acc in accepted:
+            status, body, _ = await call(http, "GET", doomed.api_url, acc["request_id"], acc["cancel_token"])
+            assert (status, body["status"]) == (200, Status.OWNER_LOST)
+            assert len(await stream_records(store, acc["request_id"])) == 1
+        assert await _all_lost(store, ids)
     finally:
         doomed.stop(signal.SIGKILL)
+        await store.aclose()
+
+
+async def _all_lost(store: aioredis.Redis, request_ids: list[str]) -> list[dict] | None:
+    records = [await store.hgetall(generation_key(request_id)) for request_id in request_ids]
+    return records if all(r.get("status") == Status.OWNER_LOST for r in records) else None
 
 
 async def _decoding(response):
@@ -322,9 +376,9 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
                     cancel_latency_ms=0.5,
                 ),
             )
-        # 6 adds, then a hash and a log record for each of 3 ends: 12 writes, 6 places.
+        # 6 adds, then 3 ends (each its hash and its log record): 9 writes, 6 places.
         assert cluster.state is StoreState.DOWN
-        assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
+        assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 3
         assert metric_value(metrics.render().decode(), "stopline_redis_up") == 0
         assert logs.records(StoreEvent.WRITES_DROPPED, cause="queue_full")
         redis_server.start(10 * UNIT)
@@ -349,7 +403,7 @@ async def test_writes_wait_for_redis_and_overflow_is_counted(tmp_path, logs):
     finally:
         await cluster.close()
         redis_server.kill()
-    assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 6
+    assert metric_value(metrics.render().decode(), "stopline_store_writes_dropped_total") == 3
 
 
 async def test_a_restarted_replica_does_not_own_its_previous_life(tmp_path):
@@ -382,6 +436,81 @@ async def test_a_restarted_replica_does_not_own_its_previous_life(tmp_path):
         for cluster in clusters:
             await cluster.close()
         redis_server.kill()
+
+
+async def test_one_of_several_survivors_ends_a_dead_incarnations_generations(tmp_path, logs):
+    """A replica stops beating without a word (its process gone): three survivors notice it at once, all
+    of them try to end its generations, and so does a GET of one of them; each generation ends owner_lost
+    once, with one log record; one that ended before the death keeps its ending. Back (it had only
+    stalled), the replica writes no status over owner_lost, and no second record."""
+    redis_server = RedisServer(tmp_path).start(10 * UNIT)
+    ttl_s = 0.3
+    clusters: list[Cluster] = []
+
+    async def joined(replica_id: str) -> tuple[Cluster, Registry]:
+        registry = Registry()
+        cluster = Cluster(redis_server.url, registry, Metrics(), heartbeat_ttl_s=ttl_s)
+        registry.listener = cluster
+        clusters.append(cluster)
+        await cluster.start(replica_id)
+        await wait_for(lambda: cluster.state is StoreState.UP, timeout=10)
+        return cluster, registry
+
+    store = store_client(redis_server)
+    try:
+        dead, registry = await joined("dead")
+        requests = [_request(n) for n in range(4)]
+        for request in requests:
+            registry.add(request, None)
+        registry.end(requests[3], Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=3))
+        live = generations_key("dead", dead.incarnation)
+        await wait_for(lambda: _members(store, live, 3), timeout=10)
+        survivors = [(await joined(name))[0] for name in ("s1", "s2", "s3")]
+        assert dead._supervisor is not None
+        # Its tasks end, its heartbeat stays to lapse: as after SIGKILL.
+        await stop_tasks([dead._supervisor])
+        stopped = time.monotonic()
+        # The moment it lapses, everyone at once: the survivors' own watch, each of them asked, and a GET.
+        await wait_for(lambda: _gone(store, heartbeat_key("dead")), timeout=10, interval=0.001)
+        answers = await asyncio.gather(
+            *(survivor._end_lapsed() for survivor in survivors),
+            survivors[1].describe(requests[0].request_id, requests[0].cancel_token),
+        )
+        assert answers[-1]["status"] == Status.OWNER_LOST and answers[-1]["reason"] == Reason.OWNER_LOST
+        records = await wait_for(lambda: _all_lost(store, [r.request_id for r in requests[:3]]), timeout=10)
+        # Within its TTL and a period, with room for a loaded machine.
+        assert time.monotonic() - stopped < 2 * (ttl_s + ttl_s / BEATS_PER_TTL) * UNIT
+        assert all(r["reason"] == Reason.OWNER_LOST for r in records)
+        await asyncio.gather(*(survivor._end_lapsed() for survivor in survivors))
+        logged = [fields for _, fields in await store.xrange(CANCELLATIONS)]
+        assert sorted(r["request_id"] for r in logged) == sorted(r.request_id for r in requests[:3])
+        assert {r["replica_id"] for r in logged} == {"dead"}
+        assert {r["ended_by"] for r in logged} <= {"s1", "s2", "s3"}
+        assert (await store.hgetall(generation_key(requests[3].request_id)))["status"] == Status.FINISHED
+        assert len(logs.records(StoreEvent.REPLICA_LOST, incarnation=dead.incarnation)) == 1
+        assert not await store.hexists(INCARNATIONS, dead.incarnation) and not await store.exists(live)
+        # It had only stalled: its writes resume, and leave owner_lost as it is.
+        dead._supervisor = asyncio.get_running_loop().create_task(dead._supervise())
+        await wait_for(lambda: dead.state is StoreState.UP, timeout=10)
+        registry.end(requests[0], Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=9))
+        registry.end(requests[1], Ending(Outcome.CANCELLED, str(Reason.USER_CANCELLED), tokens_generated=9))
+        await wait_for(lambda: not dead.health()["queued_writes"] and not dead._sending, timeout=10)
+        for request in requests[:2]:
+            assert (await store.hgetall(generation_key(request.request_id)))["status"] == Status.OWNER_LOST
+        assert len(await store.xrange(CANCELLATIONS)) == 3
+    finally:
+        await store.aclose()
+        for cluster in clusters:
+            await cluster.close()
+        redis_server.kill()
+
+
+async def _gone(store: aioredis.Redis, key: str) -> bool:
+    return not await store.exists(key)
+
+
+async def _members(store: aioredis.Redis, key: str, count: int) -> bool:
+    return await store.scard(key) == count
 
 
 async def test_a_task_using_redis_ends_even_if_a_cancel_is_lost(tmp_path):

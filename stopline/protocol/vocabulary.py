@@ -37,12 +37,15 @@ class Reason(StrEnum):
     # timeout
     TOTAL_TIMEOUT = "total_timeout"
     FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    # error: the replica running it died (--redis-url); a survivor ended it in the shared store.
+    OWNER_LOST = "owner_lost"
 
 
 REASONS_BY_OUTCOME = {
     Outcome.DONE: (Reason.EOS, Reason.MAX_TOKENS, Reason.STOP_SEQUENCE),
     Outcome.CANCELLED: (Reason.USER_CANCELLED, Reason.CLIENT_DISCONNECTED, Reason.SHUTDOWN, Reason.SLOW_CONSUMER),
     Outcome.TIMEOUT: (Reason.TOTAL_TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT),
+    Outcome.ERROR: (Reason.OWNER_LOST,),
 }
 
 
@@ -209,6 +212,8 @@ class StoreEvent(StrEnum):
     REMOTE_CANCEL = "remote_cancel"
     SESSION_FAILED = "store_session_failed"
     MESSAGE_INVALID = "store_message_invalid"
+    # A replica's heartbeat lapsed: this replica ended its generations in the store (owner_lost).
+    REPLICA_LOST = "replica_lost"
 
 
 class DropCause(StrEnum):
