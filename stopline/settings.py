@@ -28,6 +28,8 @@ from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
 from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
 
+# The embedding models /v1/embeddings can serve (stopline/engine/embeddings.py).
+EMBEDDING_MODELS = ("all-minilm-l6-v2",)
 # The tokens each slot holds when no context length is asked for, whatever the model.
 DEFAULT_CONTEXT_LENGTH = 2048
 LOG_FORMATS = ("auto", "text", "json")
@@ -51,6 +53,8 @@ class Settings:
     # only the served names (others get 404 model_not_found).
     model_names: ModelNames = ModelNames.ANY
     engine: EngineName = EngineName.LLAMA_CPP
+    # The model POST /v1/embeddings answers with, loaded on its first request; "none": no embeddings.
+    embedding_model: str = EMBEDDING_MODELS[0]
     context_length: int = DEFAULT_CONTEXT_LENGTH
     abort_mode: AbortMode = AbortMode.IN_STEP
     # Prompt tokens per evaluation; None: what suits the abort mode in force.
@@ -100,6 +104,11 @@ class Settings:
         # A choice given by its name (a flag's text, a test's string) is held as its member.
         for name, kind in _CHOICES.items():
             object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.embedding_model not in (*EMBEDDING_MODELS, "none"):
+            raise UsageError(
+                f"argument --embedding-model: {self.embedding_model!r} is not one of "
+                f"{', '.join((*EMBEDDING_MODELS, 'none'))}"
+            )
         # Rules between settings, named by their flags.
         if self.model_type is not None and self.engine is not EngineName.CTRANSFORMERS:
             raise UsageError(
@@ -394,6 +403,14 @@ FLAGS = [
         "template of its own (a base model) has a chat completed as the plain text of its messages, "
         'and says so at startup (why: docs/http.md, "A model without a chat template")',
         default_text="the model file's own, else plain text",
+    ),
+    Flag(
+        "--embedding-model",
+        "embedding_model",
+        one_of((*EMBEDDING_MODELS, "none")),
+        "the model POST /v1/embeddings answers with, under this name; loaded on the first request "
+        "(downloaded once, about 83 MB), so it costs nothing until used; none: no /v1/embeddings (docs/http.md, "
+        '"Embeddings")',
     ),
     Flag(
         "--engine",
