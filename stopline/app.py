@@ -49,6 +49,7 @@ from .auth import (
     subprotocol_key,
 )
 from .edge import Edge, host_rules, peer_name
+from .embeddings_api import EmbeddingsApi
 from .engine.loop import Engine
 from .http_api import HttpApi
 from .observability import Metrics, log
@@ -147,6 +148,8 @@ class StoplineServer:
         self.http = HttpApi(self.services, settings, self.edge, self.cluster, self.models)
         # The other dialects build on the HTTP API's replies and routes.
         self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http).routes()])
+        if settings.embedding_model != "none":
+            self.http.app.add_routes(EmbeddingsApi(self.http, settings.embedding_model).routes())
 
     @property
     def sessions(self) -> set[ClientSession]:

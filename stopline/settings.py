@@ -28,6 +28,8 @@ from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
 from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
 
+# The embedding models /v1/embeddings can serve (stopline/engine/embeddings.py).
+EMBEDDING_MODELS = ("all-minilm-l6-v2",)
 # The tokens each slot holds when no context length is asked for, on the ctransformers
 # engine; on llama.cpp, the least that sizing a context from the model chooses.
 DEFAULT_CONTEXT_LENGTH = 2048
@@ -52,6 +54,8 @@ class Settings:
     # only the served names (others get 404 model_not_found).
     model_names: ModelNames = ModelNames.ANY
     engine: EngineName = EngineName.LLAMA_CPP
+    # The model POST /v1/embeddings answers with, loaded on its first request; "none": no embeddings.
+    embedding_model: str = EMBEDDING_MODELS[0]
     # Each slot's tokens; None: sized from the model (Engine.load).
     context_length: int | None = None
     abort_mode: AbortMode = AbortMode.IN_STEP
@@ -107,6 +111,11 @@ class Settings:
         for name, kind in _CHOICES.items():
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.embedding_model not in (*EMBEDDING_MODELS, "none"):
+            raise UsageError(
+                f"argument --embedding-model: {self.embedding_model!r} is not one of "
+                f"{', '.join((*EMBEDDING_MODELS, 'none'))}"
+            )
         # Rules between settings, named by their flags.
         if self.model_type is not None and self.engine is not EngineName.CTRANSFORMERS:
             raise UsageError(
@@ -401,6 +410,14 @@ FLAGS = [
         "template of its own (a base model) has a chat completed as the plain text of its messages, "
         'and says so at startup (why: docs/http.md, "A model without a chat template")',
         default_text="the model file's own, else plain text",
+    ),
+    Flag(
+        "--embedding-model",
+        "embedding_model",
+        one_of((*EMBEDDING_MODELS, "none")),
+        "the model POST /v1/embeddings answers with, under this name; loaded on the first request "
+        "(downloaded once, about 83 MB), so it costs nothing until used; none: no /v1/embeddings (docs/http.md, "
+        '"Embeddings")',
     ),
     Flag(
         "--engine",

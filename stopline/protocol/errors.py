@@ -169,6 +169,12 @@ class UnsupportedParameter(ProtocolError):
     code = ErrorCode.UNSUPPORTED_PARAMETER
 
 
+class TooManyInputs(ProtocolError):
+    """POST /v1/embeddings: more inputs than one request may embed."""
+
+    code = ErrorCode.TOO_MANY_INPUTS
+
+
 class ModelNotFound(ProtocolError):
     """An OpenAI request names a model this server does not serve."""
 

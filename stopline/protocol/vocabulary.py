@@ -135,6 +135,8 @@ class ErrorCode(StrEnum):
     # OpenAI endpoints only: a body field Stopline does not honour, a model it does not serve.
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MODEL_NOT_FOUND = "model_not_found"
+    # POST /v1/embeddings only: more inputs than one request may embed.
+    TOO_MANY_INPUTS = "too_many_inputs"
     # Cross-replica GET/DELETE with --redis-url (docs/deploy.md)
     STORE_UNAVAILABLE = "store_unavailable"
     OWNER_UNREACHABLE = "owner_unreachable"
