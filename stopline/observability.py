@@ -309,7 +309,6 @@ def log_end(request: Request, ending: Ending, peer: str) -> None:
         tokens_after_cancel=ending.tokens_after_cancel,
         prompt_tokens=ending.prompt_tokens,
         prompt_tokens_reused=ending.prompt_tokens_reused,
-        prompt_tokens_cached=ending.prompt_tokens_cached,
         prompt_tokens_evaluated=ending.prompt_tokens_evaluated,
         prompt_tokens_wasted=ending.prompt_tokens_wasted,
         wasted_eval_ms=ending.wasted_eval_ms,

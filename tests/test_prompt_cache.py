@@ -65,7 +65,6 @@ def test_a_prompt_after_every_slot_was_used_takes_all_but_its_last_token_from_th
     again, result, cached = generate(engine, slots[1], first)
     assert cached == len(first) - 1
     assert result.prompt_tokens_reused == len(first) - 1 and result.prompt_tokens_evaluated == 1
-    assert result.prompt_tokens_cached == cached
     assert again == answer
     assert slots[1].kv_positions == slots[1].n_held
     stats = cache.stats

@@ -102,11 +102,9 @@ def sampling_args(params: SamplingParams) -> SamplingArgs:
     )
 
 
-def _result_of(loop: _core.LoopResult, prompt_tokens_cached: int = 0) -> GenerationResult:
-    """The native loop's result, field for field, as the protocol reads it, with the
-    prompt tokens the prompt cache restored before it."""
-    native = {f.name: getattr(loop, f.name) for f in fields(GenerationResult) if f.name != "prompt_tokens_cached"}
-    return GenerationResult(**native, prompt_tokens_cached=prompt_tokens_cached)
+def _result_of(loop: _core.LoopResult) -> GenerationResult:
+    """The native loop's result, field for field, as the protocol reads it."""
+    return GenerationResult(**{f.name: getattr(loop, f.name) for f in fields(GenerationResult)})
 
 
 def _ctransformers_library_path() -> str:
@@ -557,7 +555,8 @@ class Stream:
         # returning how many prompt tokens it restored.
         self._prepare = prepare
         self._cancel_asked = False
-        # Prompt tokens restored from the prompt cache for this generation.
+        # Prompt tokens restored from the prompt cache for this generation (counted in
+        # the result's prompt_tokens_reused).
         self.prompt_tokens_cached = 0
         self._text = text
         self._token_bytes = token_bytes
@@ -575,7 +574,7 @@ class Stream:
             loop = self.generation.result
             if loop is None:
                 return None
-            self._result = _result_of(loop, self.prompt_tokens_cached)
+            self._result = _result_of(loop)
         return self._result
 
     def cancel(self) -> bool:

@@ -441,7 +441,6 @@ class Connection:
                 reason,
                 prompt_tokens=result.prompt_tokens,
                 prompt_tokens_reused=result.prompt_tokens_reused,
-                prompt_tokens_cached=result.prompt_tokens_cached,
                 prompt_tokens_evaluated=result.prompt_tokens_evaluated,
                 tokens_generated=result.tokens_generated,
                 tokens_after_cancel=result.tokens_after_cancel,

@@ -196,7 +196,6 @@ class Ending:
     reason: Reason | ErrorCode  # an ErrorCode for errors
     prompt_tokens: int = 0
     prompt_tokens_reused: int = 0  # served from the slot's KV cache
-    prompt_tokens_cached: int = 0  # of those, restored from the prompt cache
     prompt_tokens_evaluated: int = 0  # computed for this request
     tokens_generated: int = 0
     tokens_after_cancel: int = 0
@@ -278,5 +277,3 @@ class GenerationResult:
     longest_decode_node_ns: int
     prompt_tokens_wasted: int
     wasted_eval_ns: int
-    # Of prompt_tokens_reused, those the prompt cache restored before the loop started (the engine's own).
-    prompt_tokens_cached: int = 0
