@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 6
+#define SLL_ABI_VERSION 7
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -106,6 +106,13 @@ typedef struct {
      * of a sliding-window layer gives the cells of positions outside a sequence's window to other
      * tokens, other sequences' included, so a prefix it held may be gone. */
     int (*holds)(sll_context *ctx, int32_t seq, int32_t n);
+    /* A sequence's KV state as bytes (llama_state_seq_get_data): state_size() is the room
+     * state_save() needs, and state_save() returns the bytes written (0: failure). state_load()
+     * replaces the sequence's positions with a saved state of the same model and context
+     * shape, and returns the bytes read (0: failure, the sequence then holds nothing). */
+    size_t (*state_size)(sll_context *ctx, int32_t seq);
+    size_t (*state_save)(sll_context *ctx, int32_t seq, uint8_t *dst, size_t size);
+    size_t (*state_load)(sll_context *ctx, int32_t seq, const uint8_t *src, size_t size);
     /* One evaluation of several sequences: clear, add each sequence's next
      * tokens[0..n) at positions pos0.. (logits for the last one only when
      * want_logits; returns its index in the batch, or SLL_REFUSED), then
@@ -172,6 +179,9 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
     SLL_RESOLVE(pos_max)
     SLL_RESOLVE(truncate)
     SLL_RESOLVE(holds)
+    SLL_RESOLVE(state_size)
+    SLL_RESOLVE(state_save)
+    SLL_RESOLVE(state_load)
     SLL_RESOLVE(batch_clear)
     SLL_RESOLVE(batch_add)
     SLL_RESOLVE(batch_decode)

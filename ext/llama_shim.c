@@ -254,6 +254,28 @@ SLL_EXPORT int sll_holds(sll_context *c, int32_t seq, int32_t n) {
     return llama_memory_seq_pos_max(mem, seq) == n - 1 && (n == 0 || llama_memory_seq_pos_min(mem, seq) == 0);
 }
 
+SLL_EXPORT size_t sll_state_size(sll_context *c, int32_t seq) {
+    if (seq < 0 || seq >= c->n_seq)
+        return 0;
+    return llama_state_seq_get_size(c->ctx, seq);
+}
+
+SLL_EXPORT size_t sll_state_save(sll_context *c, int32_t seq, uint8_t *dst, size_t size) {
+    if (seq < 0 || seq >= c->n_seq || dst == NULL)
+        return 0;
+    return llama_state_seq_get_data(c->ctx, dst, size, seq);
+}
+
+SLL_EXPORT size_t sll_state_load(sll_context *c, int32_t seq, const uint8_t *src, size_t size) {
+    size_t read;
+    if (seq < 0 || seq >= c->n_seq || src == NULL)
+        return 0;
+    read = llama_state_seq_set_data(c->ctx, src, size, seq);
+    if (read == 0)
+        llama_memory_seq_rm(llama_get_memory(c->ctx), seq, -1, -1);
+    return read;
+}
+
 SLL_EXPORT void sll_batch_clear(sll_context *c) {
     c->batch.n_tokens = 0;
     memset(c->in_batch, 0, (size_t)c->n_seq);
@@ -456,6 +478,9 @@ static const sll_api sll_signatures __attribute__((unused)) = {
     .pos_max = sll_pos_max,
     .truncate = sll_truncate,
     .holds = sll_holds,
+    .state_size = sll_state_size,
+    .state_save = sll_state_save,
+    .state_load = sll_state_load,
     .batch_clear = sll_batch_clear,
     .batch_add = sll_batch_add,
     .batch_decode = sll_batch_decode,

@@ -51,6 +51,7 @@ from .auth import (
 from .edge import Edge, host_rules, peer_name
 from .embeddings_api import EmbeddingsApi
 from .engine.loop import Engine
+from .engine.prompt_cache import PromptCache
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .ollama_api import OllamaApi
@@ -58,7 +59,7 @@ from .protocol.connection import AddressQuota
 from .protocol.frames import ErrorFrame, encode_frame
 from .protocol.openai_fields import ServedModels
 from .protocol.origin import LOOPBACK_NAMES
-from .protocol.vocabulary import ChatFormat, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
+from .protocol.vocabulary import ChatFormat, EngineName, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
 from .responses_api import ResponsesApi
@@ -81,6 +82,12 @@ class StoplineServer:
         self.engine = engine
         self.settings = settings
         self.metrics = Metrics()
+        # One prompt cache for the server, on the engine whose slots it fills (llama.cpp only).
+        budget = settings.prompt_cache_bytes
+        self.prompt_cache = PromptCache(budget) if budget and engine.kind is EngineName.LLAMA_CPP else None
+        engine.prompt_cache = self.prompt_cache
+        if self.prompt_cache is not None:
+            self.metrics.add_prompt_cache_metrics(self.prompt_cache)
         self.scheduler = Scheduler(
             engine,
             settings.workers,
@@ -239,6 +246,8 @@ class StoplineServer:
         for session in list(self.sessions):
             await session.stop_all(Reason.SHUTDOWN, now)
         await self.scheduler.shutdown()
+        if self.engine.prompt_cache is self.prompt_cache:
+            self.engine.prompt_cache = None
         await self.quotas.close()
         if self.cluster is not None:
             await self.cluster.close()

@@ -343,6 +343,8 @@ class OpenAIReply(HttpReply):
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            # Prompt tokens taken from a KV cache (the slot's, or the prompt cache's), as llama-server counts them.
+            "prompt_tokens_details": {"cached_tokens": endings[0].prompt_tokens_reused},
         }
         if self.stream:
             if self.include_usage:

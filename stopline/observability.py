@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from .protocol.requests import Ending, Request
 from .protocol.vocabulary import END_EVENTS, AbortMode, Outcome
+
+if TYPE_CHECKING:
+    from .engine.prompt_cache import PromptCache
 
 
 def configure_logging(level: str = "info", log_format: str = "json", stream=None) -> str:
@@ -96,6 +101,47 @@ log = structlog.get_logger("stopline")
 # Stop latencies are in the low milliseconds; the buckets start at 1 ms.
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _PromptCacheCollector(Collector):
+    """The prompt cache's counts, as it keeps them (stopline/engine/prompt_cache.py)."""
+
+    def __init__(self, cache: PromptCache):
+        self.cache = cache
+
+    def collect(self):
+        stats = self.cache.stats
+        counters = (
+            ("stopline_prompt_cache_hits", "Prompts that took a prefix from the prompt cache.", stats.hits),
+            (
+                "stopline_prompt_cache_misses",
+                "Prompts that looked in the prompt cache and took nothing from it.",
+                stats.misses,
+            ),
+            (
+                "stopline_prompt_tokens_cached",
+                "Prompt tokens restored from the prompt cache instead of evaluated (part of "
+                "stopline_prompt_tokens_reused).",
+                stats.tokens_restored,
+            ),
+            ("stopline_prompt_cache_saves", "KV states saved into the prompt cache.", stats.saves),
+            (
+                "stopline_prompt_cache_evictions",
+                "KV states dropped from the prompt cache for room, least recently used first.",
+                stats.evictions,
+            ),
+        )
+        for name, documentation, value in counters:
+            family = CounterMetricFamily(name, documentation)
+            family.add_metric([], value)
+            yield family
+        gauges = (
+            ("stopline_prompt_cache_bytes", "Bytes of KV states the prompt cache holds.", stats.bytes_held),
+            ("stopline_prompt_cache_budget_bytes", "The most bytes the prompt cache holds.", stats.budget_bytes),
+            ("stopline_prompt_cache_entries", "KV states the prompt cache holds.", stats.entries),
+        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
 
 
 class Metrics:
@@ -203,6 +249,10 @@ class Metrics:
             "Quota admissions decided by this replica alone because Redis was down or slow.",
             registry=r,
         )
+
+    def add_prompt_cache_metrics(self, cache: PromptCache) -> None:
+        """The prompt cache's metrics, read from it at each scrape, exported only when there is one."""
+        self.registry.register(_PromptCacheCollector(cache))
 
     def set_abort_mode(self, mode: AbortMode) -> None:
         for each in AbortMode:

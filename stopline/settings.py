@@ -23,10 +23,22 @@ from typing import Any, Protocol
 import platformdirs
 
 from .auth import check_key
+from .engine.cores import physical_memory
 from .protocol.errors import UsageError
 from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
 from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
+
+MIB = 1024 * 1024
+# llama-server's --cache-ram default, the most the prompt cache takes unasked.
+PROMPT_CACHE_CAP = 8 * 1024 * MIB
+
+
+def default_prompt_cache_bytes() -> int:
+    """The smaller of 8 GiB and a quarter of the machine's memory."""
+    memory = physical_memory()
+    return PROMPT_CACHE_CAP if memory is None else min(PROMPT_CACHE_CAP, memory // 4)
+
 
 # The embedding models /v1/embeddings can serve (stopline/engine/embeddings.py).
 EMBEDDING_MODELS = ("all-minilm-l6-v2",)
@@ -69,6 +81,10 @@ class Settings:
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
     max_queue: int = 16
+    # Host memory for the prompt cache's saved KV states, in MiB (0: no cache); None: the
+    # smaller of 8 GiB and a quarter of the machine's memory.
+    cache_ram_mib: int | None = None
+    prompt_cache: bool = True
     # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
     allowed_origins: tuple[str, ...] = ()
     # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
@@ -143,6 +159,15 @@ class Settings:
         return cls(**values, limits=replace(base, **limits))
 
     # Derived values ---------------------------------------------------------
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """The prompt cache's budget in bytes; 0: no prompt cache."""
+        if not self.prompt_cache or self.cache_ram_mib == 0:
+            return 0
+        if self.cache_ram_mib is None:
+            return default_prompt_cache_bytes()
+        return self.cache_ram_mib * MIB
 
     @property
     def max_frame_bytes(self) -> int:
@@ -301,6 +326,16 @@ def _hosts(items: tuple[str, ...]) -> None:
     OriginPolicy.build("127.0.0.1", allowed_hosts=items)
 
 
+def switch(text: str) -> bool:
+    """A switch's variable: whether the switch is given."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not 1/true or 0/false")
+
+
 PORT = integer(0, 65535)
 POSITIVE = integer(1)
 
@@ -323,6 +358,8 @@ class Flag:
     # The default in words, shown by --help and the flag table where the field's value (often None,
     # for a default worked out later) would not say what it is.
     default_text: str = ""
+    # Given without a value, it turns its setting off (its variable: a true value).
+    switch: bool = False
 
     @property
     def default(self) -> Any:
@@ -470,6 +507,23 @@ FLAGS = [
         "prompt tokens per evaluation, at most 512",
         # DEFAULT_PREFILL_CHUNK in engine/loop.py, which this module does not import: it loads the engine.
         default_text="with --abort-mode in_step, 64 on ctransformers and 512 on llama.cpp; else 1",
+    ),
+    Flag(
+        "--cache-ram",
+        "cache_ram_mib",
+        integer(0),
+        "MiB of host memory for the prompt cache (llama.cpp engine only): the KV states of prompts a slot "
+        "was about to lose, restored for a later prompt that starts the same way, the least recently "
+        'used dropped first; 0: no prompt cache (docs/engine.md, "The prompt cache")',
+        default_text="the smaller of 8192 and a quarter of the machine's memory",
+    ),
+    Flag(
+        "--no-prompt-cache",
+        "prompt_cache",
+        switch,
+        "no prompt cache: a prompt reuses only what its own slot still holds (as --cache-ram 0); "
+        "its variable takes 1 or true",
+        switch=True,
     ),
     Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot; beyond it, error busy"),
     Flag(
@@ -629,6 +683,16 @@ def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
             shown = flag.default_text
         else:
             shown = "" if default in (None, "", ()) else _shown(default)
+        if flag.switch:
+            # The setting is on unless the switch (or its variable) is given.
+            parser.add_argument(
+                flag.flag,
+                dest=flag.setting,
+                action="store_false",
+                default=not default if raw is not None else flag.default,
+                help=flag.help,
+            )
+            continue
         if flag.repeatable:
             repeated_defaults[flag.setting] = default
         parser.add_argument(
@@ -670,6 +734,8 @@ def flags_table() -> str:
     for flag in FLAGS:
         if flag.default_text:
             default = cell(flag.default_text)
+        elif flag.switch:
+            default = "off"
         elif flag.default in (None, "", ()):
             default = "none"
         else:

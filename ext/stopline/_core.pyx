@@ -41,9 +41,9 @@ llama.cpp, ext/llama_abi.h) and ``sl`` (Stopline's own C helpers).
 Python exception.
 """
 
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc cimport errno
-from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.math cimport INFINITY, exp, log
 from libc.string cimport memcpy, memset, strlen
@@ -822,6 +822,82 @@ cdef class LlamaSequence(Slot):
         self.n_held = 0
         if not self.closed:
             truncate_sequence(&self.owner.b, self.seq, 0)
+
+    def held_record(self):
+        """``(tokens, chunk)``: the tokens this sequence's KV cache holds from position 0,
+        and the prefill chunk they were evaluated with."""
+        cdef int i
+        self._check_open()
+        return [self.held[i] for i in range(self.n_held)], self.held_chunk
+
+    def save_state(self):
+        """A copy of this sequence's KV state, which holds :meth:`held_record`'s tokens,
+        for :meth:`restore_state`; None when it holds none, or when its cache no longer
+        holds every one of their positions (a sliding-window layer gave some away)."""
+        cdef Batcher *b = &self.owner.b
+        cdef int n = self.n_held
+        cdef size_t size = 0, again = 0, written = 0
+        cdef bint whole = False
+        cdef bytes data
+        cdef uint8_t *dst
+        self._check_idle()
+        if n == 0:
+            return None
+        # The GIL is never taken while the context is claimed (a thread holding it may
+        # wait for the claim): measure, allocate, then copy if the size still holds.
+        with nogil:
+            claim_context(b)
+            whole = LLAMA.holds(b.ctx, self.seq, n)
+            if whole:
+                size = LLAMA.state_size(b.ctx, self.seq)
+            release_context(b)
+        if not whole or size == 0:
+            return None
+        data = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
+        dst = <uint8_t *>PyBytes_AS_STRING(data)
+        with nogil:
+            claim_context(b)
+            again = LLAMA.state_size(b.ctx, self.seq)
+            if again == size and LLAMA.holds(b.ctx, self.seq, n):
+                written = LLAMA.state_save(b.ctx, self.seq, dst, size)
+            release_context(b)
+        if written != size:
+            return None
+        return data
+
+    def restore_state(self, bytes data not None, tokens, int chunk):
+        """Load a state saved by :meth:`save_state` (of a sequence of this model, in a
+        context of the same shape) and keep its first ``len(tokens)`` positions, which
+        hold ``tokens``, evaluated with prefill chunks of ``chunk``. Returns whether the
+        cache holds them now; if not, it holds nothing."""
+        cdef Batcher *b = &self.owner.b
+        cdef int n = len(tokens)
+        cdef const uint8_t *src = <const uint8_t *>PyBytes_AS_STRING(data)
+        cdef size_t size = len(data), read = 0
+        cdef bint whole = False
+        cdef int *ids
+        self._check_idle()
+        if not 1 <= n <= self.context_length:
+            raise ValueError(f"a restored state holds 1 to {self.context_length} tokens")
+        ids = token_ids(tokens)
+        self.n_held = 0
+        try:
+            with nogil:
+                claim_context(b)
+                read = LLAMA.state_load(b.ctx, self.seq, src, size)
+                if read != 0:
+                    LLAMA.truncate(b.ctx, self.seq, n)
+                    whole = LLAMA.holds(b.ctx, self.seq, n)
+                if not whole:
+                    LLAMA.truncate(b.ctx, self.seq, 0)
+                release_context(b)
+            if whole:
+                memcpy(self.held, ids, n * sizeof(int))
+                self.n_held = n
+                self.held_chunk = chunk
+            return whole
+        finally:
+            free(ids)
 
     def probe_step_abort(self, tokens):
         """Prove the abort callback on a real evaluation of ``tokens`` (two or

@@ -2,7 +2,7 @@
 # that llama-cpp-python 0.3.36 vendors. Cimport qualified:
 # `from stopline cimport _llama as ll`, then `ll.sll_api`.
 
-from libc.stdint cimport int32_t, uint32_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t
 
 cdef extern from "llama_abi.h" nogil:
     const char *SLL_LLAMA_COMMIT
@@ -59,6 +59,9 @@ cdef extern from "llama_abi.h" nogil:
         int32_t (*pos_max)(sll_context *ctx, int32_t seq) noexcept nogil
         int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0) noexcept nogil
         int (*holds)(sll_context *ctx, int32_t seq, int32_t n) noexcept nogil
+        size_t (*state_size)(sll_context *ctx, int32_t seq) noexcept nogil
+        size_t (*state_save)(sll_context *ctx, int32_t seq, uint8_t *dst, size_t size) noexcept nogil
+        size_t (*state_load)(sll_context *ctx, int32_t seq, const uint8_t *src, size_t size) noexcept nogil
         void (*batch_clear)(sll_context *ctx) noexcept nogil
         int32_t (*batch_add)(sll_context *ctx, int32_t seq, const int32_t *tokens, int32_t n, int32_t pos0,
                              int want_logits) noexcept nogil

@@ -27,7 +27,7 @@ import random
 import select
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import TypedDict
@@ -42,8 +42,9 @@ from ..protocol.vocabulary import AbortMode, Batching, EngineName
 from ..settings import DEFAULT_CONTEXT_LENGTH, Settings
 from . import conversion
 from . import model as embedded
-from .cores import usable_cores
+from .cores import physical_memory, usable_cores
 from .model_check import ModelFileError, check_model_file
+from .prompt_cache import PromptCache, model_key
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 
 log = structlog.get_logger("stopline")
@@ -149,6 +150,8 @@ class Engine:
     prefill_chunk: int
     trim_output: bool
     tokenizer: ChatTokenizer | NativeTokenizer | LlamaTokenizer
+    # Saved KV states across requests (llama.cpp only; stopline/engine/prompt_cache.py); None: off.
+    prompt_cache: PromptCache | None = None
 
     @classmethod
     def load(
@@ -238,7 +241,19 @@ class Engine:
             step_abort=self.abort_mode is AbortMode.IN_STEP,
             trim_output=self.trim_output,
         )
-        return Stream(generation, TextStream(list(stop)), slot.token_bytes)
+        prepare = None
+        cache = self.prompt_cache
+        if cache is not None and isinstance(slot, _core.LlamaSequence):
+            key, tokens, chunk = self._prompt_cache_key(slot), list(prompt_tokens), self.prefill_chunk
+
+            def prepare() -> int:
+                return cache.prepare(key, slot, tokens, chunk)
+
+        return Stream(generation, TextStream(list(stop)), slot.token_bytes, prepare=prepare)
+
+    def _prompt_cache_key(self, slot: _core.Slot) -> str:
+        """The prompt cache's key for states of ``slot``: what makes one KV state fit another context."""
+        raise NotImplementedError
 
 
 def _logprob_entry(piece: bytes, logprob: float) -> dict:
@@ -417,9 +432,10 @@ class LlamaEngine(Engine):
         self.model = model
         self.model_path = model_path
         self.name = name
+        self._cache_keys: dict[tuple, str] = {}
         self.threads = threads
         if context_length is None:
-            context_length = sized_context(model, sequences, physical_memory())
+            context_length = sized_context(model, sequences, physical_memory() or 0)
         elif model.context_limit and context_length > model.context_limit:
             raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
@@ -494,6 +510,21 @@ class LlamaEngine(Engine):
             )
         return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode, sequences)
 
+    def _prompt_cache_key(self, slot: _core.Slot) -> str:
+        assert isinstance(slot, _core.LlamaSequence)
+        # The template decides no KV, but a state is only ever shared within one.
+        parts = (
+            str(self.kind),
+            self.context_length,
+            self.prefill_chunk,
+            len(slot.owner.sequences),
+            self.tokenizer.chat_template,
+        )
+        key = self._cache_keys.get(parts)
+        if key is None:
+            key = self._cache_keys[parts] = model_key(self.model_path, *parts)
+        return key
+
     def open_slot(self) -> _core.LlamaSequence:
         if self._probe is not None:
             slot, self._probe = self._probe, None
@@ -511,10 +542,6 @@ class LlamaEngine(Engine):
             self._probe = None
         context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count)
         return list(context.sequences)
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kv_bytes_per_token(model: _core.LlamaModel) -> int | None:
@@ -584,8 +611,21 @@ class Stream:
     was asked for is the protocol's to remember.
     """
 
-    def __init__(self, generation: _core.Generation, text: TextStream, token_bytes=None):
+    def __init__(
+        self,
+        generation: _core.Generation,
+        text: TextStream,
+        token_bytes=None,
+        prepare: Callable[[], int] | None = None,
+    ):
         self.generation = generation
+        # Run on the loop's thread before the loop: the prompt cache's work on the slot,
+        # returning how many prompt tokens it restored.
+        self._prepare = prepare
+        self._cancel_asked = False
+        # Prompt tokens restored from the prompt cache for this generation (counted in
+        # the result's prompt_tokens_reused).
+        self.prompt_tokens_cached = 0
         self._text = text
         self._token_bytes = token_bytes
         # Log probabilities of tokens read and not yet taken (with logprobs asked for).
@@ -608,7 +648,17 @@ class Stream:
     def cancel(self) -> bool:
         """Stop the generation. Thread-safe and idempotent: only the first call that
         reaches a running or not-yet-started loop counts, and returns True."""
+        self._cancel_asked = True
         return self.generation.cancel()
+
+    def _run(self, yield_to_reader: bool) -> _core.LoopResult:
+        # A stop asked for before the loop starts skips the cache's copies, which it would wait for.
+        if self._prepare is not None and not self._cancel_asked:
+            try:
+                self.prompt_tokens_cached = self._prepare()
+            except Exception:
+                log.exception("prompt_cache_failed")
+        return self.generation.run(yield_to_reader)
 
     def read_available(self) -> list[str]:
         """Text ready now (possibly none). Once the loop has ended, the first call
@@ -661,7 +711,7 @@ class Stream:
         loop.add_reader(fd, wake.set)
         # At the end the loop's thread keeps out of the GIL until exited() lets it
         # return: the frames the end calls for go out first (yield_to_reader).
-        self._exited = loop.run_in_executor(executor, self.generation.run, True)
+        self._exited = loop.run_in_executor(executor, self._run, True)
         # A loop that could not start never publishes: its exception wakes the reader instead.
         self._exited.add_done_callback(lambda _: wake.set())
         try:
@@ -699,7 +749,7 @@ class Stream:
     # synchronous ---------------------------------------------------------
 
     def __iter__(self):
-        worker = threading.Thread(target=self.generation.run, args=(True,), name="stopline-generation", daemon=True)
+        worker = threading.Thread(target=self._run, args=(True,), name="stopline-generation", daemon=True)
         worker.start()
         fd = self.generation.fileno()
         try:
