@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import platformdirs
 
 from .auth import check_key
-from .engine.cores import physical_memory
 from .protocol.errors import UsageError
 from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
@@ -32,6 +31,15 @@ from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineNam
 MIB = 1024 * 1024
 # llama-server's --cache-ram default, the most the prompt cache takes unasked.
 PROMPT_CACHE_CAP = 8 * 1024 * MIB
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes (None where the system does not say): the KV cache's
+    and the prompt cache's defaults take shares of it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
 
 
 def default_prompt_cache_bytes() -> int:

@@ -102,7 +102,7 @@ async def test_openai_errors_have_openai_shape(server):
         await client.completions.create(model=server.engine.name, prompt=LONG_PROMPT * 3, max_tokens=4)
     assert caught.value.code == "prompt_too_long"
     with pytest.raises(openai.NotFoundError) as caught:
-        await client.embeddings.create(model="any", input="x")
+        await client.moderations.create(input="x")
     assert caught.value.code == "not_found"
     await client.close()
 

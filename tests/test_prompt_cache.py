@@ -240,7 +240,9 @@ async def test_openai_usage_reports_the_cached_prompt_tokens(engine):
 
         first = await chat(FIRST)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        await chat(others(1)[0])
+        # Other prompts take every slot (a spare for preemption among them).
+        for messages in others(len(server.scheduler._slots)):
+            await chat(messages)
         again = await chat(FIRST)
         assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
         assert again.choices[0].message.content == first.choices[0].message.content

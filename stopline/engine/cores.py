@@ -1,6 +1,5 @@
-"""The machine's cores and memory: how many cores this process may compute on, how many
-the other processes on the machine keep busy (the scheduler leaves them those), and the
-memory the KV cache and the prompt cache take their shares of."""
+"""The machine's cores: how many this process may compute on, and how many the other
+processes on the machine keep busy, which the scheduler leaves to them."""
 
 from __future__ import annotations
 
@@ -15,14 +14,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def physical_memory() -> int | None:
-    """The machine's memory in bytes; None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
 
 
 class MachineLoad:

@@ -39,10 +39,10 @@ from stopline import _core
 from ..protocol.errors import EngineError, ModelLoadError, SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
-from ..settings import DEFAULT_CONTEXT_LENGTH, Settings
+from ..settings import DEFAULT_CONTEXT_LENGTH, Settings, physical_memory
 from . import conversion
 from . import model as embedded
-from .cores import physical_memory, usable_cores
+from .cores import usable_cores
 from .model_check import ModelFileError, check_model_file
 from .prompt_cache import PromptCache, model_key
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
