@@ -194,7 +194,7 @@ class Settings:
     @property
     def prompt_cache_path(self) -> Path:
         """The prompt cache's disk tier's directory."""
-        return Path(self.prompt_cache_dir) if self.prompt_cache_dir else cache_dir() / "prompt-cache"
+        return Path(self.prompt_cache_dir) if self.prompt_cache_dir else default_prompt_cache_dir()
 
     @property
     def prompt_cache_disk_bytes(self) -> int:
@@ -814,6 +814,11 @@ CONVERTED_KEEP = 2
 def cache_dir() -> Path:
     """Where the models, their converted copies and the llama.cpp build are kept."""
     return Path(os.environ.get("STOPLINE_CACHE_DIR") or platformdirs.user_cache_dir("stopline"))
+
+
+def default_prompt_cache_dir() -> Path:
+    """Where the prompt cache's disk tier keeps its states unless told."""
+    return cache_dir() / "prompt-cache"
 
 
 def index_url() -> str:

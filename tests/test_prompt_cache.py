@@ -17,7 +17,14 @@ from stopline.engine import prompt_cache as prompt_cache_module
 from stopline.engine.loop import Engine
 from stopline.engine.prompt_cache import BLOCK_TOKENS, PromptCache, model_key
 from stopline.protocol.requests import SamplingParams
-from stopline.settings import MIB, Settings, add_flags, cache_dir, default_prompt_cache_bytes
+from stopline.settings import (
+    MIB,
+    Settings,
+    add_flags,
+    cache_dir,
+    default_prompt_cache_bytes,
+    default_prompt_cache_dir,
+)
 from support import fetch_metrics, metric_value, openai_client, running_server
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -415,7 +422,9 @@ def test_files_are_written_on_the_writer_thread_only(tmp_path, monkeypatch):
 def test_the_disk_flags():
     assert parse().prompt_cache_dir is None and parse().prompt_cache_disk_mib is None
     assert parse("--prompt-cache-dir", "/x", "--prompt-cache-disk", "16").prompt_cache_disk_mib == 16
-    assert Settings.build().prompt_cache_path == cache_dir() / "prompt-cache"
+    # (Imported before the tests' own folder stands in for it.)
+    assert default_prompt_cache_dir() == cache_dir() / "prompt-cache"
+    assert Settings.build(prompt_cache_dir="/x").prompt_cache_path == Path("/x")
     assert Settings.build(prompt_cache_disk_mib=16).prompt_cache_disk_bytes == 16 * MIB
     assert 0 < Settings.build().prompt_cache_disk_bytes <= 4 * 1024 * MIB
     assert Settings.build(prompt_cache_disk_mib=0).prompt_cache_disk_bytes == 0
