@@ -284,7 +284,10 @@ class DiskTier:
         log.warning("prompt_cache_file_skipped", file=path.name, reason=reason, **fields)
         with self._lock:
             self.skipped += 1
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("prompt_cache_file_not_removed", file=path.name, error=str(exc))
 
     def _add(self, entry: _DiskEntry) -> None:
         with self._lock:
