@@ -84,7 +84,11 @@ class StoplineServer:
         self.metrics = Metrics()
         # One prompt cache for the server, on the engine whose slots it fills (llama.cpp only).
         budget = settings.prompt_cache_bytes
-        self.prompt_cache = PromptCache(budget) if budget and engine.kind is EngineName.LLAMA_CPP else None
+        self.prompt_cache = (
+            PromptCache(budget, disk_dir=settings.prompt_cache_path, disk_budget_bytes=settings.prompt_cache_disk_bytes)
+            if budget and engine.kind is EngineName.LLAMA_CPP
+            else None
+        )
         engine.prompt_cache = self.prompt_cache
         if self.prompt_cache is not None:
             self.metrics.add_prompt_cache_metrics(self.prompt_cache)
@@ -245,9 +249,12 @@ class StoplineServer:
         now = time.monotonic_ns()
         for session in list(self.sessions):
             await session.stop_all(Reason.SHUTDOWN, now)
-        await self.scheduler.shutdown()
+        await self.scheduler.shutdown(keep=self.engine.keep_in_prompt_cache if self.prompt_cache else None)
         if self.engine.prompt_cache is self.prompt_cache:
             self.engine.prompt_cache = None
+        if self.prompt_cache is not None:
+            # What memory holds goes to disk on the cache's writer, waited for off the event loop.
+            await asyncio.to_thread(self.prompt_cache.close)
         await self.quotas.close()
         if self.cluster is not None:
             await self.cluster.close()

@@ -131,6 +131,31 @@ class _PromptCacheCollector(Collector):
                 stats.evictions,
             ),
         )
+        if self.cache.disk is not None:
+            counters += (
+                (
+                    "stopline_prompt_cache_disk_hits",
+                    "Prompts that took a prefix from the prompt cache's disk tier (part of "
+                    "stopline_prompt_cache_hits).",
+                    stats.disk_hits,
+                ),
+                (
+                    "stopline_prompt_cache_disk_writes",
+                    "KV states written to the prompt cache's disk tier.",
+                    stats.disk_writes,
+                ),
+                (
+                    "stopline_prompt_cache_disk_skipped",
+                    "Files of the prompt cache's disk tier skipped and removed: corrupt, truncated, of another "
+                    "format version or not what their name says.",
+                    stats.disk_skipped,
+                ),
+                (
+                    "stopline_prompt_cache_disk_evictions",
+                    "KV states removed from the prompt cache's disk tier for room, least recently used first.",
+                    stats.disk_evictions,
+                ),
+            )
         for name, documentation, value in counters:
             family = CounterMetricFamily(name, documentation)
             family.add_metric([], value)
@@ -140,6 +165,24 @@ class _PromptCacheCollector(Collector):
             ("stopline_prompt_cache_budget_bytes", "The most bytes the prompt cache holds.", stats.budget_bytes),
             ("stopline_prompt_cache_entries", "KV states the prompt cache holds.", stats.entries),
         )
+        if self.cache.disk is not None:
+            gauges += (
+                (
+                    "stopline_prompt_cache_disk_bytes",
+                    "Bytes of the prompt cache's disk tier's files.",
+                    stats.disk_bytes,
+                ),
+                (
+                    "stopline_prompt_cache_disk_budget_bytes",
+                    "The most bytes the prompt cache's disk tier holds.",
+                    stats.disk_budget_bytes,
+                ),
+                (
+                    "stopline_prompt_cache_disk_entries",
+                    "KV states the prompt cache's disk tier holds.",
+                    stats.disk_entries,
+                ),
+            )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -202,12 +203,15 @@ class Scheduler:
         """Refuse new requests from now on; those already here are unaffected."""
         self._closed = True
 
-    async def shutdown(self) -> None:
-        """Wait for every request to end (the caller has cancelled them), then free the slots."""
+    async def shutdown(self, keep: Callable[[list], None] | None = None) -> None:
+        """Wait for every request to end (the caller has cancelled them), then free the slots,
+        first handing them to ``keep`` (on a worker thread) if given."""
         self.close()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self._executor.shutdown(wait=True)
+        if keep is not None:
+            await asyncio.to_thread(keep, self._slots)
         for slot in self._slots:
             slot.close()
 

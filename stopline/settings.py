@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
@@ -46,6 +47,23 @@ def default_prompt_cache_bytes() -> int:
     """The smaller of 8 GiB and a quarter of the machine's memory."""
     memory = physical_memory()
     return PROMPT_CACHE_CAP if memory is None else min(PROMPT_CACHE_CAP, memory // 4)
+
+
+# The most disk the prompt cache's disk tier takes unasked: half of the memory tier's cap,
+# as states on disk are the ones memory let go, and a quarter of the free disk at most.
+PROMPT_CACHE_DISK_CAP = 4 * 1024 * MIB
+
+
+def default_prompt_cache_disk_bytes(directory: Path) -> int:
+    """The smaller of 4 GiB and a quarter of the disk's free space under ``directory``."""
+    place = directory
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        free = shutil.disk_usage(place).free
+    except OSError:
+        return PROMPT_CACHE_DISK_CAP
+    return min(PROMPT_CACHE_DISK_CAP, free // 4)
 
 
 # The embedding models /v1/embeddings can serve (stopline/engine/embeddings.py).
@@ -93,6 +111,10 @@ class Settings:
     # smaller of 8 GiB and a quarter of the machine's memory.
     cache_ram_mib: int | None = None
     prompt_cache: bool = True
+    # Where the prompt cache's disk tier keeps states; None: cache_dir()/prompt-cache.
+    prompt_cache_dir: str | None = None
+    # Disk for that tier, in MiB (0: memory alone); None: default_prompt_cache_disk_bytes.
+    prompt_cache_disk_mib: int | None = None
     # Extra allowed Origin values (scheme://host[:port], or "*"); same-origin pages are always allowed.
     allowed_origins: tuple[str, ...] = ()
     # Extra Host names the server answers to; its own address and, on loopback, localhost always are.
@@ -176,6 +198,20 @@ class Settings:
         if self.cache_ram_mib is None:
             return default_prompt_cache_bytes()
         return self.cache_ram_mib * MIB
+
+    @property
+    def prompt_cache_path(self) -> Path:
+        """The prompt cache's disk tier's directory."""
+        return Path(self.prompt_cache_dir) if self.prompt_cache_dir else default_prompt_cache_dir()
+
+    @property
+    def prompt_cache_disk_bytes(self) -> int:
+        """The disk tier's budget in bytes; 0: no disk tier (nor one without the memory tier)."""
+        if not self.prompt_cache_bytes or self.prompt_cache_disk_mib == 0:
+            return 0
+        if self.prompt_cache_disk_mib is None:
+            return default_prompt_cache_disk_bytes(self.prompt_cache_path)
+        return self.prompt_cache_disk_mib * MIB
 
     @property
     def max_frame_bytes(self) -> int:
@@ -526,11 +562,28 @@ FLAGS = [
         default_text="the smaller of 8192 and a quarter of the machine's memory",
     ),
     Flag(
+        "--prompt-cache-dir",
+        "prompt_cache_dir",
+        str,
+        "folder of the prompt cache's disk tier: the KV states memory let go, and all of them when the "
+        "server stops, read back for a later prompt, after a restart too",
+        default_text="prompt-cache in the user cache ($STOPLINE_CACHE_DIR, else ~/.cache/stopline)",
+    ),
+    Flag(
+        "--prompt-cache-disk",
+        "prompt_cache_disk_mib",
+        integer(0),
+        "MiB of disk for the prompt cache's disk tier, the least recently used files removed first; "
+        "0: memory alone. The default is half of --cache-ram's cap, as the disk keeps what memory let go, "
+        "and never more than a quarter of the free disk",
+        default_text="the smaller of 4096 and a quarter of the free disk",
+    ),
+    Flag(
         "--no-prompt-cache",
         "prompt_cache",
         switch,
-        "no prompt cache: a prompt reuses only what its own slot still holds (as --cache-ram 0); "
-        "its variable takes 1 or true",
+        "no prompt cache, in memory or on disk: a prompt reuses only what its own slot still holds "
+        "(as --cache-ram 0); its variable takes 1 or true",
         switch=True,
     ),
     Flag("--max-queue", "max_queue", integer(0), "requests that may wait for a slot; beyond it, error busy"),
@@ -769,6 +822,11 @@ CONVERTED_KEEP = 2
 def cache_dir() -> Path:
     """Where the models, their converted copies and the llama.cpp build are kept."""
     return Path(os.environ.get("STOPLINE_CACHE_DIR") or platformdirs.user_cache_dir("stopline"))
+
+
+def default_prompt_cache_dir() -> Path:
+    """Where the prompt cache's disk tier keeps its states unless told."""
+    return cache_dir() / "prompt-cache"
 
 
 def index_url() -> str:

@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import async_playwright
 
+from stopline import settings as settings_module
 from stopline.engine.loop import Engine
 from stopline.engine.model import original_gguf_path
 from stopline.observability import configure_logging
@@ -85,6 +86,15 @@ async def browser():
             yield chromium
         finally:
             await chromium.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prompt_cache_apart(tmp_path_factory):
+    """A server built with the default settings keeps its prompt cache's disk tier in a folder
+    of its own, never in the user's cache, where it would serve one test's prompts to another."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(settings_module, "default_prompt_cache_dir", lambda: tmp_path_factory.mktemp("prompt-cache"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,18 @@ from pathlib import Path
 import pytest
 
 from stopline import _core
+from stopline.engine import prompt_cache as prompt_cache_module
 from stopline.engine.loop import Engine
 from stopline.engine.prompt_cache import BLOCK_TOKENS, PromptCache, model_key
 from stopline.protocol.requests import SamplingParams
-from stopline.settings import MIB, Settings, add_flags, default_prompt_cache_bytes
+from stopline.settings import (
+    MIB,
+    Settings,
+    add_flags,
+    cache_dir,
+    default_prompt_cache_bytes,
+    default_prompt_cache_dir,
+)
 from support import fetch_metrics, metric_value, openai_client, running_server
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -251,3 +259,200 @@ async def test_openai_usage_reports_the_cached_prompt_tokens(engine):
         assert metric_value(text, "stopline_prompt_tokens_cached_total") == again.usage.prompt_tokens - 1
         assert metric_value(text, "stopline_prompt_cache_bytes") > 0
     assert engine.prompt_cache is None
+
+
+# The disk tier -------------------------------------------------------------------
+
+
+def evict_all(cache: PromptCache) -> None:
+    """Push every entry out of memory, to the disk tier, through the real eviction path."""
+    filler = cache.budget_bytes - cache.stats.bytes_held + 1
+    assert cache.store("filler", tokens(10**6), bytes(filler))
+    assert cache.stats.entries == 1
+    cache.disk.flush()
+
+
+def test_an_entry_evicted_from_memory_is_written_to_disk_and_restored_from_there(engine, slots, tmp_path):
+    first = engine.encode(messages=FIRST)
+    engine.prompt_cache = cache = PromptCache(16 * MIB, disk_dir=tmp_path, disk_budget_bytes=256 * MIB)
+    try:
+        answer, _, _ = generate(engine, slots[0], first)
+        generate(engine, slots[0], engine.encode(messages=others(1)[0]))
+        assert cache.stats.saves == 1 and cache.stats.disk_entries == 0
+        evict_all(cache)
+        stats = cache.stats
+        assert stats.disk_writes == 1 and stats.disk_entries == 1 and stats.disk_bytes > 0
+        assert len(list(tmp_path.glob("*.kv"))) == 1
+        again, result, cached = generate(engine, slots[1], first)
+        assert cached == len(first) - 1 and result.prompt_tokens_evaluated == 1
+        assert again == answer
+        stats = cache.stats
+        assert stats.disk_hits == 1 and stats.hits == 1
+        # Read back, it is in memory again: the next lookup does not touch the disk.
+        assert cache.lookup(cache_key(engine, slots[1]), first, 0) is not None
+        assert cache.stats.disk_hits == 1
+    finally:
+        engine.prompt_cache = None
+        cache.close()
+
+
+def cache_key(engine: Engine, slot) -> str:
+    return engine._prompt_cache_key(slot)
+
+
+def test_a_new_cache_on_the_same_directory_serves_a_repeated_prompt_from_disk(engine, slots, tmp_path):
+    first = engine.encode(messages=FIRST)
+    engine.prompt_cache = cache = PromptCache(16 * MIB, disk_dir=tmp_path, disk_budget_bytes=256 * MIB)
+    try:
+        answer, _, _ = generate(engine, slots[0], first)
+        # As a server stops: the slots' contents, then memory, go to disk.
+        engine.keep_in_prompt_cache(slots)
+        cache.close()
+        engine.prompt_cache = cache = PromptCache(16 * MIB, disk_dir=tmp_path, disk_budget_bytes=256 * MIB)
+        assert cache.stats.disk_entries == 1 and cache.stats.entries == 0
+        generate(engine, slots[1], engine.encode(messages=others(1)[0]))
+        again, result, cached = generate(engine, slots[1], first)
+        assert cached == len(first) - 1 and result.prompt_tokens_evaluated == 1 and again == answer
+        assert cache.stats.disk_hits == 1
+    finally:
+        engine.prompt_cache = None
+        cache.close()
+
+
+def write_entry(tmp_path: Path, key: str = "a" * 64, start: int = 0, size: int = 100) -> Path:
+    cache = PromptCache(1 * MIB, disk_dir=tmp_path, disk_budget_bytes=1 * MIB)
+    assert cache.store(key, tokens(start), bytes(range(256)) * (size // 256) + bytes(size % 256))
+    cache.close()
+    [path] = [p for p in tmp_path.glob("*.kv") if p.name.startswith(key[:16]) and p.stat().st_size > size]
+    return path
+
+
+def skipped_lines(log_capture) -> list[dict]:
+    return log_capture.records("prompt_cache_file_skipped")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "model_key", "version"])
+def test_a_damaged_or_mismatched_file_is_skipped_with_one_line_and_removed(tmp_path, log_capture, damage):
+    key = "a" * 64
+    path = write_entry(tmp_path, key, size=1000)
+    raw = bytearray(path.read_bytes())
+    if damage == "corrupt":
+        raw[-10] ^= 0xFF  # the state: found out by its digest, when it is read
+    elif damage == "truncated":
+        raw = raw[:-10]
+    elif damage == "version":
+        raw[8] += 1
+    path.write_bytes(bytes(raw))
+    if damage == "model_key":
+        # Another model's file, under this model's name.
+        other = write_entry(tmp_path, "b" * 64, size=1000)
+        path.unlink()
+        other.rename(path)
+    before = len(skipped_lines(log_capture))
+    cache = PromptCache(1 * MIB, disk_dir=tmp_path, disk_budget_bytes=1 * MIB)
+    try:
+        assert cache.lookup(key, tokens(0), 0) is None
+        lines = skipped_lines(log_capture)[before:]
+        assert [line["reason"] for line in lines] == [damage]
+        assert lines[0]["file"] == path.name
+        assert not path.exists()
+        stats = cache.stats
+        assert stats.disk_skipped == 1 and stats.disk_entries == 0 and stats.disk_hits == 0
+    finally:
+        cache.close()
+
+
+def test_another_models_file_is_never_loaded(tmp_path):
+    write_entry(tmp_path, "b" * 64)
+    cache = PromptCache(1 * MIB, disk_dir=tmp_path, disk_budget_bytes=1 * MIB)
+    try:
+        assert cache.stats.disk_entries == 1
+        assert cache.lookup("a" * 64, tokens(0), 0) is None
+        assert cache.lookup("b" * 64, tokens(0), 0) is not None
+    finally:
+        cache.close()
+
+
+def test_a_write_cut_short_leaves_no_file_and_is_cleared_at_startup(tmp_path):
+    (tmp_path / ".x.kv.1.tmp").write_bytes(b"half")
+    cache = PromptCache(1 * MIB, disk_dir=tmp_path, disk_budget_bytes=1 * MIB)
+    cache.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_disk_budget_removes_the_least_recently_used_file_first(tmp_path):
+    key = "k" * 64
+    file_size = 1000 + prompt_cache_module._HEADER.size + 4 * len(tokens(0))
+    cache = PromptCache(1000, disk_dir=tmp_path, disk_budget_bytes=2 * file_size + 100)
+    try:
+        # Each state evicts the one before it from memory, to disk.
+        for i in range(3):
+            assert cache.store(key, tokens(1000 * i), bytes(1000))
+        cache.disk.flush()
+        assert cache.stats.disk_entries == 2 and cache.stats.disk_writes == 2
+        # Read back, the first is used more recently than the second; the third, evicted
+        # from memory by it, takes the second's room.
+        assert cache.lookup(key, tokens(0), 0) is not None
+        cache.disk.flush()
+        stats = cache.stats
+        assert (stats.disk_entries, stats.disk_evictions, stats.disk_bytes) == (2, 1, 2 * file_size)
+        assert cache.disk.longest(key, tokens(0), 0)[0] is not None
+        assert cache.disk.longest(key, tokens(1000), 0)[0] is None
+        assert cache.disk.longest(key, tokens(2000), 0)[0] is not None
+        assert len(list(tmp_path.glob("*.kv"))) == 2
+    finally:
+        cache.close()
+
+
+def test_files_are_written_on_the_writer_thread_only(tmp_path, monkeypatch):
+    threads = []
+    replace = os.replace
+
+    def spy(source, target):
+        threads.append(threading.current_thread().name)
+        replace(source, target)
+
+    monkeypatch.setattr(prompt_cache_module.os, "replace", spy)
+    cache = PromptCache(1000, disk_dir=tmp_path, disk_budget_bytes=1 * MIB)
+    assert cache.store("k" * 64, tokens(0), bytes(1000))
+    assert cache.store("k" * 64, tokens(1000), bytes(1000))
+    cache.disk.flush()
+    cache.close()
+    assert threads == ["stopline-prompt-cache-writer"] * 2
+
+
+def test_the_disk_flags():
+    assert parse().prompt_cache_dir is None and parse().prompt_cache_disk_mib is None
+    assert parse("--prompt-cache-dir", "/x", "--prompt-cache-disk", "16").prompt_cache_disk_mib == 16
+    # (Imported before the tests' own folder stands in for it.)
+    assert default_prompt_cache_dir() == cache_dir() / "prompt-cache"
+    assert Settings.build(prompt_cache_dir="/x").prompt_cache_path == Path("/x")
+    assert Settings.build(prompt_cache_disk_mib=16).prompt_cache_disk_bytes == 16 * MIB
+    assert 0 < Settings.build().prompt_cache_disk_bytes <= 4 * 1024 * MIB
+    assert Settings.build(prompt_cache_disk_mib=0).prompt_cache_disk_bytes == 0
+    assert Settings.build(prompt_cache=False, prompt_cache_disk_mib=16).prompt_cache_disk_bytes == 0
+
+
+async def chat_first(server) -> object:
+    client = openai_client(server)
+    return await client.chat.completions.create(model=server.engine.name, messages=FIRST, temperature=0, max_tokens=4)
+
+
+@pytest.mark.parametrize("disk_mib", [0, 256], ids=["memory-alone", "disk"])
+async def test_after_a_restart_a_repeated_prompt_is_served_from_disk(engine, tmp_path, disk_mib):
+    config = dict(workers=1, cache_ram_mib=256, prompt_cache_dir=str(tmp_path), prompt_cache_disk_mib=disk_mib)
+    async with running_server(engine, **config) as server:
+        first = await chat_first(server)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+    async with running_server(engine, **config) as server:
+        again = await chat_first(server)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        text = await fetch_metrics(server)
+        if disk_mib:
+            assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+            assert metric_value(text, "stopline_prompt_cache_disk_hits_total") == 1
+            assert metric_value(text, "stopline_prompt_cache_disk_entries") >= 1
+            assert metric_value(text, "stopline_prompt_cache_disk_bytes") > 0
+        else:
+            assert again.usage.prompt_tokens_details.cached_tokens == 0
+            assert "stopline_prompt_cache_disk_hits" not in text

@@ -251,6 +251,16 @@ class Engine:
 
         return Stream(generation, TextStream(list(stop)), slot.token_bytes, prepare=prepare)
 
+    def keep_in_prompt_cache(self, slots: Sequence[_core.Slot]) -> None:
+        """Save what each of ``slots`` (idle) holds into the prompt cache, as a server stops,
+        so that its disk tier keeps the last turn of each conversation too."""
+        cache = self.prompt_cache
+        if cache is None:
+            return
+        for slot in slots:
+            if isinstance(slot, _core.LlamaSequence):
+                cache.keep(self._prompt_cache_key(slot), slot, self.prefill_chunk)
+
     def _prompt_cache_key(self, slot: _core.Slot) -> str:
         """The prompt cache's key for states of ``slot``: what makes one KV state fit another context."""
         raise NotImplementedError

@@ -13,6 +13,8 @@ import contextlib
 import io
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -100,6 +102,10 @@ def open_fds() -> set[str]:
 async def running_server(engine: Engine, **config):
     """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks."""
     threads_before = {t.ident for t in threading.enumerate()}
+    # Each server's prompt cache keeps its disk tier apart, unless a test shares one.
+    own_dir = None if "prompt_cache_dir" in config else tempfile.mkdtemp(prefix="stopline-prompt-cache-")
+    if own_dir is not None:
+        config["prompt_cache_dir"] = own_dir
     server = StoplineServer(engine, Settings.build(**{"host": "127.0.0.1", "port": 0, **config}))
     await server.start()
     server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
@@ -112,6 +118,8 @@ async def running_server(engine: Engine, **config):
         # Slot worker threads end with the server.
         leftover = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
         assert not [t.name for t in leftover if t.name.startswith("stopline")], leftover
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 class Client:
