@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .protocol.errors import StoplineError
+from .protocol.requests import MAX_PRIORITY
 from .protocol.vocabulary import QuotaLimit
 
 # Generated keys carry a prefix that secret scanners and people recognise.
@@ -77,6 +78,8 @@ class ApiKey:
     user: str
     sha256: str
     quota: Quota = field(default_factory=Quota)
+    # The priority of its requests that name none (lower first; docs/protocol.md#priority).
+    priority: int = 0
 
 
 def key_digest(key: str) -> str:
@@ -127,7 +130,10 @@ def parse_entry(line: str, where: str) -> ApiKey:
     if not isinstance(limits, dict) or set(limits) - {str(limit) for limit in QuotaLimit}:
         raise KeyFileError(f"{where}: limits may hold only {', '.join(QuotaLimit)}")
     quota = Quota(**{str(limit): _limit(entry, limit, where) for limit in QuotaLimit})
-    return ApiKey(key_id, user, digest, quota)
+    priority = entry.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise KeyFileError(f"{where}: priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}")
+    return ApiKey(key_id, user, digest, quota, priority)
 
 
 def read_keys_file(path: str | os.PathLike) -> list[ApiKey]:
@@ -148,10 +154,14 @@ def entry_line(key: ApiKey) -> str:
     entry: dict = {"id": key.key_id, "user": key.user, "sha256": key.sha256, "created_at": created}
     if key.quota.as_dict():
         entry["limits"] = key.quota.as_dict()
+    if key.priority:
+        entry["priority"] = key.priority
     return json.dumps(entry, ensure_ascii=False)
 
 
-def add_key(path: str | os.PathLike, user: str, quota: Quota, key_id: str | None = None) -> tuple[str, ApiKey]:
+def add_key(
+    path: str | os.PathLike, user: str, quota: Quota, key_id: str | None = None, priority: int = 0
+) -> tuple[str, ApiKey]:
     """Make a key for ``user`` and append its entry to the keys file (created 0600 if absent).
     Returns the key, which exists nowhere else from then on, and its entry."""
     if not USER_PATTERN.fullmatch(user):
@@ -164,7 +174,9 @@ def add_key(path: str | os.PathLike, user: str, quota: Quota, key_id: str | None
     if any(k.key_id == key_id for k in existing):
         raise KeyFileError(f"{path}: a key with id {key_id!r} exists already")
     key = new_key()
-    entry = ApiKey(key_id, user, key_digest(key), quota)
+    if abs(priority) > MAX_PRIORITY:
+        raise KeyFileError(f"the priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}")
+    entry = ApiKey(key_id, user, key_digest(key), quota, priority)
     # One write of one whole line, appended: a server reading the file meanwhile sees it or not at all.
     previous = Path(path).read_bytes() if Path(path).exists() else b""
     line = ("\n" if previous and not previous.endswith(b"\n") else "") + entry_line(entry) + "\n"

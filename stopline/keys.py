@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--id", help="the key's id in logs and metrics (default: NAME-<8 hex digits>)")
     for limit in QuotaLimit:
         add.add_argument(f"--{limit.replace('_', '-')}", dest=str(limit), type=_positive, help="default: no limit")
+    add.add_argument(
+        "--priority", type=int, default=0, help="the priority of the key's requests that name none (lower first)"
+    )
     commands.add_parser("list", parents=[where], help="the keys' ids, users and limits")
     revoke = commands.add_parser("revoke", parents=[where], help="remove a key's entry; send SIGHUP to servers")
     revoke.add_argument("key_id", metavar="ID")
@@ -72,7 +75,7 @@ def main(argv: list[str]) -> int:
             quota = Quota(**{str(limit): getattr(args, limit) for limit in QuotaLimit})
             # The config folder may not exist yet; it holds secrets' hashes, so only its owner reads it.
             Path(args.file).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            key, entry = add_key(args.file, args.name, quota, args.id)
+            key, entry = add_key(args.file, args.name, quota, args.id, args.priority)
             print(key)
             print(
                 f"key {entry.key_id} for user {entry.user!r} added to {args.file}. The key is shown only "
@@ -83,6 +86,8 @@ def main(argv: list[str]) -> int:
         elif args.command == "list":
             for entry in read_keys_file(args.file):
                 limits = ", ".join(f"{name}={value}" for name, value in entry.quota.as_dict().items()) or "no limits"
+                if entry.priority:
+                    limits += f", priority={entry.priority}"
                 print(f"{entry.key_id}\t{entry.user}\t{limits}")
         elif not revoke_key(args.file, args.key_id):
             print(f"stopline keys: {args.file} has no key {args.key_id!r}", file=sys.stderr)

@@ -93,6 +93,7 @@ class ClientSession:
             quota=services.address_quota,
             user_id=key.user if key is not None else None,
             key_id=key.key_id if key is not None else None,
+            priority=key.priority if key is not None else 0,
         )
         # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
         # (cancels, pings), and one connection never has more than one prompt in the works.

@@ -97,11 +97,13 @@ def test_keys_add_list_revoke(tmp_path, capsys):
     assert entry.quota == Quota(concurrent=2, max_prompt_tokens=9)
     assert Keyring(path=str(path)).lookup(key) == entry
     assert Keyring(path=str(path)).lookup(key + "x") is None and Keyring(path=str(path)).lookup(None) is None
-    assert stopline_main(["keys", "add", "bob", "--file", str(path), "--id", "bob-1"]) == 0
+    assert stopline_main(["keys", "add", "bob", "--file", str(path), "--id", "bob-1", "--priority", "-1"]) == 0
     bob = capsys.readouterr().out.strip()
+    assert Keyring(path=str(path)).lookup(bob).priority == -1 and entry.priority == 0
     assert stopline_main(["keys", "list", "--file", str(path)]) == 0
     listed = capsys.readouterr().out
-    assert f"{entry.key_id}\talice\tconcurrent=2, max_prompt_tokens=9" in listed and "bob-1\tbob\tno limits" in listed
+    assert f"{entry.key_id}\talice\tconcurrent=2, max_prompt_tokens=9" in listed
+    assert "bob-1\tbob\tno limits, priority=-1" in listed
     assert key not in listed and bob not in listed
     assert stopline_main(["keys", "revoke", "bob-1", "--file", str(path)]) == 0
     assert [k.key_id for k in read_keys_file(path)] == [entry.key_id]
@@ -144,6 +146,7 @@ def test_keys_add_without_a_file_uses_the_config_folder_and_says_where(tmp_path)
             "limits.concurrent must be a positive",
         ),
         ('{"id": "a", "user": "u", "sha256": "' + "0" * 64 + '", "limits": {"bananas": 1}}', "limits may hold only"),
+        ('{"id": "a", "user": "u", "sha256": "' + "0" * 64 + '", "priority": "high"}', "priority must be an integer"),
     ],
 )
 def test_a_bad_entry_is_named_with_its_line(tmp_path, line, error):

@@ -73,6 +73,18 @@ def loop_result(outcome, reason=None, *, end_ns=0, first_token_ns=0, **counts):
     return SimpleNamespace(exit=exit, end_ns=end_ns, first_token_ns=first_token_ns, **{**fields, **counts})
 
 
+def test_a_request_takes_its_priority_else_its_keys():
+    conn = Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, now_ns=0, priority=-2)
+    [submit] = generate(conn)
+    assert submit.request.priority == -2
+    [submit] = generate(conn, "r2", priority=3)
+    assert submit.request.priority == 3
+    [error] = frames(generate(conn, "r3", priority=1.5))
+    assert error["code"] == "invalid_field" and "priority must be an integer" in error["message"]
+    [submit] = generate(connection())
+    assert submit.request.priority == 0
+
+
 def test_generate_submits_a_queued_request():
     conn = connection()
     [submit] = generate(conn)

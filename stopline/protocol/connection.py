@@ -173,11 +173,14 @@ class Connection:
         quota: AddressQuota | None = None,
         user_id: str | None = None,
         key_id: str | None = None,
+        priority: int = 0,
     ):
         self.limits = limits
-        # The API key this client authenticated with (None without keys): every request is theirs.
+        # The API key this client authenticated with (None without keys): every request is theirs,
+        # of its priority unless the request names one.
         self.user_id = user_id
         self.key_id = key_id
+        self.priority = priority
         self._tokenize = tokenize
         self.address = address
         self.quota = quota if quota is not None else AddressQuota(limits.requests_per_address)
@@ -272,7 +275,7 @@ class Connection:
             user=draft.frame.user,
             user_id=self.user_id,
             key_id=self.key_id,
-            priority=draft.frame.priority,
+            priority=self.priority if draft.frame.priority is None else draft.frame.priority,
         )
         if draft.frame.id is None:
             request.request_id = draft.id  # one id is enough when the client gave none

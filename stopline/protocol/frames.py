@@ -36,8 +36,9 @@ class GenerateFrame:
     user: str | None = None
     # The room the prompt must leave in the context for the answer, in tokens.
     min_answer_tokens: int = 1
-    # vLLM's priority: a lower value is served first, and may preempt a higher one (0: the default).
-    priority: int = 0
+    # vLLM's priority: a lower value is served first, and may preempt a higher one; None: the
+    # API key's default (0 without one).
+    priority: int | None = None
 
 
 @dataclass(frozen=True)

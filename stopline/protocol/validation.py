@@ -308,6 +308,6 @@ def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
     min_answer_tokens = _number_field(
         frame, "min_answer_tokens", 1, 1, limits.context_length, integer=True, request_id=request_id
     )
-    priority = _number_field(frame, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY, integer=True, request_id=request_id)
+    priority = _number_field(frame, "priority", None, -MAX_PRIORITY, MAX_PRIORITY, integer=True, request_id=request_id)
 
     return GenerateFrame(client_id, params, prompt, messages, size, user, min_answer_tokens, priority)
