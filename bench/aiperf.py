@@ -356,7 +356,7 @@ def run_aiperf(command: list[str], artifact_dir: Path, cpus: frozenset[int] | No
             stderr=subprocess.STDOUT,
             env=env,
             cwd=artifact_dir,
-            preexec_fn=confine_to(cpus),
+            preexec_fn=lambda: _as_client(cpus),
             timeout=timeout,
         ).returncode
     export = artifact_dir / EXPORT
@@ -364,6 +364,15 @@ def run_aiperf(command: list[str], artifact_dir: Path, cpus: frozenset[int] | No
         tail = (artifact_dir / "aiperf.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"aiperf exited with {code}; see {artifact_dir / 'aiperf.log'}:\n{tail}")
     return json.loads(export.read_text())
+
+
+def _as_client(cpus: frozenset[int] | None) -> None:
+    """AIPerf's own processes run at the lowest priority: its timing loop keeps a core busy, and
+    on cores the servers share it would take a core from whichever server it measures."""
+    os.nice(19)
+    confine = confine_to(cpus)
+    if confine is not None:
+        confine()
 
 
 def parse_ints(text: str) -> list[int]:
