@@ -1,6 +1,6 @@
 """Type stub for the native token loop, built from ext/stopline/_core.pyx."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Self
 
@@ -9,6 +9,7 @@ from typing_extensions import disjoint_base
 from stopline.protocol.errors import ContextOverflowError as ContextOverflowError
 from stopline.protocol.errors import EngineError as EngineError
 from stopline.protocol.errors import ModelLoadError as ModelLoadError
+from stopline.protocol.requests import SamplingParams
 
 MAX_PREFILL_CHUNK: int
 READER_GRACE_S: float
@@ -162,21 +163,8 @@ class Generation:
         cls,
         context: Slot,
         prompt_tokens: Sequence[int],
+        params: SamplingParams,
         *,
-        max_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        repetition_penalty: float,
-        frequency_penalty: float,
-        presence_penalty: float,
-        min_p: float,
-        logit_bias: Iterable[tuple[int, float]],
-        ignore_eos: bool,
-        seed: int,
-        grammar: str | None,
-        logprobs: int,
-        stop: Iterable[bytes] = (),
         prefill_chunk: int = 1,
         threads: int = 1,
         window: int = ...,

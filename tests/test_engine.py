@@ -26,7 +26,7 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import Engine
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName, Outcome, Reason
@@ -921,7 +921,7 @@ def test_no_file_descriptor_left_for_the_wake_up_is_an_os_error(engine):
     code = f"""
 import os, resource
 from stopline import _core
-from stopline.engine.loop import _ctransformers_library_path, sampling_args
+from stopline.engine.loop import _ctransformers_library_path
 from stopline.protocol.requests import SamplingParams
 _core.load_ctransformers_library(_ctransformers_library_path())
 context = _core.CtransformersSlot({str(engine.model_path)!r}, "llama", 64)
@@ -932,7 +932,7 @@ try:
 except OSError:
     pass
 try:
-    _core.Generation(context, [1, 2], **sampling_args(SamplingParams()))
+    _core.Generation(context, [1, 2], SamplingParams())
 except OSError as error:
     print(error.errno, error)
 """
@@ -981,14 +981,16 @@ def test_invalid_arguments(engine, slot):
         make_generation(slot, [])
     for name in ("max_tokens", "prefill_chunk", "threads", "window"):
         with pytest.raises(ValueError, match="positive"):
-            Generation(slot, [1, 2], **{**sampling_args(SamplingParams()), name: 0})
+            make_generation(slot, [1, 2], **{name: 0})
     with pytest.raises(ValueError, match="outside the vocabulary"):
         make_generation(slot, [1, 2], logit_bias=((1, 2.0), (engine.vocab_size, 1.0)))
     with pytest.raises(ValueError, match="min_p"):
         make_generation(slot, [1, 2], min_p=1.5)
     # Sampling arguments have one source, SamplingParams: the loop has no defaults of its own.
     with pytest.raises(TypeError):
-        Generation(slot, [1, 2])
+        Generation(slot, [1, 2])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="SamplingParams"):
+        Generation(slot, [1, 2], {"max_tokens": 4})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="exactly one"):
         engine.encode()
 
@@ -1015,15 +1017,15 @@ def test_failed_construction_leaves_other_fds_alone(engine):
     code = f"""
 import os, sys
 from stopline import _core
-from stopline.engine.loop import _ctransformers_library_path, sampling_args
+from stopline.engine.loop import _ctransformers_library_path
 from stopline.protocol.requests import SamplingParams
 _core.load_ctransformers_library(_ctransformers_library_path())
 context = _core.CtransformersSlot({str(engine.model_path)!r}, "llama", 64)
 context.close()
 r, w = os.pipe()
 os.dup2(r, 0)
-args = sampling_args(SamplingParams())
-for bad in (lambda: _core.Generation(context, [1, 2], **args), lambda: _core.Generation(context, 5, **args)):
+params = SamplingParams()
+for bad in (lambda: _core.Generation(context, [1, 2], params), lambda: _core.Generation(context, 5, params)):
     try:
         bad()
     except Exception:

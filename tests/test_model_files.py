@@ -20,7 +20,7 @@ import pytest
 from package_index import PackageIndex
 from stopline import _core, settings
 from stopline.engine import conversion, model
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import Engine
 from stopline.engine.tokenizer import ChatTokenizer
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import EngineName
@@ -173,7 +173,7 @@ def test_a_gguf_v3_given_by_path_is_converted_once_into_the_cache(
         # The tokenizer comes from the original file given.
         assert loaded.encode(prompt="Hello world") == ctransformers_engine.encode(prompt="Hello world")
         result = _core.Generation(
-            slot, loaded.encode(prompt="1, 2, 3,"), **sampling_args(SamplingParams(max_tokens=3, temperature=0))
+            slot, loaded.encode(prompt="1, 2, 3,"), SamplingParams(max_tokens=3, temperature=0)
         ).run()
         assert result.exit is _core.ExitKind.MAX_TOKENS and result.tokens_generated == 3
     finally:

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stopline._core import Generation
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import Engine
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import Batching, EngineName
 
 from ..launch import run_stopline
-from .native import count_outcome, greedy_args, storm_prompt
+from .native import count_outcome, greedy_params, storm_prompt
 
 STORM_TOKENS = 4
 STORM_CHUNK = 16
@@ -95,8 +95,8 @@ def _storm_lane(
 
     def generation() -> Generation:
         # The two likeliest tokens' log-probabilities tell a near-tie from a difference.
-        args = {**greedy_args(STORM_TOKENS), "logprobs": 2}
-        return Generation(slot, prompt, **args, prefill_chunk=STORM_CHUNK, threads=engine.threads)
+        params = greedy_params(STORM_TOKENS, logprobs=2)
+        return Generation(slot, prompt, params, prefill_chunk=STORM_CHUNK, threads=engine.threads)
 
     def parted(g: Generation) -> str | None:
         return expected.parted_from(Greedy.of(g))
@@ -217,7 +217,7 @@ def longest_nodes(engine: Engine, prompt_tokens: int = NODE_PROMPT_TOKENS, reps:
             g = Generation(
                 slot,
                 prompt,
-                **greedy_args(NODE_DECODE_TOKENS),
+                greedy_params(NODE_DECODE_TOKENS),
                 prefill_chunk=engine.prefill_chunk,
                 threads=engine.threads,
             )
@@ -246,7 +246,7 @@ def greedy_ours(engine: Engine, prompt: list[int], max_tokens: int) -> list[byte
     params = SamplingParams(max_tokens=max_tokens, temperature=0, repetition_penalty=1.0, seed=0)
     slot = engine.open_slot()
     try:
-        g = Generation(slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1)
+        g = Generation(slot, prompt, params, prefill_chunk=engine.prefill_chunk, threads=1)
         g.run()
         return list(g.take())
     finally:

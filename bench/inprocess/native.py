@@ -14,7 +14,7 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine.loop import Engine, SamplingArgs, sampling_args
+from stopline.engine.loop import Engine
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import Outcome
 
@@ -42,8 +42,8 @@ def count_outcome(counts: dict, exit_ms: list, generation, result, cancelled_at_
         counts["other"] += 1
 
 
-def greedy_args(max_tokens: int) -> SamplingArgs:
-    return sampling_args(SamplingParams(max_tokens=max_tokens, temperature=0, seed=0))
+def greedy_params(max_tokens: int, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, seed=0, **fields)
 
 
 def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
@@ -64,7 +64,7 @@ def prefill_sweep(engine: Engine, reps: int = 1) -> list[dict]:
                 for _ in range(reps):
                     slot.forget()
                     result = Generation(
-                        slot, prompt, **greedy_args(1), prefill_chunk=chunk, step_abort=step_abort, trim_output=trim
+                        slot, prompt, greedy_params(1), prefill_chunk=chunk, step_abort=step_abort, trim_output=trim
                     ).run()
                     rates.append(len(prompt) / ((result.first_token_ns - result.start_ns) / 1e9))
                     nodes.append(result.longest_prefill_node_ns / 1e6)
@@ -89,7 +89,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
     slot = engine.open_slot()
 
     def greedy():
-        generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16, threads=threads)
+        generation = Generation(slot, prompt, greedy_params(STORM_TOKENS), prefill_chunk=16, threads=threads)
         return generation, generation.run()
 
     try:
@@ -114,7 +114,7 @@ def abort_storm(engine: Engine, prompt: list[int], cycles: int, threads: int, se
             return "mismatches" if b"".join(generation.take()) != expected else None
 
         for _ in range(cycles):
-            generation = Generation(slot, prompt, **greedy_args(STORM_TOKENS), prefill_chunk=16, threads=threads)
+            generation = Generation(slot, prompt, greedy_params(STORM_TOKENS), prefill_chunk=16, threads=threads)
             cancelled_at = []
             timer = threading.Timer(
                 rng.uniform(0, rng.choice(spans_s)),

@@ -20,7 +20,7 @@ import threading
 import time
 
 from stopline._core import Generation
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import Engine
 from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.tool_calls import ToolChoice, calls_grammar
@@ -48,9 +48,7 @@ MESSAGES = [{"role": "user", "content": "Describe a famous scientist as JSON wit
 
 def per_token_ms(engine: Engine, slot, prompt: list[int], grammar: str | None, seed: int) -> tuple[float, int]:
     params = SamplingParams(max_tokens=96, temperature=0.7, seed=seed, grammar=grammar)
-    generation = Generation(
-        slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1, window=1000
-    )
+    generation = Generation(slot, prompt, params, prefill_chunk=engine.prefill_chunk, threads=1, window=1000)
     result = generation.run()
     steps = result.tokens_generated - 1
     return (result.end_ns - result.first_token_ns) / 1e6 / max(steps, 1), result.tokens_generated
@@ -60,9 +58,7 @@ def stop_latencies(engine: Engine, slot, prompt: list[int], grammar: str | None,
     latencies = []
     for i in range(seed, seed + count):
         params = SamplingParams(max_tokens=1000, temperature=0.7, seed=i, grammar=grammar)
-        generation = Generation(
-            slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1, window=1000
-        )
+        generation = Generation(slot, prompt, params, prefill_chunk=engine.prefill_chunk, threads=1, window=1000)
         worker = threading.Thread(target=generation.run)
         worker.start()
         # Stop right after the (3 + i % 5)-th token is published.

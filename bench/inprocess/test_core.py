@@ -22,7 +22,6 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation
-from stopline.engine.loop import sampling_args
 from stopline.protocol.requests import SamplingParams
 
 DECODE_TOKENS = 64
@@ -76,9 +75,7 @@ def _run_ours(slot, prompt):
     generation = Generation(
         slot,
         prompt,
-        **sampling_args(
-            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, top_k=40, top_p=0.95, repetition_penalty=1.1)
-        ),
+        SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, top_k=40, top_p=0.95, repetition_penalty=1.1),
         prefill_chunk=8,
         threads=1,
         window=DECODE_TOKENS,
@@ -169,7 +166,7 @@ def test_prefill_by_chunk(benchmark, slot, long_prompt, chunk):
             Generation(
                 slot,
                 prompt,
-                **sampling_args(SamplingParams(max_tokens=1, temperature=0)),
+                SamplingParams(max_tokens=1, temperature=0),
                 prefill_chunk=chunk,
                 threads=1,
             ).run()
@@ -229,7 +226,7 @@ def test_cancel_latency_during_decode(benchmark, engine, slot):
 
     def setup():
         params = SamplingParams(max_tokens=500, temperature=0.7, seed=rng.randrange(1000))
-        cycle = _Cycle(Generation(slot, prompt, **sampling_args(params), prefill_chunk=engine.prefill_chunk, threads=1))
+        cycle = _Cycle(Generation(slot, prompt, params, prefill_chunk=engine.prefill_chunk, threads=1))
         # Some tokens in, then a random point inside a step.
         wanted, seen = rng.randint(1, 5), 0
         while seen < wanted:
@@ -254,7 +251,7 @@ def test_cancel_latency_during_prefill(benchmark, slot, long_prompt, chunk):
             Generation(
                 slot,
                 long_prompt,
-                **sampling_args(SamplingParams(max_tokens=16, seed=0)),
+                SamplingParams(max_tokens=16, seed=0),
                 prefill_chunk=chunk,
                 threads=1,
             )

@@ -61,10 +61,11 @@ cdef extern from *:
     """
 
 import os
+import random
 import time
 
 from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
-from stopline.protocol.requests import DEFAULT_WINDOW, MAX_TOP_LOGPROBS
+from stopline.protocol.requests import DEFAULT_WINDOW, MAX_TOP_LOGPROBS, SamplingParams
 
 cdef enum:
     # How many recent tokens the repetition penalty looks at (ctransformers' default).
@@ -1395,8 +1396,9 @@ cdef class Generation:
     """One run of the token loop on a context. Create it, call :meth:`run` once
     (from any thread; it blocks without the GIL), read tokens with :meth:`take`.
 
-    The sampling arguments have no defaults here: ``stopline.protocol.SamplingParams``
-    is their one source (``stopline.engine.sampling_args`` turns it into them)."""
+    ``params`` is a ``stopline.protocol.SamplingParams``, the one source of the sampling
+    settings and their defaults (the stop sequences included); the other arguments are
+    the loop's own options."""
 
     cdef LoopState s
     cdef Slot context
@@ -1407,14 +1409,31 @@ cdef class Generation:
     cdef LoopResult _result
     cdef readonly object stop_sequences
 
-    def __cinit__(self, Slot context, prompt_tokens, *, int max_tokens, double temperature,
-                  int top_k, double top_p, double repetition_penalty, double frequency_penalty,
-                  double presence_penalty, double min_p, logit_bias, bint ignore_eos, int seed,
-                  grammar, int logprobs, stop=(), int prefill_chunk=1, int threads=1, int window=DEFAULT_WINDOW,
-                  int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
+    def __cinit__(self, Slot context, prompt_tokens, params, *, int prefill_chunk=1, int threads=1,
+                  int window=DEFAULT_WINDOW, int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
                   bint step_abort=True, bint trim_output=True):
+        cdef int max_tokens, top_k, seed, logprobs
+        cdef double temperature, top_p, repetition_penalty, frequency_penalty, presence_penalty, min_p
+        cdef bint ignore_eos
+        cdef bytes grammar_text
         cdef int i, n_prompt = len(prompt_tokens), offset = 0
-        cdef bytes grammar_text = None if grammar is None else str(grammar).encode("utf-8")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        # Each sampling field is read once, here: the loop never looks at params again.
+        max_tokens = params.max_tokens
+        temperature = params.temperature
+        top_k = params.top_k
+        top_p = params.top_p
+        repetition_penalty = params.repetition_penalty
+        frequency_penalty = params.frequency_penalty
+        presence_penalty = params.presence_penalty
+        min_p = params.min_p
+        logit_bias = params.logit_bias
+        ignore_eos = params.ignore_eos
+        # A request that names no seed gets a fresh one, 0 to requests.MAX_SEED - 1 (2**31).
+        seed = random.getrandbits(31) if params.seed is None else params.seed
+        grammar_text = None if params.grammar is None else str(params.grammar).encode("utf-8")
+        logprobs = -1 if params.logprobs is None else params.logprobs
         context._check_open()
         if n_prompt == 0:
             raise ValueError("the prompt has no tokens")
@@ -1432,7 +1451,7 @@ cdef class Generation:
         self.s.max_tokens_capped = max_tokens > context.context_length - n_prompt
         max_tokens = min(max_tokens, context.context_length - n_prompt)
         self.context = context
-        self.stop_sequences = tuple(bytes(x) for x in stop if x)
+        self.stop_sequences = tuple(str(x).encode("utf-8") for x in params.stop if x)
         self.s.n_prompt = n_prompt
         self.s.max_tokens = max_tokens
         self.s.temperature = temperature

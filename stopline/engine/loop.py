@@ -23,14 +23,12 @@ import asyncio
 import contextlib
 import importlib.metadata
 import os
-import random
 import select
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import TypedDict
 
 import structlog
 
@@ -49,7 +47,7 @@ from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStrea
 
 log = structlog.get_logger("stopline")
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "Engine", "SamplingArgs", "Stream", "sampling_args"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Engine", "Stream"]
 
 # Prompt tokens per evaluation, by engine and abort mode. On ctransformers, whose
 # evaluations stop between graph nodes, a chunk bounds stop latency through its
@@ -68,44 +66,6 @@ DEFAULT_PREFILL_CHUNK = {
 # context length is asked for: every sequence gets the model's trained context, shortened
 # to fit this share (the cache is allocated whole when the context is created).
 KV_MEMORY_SHARE = 0.25
-
-
-class SamplingArgs(TypedDict):
-    """``_core.Generation``'s sampling arguments, which have no native defaults."""
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    min_p: float
-    logit_bias: tuple[tuple[int, float], ...]
-    ignore_eos: bool
-    seed: int
-    grammar: str | None
-    logprobs: int
-
-
-def sampling_args(params: SamplingParams) -> SamplingArgs:
-    """The native loop's sampling arguments, all from ``params``. A seed is drawn
-    when ``params`` names none."""
-    return SamplingArgs(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        repetition_penalty=params.repetition_penalty,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        min_p=params.min_p,
-        logit_bias=params.logit_bias,
-        ignore_eos=params.ignore_eos,
-        grammar=params.grammar,
-        logprobs=-1 if params.logprobs is None else params.logprobs,
-        seed=params.seed if params.seed is not None else random.randrange(2**31),
-    )
 
 
 def _result_of(loop: _core.LoopResult) -> GenerationResult:
@@ -227,12 +187,10 @@ class Engine:
         it runs when the stream is iterated or run."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
-        stop = tuple(s.encode("utf-8") for s in params.stop if s)
         generation = _core.Generation(
             slot,
             prompt_tokens,
-            **sampling_args(params),
-            stop=stop,
+            params,
             prefill_chunk=self.prefill_chunk,
             threads=threads or self.threads,
             window=window,
@@ -249,7 +207,7 @@ class Engine:
             def prepare() -> int:
                 return cache.prepare(key, slot, tokens, chunk)
 
-        return Stream(generation, TextStream(list(stop)), slot.token_bytes, prepare=prepare)
+        return Stream(generation, TextStream(list(generation.stop_sequences)), slot.token_bytes, prepare=prepare)
 
     def keep_in_prompt_cache(self, slots: Sequence[_core.Slot]) -> None:
         """Save what each of ``slots`` (idle) holds into the prompt cache, as a server stops,

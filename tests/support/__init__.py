@@ -24,7 +24,7 @@ from websockets.asyncio.client import connect
 
 from stopline._core import Generation, GenerationState
 from stopline.app import StoplineServer
-from stopline.engine.loop import Engine, sampling_args
+from stopline.engine.loop import Engine
 from stopline.protocol.requests import SamplingParams
 from stopline.protocol.vocabulary import TERMINAL_TYPES
 from stopline.settings import Settings
@@ -40,7 +40,6 @@ LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a drag
 
 # Generation's arguments that are not sampling parameters.
 LOOP_OPTIONS = (
-    "stop",
     "prefill_chunk",
     "threads",
     "window",
@@ -55,7 +54,7 @@ def make_generation(slot, prompt: list[int], **kwargs) -> Generation:
     """A native Generation whose sampling arguments come from ``SamplingParams``
     (``kwargs`` that name its fields; seed 0 unless given), the loop options as given."""
     options = {name: kwargs.pop(name) for name in LOOP_OPTIONS if name in kwargs}
-    return Generation(slot, prompt, **sampling_args(SamplingParams(**{"seed": 0, **kwargs})), **options)
+    return Generation(slot, prompt, SamplingParams(**{"seed": 0, **kwargs}), **options)
 
 
 def started_running(generation: Generation, timeout_s: float = 60) -> None:
