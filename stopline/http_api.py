@@ -695,7 +695,7 @@ class HttpApi:
             assert entry.request is not None and entry.session is not None  # held until it has ended
             await entry.session.cancel(entry.request, Reason.USER_CANCELLED, now)
             # Answer with the outcome that won, which the loop reports within one step.
-            await entry.ended.wait()
+            await entry.wait_ended()
         return entry.status
 
     async def _cancel_here(self, request_id: str) -> Status | None:

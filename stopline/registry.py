@@ -29,6 +29,21 @@ class Owner(Protocol):
 
 
 class Entry:
+    # Thousands of ended entries are kept (Registry's bound): slots, and no Event of their own
+    # unless someone waits for the end, keep each one small.
+    __slots__ = (
+        "request_id",
+        "cancel_token",
+        "user",
+        "user_id",
+        "key_id",
+        "created",
+        "request",
+        "session",
+        "ending",
+        "_ended",
+    )
+
     def __init__(self, request: Request, session: Owner | None):
         self.request_id = request.request_id
         self.cancel_token = request.cancel_token
@@ -39,7 +54,23 @@ class Entry:
         self.request: Request | None = request
         self.session: Owner | None = session
         self.ending: Ending | None = None
-        self.ended = asyncio.Event()
+        # Made by the first wait_ended before the end, let go of at the end.
+        self._ended: asyncio.Event | None = None
+
+    async def wait_ended(self) -> None:
+        """Return once the request has ended."""
+        if self.ending is not None:
+            return
+        if self._ended is None:
+            self._ended = asyncio.Event()
+        await self._ended.wait()
+
+    def _end(self, ending: Ending) -> None:
+        # Forget the prompt and the connection; keep what GET and DELETE answer with.
+        self.ending, self.request, self.session = ending, None, None
+        if self._ended is not None:
+            self._ended.set()
+            self._ended = None
 
     @property
     def status(self) -> Status:
@@ -90,9 +121,7 @@ class Registry:
         entry = self._live.pop(request.request_id, None)
         if entry is None:
             return
-        # Forget the prompt and the connection; keep what GET and DELETE answer with.
-        entry.ending, entry.request, entry.session = ending, None, None
-        entry.ended.set()
+        entry._end(ending)
         self._ended[entry.request_id] = entry
         if len(self._ended) > self._remembered:
             self._ended.popitem(last=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -59,9 +60,9 @@ def test_registry_authorizes_by_token_and_remembers_outcomes(conn):
         with pytest.raises(InvalidCancelToken):
             registry.authorize(first.request_id, wrong)
     entry = registry.authorize(first.request_id, first.cancel_token)
-    assert entry.status == "queued" and not entry.ended.is_set()
+    assert entry.status == "queued" and entry.ending is None
     registry.end(first, Ending(Outcome.DONE, str(Reason.EOS), tokens_generated=3))
-    assert entry.ended.is_set() and entry.status == "finished" and entry.request is None
+    assert entry.ending is not None and entry.status == "finished" and entry.request is None
     assert entry.describe()["tokens_generated"] == 3
     registry.end(requests[1], Ending(Outcome.CANCELLED, str(Reason.USER_CANCELLED)))
     registry.end(requests[2], Ending(Outcome.TIMEOUT, str(Reason.TOTAL_TIMEOUT)))
@@ -69,3 +70,19 @@ def test_registry_authorizes_by_token_and_remembers_outcomes(conn):
     with pytest.raises(UnknownRequest):
         registry.authorize(first.request_id, first.cancel_token)
     assert registry.authorize(requests[2].request_id, requests[2].cancel_token).status == "timeout"
+
+
+async def test_registry_wakes_whoever_waits_for_an_end(conn):
+    registry = Registry()
+    request = submitted(conn, id="r1")
+    registry.add(request, session=None)
+    entry = registry.get(request.request_id)
+    assert entry is not None
+    waiting = asyncio.get_running_loop().create_task(entry.wait_ended())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    registry.end(request, Ending(Outcome.DONE, str(Reason.EOS)))
+    await asyncio.wait_for(waiting, 5)
+    # An ended entry answers at once, and keeps no event of its own.
+    await asyncio.wait_for(entry.wait_ended(), 5)
+    assert entry._ended is None
