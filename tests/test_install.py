@@ -210,4 +210,5 @@ async def test_the_installed_command_serves_the_page_ws_and_metrics(venv, tmp_pa
             process.terminate()
         await asyncio.wait_for(process.wait(), 30 * UNIT)
     assert process.returncode == 0
-    assert sorted(p.name for p in cache.iterdir()) == [gguf.name]
+    # The model, and the prompt cache's disk tier (what the server held when it stopped): nothing built.
+    assert {p.name for p in cache.iterdir()} - {"prompt-cache"} == {gguf.name}

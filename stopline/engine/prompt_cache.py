@@ -44,6 +44,8 @@ from pathlib import Path
 
 import structlog
 
+from ..protocol.errors import StoplineError
+
 log = structlog.get_logger("stopline")
 
 __all__ = ["BLOCK_TOKENS", "CacheStats", "DiskTier", "PromptCache", "model_key"]
@@ -166,8 +168,8 @@ WRITE_QUEUE = 64
 SHUTDOWN_WRITE_S = 10.0
 
 
-class _Skipped(Exception):
-    """A file that is not a usable state: its reason is the log line's."""
+class _Skipped(StoplineError):
+    """A file that is not a usable state: its reason is the log line's (it never reaches a client)."""
 
 
 @dataclass(frozen=True, eq=False)
