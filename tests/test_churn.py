@@ -3,7 +3,7 @@
 Every structure a request leaves behind is bounded (the registry's ended entries, a
 connection's ended ids, the stored responses); once a warm-up has filled them, more
 requests must not grow the Python heap. The bounds are shrunk here so that a warm-up of a
-few hundred requests fills them; the long variant keeps the server's own bounds.
+few hundred requests fills them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import tracemalloc
 
 import aiohttp
-import pytest
 
 from support import UNIT, running_server
 
@@ -122,17 +121,4 @@ async def test_http_keep_alive_churn_levels_off(llama_engine, logs):
 
 async def test_websocket_churn_levels_off(llama_engine, logs):
     slope = await websocket_churn(llama_engine, logs, remembered=100, warm_up_rounds=2, rounds=5, per_round=200)
-    assert slope < SLOPE_BYTES_PER_1000, f"the heap grows {slope / 1024:.0f} KiB per 1,000 requests"
-
-
-@pytest.mark.slow
-async def test_http_keep_alive_churn_levels_off_past_the_server_bounds(llama_engine, logs):
-    # The registry's own bound (4,096 ended entries) filled first, then 16,000 more requests.
-    slope = await http_churn(llama_engine, logs, remembered=None, warm_up_rounds=5, rounds=8, per_round=2000)
-    assert slope < SLOPE_BYTES_PER_1000, f"the heap grows {slope / 1024:.0f} KiB per 1,000 requests"
-
-
-@pytest.mark.slow
-async def test_websocket_churn_levels_off_past_the_server_bounds(llama_engine, logs):
-    slope = await websocket_churn(llama_engine, logs, remembered=None, warm_up_rounds=5, rounds=8, per_round=2000)
     assert slope < SLOPE_BYTES_PER_1000, f"the heap grows {slope / 1024:.0f} KiB per 1,000 requests"
