@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidField, ModelNotFound, UnsupportedParameter
 from .frames import GenerateFrame
-from .openai_fields import ServedModels, Treatment
+from .openai_fields import ServedModels, Treatment, refuse_unless_taken
 from .requests import Ending, Limits
 from .validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
 from .vocabulary import Reason
@@ -189,19 +189,7 @@ def _check(body: dict, table: dict[str, Field], where: str) -> None:
         field = table.get(name)
         if field is None:
             raise UnsupportedParameter(f"{where}{name} is not a field Stopline knows", param=f"{where}{name}")
-        if value is None or field.treatment is Treatment.HONOURED:
-            continue
-        if field.treatment is Treatment.DEFAULT_ONLY and any(_same(value, n) for n in field.neutral):
-            continue
-        accepted = " or ".join(repr(n) for n in field.neutral)
-        raise UnsupportedParameter(
-            f"{where}{name} is not supported" + (f" (only {accepted})" if accepted else ""), param=f"{where}{name}"
-        )
-
-
-def _same(value: object, neutral: object) -> bool:
-    # 1 == True in Python; a JSON boolean is not a number.
-    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+        refuse_unless_taken(f"{where}{name}", value, field.treatment, field.neutral)
 
 
 def _model(requested: object, models: ServedModels) -> str:

@@ -127,6 +127,17 @@ def _same(value: object, neutral: object) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
+def refuse_unless_taken(shown: str, value: object, treatment: Treatment, neutral: tuple) -> None:
+    """Refuse ``value`` for the field named ``shown`` unless its treatment takes it: honoured,
+    or default-only at one of its ``neutral`` values (null is always taken, as absent)."""
+    if value is None or treatment is Treatment.HONOURED:
+        return
+    if treatment is Treatment.DEFAULT_ONLY and any(_same(value, n) for n in neutral):
+        return
+    accepted = " or ".join(repr(n) for n in neutral)
+    raise UnsupportedParameter(f"{shown} is not supported" + (f" (only {accepted})" if accepted else ""), param=shown)
+
+
 @dataclass(frozen=True)
 class ServedModels:
     """The names this server answers to (``--served-model-name``; the first is the one it
@@ -195,15 +206,7 @@ def openai_request(body: dict, *, chat: bool, models: ServedModels, limits: Limi
         field = table.get(name)
         if field is None:
             raise UnsupportedParameter(f"{name} is not a parameter Stopline knows", param=name)
-        if value is None or field.treatment is Treatment.HONOURED:
-            continue
-        if field.treatment is Treatment.DEFAULT_ONLY and any(_same(value, n) for n in field.neutral):
-            continue
-        accepted = " or ".join(repr(n) for n in field.neutral)
-        raise UnsupportedParameter(
-            f"{name} is not supported" + (f" (only {accepted})" if accepted else ""),
-            param=name,
-        )
+        refuse_unless_taken(name, value, field.treatment, field.neutral)
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
         raise InvalidField("model must be a string", param="model")
