@@ -4,6 +4,7 @@
                                                           (the default: ``python -m bench --engines ...``)
     python -m bench render [--out DIR] [--results-md]     the tables, chart and RESULTS.md section again
     python -m bench one-user | auth-flood                 a measurement against a Stopline of its own
+    python -m bench faults churn | kill                   memory under keep-alive churn; a replica killed
     python -m bench native | llama-native | structured    the engines' loops in-process
     python -m bench random-llama [--layers N]             the Llama-3.2-1B-shaped model file
     python -m bench serve --engine NAME ...               one server, as ``run`` starts them
@@ -23,6 +24,7 @@ COMMANDS = {
     "render": "bench.run:render",
     "one-user": "bench.tools.one_user:main",
     "auth-flood": "bench.tools.auth_flood:main",
+    "faults": "bench.tools.faults:main",
     "native": "bench.inprocess.native:main",
     "llama-native": "bench.inprocess.llama_native:main",
     "structured": "bench.inprocess.structured_output:main",

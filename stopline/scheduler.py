@@ -1,10 +1,17 @@
-"""Generation slots and the bounded FIFO queue in front of them.
+"""Generation slots and the bounded queue in front of them, ordered by priority.
 
-Each slot is one native context with one worker thread. A request waits in
-the queue until a slot is free, runs there until its loop exits for any
-reason, and the slot immediately takes the next queued request. A request's
-deadlines count from its arrival, so one that expires while queued times out
-in the queue without ever touching a slot.
+Each slot is one sequence: on llama.cpp's shared steps, one of the sequences of a
+context whose steps its own thread leads; otherwise one native context of its own.
+A request waits in the queue until a slot is free, runs there until its loop exits
+for any reason, and the slot immediately takes the next queued request. The queue is
+ordered by priority (lower first), then by arrival. A request's deadlines count from
+its arrival, so one that expires while queued times out in the queue without ever
+touching a slot.
+
+A request of a higher priority than a running one, arriving when every slot is busy,
+may preempt it: the running generation pauses where it is, its KV cache kept, and
+takes the first free slot again before any queued request, resuming with nothing
+recomputed. Spare sequences (``PREEMPTION_SLOTS``) are what the preempting request runs on.
 
 A slot's KV cache keeps the tokens of its last generation. A new request goes
 to the free slot whose cache is mostly the start of its prompt (a
