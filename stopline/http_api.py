@@ -18,7 +18,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,15 @@ from aiohttp import web
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
 from .protocol.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
-from .protocol.errors import InvalidCancelToken, ProtocolError, RequestLookupError, StoreUnavailable, UnknownRequest
+from .protocol.errors import (
+    DuplicateId,
+    InvalidCancelToken,
+    InvalidField,
+    ProtocolError,
+    RequestLookupError,
+    StoreUnavailable,
+    UnknownRequest,
+)
 from .protocol.frames import (
     Accepted,
     ErrorFrame,
@@ -43,7 +51,7 @@ from .protocol.frames import (
 from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .protocol.requests import Ending
 from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
-from .protocol.validation import generate_frame, parse_json_object
+from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
 from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
@@ -57,6 +65,8 @@ API_KEY = web.RequestKey("api_key", ApiKey)
 
 _HTTP_STATUS = {
     ErrorCode.UNAUTHORIZED: HTTPStatus.UNAUTHORIZED,
+    # HTTP only: the X-Request-Id of a generation still running.
+    ErrorCode.DUPLICATE_ID: HTTPStatus.CONFLICT,
     ErrorCode.QUOTA_EXCEEDED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.BUSY: HTTPStatus.SERVICE_UNAVAILABLE,
     ErrorCode.TOO_MANY_REQUESTS: HTTPStatus.TOO_MANY_REQUESTS,
@@ -71,16 +81,25 @@ _OPENAI_ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    409: "conflict_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
     504: "server_error",
 }
-# How a done request's reason reads as an OpenAI finish_reason; a cancel or a
-# timeout is named by its own reason (user_cancelled, total_timeout, ...).
-_FINISH_REASON: dict[str, str] = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no", **_NO_STORE}
+
+
+def finish_reason(ending: Ending) -> str:
+    """How a generation's end reads as OpenAI's finish_reason, always one of OpenAI's values;
+    Stopline's own outcome and reason travel in the ``stopline`` field beside it."""
+    if ending.outcome is Outcome.DONE and ending.reason is Reason.MAX_TOKENS:
+        return "length"
+    # A cancel or a timeout reads as "stop": the answer ended where it ended, and every OpenAI
+    # client takes "stop" as a plain end, where "length" invites it to continue the text and
+    # "content_filter" tells it the model refused; what stopped it is in the stopline field.
+    return "stop"
 
 
 def http_status(code: ErrorCode) -> int:
@@ -319,16 +338,16 @@ class OpenAIReply(HttpReply):
 
     async def _end(self, choice: _Choice, frame: Terminal) -> None:
         ending = frame.ending
-        finish_reason = _FINISH_REASON.get(ending.reason, str(ending.reason))
+        finished = finish_reason(ending)
         if choice.reader is not None:
             await self._read_calls(choice, choice.reader.finish())
             # Every call written whole: the answer is its calls, whatever ended the text after them.
             if ending.outcome is Outcome.DONE and choice.reader.complete:
-                finish_reason = "tool_calls"
-        choice.ending, choice.finish_reason = frame, finish_reason
+                finished = "tool_calls"
+        choice.ending, choice.finish_reason = frame, finished
         if self.stream:
             # A choice's final chunk also carries Stopline's terminal frame: how it ended and what stopping cost.
-            final = self._delta(choice, {} if self.chat else "", finish_reason)
+            final = self._delta(choice, {} if self.chat else "", finished)
             await self._chunk(self._with_unsent_logprobs(choice, final), stopline=frame.json())
         if not self.completes(frame):
             return
@@ -571,7 +590,9 @@ class HttpApi:
                 status=HTTPStatus.NO_CONTENT,
                 headers={
                     "Access-Control-Allow-Methods": "GET, POST, DELETE",
-                    "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version",
+                    "Access-Control-Allow-Headers": (
+                        "Authorization, Content-Type, x-api-key, anthropic-version, X-Request-Id, X-Cancel-Token"
+                    ),
                     "Access-Control-Max-Age": "600",
                 },
             )
@@ -655,6 +676,12 @@ class HttpApi:
     ) -> web.StreamResponse:
         """Run this HTTP request's generations; a lost connection cancels them."""
         self.edge.accepted(request.transport.get_extra_info("socket") if request.transport else None)
+        try:
+            frames, claimed = self._client_ids(request, frames)
+        except ProtocolError as exc:
+            await reply.send(ErrorFrame.refusing(exc))
+            assert reply.response is not None  # an error is answered at once
+            return reply.response
         session = ClientSession(self.services, reply, request.remote or "unknown", request.get(API_KEY))
         self.services.sessions.add(session)
         try:
@@ -665,8 +692,29 @@ class HttpApi:
             # Reached with the request still live only when the client went away.
             await session.client_gone()
             self.services.sessions.discard(session)
+            if claimed is not None:
+                self.services.registry.unclaim(claimed)
         assert reply.response is not None  # the request's last frame has been answered
         return reply.response
+
+    def _client_ids(
+        self, request: web.Request, frames: Sequence[GenerateFrame]
+    ) -> tuple[Sequence[GenerateFrame], str | None]:
+        """The frames with the request id and cancel token the client chose (``X-Request-Id``,
+        ``X-Cancel-Token``), so that it can GET or DELETE its generation while a body that comes
+        whole at the end is still to come; and the id, claimed until the request is answered."""
+        asked_id, asked_token = request.headers.get("X-Request-Id"), request.headers.get("X-Cancel-Token")
+        if asked_id is None and asked_token is None:
+            return frames, None
+        request_id = None if asked_id is None else client_request_id(asked_id)
+        token = None if asked_token is None else client_cancel_token(asked_token)
+        if len(frames) > 1:
+            raise InvalidField(
+                "X-Request-Id and X-Cancel-Token name one generation; they cannot be given with n above 1"
+            )
+        if request_id is not None and not self.services.registry.claim(request_id):
+            raise DuplicateId(f"a generation with the request id {request_id!r} is running (X-Request-Id)")
+        return [replace(frames[0], request_id=request_id, cancel_token=token)], request_id
 
     async def _get_generation(self, request: web.Request) -> web.Response:
         async def here(entry: Entry) -> dict:

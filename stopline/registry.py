@@ -111,6 +111,8 @@ class Registry:
         self._ended: OrderedDict[str, Entry] = OrderedDict()
         self._remembered = remembered
         self.listener: Listener | None = None
+        # Request ids HTTP clients chose, held while their requests are handled (claim).
+        self._claimed: set[str] = set()
 
     def add(self, request: Request, session: Owner | None) -> None:
         entry = self._live[request.request_id] = Entry(request, session)
@@ -122,11 +124,24 @@ class Registry:
         if entry is None:
             return
         entry._end(ending)
+        # A client may use its own id again once the request has ended: the newest is remembered.
+        self._ended.pop(entry.request_id, None)
         self._ended[entry.request_id] = entry
         if len(self._ended) > self._remembered:
             self._ended.popitem(last=False)
         if self.listener is not None:
             self.listener.ended(entry)
+
+    def claim(self, request_id: str) -> bool:
+        """Hold ``request_id``, which an HTTP client chose, until :meth:`unclaim`: False if a generation
+        running here, or another request still being handled, has it already."""
+        if request_id in self._live or request_id in self._claimed:
+            return False
+        self._claimed.add(request_id)
+        return True
+
+    def unclaim(self, request_id: str) -> None:
+        self._claimed.discard(request_id)
 
     def live(self) -> list[Entry]:
         return list(self._live.values())

@@ -105,6 +105,9 @@ class ResponsesReply(HttpReply):
             "tools": [],
             "top_p": params.top_p,
             "usage": usage,
+            # Once it has ended, Stopline's terminal frame: how it ended (status and incomplete_details
+            # keep to OpenAI's words) and what stopping cost.
+            **({} if self.ending is None else {"stopline": self.ending.json()}),
         }
 
     def _item_status(self) -> str:
@@ -158,7 +161,7 @@ class ResponsesReply(HttpReply):
 
     async def _end(self, frame: Terminal) -> None:
         self.ending = frame
-        body = {**self.body(), "stopline": frame.json()}
+        body = self.body()
         if not self.asked.stream:
             self.response = web.json_response(body, headers={**_NO_STORE, **self.headers})
             return

@@ -16,6 +16,7 @@ from support import (
     CHAT_FRANCE,
     LONG_ANSWER,
     UNIT,
+    cancelled_records,
     client_for,
     delete,
     fetch_metrics,
@@ -253,7 +254,7 @@ async def test_websocket_generation_cancelled_by_delete(server, http):
         assert await client.recv() == {"type": "cancel_ack", "id": "r1", "status": "cancelled"}
 
 
-async def test_delete_shows_on_an_openai_stream_as_its_finish_reason(server, http):
+async def test_delete_ends_an_openai_stream_with_openai_s_finish_reason_and_stopline_s_reason(server, http):
     client = openai_client(server)
     stream = await client.chat.completions.create(
         model=server.engine.name, messages=LONG_ANSWER, max_tokens=500, stream=True
@@ -266,10 +267,80 @@ async def test_delete_shows_on_an_openai_stream_as_its_finish_reason(server, htt
             status, _ = await delete(http, server, chunk.id, token)
             assert status == 200
     final = chunks[-1]
-    assert final.choices[0].finish_reason == "user_cancelled"
-    assert final.model_extra["stopline"]["type"] == "cancelled"
-    assert final.model_extra["stopline"]["tokens_after_cancel"] <= 1
+    # One of OpenAI's values, so that OpenAI's clients take it as the end it is ...
+    assert final.choices[0].finish_reason == "stop"
+    # ... and Stopline's own reason and figures beside it.
+    end = final.model_extra["stopline"]
+    assert end["type"] == "cancelled" and end["reason"] == "user_cancelled"
+    assert end["tokens_after_cancel"] <= 1 and end["tokens_generated"] < 500
     await client.close()
+
+
+async def test_a_client_chosen_request_id_stops_a_non_streamed_completion_while_it_runs(server, http, logs):
+    client = openai_client(server)
+    request_id, token = "nightly-job.42:a", "a-cancel-token-the-client-chose"
+    chosen = {"X-Request-Id": request_id, "X-Cancel-Token": token}
+    answer = asyncio.create_task(
+        client.chat.completions.with_raw_response.create(
+            model=server.engine.name, messages=LONG_ANSWER, max_tokens=500, extra_headers=chosen
+        )
+    )
+
+    async def decoding() -> bool:
+        status, body = await get(http, server, request_id, token)
+        return status == 200 and body["status"] == "decoding" and body["tokens_generated"] >= 3
+
+    # Another connection finds it by the client's id while the body is still to come.
+    await wait_for(decoding, timeout=60)
+    # The id is the running generation's: another request may not take it.
+    with pytest.raises(openai.ConflictError) as refused:
+        await client.chat.completions.create(
+            model=server.engine.name, messages=CHAT_FRANCE, max_tokens=4, extra_headers=chosen
+        )
+    assert refused.value.code == "duplicate_id"
+    assert (await delete(http, server, request_id, "not-the-token"))[0] == 403
+    assert await delete(http, server, request_id, token) == (200, {"request_id": request_id, "status": "cancelled"})
+    raw = await answer
+    completion = raw.parse()
+    assert raw.headers["X-Request-Id"] == request_id and raw.headers["X-Cancel-Token"] == token
+    assert completion.id == request_id and completion.choices[0].finish_reason == "stop"
+    end = completion.choices[0].model_extra["stopline"]
+    assert end["type"] == "cancelled" and end["reason"] == "user_cancelled" and end["tokens_after_cancel"] == 0
+    assert completion.usage.completion_tokens == end["tokens_generated"] < 500
+    [record] = await cancelled_records(logs, request_id)
+    assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] == 0
+    # Once it has ended, the id is free again.
+    again = await client.chat.completions.create(
+        model=server.engine.name, messages=CHAT_FRANCE, max_tokens=4, extra_headers=chosen
+    )
+    assert again.id == request_id and again.choices[0].model_extra["stopline"]["type"] == "done"
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    ("headers", "code"),
+    [
+        ({"X-Request-Id": ""}, "invalid_field"),
+        ({"X-Request-Id": "a/b"}, "invalid_field"),
+        ({"X-Request-Id": "x" * 129}, "invalid_field"),
+        ({"X-Request-Id": "resp_1"}, "invalid_field"),
+        ({"X-Cancel-Token": "short"}, "invalid_field"),
+    ],
+)
+async def test_a_client_chosen_request_id_or_cancel_token_that_does_not_fit_is_refused(server, http, headers, code):
+    body = {"messages": CHAT_FRANCE, "max_tokens": 4}
+    async with http.post(f"{server.http.base_url}/chat/completions", json=body, headers=headers) as response:
+        assert response.status == 400 and (await response.json())["error"]["code"] == code
+    async with http.post(f"{server.http.base_url}/generations", json=body, headers=headers) as response:
+        assert response.status == 400 and (await response.json())["code"] == code
+    # Several choices are several generations, and one id names one.
+    async with http.post(
+        f"{server.http.base_url}/chat/completions", json={**body, "n": 2}, headers={"X-Request-Id": "two"}
+    ) as response:
+        refusal = (await response.json())["error"]
+        assert response.status == 400 and refusal["code"] == "invalid_field" and "n above 1" in refusal["message"]
+    metrics = await fetch_metrics(server)
+    assert metric_value(metrics, "stopline_requests_total") == 0
 
 
 async def test_cross_origin_browser_calls_are_refused(server, http):

@@ -250,7 +250,9 @@ class OpenAIStream(StoplineStream):
                 if choice and choice.delta.content:
                     self._token(now, choice.delta.content)
                 if choice and choice.finish_reason:
-                    self._finish(End(Outcome.DONE, choice.finish_reason, now))
+                    # finish_reason is OpenAI's word for any end; the stopline field says how it ended.
+                    terminal = (chunk.model_extra or {}).get("stopline")
+                    self._finish(end_of(terminal, now) if terminal else End(Outcome.DONE, choice.finish_reason, now))
         finally:
             self._close()
 

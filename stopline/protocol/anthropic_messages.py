@@ -16,7 +16,7 @@ from .frames import GenerateFrame
 from .openai_fields import ServedModels, Treatment
 from .requests import Ending, Limits
 from .validation import generate_frame
-from .vocabulary import Reason
+from .vocabulary import Outcome, Reason
 
 # Every field of the request body, as Anthropic's API reference and its Python package list
 # them (temperature, top_p and top_k through the package's extra_body).
@@ -47,8 +47,7 @@ FIELDS: dict[str, Treatment] = {
     "workspace_id": Treatment.REFUSED,
 }
 
-# How a done request's reason reads as Anthropic's stop_reason; a cancel or a timeout is
-# named by its own reason (user_cancelled, total_timeout, ...), as on every API.
+# How a done request's reason reads as Anthropic's stop_reason (MessagesRequest.stop_reason).
 _STOP_REASON: dict[str, str] = {
     Reason.EOS: "end_turn",
     Reason.MAX_TOKENS: "max_tokens",
@@ -76,8 +75,15 @@ class MessagesRequest:
     model: str
 
     def stop_reason(self, ending: Ending) -> str:
-        # An error is answered as Anthropic's error, never with a stop reason.
-        return _STOP_REASON.get(ending.reason, str(ending.reason))
+        """How a generation's end reads as Anthropic's stop_reason, always one of Anthropic's
+        values; Stopline's own outcome and reason travel in the ``stopline`` field beside it.
+        An error is answered as Anthropic's error, never with a stop reason."""
+        if ending.outcome is Outcome.DONE:
+            return _STOP_REASON[ending.reason]
+        # A cancel or a timeout reads as "end_turn": the turn is over as it stands, where
+        # "pause_turn" asks the client to send the turn again to continue it and "refusal"
+        # tells it the model declined.
+        return "end_turn"
 
     def stop_sequence(self, ending: Ending) -> str | None:
         """The stop sequence that ended the answer: known when the request gave one."""

@@ -226,7 +226,7 @@ class Connection:
         An HTTP request is one frame on a connection of its own, so the rates that bound a
         WebSocket's flood of frames (:meth:`receive_text`) do not apply to it; the live
         requests of its address do."""
-        request_id = frame.id if frame.id is not None else str(uuid.uuid4())
+        request_id = frame.id if frame.id is not None else frame.request_id or str(uuid.uuid4())
         refusal = self._room_refusal(request_id)
         if refusal is not None:
             return [Send(ErrorFrame.refusing(refusal))]
@@ -277,8 +277,12 @@ class Connection:
             key_id=self.key_id,
             priority=self.priority if draft.frame.priority is None else draft.frame.priority,
         )
-        if draft.frame.id is None:
+        if draft.frame.request_id is not None:
+            request.request_id = draft.frame.request_id
+        elif draft.frame.id is None:
             request.request_id = draft.id  # one id is enough when the client gave none
+        if draft.frame.cancel_token is not None:
+            request.cancel_token = draft.frame.cancel_token
         self.live[draft.id] = request
         actions: list[Action] = [Submit(request)]
         if draft.cancels:

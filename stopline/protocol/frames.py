@@ -39,6 +39,10 @@ class GenerateFrame:
     # vLLM's priority: a lower value is served first, and may preempt a higher one; None: the
     # API key's default (0 without one).
     priority: int | None = None
+    # The server-global request id and cancel token an HTTP client chose for it (X-Request-Id,
+    # X-Cancel-Token, checked by client_request_id and client_cancel_token); None: the server's.
+    request_id: str | None = None
+    cancel_token: str | None = None
 
 
 @dataclass(frozen=True)

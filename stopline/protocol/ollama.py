@@ -17,7 +17,7 @@ from .frames import GenerateFrame
 from .openai_fields import ServedModels, Treatment, refuse_unless_taken
 from .requests import Ending, Limits
 from .validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
-from .vocabulary import Reason
+from .vocabulary import Outcome, Reason
 
 # The Ollama release whose API this speaks: clients read /api/version to decide what to send.
 OLLAMA_VERSION = "0.12.0"
@@ -108,9 +108,6 @@ OPTIONS: dict[str, Field] = {
     "embedding_only": _REFUSED,
 }
 
-# How a done request's reason reads as Ollama's done_reason; a cancel or a timeout is named
-# by its own reason (user_cancelled, total_timeout, ...), as on every API.
-_DONE_REASON: dict[str, str] = {Reason.EOS: "stop", Reason.STOP_SEQUENCE: "stop", Reason.MAX_TOKENS: "length"}
 # Ollama's num_predict for "no limit" (-1) and "fill the context" (-2): the server's own limit then.
 _UNLIMITED = (-1, -2)
 
@@ -126,8 +123,14 @@ class OllamaRequest:
 
 
 def done_reason(ending: Ending) -> str:
-    # An error is answered as Ollama's error, never with a done reason.
-    return _DONE_REASON.get(ending.reason, str(ending.reason))
+    """How a generation's end reads as Ollama's done_reason, always one of Ollama's values;
+    Stopline's own outcome and reason travel in the ``stopline`` field beside it. An error is
+    answered as Ollama's error, never with a done reason."""
+    if ending.outcome is Outcome.DONE and ending.reason is Reason.MAX_TOKENS:
+        return "length"
+    # A cancel or a timeout reads as "stop", as OpenAI's finish_reason does: the answer ended
+    # where it ended, and "length" would tell the client the model ran out of room.
+    return "stop"
 
 
 def counts(ending: Ending) -> dict:

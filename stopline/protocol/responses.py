@@ -86,22 +86,23 @@ class ResponsesRequest:
 
 
 def response_status(ending: Ending) -> str:
-    """A Response's status once its generation has ended; one map for every way it ends."""
+    """A Response's status once its generation has ended, always one of OpenAI's; Stopline's own
+    outcome and reason travel in the ``stopline`` field beside it."""
     if ending.outcome is Outcome.DONE:
         return "incomplete" if ending.reason is Reason.MAX_TOKENS else "completed"
     if ending.outcome is Outcome.CANCELLED:
         return "cancelled"
     if ending.outcome is Outcome.TIMEOUT:
+        # Cut short, as max_output_tokens cuts a Response short, but by no limit OpenAI names.
         return "incomplete"
     return "failed"
 
 
 def incomplete_reason(ending: Ending) -> str | None:
-    """``incomplete_details.reason`` of a Response that did not complete: max_output_tokens, as
-    OpenAI names it, or a cancel's or a timeout's own reason (user_cancelled, total_timeout, ...)."""
-    if response_status(ending) in ("completed", "failed"):
-        return None
-    return "max_output_tokens" if ending.reason is Reason.MAX_TOKENS else str(ending.reason)
+    """``incomplete_details.reason`` of a Response: max_output_tokens, the one of OpenAI's
+    reasons a generation's end can be. A cancelled Response has none, as OpenAI's has none, and
+    neither has a timeout, which no reason of OpenAI's names (its reason is in ``stopline``)."""
+    return "max_output_tokens" if ending.outcome is Outcome.DONE and ending.reason is Reason.MAX_TOKENS else None
 
 
 def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> ResponsesRequest:

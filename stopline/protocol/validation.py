@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, TypeGuard
 
 from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong, UnknownType
@@ -51,6 +52,30 @@ def incoming_frame(data: str, limits: Limits) -> Incoming:
             raise InvalidField("cancel needs the id of a request: a string of 1 to 128 characters")
         return CancelFrame(request_id)
     raise UnknownType(f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame))
+
+
+# A request id an HTTP client chooses travels in headers and in the path of
+# /v1/generations/{request_id}, so it keeps to characters that need no escaping in either.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# A cancel token a client chooses is the secret that stops its generation: long enough not to be guessed.
+_CLIENT_CANCEL_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
+
+
+def client_request_id(value: str) -> str:
+    """An HTTP client's own request id (``X-Request-Id``), checked."""
+    if _CLIENT_REQUEST_ID.fullmatch(value) is None:
+        raise InvalidField("X-Request-Id must be 1 to 128 characters, each a letter, a digit or one of . _ : -")
+    if value.startswith("resp_"):
+        # /v1/generations/{request_id} reads resp_ as a Response's prefix, and would not find it.
+        raise InvalidField("X-Request-Id must not begin with resp_, the prefix of a Response's id")
+    return value
+
+
+def client_cancel_token(value: str) -> str:
+    """An HTTP client's own cancel token (``X-Cancel-Token``), checked."""
+    if _CLIENT_CANCEL_TOKEN.fullmatch(value) is None:
+        raise InvalidField("X-Cancel-Token must be 16 to 128 characters, each a letter, a digit, _ or -")
+    return value
 
 
 def _encodable(text: str) -> bool:
