@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .auth import bearer
 from .http_api import _NO_STORE, _SSE_HEADERS, HttpReply, _request_headers, error_response
-from .protocol.errors import ProtocolError, UnknownRequest
+from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.responses import ResponsesRequest, incomplete_reason, response_status, responses_request
 from .protocol.validation import parse_json_object
@@ -46,6 +47,8 @@ class ResponsesReply(HttpReply):
         self.keep = keep
         self.created_at = int(time.time())
         self.id = ""
+        # The API key that started it (None: the server has no keys): only that key may continue it.
+        self.key_id: str | None = None
         self.headers: dict = {}
         self.queued = False
         self.texts: list[str] = []
@@ -98,6 +101,7 @@ class ResponsesReply(HttpReply):
             "model": self.asked.model,
             "output": output,
             "parallel_tool_calls": False,
+            "previous_response_id": self.asked.previous_response_id,
             "store": self.asked.store,
             "temperature": params.temperature,
             "text": {"format": self.asked.text_format},
@@ -200,10 +204,17 @@ class ResponsesApi:
         api = self.api
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = responses_request(body, models=api.models, limits=api.services.limits)
+            key_id = self._key_id(request)
+            asked = responses_request(
+                body,
+                models=api.models,
+                limits=api.services.limits,
+                earlier=lambda response_id: self.conversation(response_id, key_id),
+            )
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         reply = ResponsesReply(request, asked, self.keep)
+        reply.key_id = key_id
         if not asked.background:
             # In this handler, so that a lost connection cancels it and with it the generation.
             return await self._run(request, reply)
@@ -230,6 +241,34 @@ class ResponsesApi:
         ended = [key for key, kept in self.replies.items() if kept.answered.is_set()]
         for key in ended[: max(0, len(ended) - REMEMBERED)]:
             del self.replies[key]
+
+    def _key_id(self, request: web.Request) -> str | None:
+        """The id of the API key the request came with (None: the server has no keys)."""
+        keyring = self.api.services.keyring
+        if not keyring.required:
+            return None
+        key = keyring.lookup(bearer(request.headers.get("Authorization")) or request.headers.get("x-api-key"))
+        return key.key_id if key is not None else None
+
+    def conversation(self, response_id: str, key_id: str | None) -> tuple[dict, ...]:
+        """The turns a response continuing ``response_id`` comes after: that response's own
+        conversation, then its answer (what it had generated when it ended). Only the API key
+        that started it may continue it; to any other it is not found, as if it were not here."""
+        kept = self.replies.get(response_id)
+        if kept is None or not kept.asked.store or kept.key_id != key_id:
+            # Never here, store: false, or forgotten (the last REMEMBERED ended ones are kept).
+            raise ResponseNotFound(
+                f"no response with id {response_id!r} is kept here (responses with store: false, or older than "
+                f"the last {REMEMBERED}, are not)",
+                param="previous_response_id",
+            )
+        if not kept.answered.is_set():
+            raise InvalidField(
+                f"response {response_id!r} is still {kept.status}: continue it once it has ended",
+                param="previous_response_id",
+            )
+        answer = ({"role": "assistant", "content": "".join(kept.texts)},) if kept.texts else ()
+        return (*kept.asked.conversation, *answer)
 
     def _reply(self, entry: Entry) -> ResponsesReply:
         reply = self.replies.get(PREFIX + entry.request_id)

@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 
+from stopline import responses_api
 from stopline.protocol.openai_fields import Treatment
 from stopline.protocol.responses import FIELDS
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
@@ -170,7 +171,6 @@ async def _settled(client, response_id: str):
     "change, named",
     [
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
@@ -205,3 +205,86 @@ async def test_text_format_json_schema_constrains_the_answer(llama_engine):
         )
     assert response.status == "completed" and response.text.format.type == "json_schema"
     assert isinstance(json.loads(response.output_text)["city"], str)
+
+
+async def test_previous_response_id_continues_the_conversation(engine):
+    first_input = "My name is Ada. Say hello to me."
+    async with running_server(engine, api_keys=(KEY, OTHER_KEY)) as server, keyed_client(server, KEY) as client:
+        first = await client.responses.create(
+            model=server.engine.name,
+            instructions="You are terse.",
+            input=first_input,
+            max_output_tokens=12,
+            temperature=0,
+        )
+        second = await client.responses.create(
+            model=server.engine.name,
+            previous_response_id=first.id,
+            input=[{"role": "user", "content": "What is my name?"}],
+            max_output_tokens=16,
+            temperature=0,
+        )
+        # The same turns as a chat: the first input and answer, then the new input; the first
+        # response's instructions are not carried over.
+        chat = await client.chat.completions.create(
+            model=server.engine.name,
+            messages=[
+                {"role": "user", "content": first_input},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is my name?"},
+            ],
+            max_tokens=16,
+            temperature=0,
+        )
+        # A chain goes on: the third response comes after both earlier turns.
+        third = await client.responses.create(
+            model=server.engine.name, previous_response_id=second.id, input="Thanks.", max_output_tokens=1
+        )
+        fetched = await client.responses.retrieve(second.id)
+        # Only the key that started a response may continue it: to another it is not here.
+        async with keyed_client(server, OTHER_KEY) as other:
+            refused = await previous_refused(other, server, second.id)
+        assert isinstance(refused, openai.NotFoundError) and refused.body["param"] == "previous_response_id"
+    assert first.output_text and second.previous_response_id == first.id == fetched.previous_response_id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+async def previous_refused(client, server, previous: str) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.responses.create(
+            model=server.engine.name, previous_response_id=previous, input="Hi", max_output_tokens=1
+        )
+    return refused.value
+
+
+async def test_an_unknown_unstored_or_forgotten_previous_response_is_not_found(server, monkeypatch):
+    monkeypatch.setattr(responses_api, "REMEMBERED", 1)
+    async with openai_client(server) as client:
+        unstored = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1, store=False)
+        oldest = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        newest = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        newer = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        for previous in ("resp_no-such-response", unstored.id, oldest.id):
+            refused = await previous_refused(client, server, previous)
+            assert isinstance(refused, openai.NotFoundError), previous
+            assert refused.body["code"] == "not_found" and refused.body["param"] == "previous_response_id"
+            assert previous in refused.body["message"]
+        # The last one remembered is still there to continue.
+        kept = await client.responses.create(
+            model=server.engine.name, previous_response_id=newer.id, input="Hi", max_output_tokens=1
+        )
+    assert kept.previous_response_id == newer.id and newest.id != newer.id
+    assert server.scheduler.active == 0
+
+
+async def test_a_response_still_running_cannot_be_continued_yet(engine):
+    async with running_server(engine, api_keys=(KEY,)) as server, keyed_client(server, KEY) as client:
+        running = await client.responses.create(
+            model=server.engine.name, input=LONG_ANSWER, max_output_tokens=2000, background=True
+        )
+        refused = await previous_refused(client, server, running.id)
+        assert isinstance(refused, openai.BadRequestError) and refused.body["code"] == "invalid_field"
+        assert refused.body["param"] == "previous_response_id"
+        await client.responses.cancel(running.id)

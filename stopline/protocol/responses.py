@@ -10,9 +10,10 @@ writes them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import InvalidField, ModelNotFound, UnsupportedParameter
+from .errors import InvalidField, ModelNotFound, ResponseNotFound, UnsupportedParameter
 from .frames import GenerateFrame
 from .openai_fields import ServedModels, Treatment
 from .requests import Ending, Limits
@@ -42,11 +43,13 @@ FIELDS: dict[str, Treatment] = {
     "top_k": Treatment.HONOURED,
     "timeout_s": Treatment.HONOURED,
     "ttft_timeout_s": Treatment.HONOURED,
+    # An earlier response this server keeps (store: true, among the last it remembers): its
+    # conversation and its answer come before this input.
+    "previous_response_id": Treatment.HONOURED,
     "tools": Treatment.REFUSED,
     "tool_choice": Treatment.REFUSED,
     "parallel_tool_calls": Treatment.REFUSED,
     "max_tool_calls": Treatment.REFUSED,
-    "previous_response_id": Treatment.REFUSED,
     "conversation": Treatment.REFUSED,
     "context_management": Treatment.REFUSED,
     "include": Treatment.REFUSED,
@@ -83,6 +86,14 @@ class ResponsesRequest:
     store: bool
     # The request's own text.format, echoed in the Response's ``text``.
     text_format: dict
+    # The chat without the instructions: the earlier responses' turns, then this input. A later
+    # response that names this one continues it (instructions are not carried over, as with OpenAI).
+    conversation: tuple[dict, ...] = ()
+    previous_response_id: str | None = None
+
+
+def _no_earlier(response_id: str) -> tuple[dict, ...]:
+    raise ResponseNotFound(f"no response with id {response_id!r} is kept here", param="previous_response_id")
 
 
 def response_status(ending: Ending) -> str:
@@ -104,8 +115,16 @@ def incomplete_reason(ending: Ending) -> str | None:
     return "max_output_tokens" if ending.reason is Reason.MAX_TOKENS else str(ending.reason)
 
 
-def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> ResponsesRequest:
-    """The generate frame a Responses request body asks for, or the ProtocolError that refuses it."""
+def responses_request(
+    body: dict,
+    *,
+    models: ServedModels,
+    limits: Limits,
+    earlier: Callable[[str], tuple[dict, ...]] = _no_earlier,
+) -> ResponsesRequest:
+    """The generate frame a Responses request body asks for, or the ProtocolError that refuses it.
+    ``earlier`` gives the conversation a ``previous_response_id`` continues (its turns and its
+    answer), or raises the ProtocolError that refuses the id."""
     for name, value in body.items():
         treatment = FIELDS.get(name)
         if treatment is None:
@@ -119,7 +138,11 @@ def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> Re
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidField("instructions must be a string", param="instructions")
-    chat = _input(body.get("input"))
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidField("previous_response_id must be a response's id", param="previous_response_id")
+    conversation = (*(earlier(previous) if previous else ()), *_input(body.get("input")))
+    chat = list(conversation)
     if instructions:
         chat.insert(0, {"role": "system", "content": instructions})
     frame: dict = {"messages": chat}
@@ -155,6 +178,8 @@ def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> Re
         background=background,
         store=store,
         text_format=text_format,
+        conversation=conversation,
+        previous_response_id=previous,
     )
 
 
