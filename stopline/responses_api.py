@@ -22,7 +22,8 @@ from .auth import bearer
 from .http_api import _NO_STORE, _SSE_HEADERS, HttpReply, _request_headers, error_response
 from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.responses import ResponsesRequest, incomplete_reason, response_status, responses_request
+from .protocol.responses import Earlier, ResponsesRequest, incomplete_reason, response_status, responses_request
+from .protocol.tool_calls import CallReader, CallStarted, Prose, ToolChoice
 from .protocol.validation import parse_json_object
 from .registry import Entry
 
@@ -76,7 +77,11 @@ class ResponsesReply(HttpReply):
         reason = None if ending is None else incomplete_reason(ending)
         output = []
         if self.id and (self.texts or ending is not None):
-            output.append(self._item("in_progress" if ending is None else self._item_status()))
+            status = "in_progress" if ending is None else self._item_status()
+            prose, calls = self.answer()
+            if prose or not calls:
+                output.append(self._item(status, text=prose))
+            output += [self._call(index, name, arguments, status) for index, (name, arguments) in enumerate(calls)]
         usage = None
         if ending is not None:
             usage = {
@@ -100,13 +105,13 @@ class ResponsesReply(HttpReply):
             "metadata": self.asked.metadata,
             "model": self.asked.model,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": self.asked.parallel_tool_calls,
             "previous_response_id": self.asked.previous_response_id,
             "store": self.asked.store,
             "temperature": params.temperature,
             "text": {"format": self.asked.text_format},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": self.asked.tool_choice,
+            "tools": self.asked.tools,
             "top_p": params.top_p,
             "usage": usage,
         }
@@ -114,8 +119,39 @@ class ResponsesReply(HttpReply):
     def _item_status(self) -> str:
         return "completed" if self.status == "completed" else "incomplete"
 
-    def _item(self, status: str, content: bool = True) -> dict:
-        parts = [self._part("".join(self.texts))] if content else []
+    def answer(self) -> tuple[str, list[tuple[str, str]]]:
+        """The answer so far: its text, and the function calls it holds (name, arguments), read
+        as chat completions reads them (what is not yet a whole call is held back as text)."""
+        text = "".join(self.texts)
+        if self.asked.calls is None:
+            return text, []
+        reader = CallReader(prose=self.asked.calls is ToolChoice.AUTO)
+        prose: list[str] = []
+        calls: list[list[str]] = []
+        for event in [*reader.feed(text), *reader.finish()]:
+            if isinstance(event, Prose):
+                prose.append(event.text)
+            elif isinstance(event, CallStarted):
+                calls.append([event.name, ""])
+            else:
+                calls[event.index][1] += event.text
+        return "".join(prose), [(name, arguments) for name, arguments in calls]
+
+    def call_id(self, index: int) -> str:
+        return f"call_{self.id.removeprefix(PREFIX)}_{index}"
+
+    def _call(self, index: int, name: str, arguments: str, status: str) -> dict:
+        return {
+            "id": f"fc_{self.id.removeprefix(PREFIX)}_{index}",
+            "type": "function_call",
+            "call_id": self.call_id(index),
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
+
+    def _item(self, status: str, content: bool = True, text: str | None = None) -> dict:
+        parts = [self._part("".join(self.texts) if text is None else text)] if content else []
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": parts}
 
     @staticmethod
@@ -250,7 +286,7 @@ class ResponsesApi:
         key = keyring.lookup(bearer(request.headers.get("Authorization")) or request.headers.get("x-api-key"))
         return key.key_id if key is not None else None
 
-    def conversation(self, response_id: str, key_id: str | None) -> tuple[dict, ...]:
+    def conversation(self, response_id: str, key_id: str | None) -> Earlier:
         """The turns a response continuing ``response_id`` comes after: that response's own
         conversation, then its answer (what it had generated when it ended). Only the API key
         that started it may continue it; to any other it is not found, as if it were not here."""
@@ -267,8 +303,10 @@ class ResponsesApi:
                 f"response {response_id!r} is still {kept.status}: continue it once it has ended",
                 param="previous_response_id",
             )
+        # The answer as the model wrote it, its calls in the format it calls in.
         answer = ({"role": "assistant", "content": "".join(kept.texts)},) if kept.texts else ()
-        return (*kept.asked.conversation, *answer)
+        names = {kept.call_id(index): name for index, (name, _) in enumerate(kept.answer()[1])}
+        return (*kept.asked.conversation, *answer), {**kept.asked.call_names, **names}
 
     def _reply(self, entry: Entry) -> ResponsesReply:
         reply = self.replies.get(PREFIX + entry.request_id)

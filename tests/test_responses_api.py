@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -13,6 +14,7 @@ from stopline import responses_api
 from stopline.protocol.openai_fields import Treatment
 from stopline.protocol.responses import FIELDS
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, WEATHER_TOOL
 
 KEY = "responses-test-key-0123456789"
 OTHER_KEY = "responses-other-key-0123456789"
@@ -170,10 +172,11 @@ async def _settled(client, response_id: str):
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "web_search"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "nope"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
         ({"background": True, "stream": True}, "background"),
         ({"temperature": 9}, "temperature"),
         ({"bogus": 1}, "bogus"),
@@ -288,3 +291,71 @@ async def test_a_response_still_running_cannot_be_continued_yet(engine):
         assert isinstance(refused, openai.BadRequestError) and refused.body["code"] == "invalid_field"
         assert refused.body["param"] == "previous_response_id"
         await client.responses.cancel(running.id)
+
+
+# Responses' function tool: the chat tool's function, flat.
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+QUESTION = "What is the weather in Paris?"
+
+
+async def test_a_function_call_and_its_output_go_round_as_on_chat_completions(llama_engine):
+    async with running_server(llama_engine) as server, openai_client(server, GRAMMAR_TIMEOUT) as client:
+        called = await client.responses.create(
+            model=server.engine.name,
+            input=QUESTION,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+        )
+        [call] = called.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
+        assert called.status == "completed" and called.tools[0].name == "get_weather"
+        # The call and its output sent back: the same prompt and greedy answer as the chat's.
+        items = [
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"},
+        ]
+        answered = await client.responses.create(
+            model=server.engine.name,
+            input=items,
+            tools=[WEATHER],
+            tool_choice="none",
+            temperature=0,
+            max_output_tokens=24,
+        )
+        chat = await client.chat.completions.create(
+            model=server.engine.name,
+            messages=[
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "22 degrees and sunny"},
+            ],
+            tools=[WEATHER_TOOL],
+            tool_choice="none",
+            temperature=0,
+            max_tokens=24,
+        )
+        assert answered.usage.input_tokens == chat.usage.prompt_tokens
+        assert answered.output_text == chat.choices[0].message.content and answered.output_text
+        # Or after the response that called, by its id: only the output is sent.
+        continued = await client.responses.create(
+            model=server.engine.name,
+            previous_response_id=called.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"}],
+            tools=[WEATHER],
+            temperature=0,
+            max_output_tokens=24,
+        )
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model=server.engine.name, input=QUESTION, tools=[WEATHER], stream=True)
+    assert refused.value.body["param"] == "stream"
+    assert continued.output and continued.usage.input_tokens > called.usage.input_tokens
