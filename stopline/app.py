@@ -158,9 +158,10 @@ class StoplineServer:
         )
         self.http = HttpApi(self.services, settings, self.edge, self.cluster, self.models)
         # The other dialects build on the HTTP API's replies and routes.
-        self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http).routes()])
-        if settings.embedding_model != "none":
-            self.http.app.add_routes(EmbeddingsApi(self.http, settings.embedding_model).routes())
+        embeddings = None if settings.embedding_model == "none" else EmbeddingsApi(self.http, settings.embedding_model)
+        self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http, embeddings).routes()])
+        if embeddings is not None:
+            self.http.app.add_routes(embeddings.routes())
 
     @property
     def sessions(self) -> set[ClientSession]:

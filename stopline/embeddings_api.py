@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .engine.embeddings import DIMENSIONS, LazyEncoder
+from .engine.embeddings import DIMENSIONS, Embedded, LazyEncoder
 from .engine.model import ModelFetchError
 from .http_api import _NO_STORE, error_response
 from .observability import log
@@ -26,6 +27,7 @@ from .protocol.errors import (
     ModelNotFound,
     PromptTooLong,
     ProtocolError,
+    StoplineError,
     TooManyInputs,
     UnsupportedParameter,
 )
@@ -46,6 +48,10 @@ _IGNORED = frozenset({"user"})
 _KNOWN = frozenset({"input", "model", "encoding_format", "dimensions"}) | _IGNORED
 
 
+class EmbeddingModelUnavailable(StoplineError):
+    """The embedding model could not be fetched or read: answered as internal_error."""
+
+
 @dataclass(frozen=True)
 class EmbeddingsRequest:
     texts: list[str]
@@ -53,19 +59,9 @@ class EmbeddingsRequest:
     encoding_format: str
 
 
-def embeddings_request(body: dict, served: str) -> EmbeddingsRequest:
-    """A request body, checked; a ProtocolError (with the field it is about) refuses it."""
-    for name in body:
-        if name not in _KNOWN:
-            raise UnsupportedParameter(f"{name} is not supported by /v1/embeddings", param=name)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise InvalidField("model must be a string: the embedding model's name", param="model")
-    if model != served:
-        raise ModelNotFound(
-            f"the model {model!r} does not serve embeddings here; this server embeds with {served!r}", param="model"
-        )
-    texts = body.get("input")
+def checked_texts(texts: object) -> list[str]:
+    """An embedding request's ``input`` (OpenAI's, or Ollama's), checked: one text or a list of
+    them, within this server's bounds; a ProtocolError naming ``input`` refuses it."""
     if isinstance(texts, str):
         texts = [texts]
     if not isinstance(texts, list) or not texts:
@@ -85,6 +81,22 @@ def embeddings_request(body: dict, served: str) -> EmbeddingsRequest:
         raise PromptTooLong(
             f"input holds {total} characters; one request may embed at most {MAX_TOTAL_CHARS}", param="input"
         )
+    return texts
+
+
+def embeddings_request(body: dict, served: str) -> EmbeddingsRequest:
+    """A request body, checked; a ProtocolError (with the field it is about) refuses it."""
+    for name in body:
+        if name not in _KNOWN:
+            raise UnsupportedParameter(f"{name} is not supported by /v1/embeddings", param=name)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise InvalidField("model must be a string: the embedding model's name", param="model")
+    if model != served:
+        raise ModelNotFound(
+            f"the model {model!r} does not serve embeddings here; this server embeds with {served!r}", param="model"
+        )
+    texts = checked_texts(body.get("input"))
     encoding_format = body.get("encoding_format", "float")
     if encoding_format not in ENCODING_FORMATS:
         raise InvalidField(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}", param="encoding_format")
@@ -111,19 +123,37 @@ class EmbeddingsApi:
     async def _close(self, app: web.Application) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
+    async def load(self) -> int:
+        """Load the model unless it is loaded; the nanoseconds that took (0: it was loaded)."""
+        if self.encoder.loaded:
+            return 0
+        started = time.monotonic_ns()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.encoder.get)
+        except (ModelFetchError, OSError, zipfile.BadZipFile) as exc:
+            log.error("embedding_model_unavailable", model=self.model_name, detail=str(exc))
+            raise EmbeddingModelUnavailable(f"the embedding model could not be loaded: {exc}") from exc
+        return time.monotonic_ns() - started
+
+    async def embed(self, texts: list[str]) -> Embedded:
+        """Each text's unit-length embedding, worked out off the event loop (every API's
+        embeddings come through here); EmbeddingModelUnavailable if the model cannot be loaded."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, lambda: self.encoder.get().embed(texts))
+        except (ModelFetchError, OSError, zipfile.BadZipFile) as exc:
+            log.error("embedding_model_unavailable", model=self.model_name, detail=str(exc))
+            raise EmbeddingModelUnavailable(f"the embedding model could not be loaded: {exc}") from exc
+
     async def _embeddings(self, request: web.Request) -> web.Response:
         try:
             asked = embeddings_request(parse_json_object(await request.text(), "body"), self.model_name)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
-        loop = asyncio.get_running_loop()
         try:
-            embedded = await loop.run_in_executor(self._executor, lambda: self.encoder.get().embed(asked.texts))
-        except (ModelFetchError, OSError, zipfile.BadZipFile) as exc:
-            log.error("embedding_model_unavailable", model=self.model_name, detail=str(exc))
-            return error_response(
-                ErrorCode.INTERNAL_ERROR, f"the embedding model could not be loaded: {exc}", openai=True
-            )
+            embedded = await self.embed(asked.texts)
+        except EmbeddingModelUnavailable as exc:
+            return error_response(ErrorCode.INTERNAL_ERROR, str(exc), openai=True)
         data = []
         for index, vector in enumerate(embedded.vectors):
             if asked.encoding_format == "base64":

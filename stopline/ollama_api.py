@@ -8,6 +8,7 @@ The request's translation is :mod:`.protocol.ollama`.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -15,14 +16,24 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from . import __version__
+from .embeddings_api import EmbeddingModelUnavailable, checked_texts
+from .engine.embeddings import DIMENSIONS
 from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
 from .protocol.errors import ProtocolError
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.ollama import OLLAMA_VERSION, OllamaRequest, counts, done_reason, ollama_request
+from .protocol.ollama import (
+    OLLAMA_VERSION,
+    OllamaRequest,
+    counts,
+    done_reason,
+    ollama_embed_request,
+    ollama_request,
+)
 from .protocol.validation import parse_json_object
 from .protocol.vocabulary import ErrorCode, Refusal
 
 if TYPE_CHECKING:
+    from .embeddings_api import EmbeddingsApi
     from .http_api import HttpApi
 
 _NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "X-Accel-Buffering": "no", **_NO_STORE}
@@ -35,9 +46,10 @@ def _now() -> str:
 
 
 def ollama_error(code: ErrorCode | Refusal, message: str) -> web.Response:
-    """An error in Ollama's shape, ``{"error": message}``, with the status Stopline gives its code."""
+    """An error in Ollama's shape, ``{"error": message, "code": code}``, with the status Stopline gives its code."""
     status = http_status(code) if isinstance(code, ErrorCode) else HTTPStatus.BAD_REQUEST
-    return web.json_response({"error": message}, status=status, headers=dict(_NO_STORE))
+    # The code is Stopline's stable name for the error, as on every API; Ollama's clients read "error".
+    return web.json_response({"error": message, "code": str(code)}, status=status, headers=dict(_NO_STORE))
 
 
 class OllamaReply(HttpReply):
@@ -95,10 +107,12 @@ class OllamaReply(HttpReply):
 
 
 class OllamaApi:
-    """The /api routes, answered with the HTTP API's models, limits and generations."""
+    """The /api routes, answered with the HTTP API's models, limits and generations, and the
+    embedding model's embeddings (``embeddings`` None: the server embeds nothing)."""
 
-    def __init__(self, api: HttpApi):
+    def __init__(self, api: HttpApi, embeddings: EmbeddingsApi | None = None):
         self.api = api
+        self.embeddings = embeddings
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -108,6 +122,8 @@ class OllamaApi:
             web.post("/api/show", self._show),
             web.get("/api/ps", self._ps),
             web.get("/api/version", self._version),
+            web.post("/api/embed", self._embed),
+            web.post("/api/embeddings", self._embeddings_legacy),
         ]
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -182,6 +198,42 @@ class OllamaApi:
 
     def _context_length(self) -> int:
         return self.api.services.limits.context_length
+
+    async def _embed(self, request: web.Request) -> web.Response:
+        return await self._embedding(request, legacy=False)
+
+    async def _embeddings_legacy(self, request: web.Request) -> web.Response:
+        return await self._embedding(request, legacy=True)
+
+    async def _embedding(self, request: web.Request, *, legacy: bool) -> web.Response:
+        """POST /api/embed: ``embeddings``, one unit vector an input, with Ollama's counts; the
+        older /api/embeddings: one ``embedding``. Both are the vectors /v1/embeddings answers."""
+        started = time.monotonic_ns()
+        if self.embeddings is None:
+            message = "this server serves no embedding model (it was started with --embedding-model none)"
+            return ollama_error(ErrorCode.NOT_FOUND, message)
+        try:
+            body = parse_json_object(await request.text(), "body")
+            asked = ollama_embed_request(body, served=self.embeddings.model_name, dimensions=DIMENSIONS, legacy=legacy)
+            texts = None if asked.input in (None, []) else checked_texts(asked.input)
+        except ProtocolError as exc:
+            return ollama_error(exc.code, exc.message)
+        try:
+            load_ns = await self.embeddings.load()
+            embedded = None if texts is None else await self.embeddings.embed(texts)
+        except EmbeddingModelUnavailable as exc:
+            return ollama_error(ErrorCode.INTERNAL_ERROR, str(exc))
+        vectors = [] if embedded is None else [v.tolist() for v in embedded.vectors]
+        if legacy:
+            return web.json_response({"embedding": vectors[0] if vectors else []}, headers=_NO_STORE)
+        answer = {
+            "model": asked.model,
+            "embeddings": vectors,
+            "total_duration": time.monotonic_ns() - started,
+            "load_duration": load_ns,
+            "prompt_eval_count": 0 if embedded is None else sum(embedded.token_counts),
+        }
+        return web.json_response(answer, headers=_NO_STORE)
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": OLLAMA_VERSION, "stopline": __version__}, headers=_NO_STORE)

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .auth import bearer
 from .http_api import _NO_STORE, _SSE_HEADERS, HttpReply, _request_headers, error_response
-from .protocol.errors import ProtocolError, UnknownRequest
+from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.responses import ResponsesRequest, incomplete_reason, response_status, responses_request
+from .protocol.responses import Earlier, ResponsesRequest, incomplete_reason, response_status, responses_request
+from .protocol.tool_calls import CallReader, CallStarted, Prose, ToolChoice
 from .protocol.validation import parse_json_object
 from .registry import Entry
 
@@ -46,6 +48,8 @@ class ResponsesReply(HttpReply):
         self.keep = keep
         self.created_at = int(time.time())
         self.id = ""
+        # The API key that started it (None: the server has no keys): only that key may continue it.
+        self.key_id: str | None = None
         self.headers: dict = {}
         self.queued = False
         self.texts: list[str] = []
@@ -73,7 +77,11 @@ class ResponsesReply(HttpReply):
         reason = None if ending is None else incomplete_reason(ending)
         output = []
         if self.id and (self.texts or ending is not None):
-            output.append(self._item("in_progress" if ending is None else self._item_status()))
+            status = "in_progress" if ending is None else self._item_status()
+            prose, calls = self.answer()
+            if prose or not calls:
+                output.append(self._item(status, text=prose))
+            output += [self._call(index, name, arguments, status) for index, (name, arguments) in enumerate(calls)]
         usage = None
         if ending is not None:
             usage = {
@@ -97,12 +105,13 @@ class ResponsesReply(HttpReply):
             "metadata": self.asked.metadata,
             "model": self.asked.model,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": self.asked.parallel_tool_calls,
+            "previous_response_id": self.asked.previous_response_id,
             "store": self.asked.store,
             "temperature": params.temperature,
             "text": {"format": self.asked.text_format},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": self.asked.tool_choice,
+            "tools": self.asked.tools,
             "top_p": params.top_p,
             "usage": usage,
             # Once it has ended, Stopline's terminal frame: how it ended (status and incomplete_details
@@ -113,8 +122,39 @@ class ResponsesReply(HttpReply):
     def _item_status(self) -> str:
         return "completed" if self.status == "completed" else "incomplete"
 
-    def _item(self, status: str, content: bool = True) -> dict:
-        parts = [self._part("".join(self.texts))] if content else []
+    def answer(self) -> tuple[str, list[tuple[str, str]]]:
+        """The answer so far: its text, and the function calls it holds (name, arguments), read
+        as chat completions reads them (what is not yet a whole call is held back as text)."""
+        text = "".join(self.texts)
+        if self.asked.calls is None:
+            return text, []
+        reader = CallReader(prose=self.asked.calls is ToolChoice.AUTO)
+        prose: list[str] = []
+        calls: list[list[str]] = []
+        for event in [*reader.feed(text), *reader.finish()]:
+            if isinstance(event, Prose):
+                prose.append(event.text)
+            elif isinstance(event, CallStarted):
+                calls.append([event.name, ""])
+            else:
+                calls[event.index][1] += event.text
+        return "".join(prose), [(name, arguments) for name, arguments in calls]
+
+    def call_id(self, index: int) -> str:
+        return f"call_{self.id.removeprefix(PREFIX)}_{index}"
+
+    def _call(self, index: int, name: str, arguments: str, status: str) -> dict:
+        return {
+            "id": f"fc_{self.id.removeprefix(PREFIX)}_{index}",
+            "type": "function_call",
+            "call_id": self.call_id(index),
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
+
+    def _item(self, status: str, content: bool = True, text: str | None = None) -> dict:
+        parts = [self._part("".join(self.texts) if text is None else text)] if content else []
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": parts}
 
     @staticmethod
@@ -203,10 +243,17 @@ class ResponsesApi:
         api = self.api
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = responses_request(body, models=api.models, limits=api.services.limits)
+            key_id = self._key_id(request)
+            asked = responses_request(
+                body,
+                models=api.models,
+                limits=api.services.limits,
+                earlier=lambda response_id: self.conversation(response_id, key_id),
+            )
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         reply = ResponsesReply(request, asked, self.keep)
+        reply.key_id = key_id
         if not asked.background:
             # In this handler, so that a lost connection cancels it and with it the generation.
             return await self._run(request, reply)
@@ -233,6 +280,36 @@ class ResponsesApi:
         ended = [key for key, kept in self.replies.items() if kept.answered.is_set()]
         for key in ended[: max(0, len(ended) - REMEMBERED)]:
             del self.replies[key]
+
+    def _key_id(self, request: web.Request) -> str | None:
+        """The id of the API key the request came with (None: the server has no keys)."""
+        keyring = self.api.services.keyring
+        if not keyring.required:
+            return None
+        key = keyring.lookup(bearer(request.headers.get("Authorization")) or request.headers.get("x-api-key"))
+        return key.key_id if key is not None else None
+
+    def conversation(self, response_id: str, key_id: str | None) -> Earlier:
+        """The turns a response continuing ``response_id`` comes after: that response's own
+        conversation, then its answer (what it had generated when it ended). Only the API key
+        that started it may continue it; to any other it is not found, as if it were not here."""
+        kept = self.replies.get(response_id)
+        if kept is None or not kept.asked.store or kept.key_id != key_id:
+            # Never here, store: false, or forgotten (the last REMEMBERED ended ones are kept).
+            raise ResponseNotFound(
+                f"no response with id {response_id!r} is kept here (responses with store: false, or older than "
+                f"the last {REMEMBERED}, are not)",
+                param="previous_response_id",
+            )
+        if not kept.answered.is_set():
+            raise InvalidField(
+                f"response {response_id!r} is still {kept.status}: continue it once it has ended",
+                param="previous_response_id",
+            )
+        # The answer as the model wrote it, its calls in the format it calls in.
+        answer = ({"role": "assistant", "content": "".join(kept.texts)},) if kept.texts else ()
+        names = {kept.call_id(index): name for index, (name, _) in enumerate(kept.answer()[1])}
+        return (*kept.asked.conversation, *answer), {**kept.asked.call_names, **names}
 
     def _reply(self, entry: Entry) -> ResponsesReply:
         reply = self.replies.get(PREFIX + entry.request_id)

@@ -496,8 +496,8 @@ FLAGS = [
         "--embedding-model",
         "embedding_model",
         one_of((*EMBEDDING_MODELS, "none")),
-        "the model POST /v1/embeddings answers with, under this name; loaded on the first request "
-        "(downloaded once, about 83 MB), so it costs nothing until used; none: no /v1/embeddings (docs/http.md, "
+        "the model POST /v1/embeddings and Ollama's /api/embed answer with, under this name; loaded on the first "
+        "request (downloaded once, about 83 MB), so it costs nothing until used; none: no embeddings (docs/http.md, "
         '"Embeddings")',
     ),
     Flag(

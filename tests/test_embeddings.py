@@ -16,6 +16,7 @@ import time
 import zipfile
 
 import numpy as np
+import ollama
 import pytest
 
 from stopline.embeddings_api import MAX_INPUTS, MAX_TOTAL_CHARS
@@ -208,6 +209,80 @@ async def test_embeddings_can_be_turned_off(llama_engine, http, logs):
     async with running_server(llama_engine, embedding_model="none") as server:
         status, error = await refused(http, server, {"model": MODEL, "input": "x"})
     assert (status, error["code"]) == (404, "not_found")
+
+
+# Ollama's /api/embed, through the real ollama package ------------------------
+
+
+def ollama_of(server) -> ollama.AsyncClient:
+    return ollama.AsyncClient(host=server.http.base_url.removesuffix("/v1"), timeout=120 * UNIT)
+
+
+async def test_ollamas_embed_is_the_same_vectors_as_openais(server):
+    texts = [FOOD, BREAD, BABY]
+    async with ollama_of(server) as client:
+        answer = await client.embed(model=MODEL, input=texts)
+        one = await client.embed(model=MODEL + ":latest", input=FOOD, truncate=True, keep_alive="5m")
+        legacy = await client.embeddings(model=MODEL, prompt=BREAD)
+    async with openai_client(server) as other:
+        openai = await other.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    ours = np.array(answer.embeddings, dtype=np.float32)
+    theirs = np.array([d.embedding for d in openai.data], dtype=np.float32)
+    assert ours.shape == (3, DIMENSIONS) and answer.model == MODEL
+    # Ollama's embeddings are unit length, so their dot product is their cosine.
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.sum(ours * theirs, axis=1), 1.0, atol=1e-5)
+    assert float(ours[0] @ ours[1]) > 0.6 and float(ours[0] @ ours[2]) < 0.3
+    assert answer.prompt_eval_count == openai.usage.prompt_tokens == 8 + 11 + 9
+    assert answer.total_duration > 0 and answer.load_duration >= 0
+    assert one.model == MODEL + ":latest" and one.prompt_eval_count == 8
+    np.testing.assert_allclose(one.embeddings[0], ours[0], atol=1e-5)
+    np.testing.assert_allclose(legacy.embedding, ours[1], atol=1e-5)
+
+
+async def test_an_empty_embed_only_loads_the_model(server, http):
+    base = server.http.base_url.removesuffix("/v1")
+    async with http.post(base + "/api/embed", json={"model": MODEL}) as response:
+        assert response.status == 200
+        answer = await response.json()
+    assert answer["embeddings"] == [] and answer["prompt_eval_count"] == 0
+    async with http.post(base + "/api/embeddings", json={"model": MODEL, "prompt": ""}) as response:
+        assert (await response.json()) == {"embedding": []}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "named"),
+    [
+        ("/api/embed", {"model": "llama3", "input": "x"}, 404, "model_not_found", "llama3"),
+        ("/api/embed", {"input": "x"}, 400, "invalid_field", "model"),
+        ("/api/embed", {"model": MODEL, "input": ["a", 3]}, 400, "invalid_field", "input"),
+        ("/api/embed", {"model": MODEL, "input": ["x"] * (MAX_INPUTS + 1)}, 400, "too_many_inputs", "input"),
+        ("/api/embed", {"model": MODEL, "input": "x", "truncate": False}, 400, "unsupported_parameter", "truncate"),
+        ("/api/embed", {"model": MODEL, "input": "x", "dimensions": 128}, 400, "unsupported_parameter", "dimensions"),
+        (
+            "/api/embed",
+            {"model": MODEL, "input": "x", "options": {"num_ctx": 8}},
+            400,
+            "unsupported_parameter",
+            "options",
+        ),
+        ("/api/embed", {"model": MODEL, "input": "x", "prompt": "x"}, 400, "unsupported_parameter", "prompt"),
+        ("/api/embeddings", {"model": MODEL, "prompt": ["x"]}, 400, "invalid_field", "prompt"),
+    ],
+)
+async def test_ollamas_embed_refuses_by_name(server, http, path, body, status, code, named):
+    async with http.post(server.http.base_url.removesuffix("/v1") + path, json=body) as response:
+        assert response.status == status
+        refused = await response.json()
+    assert refused["code"] == code and named in refused["error"]
+
+
+async def test_ollamas_embed_without_an_embedding_model_says_so(llama_engine, logs):
+    async with running_server(llama_engine, embedding_model="none") as server:
+        async with ollama_of(server) as client:
+            with pytest.raises(ollama.ResponseError) as refused:
+                await client.embed(model=MODEL, input=FOOD)
+    assert refused.value.status_code == 404 and "--embedding-model none" in refused.value.error
 
 
 # Where the model comes from ---------------------------------------------------

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
+from stopline import responses_api
 from stopline.protocol.openai_fields import Treatment
 from stopline.protocol.responses import FIELDS
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, WEATHER_TOOL
 
 KEY = "responses-test-key-0123456789"
 OTHER_KEY = "responses-other-key-0123456789"
@@ -171,11 +174,11 @@ async def _settled(client, response_id: str):
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "web_search"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "nope"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
         ({"background": True, "stream": True}, "background"),
         ({"temperature": 9}, "temperature"),
         ({"bogus": 1}, "bogus"),
@@ -207,3 +210,154 @@ async def test_text_format_json_schema_constrains_the_answer(llama_engine):
         )
     assert response.status == "completed" and response.text.format.type == "json_schema"
     assert isinstance(json.loads(response.output_text)["city"], str)
+
+
+async def test_previous_response_id_continues_the_conversation(engine):
+    first_input = "My name is Ada. Say hello to me."
+    async with running_server(engine, api_keys=(KEY, OTHER_KEY)) as server, keyed_client(server, KEY) as client:
+        first = await client.responses.create(
+            model=server.engine.name,
+            instructions="You are terse.",
+            input=first_input,
+            max_output_tokens=12,
+            temperature=0,
+        )
+        second = await client.responses.create(
+            model=server.engine.name,
+            previous_response_id=first.id,
+            input=[{"role": "user", "content": "What is my name?"}],
+            max_output_tokens=16,
+            temperature=0,
+        )
+        # The same turns as a chat: the first input and answer, then the new input; the first
+        # response's instructions are not carried over.
+        chat = await client.chat.completions.create(
+            model=server.engine.name,
+            messages=[
+                {"role": "user", "content": first_input},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is my name?"},
+            ],
+            max_tokens=16,
+            temperature=0,
+        )
+        # A chain goes on: the third response comes after both earlier turns.
+        third = await client.responses.create(
+            model=server.engine.name, previous_response_id=second.id, input="Thanks.", max_output_tokens=1
+        )
+        fetched = await client.responses.retrieve(second.id)
+        # Only the key that started a response may continue it: to another it is not here.
+        async with keyed_client(server, OTHER_KEY) as other:
+            refused = await previous_refused(other, server, second.id)
+        assert isinstance(refused, openai.NotFoundError) and refused.body["param"] == "previous_response_id"
+    assert first.output_text and second.previous_response_id == first.id == fetched.previous_response_id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+async def previous_refused(client, server, previous: str) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.responses.create(
+            model=server.engine.name, previous_response_id=previous, input="Hi", max_output_tokens=1
+        )
+    return refused.value
+
+
+async def test_an_unknown_unstored_or_forgotten_previous_response_is_not_found(server, monkeypatch):
+    monkeypatch.setattr(responses_api, "REMEMBERED", 1)
+    async with openai_client(server) as client:
+        unstored = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1, store=False)
+        oldest = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        newest = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        newer = await client.responses.create(model=server.engine.name, input="Hi", max_output_tokens=1)
+        for previous in ("resp_no-such-response", unstored.id, oldest.id):
+            refused = await previous_refused(client, server, previous)
+            assert isinstance(refused, openai.NotFoundError), previous
+            assert refused.body["code"] == "not_found" and refused.body["param"] == "previous_response_id"
+            assert previous in refused.body["message"]
+        # The last one remembered is still there to continue.
+        kept = await client.responses.create(
+            model=server.engine.name, previous_response_id=newer.id, input="Hi", max_output_tokens=1
+        )
+    assert kept.previous_response_id == newer.id and newest.id != newer.id
+    assert server.scheduler.active == 0
+
+
+async def test_a_response_still_running_cannot_be_continued_yet(engine):
+    async with running_server(engine, api_keys=(KEY,)) as server, keyed_client(server, KEY) as client:
+        running = await client.responses.create(
+            model=server.engine.name, input=LONG_ANSWER, max_output_tokens=2000, background=True
+        )
+        refused = await previous_refused(client, server, running.id)
+        assert isinstance(refused, openai.BadRequestError) and refused.body["code"] == "invalid_field"
+        assert refused.body["param"] == "previous_response_id"
+        await client.responses.cancel(running.id)
+
+
+# Responses' function tool: the chat tool's function, flat.
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+QUESTION = "What is the weather in Paris?"
+
+
+async def test_a_function_call_and_its_output_go_round_as_on_chat_completions(llama_engine):
+    async with running_server(llama_engine) as server, openai_client(server, GRAMMAR_TIMEOUT) as client:
+        called = await client.responses.create(
+            model=server.engine.name,
+            input=QUESTION,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+        )
+        [call] = called.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
+        assert called.status == "completed" and called.tools[0].name == "get_weather"
+        # The call and its output sent back: the same prompt and greedy answer as the chat's.
+        items = [
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"},
+        ]
+        answered = await client.responses.create(
+            model=server.engine.name,
+            input=items,
+            tools=[WEATHER],
+            tool_choice="none",
+            temperature=0,
+            max_output_tokens=24,
+        )
+        chat = await client.chat.completions.create(
+            model=server.engine.name,
+            messages=[
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "22 degrees and sunny"},
+            ],
+            tools=[WEATHER_TOOL],
+            tool_choice="none",
+            temperature=0,
+            max_tokens=24,
+        )
+        assert answered.usage.input_tokens == chat.usage.prompt_tokens
+        assert answered.output_text == chat.choices[0].message.content and answered.output_text
+        # Or after the response that called, by its id: only the output is sent.
+        continued = await client.responses.create(
+            model=server.engine.name,
+            previous_response_id=called.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"}],
+            tools=[WEATHER],
+            temperature=0,
+            max_output_tokens=24,
+        )
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model=server.engine.name, input=QUESTION, tools=[WEATHER], stream=True)
+    assert refused.value.body["param"] == "stream"
+    assert continued.output and continued.usage.input_tokens > called.usage.input_tokens

@@ -249,6 +249,10 @@ class LazyEncoder:
         self._lock = threading.Lock()
         self._encoder: SentenceEncoder | None = None
 
+    @property
+    def loaded(self) -> bool:
+        return self._encoder is not None
+
     def get(self) -> SentenceEncoder:
         with self._lock:
             if self._encoder is None:

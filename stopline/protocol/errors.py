@@ -181,6 +181,12 @@ class ModelNotFound(ProtocolError):
     code = ErrorCode.MODEL_NOT_FOUND
 
 
+class ResponseNotFound(ProtocolError):
+    """A Responses request continues a response (previous_response_id) this server does not keep."""
+
+    code = ErrorCode.NOT_FOUND
+
+
 class PreparationFailed(ProtocolError):
     """The server could not prepare a request (a bug): it ends alone, with internal_error."""
 

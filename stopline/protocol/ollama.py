@@ -72,6 +72,24 @@ GENERATE_FIELDS: dict[str, Field] = {
     "steps": _REFUSED,
 }
 
+# POST /api/embed, and the older POST /api/embeddings (one ``prompt``, one ``embedding``).
+_EMBED_COMMON: dict[str, Field] = {
+    "model": _HONOURED,
+    # The embedding model stays loaded as long as the server runs, once loaded.
+    "keep_alive": _HONOURED,
+    # Options tune generation and how a model is loaded; none of them changes an embedding.
+    "options": _default_only({}),
+}
+EMBED_FIELDS: dict[str, Field] = {
+    **_EMBED_COMMON,
+    "input": _HONOURED,
+    # Every input is cut at the model's 256 tokens, as Ollama's default truncate does.
+    "truncate": _default_only(True),
+    # Honoured at the model's own size only, checked against it.
+    "dimensions": _HONOURED,
+}
+EMBEDDINGS_FIELDS: dict[str, Field] = {**_EMBED_COMMON, "prompt": _HONOURED}
+
 # Every field of ``options``. Those that size how a model is loaded are the server's settings.
 OPTIONS: dict[str, Field] = {
     "temperature": Field(Treatment.HONOURED, frame_name="temperature"),
@@ -120,6 +138,37 @@ class OllamaRequest:
     model: str
     chat: bool
     stream: bool
+
+
+@dataclass(frozen=True)
+class OllamaEmbedRequest:
+    # The ``input`` (or the older ``prompt``) as sent, for the embedding API's own checks; None
+    # (or an empty list) only asks that the model be loaded, as with Ollama.
+    input: object
+    # The model name the answer reports.
+    model: str
+
+
+def ollama_embed_request(body: dict, *, served: str, dimensions: int, legacy: bool) -> OllamaEmbedRequest:
+    """What an /api/embed body (``legacy``: /api/embeddings) asks for, or the ProtocolError that refuses it."""
+    _check(body, EMBEDDINGS_FIELDS if legacy else EMBED_FIELDS, "")
+    requested = body.get("model")
+    if not isinstance(requested, str) or not requested:
+        raise InvalidField("model is required", param="model")
+    model = requested.removesuffix(":latest")
+    if model != served:
+        raise ModelNotFound(
+            f"model {requested!r} does not serve embeddings here; this server embeds with {served!r}", param="model"
+        )
+    asked = body.get("dimensions")
+    if asked is not None and (isinstance(asked, bool) or asked != dimensions):
+        raise UnsupportedParameter(f"dimensions must be {dimensions}, this model's size, if given", param="dimensions")
+    if legacy:
+        prompt = body.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidField("prompt must be a string", param="prompt")
+        return OllamaEmbedRequest(prompt or None, requested)
+    return OllamaEmbedRequest(body.get("input"), requested)
 
 
 def done_reason(ending: Ending) -> str:

@@ -10,12 +10,15 @@ writes them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from .errors import InvalidField, ModelNotFound, UnsupportedParameter
+from .errors import InvalidField, ModelNotFound, ResponseNotFound, UnsupportedParameter
 from .frames import GenerateFrame
-from .openai_fields import ServedModels, Treatment
+from .openai_fields import ServedModels, Treatment, _tool_call, _with_system
 from .requests import Ending, Limits
+from .tool_calls import ToolChoice, call_text
+from .tool_calls import instructions as call_instructions
 from .validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
 from .vocabulary import Outcome, Reason
 
@@ -42,11 +45,14 @@ FIELDS: dict[str, Treatment] = {
     "top_k": Treatment.HONOURED,
     "timeout_s": Treatment.HONOURED,
     "ttft_timeout_s": Treatment.HONOURED,
-    "tools": Treatment.REFUSED,
-    "tool_choice": Treatment.REFUSED,
-    "parallel_tool_calls": Treatment.REFUSED,
+    # An earlier response this server keeps (store: true, among the last it remembers): its
+    # conversation and its answer come before this input.
+    "previous_response_id": Treatment.HONOURED,
+    # Function tools, called as on chat completions (docs/protocol.md#tool-calls); answered in one body.
+    "tools": Treatment.HONOURED,
+    "tool_choice": Treatment.HONOURED,
+    "parallel_tool_calls": Treatment.HONOURED,
     "max_tool_calls": Treatment.REFUSED,
-    "previous_response_id": Treatment.REFUSED,
     "conversation": Treatment.REFUSED,
     "context_management": Treatment.REFUSED,
     "include": Treatment.REFUSED,
@@ -83,6 +89,26 @@ class ResponsesRequest:
     store: bool
     # The request's own text.format, echoed in the Response's ``text``.
     text_format: dict
+    # The chat without the instructions: the earlier responses' turns, then this input. A later
+    # response that names this one continues it (instructions are not carried over, as with OpenAI).
+    conversation: tuple[dict, ...] = ()
+    previous_response_id: str | None = None
+    # The function name of each call id in the conversation, for the calls' outputs.
+    call_names: dict[str, str] = field(default_factory=dict)
+    # How the answer is read: None, text; else whether it may be prose before its calls.
+    calls: ToolChoice | None = None
+    # Echoed in the Response as asked (Responses' own shapes).
+    tools: list = field(default_factory=list)
+    tool_choice: object = "none"
+    parallel_tool_calls: bool = True
+
+
+# What a previous_response_id continues: the turns before the new input, and its calls' names.
+Earlier = tuple[tuple[dict, ...], dict[str, str]]
+
+
+def _no_earlier(response_id: str) -> Earlier:
+    raise ResponseNotFound(f"no response with id {response_id!r} is kept here", param="previous_response_id")
 
 
 def response_status(ending: Ending) -> str:
@@ -105,8 +131,16 @@ def incomplete_reason(ending: Ending) -> str | None:
     return "max_output_tokens" if ending.outcome is Outcome.DONE and ending.reason is Reason.MAX_TOKENS else None
 
 
-def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> ResponsesRequest:
-    """The generate frame a Responses request body asks for, or the ProtocolError that refuses it."""
+def responses_request(
+    body: dict,
+    *,
+    models: ServedModels,
+    limits: Limits,
+    earlier: Callable[[str], Earlier] = _no_earlier,
+) -> ResponsesRequest:
+    """The generate frame a Responses request body asks for, or the ProtocolError that refuses it.
+    ``earlier`` gives the conversation a ``previous_response_id`` continues (its turns and its
+    answer), or raises the ProtocolError that refuses the id."""
     for name, value in body.items():
         treatment = FIELDS.get(name)
         if treatment is None:
@@ -120,10 +154,30 @@ def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> Re
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidField("instructions must be a string", param="instructions")
-    chat = _input(body.get("input"))
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidField("previous_response_id must be a response's id", param="previous_response_id")
+    turns, call_names = earlier(previous) if previous else ((), {})
+    call_names = dict(call_names)
+    conversation = (*turns, *_input(body.get("input"), call_names))
+    chat = list(conversation)
     if instructions:
         chat.insert(0, {"role": "system", "content": instructions})
-    frame: dict = {"messages": chat}
+    frame: dict = {}
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    call = _tool_call(_chat_tools(tools), _chat_choice(choice), limits.grammars)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidField("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    if call is not None:
+        if body.get("stream") is True:
+            raise UnsupportedParameter("stream with tools is not supported yet: ask without stream", param="stream")
+        chosen, kind = call
+        frame.update(tools=chosen, tool_choice=str(kind), parallel_tool_calls=parallel is not False)
+        shown = call_instructions([t["function"] for t in chosen], kind, parallel is not False)
+        chat = _with_system(chat, shown)
+    frame["messages"] = chat
     if body.get("max_output_tokens") is not None:
         frame["max_tokens"] = body["max_output_tokens"]
     for name in _SAMPLING:
@@ -138,6 +192,8 @@ def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> Re
     ):
         raise InvalidField("metadata must map strings to strings", param="metadata")
     text_format = _text_format(body.get("text"), limits.grammars, frame)
+    if call is not None and text_format.get("type") != "text":
+        raise InvalidField("give text.format or a tool_choice that calls, not both", param="tool_choice")
     for name in ("stream", "background", "store"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidField(f"{name} must be true or false", param=name)
@@ -156,23 +212,85 @@ def responses_request(body: dict, *, models: ServedModels, limits: Limits) -> Re
         background=background,
         store=store,
         text_format=text_format,
+        conversation=conversation,
+        previous_response_id=previous,
+        call_names=call_names,
+        calls=None if call is None else call[1],
+        tools=tools or [],
+        tool_choice=choice if choice is not None else ("auto" if tools else "none"),
+        parallel_tool_calls=parallel is not False,
     )
 
 
-def _input(value: object) -> list[dict]:
-    """The chat ``input`` asks for: a string is one user message; a list holds message items."""
+def _chat_tools(tools: object) -> list[dict] | None:
+    """Responses' function tools, ``{"type": "function", "name", "parameters", ...}``, in chat's shape."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidField("tools must be a list of function tools", param="tools")
+    shown = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise UnsupportedParameter(f"tools[{i}]: only function tools are supported (got {kind!r})", param="tools")
+        assert isinstance(tool, dict)
+        function = {k: v for k, v in tool.items() if k != "type"}
+        # strict or not, the parameters are enforced; null fields count as absent.
+        function = {k: v for k, v in function.items() if v is not None}
+        shown.append({"type": "function", "function": function})
+    return shown
+
+
+def _chat_choice(choice: object) -> object:
+    """Responses' ``{"type": "function", "name": ...}`` in chat's shape; the strings as they are."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "name"}:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _input(value: object, call_names: dict[str, str]) -> list[dict]:
+    """The chat ``input`` asks for: a string is one user message; a list holds message items,
+    and function calls and their outputs. A call becomes the text the model would have written
+    for it, in the assistant's turn; its output, a user message naming the function, as on chat
+    completions. ``call_names`` gains each call's id."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidField("input must be a string or a list of at least one message", param="input")
-    return [_message(item, i) for i, item in enumerate(value)]
+    chat: list[dict] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":
+            name, call_id = _call_field(item, i, "name"), _call_field(item, i, "call_id")
+            call_names[call_id] = name
+            written = call_text(name, _call_field(item, i, "arguments"))
+            last = chat[-1] if chat else None
+            if last is not None and last["role"] == "assistant":
+                chat[-1] = {"role": "assistant", "content": "\n".join(t for t in (last["content"], written) if t)}
+            else:
+                chat.append({"role": "assistant", "content": written})
+        elif kind == "function_call_output":
+            name = call_names.get(_call_field(item, i, "call_id"), "the function")
+            output = _content(item.get("output"), f"input[{i}].output")
+            chat.append({"role": "user", "content": f"{name} returned: {output}"})
+        else:
+            chat.append(_message(item, i))
+    return chat
+
+
+def _call_field(item: dict, index: int, name: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise InvalidField(f"input[{index}].{name} must be a string", param="input")
+    return value
 
 
 def _message(item: object, index: int) -> dict:
     where = f"input[{index}]"
     kind = item.get("type", "message") if isinstance(item, dict) else None
     if kind != "message":
-        raise UnsupportedParameter(f"{where}: only message items are supported (got {kind!r})", param="input")
+        supported = "message, function_call and function_call_output"
+        raise UnsupportedParameter(f"{where}: only {supported} items are supported (got {kind!r})", param="input")
     assert isinstance(item, dict)
     role = item.get("role")
     if role not in _ROLES:
