@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .auth import bearer
-from .http_api import _NO_STORE, _SSE_HEADERS, HttpReply, _request_headers, error_response
+from .http_api import _NO_STORE, _SSE_HEADERS, API_KEY, HttpReply, _request_headers, error_response
 from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.responses import Earlier, ResponsesRequest, incomplete_reason, response_status, responses_request
@@ -243,7 +242,9 @@ class ResponsesApi:
         api = self.api
         try:
             body = parse_json_object(await request.text(), "body")
-            key_id = self._key_id(request)
+            key = request.get(API_KEY)
+            # The API key the request came with (None: the server has no keys).
+            key_id = key.key_id if key is not None else None
             asked = responses_request(
                 body,
                 models=api.models,
@@ -280,14 +281,6 @@ class ResponsesApi:
         ended = [key for key, kept in self.replies.items() if kept.answered.is_set()]
         for key in ended[: max(0, len(ended) - REMEMBERED)]:
             del self.replies[key]
-
-    def _key_id(self, request: web.Request) -> str | None:
-        """The id of the API key the request came with (None: the server has no keys)."""
-        keyring = self.api.services.keyring
-        if not keyring.required:
-            return None
-        key = keyring.lookup(bearer(request.headers.get("Authorization")) or request.headers.get("x-api-key"))
-        return key.key_id if key is not None else None
 
     def conversation(self, response_id: str, key_id: str | None) -> Earlier:
         """The turns a response continuing ``response_id`` comes after: that response's own
