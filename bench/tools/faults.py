@@ -35,6 +35,7 @@ from stopline.cluster import CANCELLATIONS, ENDED_STATUSES, generation_key
 from stopline.protocol.vocabulary import StoreEvent
 
 from ..launch import ServerProcess
+from ..report import write_results_section
 from ..servers import RedisServer
 
 AT_ONCE = 4
@@ -195,6 +196,49 @@ async def kill(args) -> dict:
     }
 
 
+def churn_section(result: dict, command: str) -> str:
+    rows = [
+        f"| {name} | {r['requests']:,} | {dict(r['rss_mib'])[r['growth_from_request']]:.1f} | "
+        f"{r['rss_mib'][-1][1]:.1f} | {r['growth_mib']:+.2f} |"
+        for name, r in result.items()
+    ]
+    first = next(iter(result.values()))["growth_from_request"]
+    return "\n".join(
+        [
+            "## Memory under keep-alive churn",
+            "",
+            f"`{command}`: the server's defaults, one-token requests, four at a time on connections that stay open.",
+            "",
+            f"| connections | requests | RSS at request {first:,} (MiB) | RSS at the last (MiB) | growth (MiB) |",
+            "|---|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+
+
+def kill_section(result: dict, command: str) -> str:
+    rows = [
+        f"| {n + 1} | {r['delete_s'] * 1000:.0f} | {r['delete_answer']} | {r['all_ended_s'] * 1000:.0f} | "
+        f"{', '.join(r['statuses'])} | {', '.join(map(str, r['log_records_per_id']))} |"
+        for n, r in enumerate(result["rounds"])
+    ]
+    return "\n".join(
+        [
+            "## A replica killed with generations running",
+            "",
+            f"`{command}`: redis-server and two replicas on the loopback, a third killed (SIGKILL) while it runs"
+            " its generations; times from the kill.",
+            "",
+            "| round | DELETE through a survivor answered (ms) | its answer | every generation ended in Redis (ms) |"
+            " statuses | cancellation-log records per id |",
+            "|---:|---:|---|---:|---|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +251,7 @@ def main(argv: list[str]) -> int:
     kill_parser.add_argument("--generations", type=int, default=3)
     for sub in (churn_parser, kill_parser):
         sub.add_argument("--out", type=Path, default=Path("bench/out"))
+        sub.add_argument("--results-md", action="store_true", help="also write the run's section of bench/RESULTS.md")
     args = parser.parse_args(argv)
     result = asyncio.run(churn(args) if args.command == "churn" else kill(args))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -214,4 +259,8 @@ def main(argv: list[str]) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(f"written to {path}", file=sys.stderr)
+    if args.results_md:
+        command = " ".join(["python -m bench faults", *argv])
+        section = (churn_section if args.command == "churn" else kill_section)(result, command)
+        write_results_section(Path(__file__).resolve().parents[1] / "RESULTS.md", f"faults-{args.command}", section)
     return 0
