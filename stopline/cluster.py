@@ -52,6 +52,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -64,11 +65,9 @@ from .protocol.throttle import Throttle
 from .protocol.vocabulary import (
     END_EVENTS,
     STATUS_BY_OUTCOME,
-    DropCause,
     Outcome,
     Reason,
     Status,
-    StoreEvent,
     StoreState,
 )
 from .registry import Entry, Registry
@@ -170,6 +169,30 @@ def token_digest(token: str) -> str:
 
 def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
+
+
+class StoreEvent(StrEnum):
+    """The log events of the shared store."""
+
+    UP = "store_up"
+    DOWN = "store_down"
+    WRITES_DROPPED = "store_writes_dropped"
+    REMOTE_CANCEL = "remote_cancel"
+    SESSION_FAILED = "store_session_failed"
+    MESSAGE_INVALID = "store_message_invalid"
+    # A replica's heartbeat lapsed: this replica ended its generations in the store (owner_lost).
+    REPLICA_LOST = "replica_lost"
+
+
+class DropCause(StrEnum):
+    """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
+
+    # The queue of writes waiting for Redis was full: the oldest went.
+    QUEUE_FULL = "queue_full"
+    # Redis answered it with an error, every time it was tried.
+    REJECTED = "rejected"
+    # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
+    SHUTDOWN = "shutdown"
 
 
 @dataclass

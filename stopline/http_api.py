@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
+from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
-from .protocol.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
 from .protocol.errors import InvalidCancelToken, ProtocolError, RequestLookupError, StoreUnavailable, UnknownRequest
 from .protocol.frames import (
     Accepted,
@@ -40,14 +41,13 @@ from .protocol.frames import (
     encode_json,
     ends_request,
 )
-from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .protocol.requests import Ending
-from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .protocol.validation import generate_frame, parse_json_object
 from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
+from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 
 if TYPE_CHECKING:
     from .cluster import Cluster

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .api.responses import ResponsesRequest, incomplete_reason, response_status, responses_request
 from .http_api import _NO_STORE, _SSE_HEADERS, HttpReply, _request_headers, error_response
 from .protocol.errors import ProtocolError, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.responses import ResponsesRequest, incomplete_reason, response_status, responses_request
 from .protocol.validation import parse_json_object
 from .registry import Entry
 

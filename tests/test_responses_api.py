@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from stopline.protocol.openai_fields import Treatment
-from stopline.protocol.responses import FIELDS
+from stopline.api.openai_fields import Treatment
+from stopline.api.responses import FIELDS
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
 
 KEY = "responses-test-key-0123456789"
