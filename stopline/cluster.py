@@ -50,7 +50,6 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -243,8 +242,6 @@ class Cluster:
         # previous life's generations, which its heartbeat then says.
         self.incarnation = uuid.uuid4().hex
         self.state = StoreState.DOWN
-        # Stops a request held here when another replica asks; None: it is not here.
-        self.cancel_here: Callable[[str], Awaitable[Status | None]] | None = None
         # No retries inside the client: a failed command marks the store down at once,
         # and the supervisor below reconnects.
         self._client = redis.from_url(
@@ -576,7 +573,8 @@ class Cluster:
     async def _serve_cancel(self, body: dict) -> None:
         """Another replica's DELETE of a request held here: stop it, answer with the outcome that won."""
         request_id = body.get("request_id")
-        status = await self.cancel_here(request_id) if self.cancel_here and isinstance(request_id, str) else None
+        # Authorized by the asking replica; None: not held here.
+        status = await self.registry.cancel(request_id) if isinstance(request_id, str) else None
         log.info(
             StoreEvent.REMOTE_CANCEL,
             request_id=request_id,

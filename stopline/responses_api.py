@@ -250,7 +250,7 @@ class ResponsesApi:
 
         async def here(entry: Entry) -> dict:
             reply = self._reply(entry)
-            await self.api._cancel(entry, now)
+            await entry.cancel(now)
             # The Response once its terminal frame is in: cancelled, or how it had ended before.
             await reply.answered.wait()
             return reply.body()
