@@ -37,6 +37,7 @@ from websockets.http11 import Request as HTTPRequest
 from websockets.http11 import Response
 from websockets.typing import Subprotocol
 
+from .api.openai_fields import ServedModels
 from .auth import (
     SUBPROTOCOL,
     WWW_AUTHENTICATE,
@@ -57,7 +58,6 @@ from .observability import Metrics, log
 from .ollama_api import OllamaApi
 from .protocol.connection import AddressQuota
 from .protocol.frames import ErrorFrame, encode_frame
-from .protocol.openai_fields import ServedModels
 from .protocol.origin import LOOPBACK_NAMES
 from .protocol.vocabulary import ChatFormat, EngineName, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas

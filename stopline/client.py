@@ -21,10 +21,15 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from .protocol.errors import ServerUnreachable, UsageError
+from .protocol.errors import StoplineError, UsageError
 from .protocol.requests import DEFAULT_SAMPLING
 from .protocol.vocabulary import TERMINAL_TYPES, ErrorCode, Outcome
 from .settings import client_api_key, client_url
+
+
+class ServerUnreachable(StoplineError):
+    """The server could not be reached or refused the WebSocket; one line for the user."""
+
 
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
 EXIT_CODES = {Outcome.DONE: 0, Outcome.CANCELLED: 130, Outcome.TIMEOUT: 2, Outcome.ERROR: 1}

@@ -50,8 +50,8 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -64,11 +64,9 @@ from .protocol.throttle import Throttle
 from .protocol.vocabulary import (
     END_EVENTS,
     STATUS_BY_OUTCOME,
-    DropCause,
     Outcome,
     Reason,
     Status,
-    StoreEvent,
     StoreState,
 )
 from .registry import Entry, Registry
@@ -172,6 +170,30 @@ def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
 
 
+class StoreEvent(StrEnum):
+    """The log events of the shared store."""
+
+    UP = "store_up"
+    DOWN = "store_down"
+    WRITES_DROPPED = "store_writes_dropped"
+    REMOTE_CANCEL = "remote_cancel"
+    SESSION_FAILED = "store_session_failed"
+    MESSAGE_INVALID = "store_message_invalid"
+    # A replica's heartbeat lapsed: this replica ended its generations in the store (owner_lost).
+    REPLICA_LOST = "replica_lost"
+
+
+class DropCause(StrEnum):
+    """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
+
+    # The queue of writes waiting for Redis was full: the oldest went.
+    QUEUE_FULL = "queue_full"
+    # Redis answered it with an error, every time it was tried.
+    REJECTED = "rejected"
+    # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
+    SHUTDOWN = "shutdown"
+
+
 @dataclass
 class Write:
     """One queued write, one command: a generation's whole hash, its place in its owner's set of live
@@ -220,8 +242,6 @@ class Cluster:
         # previous life's generations, which its heartbeat then says.
         self.incarnation = uuid.uuid4().hex
         self.state = StoreState.DOWN
-        # Stops a request held here when another replica asks; None: it is not here.
-        self.cancel_here: Callable[[str], Awaitable[Status | None]] | None = None
         # No retries inside the client: a failed command marks the store down at once,
         # and the supervisor below reconnects.
         self._client = redis.from_url(
@@ -553,7 +573,8 @@ class Cluster:
     async def _serve_cancel(self, body: dict) -> None:
         """Another replica's DELETE of a request held here: stop it, answer with the outcome that won."""
         request_id = body.get("request_id")
-        status = await self.cancel_here(request_id) if self.cancel_here and isinstance(request_id, str) else None
+        # Authorized by the asking replica; None: not held here.
+        status = await self.registry.cancel(request_id) if isinstance(request_id, str) else None
         log.info(
             StoreEvent.REMOTE_CANCEL,
             request_id=request_id,

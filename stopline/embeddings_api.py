@@ -28,7 +28,6 @@ from .protocol.errors import (
     PromptTooLong,
     ProtocolError,
     StoplineError,
-    TooManyInputs,
     UnsupportedParameter,
 )
 from .protocol.validation import parse_json_object
@@ -36,6 +35,13 @@ from .protocol.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
     from .http_api import HttpApi
+
+
+class TooManyInputs(ProtocolError):
+    """POST /v1/embeddings: more inputs than one request may embed."""
+
+    code = ErrorCode.TOO_MANY_INPUTS
+
 
 # What one request may embed: this many inputs, this many characters in all (inputs are cut
 # at 256 tokens each, about 1,000 characters of English, so more text would only cost

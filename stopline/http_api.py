@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
+from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
-from .protocol.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
 from .protocol.errors import (
     DuplicateId,
     InvalidCancelToken,
@@ -48,14 +49,13 @@ from .protocol.frames import (
     encode_json,
     ends_request,
 )
-from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .protocol.requests import Ending
-from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
-from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
+from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
+from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -548,7 +548,6 @@ class HttpApi:
         )
         self.app.on_response_prepare.append(self._cors_headers)
         if cluster is not None:
-            cluster.cancel_here = self._cancel_here
             self.app.on_response_prepare.append(self._replica_header)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
@@ -728,7 +727,7 @@ class HttpApi:
         now = time.monotonic_ns()
 
         async def here(entry: Entry) -> dict:
-            return {"request_id": entry.request_id, "status": str(await self._cancel(entry, now))}
+            return {"request_id": entry.request_id, "status": str(await entry.cancel(now))}
 
         cluster = self.cluster
 
@@ -737,19 +736,6 @@ class HttpApi:
             return {"request_id": request_id, "status": await cluster.cancel(request_id, token, key_id)}
 
         return await self._by_id(request, here, elsewhere if cluster is not None else None)
-
-    async def _cancel(self, entry: Entry, now: int) -> Status:
-        if entry.ending is None:
-            assert entry.request is not None and entry.session is not None  # held until it has ended
-            await entry.session.cancel(entry.request, Reason.USER_CANCELLED, now)
-            # Answer with the outcome that won, which the loop reports within one step.
-            await entry.wait_ended()
-        return entry.status
-
-    async def _cancel_here(self, request_id: str) -> Status | None:
-        """Another replica's DELETE, relayed by the shared store (authorized there); None: not held here."""
-        entry = self.services.registry.get(request_id)
-        return None if entry is None else await self._cancel(entry, time.monotonic_ns())
 
     async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
         """Answer for the generation named in the path: from this replica's registry if it holds it,

@@ -3,7 +3,7 @@ and the model listings its clients read (tags, show, ps, version).
 
 Each generation runs through the same session, scheduler and native loop as every other API's
 (:meth:`HttpApi._generate`), so a closed connection cancels it with reason client_disconnected.
-The request's translation is :mod:`.protocol.ollama`.
+The request's translation is :mod:`.api.ollama`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from . import __version__
-from .embeddings_api import EmbeddingModelUnavailable, checked_texts
-from .engine.embeddings import DIMENSIONS
-from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
-from .protocol.errors import ProtocolError
-from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.ollama import (
+from .api.ollama import (
     OLLAMA_VERSION,
     OllamaRequest,
     counts,
@@ -29,6 +24,11 @@ from .protocol.ollama import (
     ollama_embed_request,
     ollama_request,
 )
+from .embeddings_api import EmbeddingModelUnavailable, checked_texts
+from .engine.embeddings import DIMENSIONS
+from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
+from .protocol.errors import ProtocolError
+from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.validation import parse_json_object
 from .protocol.vocabulary import ErrorCode, Refusal
 

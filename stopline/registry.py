@@ -2,7 +2,9 @@
 
 A live entry knows its session (the Sink that owns the request), so a DELETE
 from anyone holding the cancel token, or the API key that started the
-request, stops it exactly as the owner's own cancel would. An ended entry keeps only the outcome and the counts, so a
+request, stops it exactly as the owner's own cancel would: cancel by id lives
+here (:meth:`Entry.cancel`, :meth:`Registry.cancel`), whichever server or
+replica asks. An ended entry keeps only the outcome and the counts, so a
 repeated DELETE or GET gets the same answer after the request is gone.
 
 With a shared store (``--redis-url``) a listener hears of every entry added
@@ -64,6 +66,15 @@ class Entry:
         if self._ended is None:
             self._ended = asyncio.Event()
         await self._ended.wait()
+
+    async def cancel(self, now_ns: int) -> Status:
+        """Stop the request as its owner's own cancel would (reason user_cancelled), and answer with the
+        outcome that won, which the loop reports within one step; an ended one answers with its end."""
+        if self.ending is None:
+            assert self.request is not None and self.session is not None  # held until it has ended
+            await self.session.cancel(self.request, Reason.USER_CANCELLED, now_ns)
+            await self.wait_ended()
+        return self.status
 
     def _end(self, ending: Ending) -> None:
         # Forget the prompt and the connection; keep what GET and DELETE answer with.
@@ -149,6 +160,12 @@ class Registry:
     def get(self, request_id: str) -> Entry | None:
         """The entry for ``request_id``, unchecked: for code in this process, never for a client."""
         return self._live.get(request_id) or self._ended.get(request_id)
+
+    async def cancel(self, request_id: str) -> Status | None:
+        """Stop ``request_id`` for a caller that has authorized it elsewhere (another replica's DELETE,
+        relayed by the shared store): its status once stopped; None if this process does not hold it."""
+        entry = self.get(request_id)
+        return None if entry is None else await entry.cancel(time.monotonic_ns())
 
     def authorize(self, request_id: str, cancel_token: str | None, key_id: str | None = None) -> Entry:
         """The entry, if ``cancel_token`` is its cancel token or ``key_id`` the id of the key that started it

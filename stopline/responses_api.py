@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .api.responses import Earlier, ResponsesRequest, incomplete_reason, response_status, responses_request
 from .http_api import _NO_STORE, _SSE_HEADERS, API_KEY, HttpReply, _request_headers, error_response
 from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, UnknownRequest
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
-from .protocol.responses import Earlier, ResponsesRequest, incomplete_reason, response_status, responses_request
-from .protocol.tool_calls import CallReader, CallStarted, Prose, ToolChoice
 from .protocol.validation import parse_json_object
 from .registry import Entry
+from .structured.tool_calls import CallReader, CallStarted, Prose, ToolChoice
 
 if TYPE_CHECKING:
     from .http_api import HttpApi
@@ -323,7 +323,7 @@ class ResponsesApi:
 
         async def here(entry: Entry) -> dict:
             reply = self._reply(entry)
-            await self.api._cancel(entry, now)
+            await entry.cancel(now)
             # The Response once its terminal frame is in: cancelled, or how it had ended before.
             await reply.answered.wait()
             return reply.body()

@@ -28,6 +28,7 @@ from .protocol.errors import UsageError
 from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
 from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
+from .structured.frame_grammar import frame_grammar
 
 MIB = 1024 * 1024
 # llama-server's --cache-ram default, the most the prompt cache takes unasked.
@@ -236,7 +237,7 @@ class Settings:
             context_length=engine.context_length,
             vocab_size=engine.vocab_size,
             max_prompt_bytes=min(bound, self.max_frame_bytes),
-            grammars=engine.kind is EngineName.LLAMA_CPP,
+            grammar_of=frame_grammar if engine.kind is EngineName.LLAMA_CPP else None,
         )
 
 

@@ -8,8 +8,8 @@ import anthropic
 import openai
 import pytest
 
-from stopline.protocol.anthropic_messages import FIELDS
-from stopline.protocol.openai_fields import Treatment
+from stopline.api.anthropic_messages import FIELDS
+from stopline.api.openai_fields import Treatment
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, running_server, wait_for
 
 KEY = "anthropic-test-key-0123456789"

@@ -28,7 +28,7 @@ from websockets.asyncio.client import connect
 from bench.servers import RedisServer
 from stopline.app import StoplineServer
 from stopline.auth import ApiKey, Quota, add_key, revoke_key
-from stopline.cluster import CANCELLATIONS, generation_key
+from stopline.cluster import CANCELLATIONS, StoreEvent, generation_key
 from stopline.engine.model import EMBEDDED_MODEL_NAME
 from stopline.protocol.vocabulary import (
     ErrorCode,
@@ -37,7 +37,6 @@ from stopline.protocol.vocabulary import (
     QuotaLimit,
     Reason,
     Status,
-    StoreEvent,
     StoreState,
 )
 from stopline.quota import (

@@ -27,13 +27,14 @@ from stopline.cluster import (
     INCARNATIONS,
     PROGRESS_PERIOD_S,
     Cluster,
+    StoreEvent,
     generation_key,
     generations_key,
     heartbeat_key,
 )
 from stopline.observability import Metrics
 from stopline.protocol.requests import Ending, Request, SamplingParams
-from stopline.protocol.vocabulary import TERMINAL_TYPES, ErrorCode, Outcome, Reason, Status, StoreEvent, StoreState
+from stopline.protocol.vocabulary import TERMINAL_TYPES, ErrorCode, Outcome, Reason, Status, StoreState
 from stopline.quota import Quotas
 from stopline.registry import Registry
 from stopline.settings import Settings

@@ -10,6 +10,7 @@ import pytest
 
 import stopline
 from stopline import __main__ as cli
+from stopline.client import ServerUnreachable
 from stopline.protocol import errors
 from stopline.protocol.vocabulary import ErrorCode
 
@@ -61,7 +62,7 @@ def test_an_engine_failure_is_a_stopline_error_that_a_caller_of_the_engine_also_
     assert issubclass(errors.EngineError, RuntimeError)
 
 
-@pytest.mark.parametrize("kind", [errors.StoreUnavailable, errors.OwnerUnreachable, errors.ServerUnreachable])
+@pytest.mark.parametrize("kind", [errors.StoreUnavailable, errors.OwnerUnreachable, ServerUnreachable])
 def test_no_socket_handler_catches_a_store_or_client_failure(kind):
     # `except ConnectionError` (a send to a closed client) or `except TimeoutError` must not swallow these.
     assert not issubclass(kind, (OSError, TimeoutError))

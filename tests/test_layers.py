@@ -1,7 +1,8 @@
 """The package's layers, read from the source: no import cycle among stopline's modules, the
-pure layer (stopline/protocol/) imports only the standard library and itself, and the engine
-layer (stopline/engine/) imports nothing of the servers above it, nor the settings it reads anything
-of the engine."""
+pure layer (stopline/protocol/) imports only the standard library and itself, structured output
+(stopline/structured/) only those and the protocol, the API dialects (stopline/api/) only those
+and structured output, and the engine layer (stopline/engine/) imports nothing of the servers
+above it, nor the settings it reads anything of the engine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "stopline"
 PURE = "stopline.protocol"
+STRUCTURED = "stopline.structured"
+DIALECTS = "stopline.api"
 
 
 def _module_name(path: Path) -> str:
@@ -62,6 +65,7 @@ def test_the_walk_reads_every_layer():
     )
     assert "stopline.protocol.connection" in graph["stopline.session"]
     assert "stopline.protocol.vocabulary" in graph["stopline.protocol.connection"]
+    assert {"stopline.protocol.validation", "stopline.structured.tool_calls"} <= graph["stopline.api.openai_fields"]
 
 
 def test_no_module_imports_itself_back():
@@ -84,18 +88,45 @@ def test_no_module_imports_itself_back():
     assert cycles == [], " -> ".join(cycles[0])
 
 
-def test_the_pure_layer_imports_only_the_standard_library_and_itself():
-    pure = {name: path for name, path in MODULES.items() if name == PURE or name.startswith(PURE + ".")}
-    assert len(pure) >= 10
+def _strangers(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules of ``package`` that import something beyond the standard library and ``allowed``, and what."""
+    modules = {name: path for name, path in MODULES.items() if name == package or name.startswith(package + ".")}
+    assert len(modules) >= 3, package
     strangers = {
         name: sorted(
             module
             for module in _imports(path, at_load=False)
-            if module.split(".")[0] not in sys.stdlib_module_names and not module.startswith(PURE)
+            if module.split(".")[0] not in sys.stdlib_module_names
+            and not any(module == layer or module.startswith(layer + ".") for layer in allowed)
         )
-        for name, path in pure.items()
+        for name, path in modules.items()
     }
-    assert {name: found for name, found in strangers.items() if found} == {}
+    return {name: found for name, found in strangers.items() if found}
+
+
+def test_the_pure_layer_imports_only_the_standard_library_and_itself():
+    assert len([name for name in MODULES if name.startswith(PURE + ".")]) >= 8
+    # Neither the dialects nor structured output: the grammar compiler reaches it through Limits.grammar_of.
+    assert _strangers(PURE, (PURE,)) == {}
+
+
+def test_structured_output_stands_on_the_protocol_alone():
+    assert _strangers(STRUCTURED, (STRUCTURED, PURE)) == {}
+
+
+def test_the_dialects_stand_on_the_protocol_and_structured_output_alone():
+    # A dialect turns its body into the one generate frame, and the one outcome into its shapes; it serves nothing.
+    assert _strangers(DIALECTS, (DIALECTS, STRUCTURED, PURE)) == {}
+
+
+def test_the_layers_below_the_dialects_do_not_import_them():
+    below = (PURE, STRUCTURED, "stopline.engine", "stopline.settings", "stopline.registry")
+    upward = {
+        name: sorted(module for module in _imports(path, at_load=False) if module.startswith(DIALECTS))
+        for name, path in MODULES.items()
+        if name.startswith(below)
+    }
+    assert {name: found for name, found in upward.items() if found} == {}
 
 
 def test_the_engine_layer_imports_no_serving_module():

@@ -9,8 +9,8 @@ import json
 import ollama
 import pytest
 
-from stopline.protocol.ollama import CHAT_FIELDS, GENERATE_FIELDS, OPTIONS
-from stopline.protocol.openai_fields import Treatment
+from stopline.api.ollama import CHAT_FIELDS, GENERATE_FIELDS, OPTIONS
+from stopline.api.openai_fields import Treatment
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 32}

@@ -1,5 +1,5 @@
 """Every field of OpenAI's request bodies is honoured or refused by name: the table in
-stopline/protocol/openai_fields.py, the one in docs/http.md, and a real server agree."""
+stopline/api/openai_fields.py, the one in docs/http.md, and a real server agree."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from stopline.__main__ import parse_args, settings_from
-from stopline.protocol.openai_fields import FIELDS, Endpoint, Treatment, fields_of
+from stopline.api.openai_fields import FIELDS, Endpoint, Treatment, fields_of
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, running_server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "http.md"

@@ -16,6 +16,7 @@ from stopline.protocol.frames import CancelFrame, GenerateFrame, Token, encode_f
 from stopline.protocol.requests import DEFAULT_SAMPLING, EXIT_OUTCOMES, Ending, GenerationResult, Limits, Phase
 from stopline.protocol.validation import generate_frame, incoming_frame
 from stopline.protocol.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
+from stopline.structured.frame_grammar import frame_grammar
 
 MS = 1_000_000
 
@@ -362,7 +363,7 @@ def test_numbers_of_any_magnitude_are_range_checked(field, number):
     ],
 )
 def test_bad_sampling_fields_are_refused_by_name(fields):
-    limits = Limits(context_length=16, vocab_size=100, grammars=True)
+    limits = Limits(context_length=16, vocab_size=100, grammar_of=frame_grammar)
     with pytest.raises(InvalidField) as refused:
         generate_frame({"id": "s", "prompt": "a", **fields}, limits)
     name = next(iter(fields))
@@ -468,7 +469,7 @@ def test_importing_the_pure_layer_loads_only_the_standard_library_and_itself():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
     ours = {name for name in loaded if name == "stopline" or name.startswith("stopline.")}
-    assert {"stopline.protocol.connection", "stopline.protocol.openai_fields", "stopline.protocol.origin"} <= ours
+    assert {"stopline.protocol.connection", "stopline.protocol.validation", "stopline.protocol.origin"} <= ours
     assert {name for name in ours if not name.startswith("stopline.protocol")} == {"stopline"}, ours
     others = {name for name in loaded if name not in ours and name.split(".")[0] not in sys.stdlib_module_names}
     assert others == set(), f"third-party or native modules: {sorted(others)}"

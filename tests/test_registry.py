@@ -86,3 +86,31 @@ async def test_registry_wakes_whoever_waits_for_an_end(conn):
     # An ended entry answers at once, and keeps no event of its own.
     await asyncio.wait_for(entry.wait_ended(), 5)
     assert entry._ended is None
+
+
+async def test_cancel_by_id_goes_through_the_owner_and_answers_with_the_outcome_that_won(conn):
+    registry = Registry()
+
+    class Owner:
+        """Ends the request a step later, as the loop reports a stop."""
+
+        def __init__(self):
+            self.asked: list[tuple[str, Reason, int]] = []
+
+        async def cancel(self, request, reason, now_ns):
+            self.asked.append((request.request_id, reason, now_ns))
+            loop = asyncio.get_running_loop()
+            loop.call_soon(registry.end, request, Ending(Outcome.CANCELLED, str(reason)))
+
+    owner = Owner()
+    request, done = submitted(conn, id="r1"), submitted(conn, id="r2")
+    registry.add(request, session=owner)
+    registry.add(done, session=owner)
+    registry.end(done, Ending(Outcome.DONE, str(Reason.EOS)))
+    assert await asyncio.wait_for(registry.cancel(request.request_id), 5) == "cancelled"
+    assert owner.asked[0][:2] == (request.request_id, Reason.USER_CANCELLED)
+    # An ended request answers with its end, and nobody is asked again; one held elsewhere is not here.
+    assert await registry.cancel(request.request_id) == "cancelled"
+    assert await registry.cancel(done.request_id) == "finished"
+    assert await registry.cancel("held-by-another-replica") is None
+    assert len(owner.asked) == 1

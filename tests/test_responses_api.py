@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from stopline import responses_api
-from stopline.protocol.openai_fields import Treatment
-from stopline.protocol.responses import FIELDS
+from stopline.api.openai_fields import Treatment
+from stopline.api.responses import FIELDS
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
 from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, WEATHER_TOOL
 

@@ -13,8 +13,9 @@ import pytest
 
 from stopline.engine.loop import Engine
 from stopline.protocol.connection import Connection, Tokenize
-from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from stopline.protocol.requests import Limits
+from stopline.structured.frame_grammar import frame_grammar
+from stopline.structured.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from support import cancelled_records, delete, make_generation, openai_client, sse_events
 from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS, WEATHER_TOOL
 
@@ -120,7 +121,11 @@ def test_a_keyword_the_grammar_cannot_enforce_is_refused_by_name(schema, keyword
 
 def test_the_protocol_turns_a_schema_into_a_grammar_or_refuses_it():
     def send(frame: dict, grammars: bool):
-        conn = Connection(Limits(context_length=64, vocab_size=10, grammars=grammars), lambda p, m: [1], 0)
+        conn = Connection(
+            Limits(context_length=64, vocab_size=10, grammar_of=frame_grammar if grammars else None),
+            lambda p, m: [1],
+            0,
+        )
         return conn.receive_text(json.dumps({"type": "generate", "id": "g", "prompt": "a", **frame}), 0)
 
     [action] = send({"json_schema": PERSON}, grammars=True)

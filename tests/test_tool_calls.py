@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from stopline.engine.loop import Engine
-from stopline.protocol.json_grammar import SchemaError, schema_grammar
-from stopline.protocol.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
+from stopline.structured.json_grammar import SchemaError, schema_grammar
+from stopline.structured.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
 from support import cancelled_records, openai_client
 from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS
 

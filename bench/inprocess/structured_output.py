@@ -21,9 +21,9 @@ import time
 
 from stopline._core import Generation
 from stopline.engine.loop import Engine
-from stopline.protocol.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
 from stopline.protocol.requests import SamplingParams
-from stopline.protocol.tool_calls import ToolChoice, calls_grammar
+from stopline.structured.json_grammar import JSON_OBJECT_GRAMMAR, schema_grammar
+from stopline.structured.tool_calls import ToolChoice, calls_grammar
 
 SCHEMA = {
     "type": "object",

@@ -109,13 +109,6 @@ class Busy(StoplineError):
     status = HTTPStatus.SERVICE_UNAVAILABLE
 
 
-# The terminal client ---------------------------------------------------------
-
-
-class ServerUnreachable(StoplineError):
-    """The server could not be reached or refused the WebSocket; one line for the user."""
-
-
 # Refusing a request ------------------------------------------------------------
 
 
@@ -167,12 +160,6 @@ class UnsupportedParameter(ProtocolError):
     """An OpenAI body field Stopline does not honour."""
 
     code = ErrorCode.UNSUPPORTED_PARAMETER
-
-
-class TooManyInputs(ProtocolError):
-    """POST /v1/embeddings: more inputs than one request may embed."""
-
-    code = ErrorCode.TOO_MANY_INPUTS
 
 
 class ModelNotFound(ProtocolError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -102,6 +103,10 @@ _TRANSITIONS = {
 }
 
 
+# (frame, the one structured field it asks for, its request id) -> the grammar, or a ProtocolError.
+GrammarOf = Callable[[dict, str, "str | None"], str]
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one connection may ask for, and how fast. The defaults here are the server's
@@ -132,8 +137,15 @@ class Limits:
     byte_burst: int = 1 << 20
     # How many ended request ids each connection remembers for cancel_ack.
     remembered_ids: int = 1024
-    # Whether the engine constrains sampling to a grammar (json_schema, json_object): llama.cpp's does.
-    grammars: bool = False
+    # The grammar compiler for json_schema, json_object and tools, where the engine constrains
+    # sampling to a grammar (llama.cpp's does): structured output stands above this package, and
+    # the settings hand it in. None: such a request is refused.
+    grammar_of: GrammarOf | None = None
+
+    @property
+    def grammars(self) -> bool:
+        """Whether the engine constrains sampling to a grammar."""
+        return self.grammar_of is not None
 
 
 @dataclass(eq=False)

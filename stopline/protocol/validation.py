@@ -12,7 +12,6 @@ from typing import Any, TypeGuard
 
 from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong, UnknownType
 from .frames import CancelFrame, GenerateFrame, Incoming
-from .json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from .requests import (
     DEFAULT_SAMPLING,
     MAX_LOGIT_BIAS,
@@ -24,7 +23,6 @@ from .requests import (
     Limits,
     SamplingParams,
 )
-from .tool_calls import ToolChoice, calls_grammar, is_tool
 
 
 def parse_json_object(data: str, what: str = "frame") -> dict:
@@ -160,38 +158,9 @@ def _grammar(frame: dict, limits: Limits, request_id: str | None) -> str | None:
         raise InvalidField(f"give {asked[0]} or {asked[1]}, not both", request_id)
     if not asked:
         return None
-    if not limits.grammars:
+    if limits.grammar_of is None:
         raise InvalidField(f"{asked[0]}: {GRAMMARS_NEED_LLAMA_CPP}", request_id)
-    try:
-        if tools:
-            return _tools_grammar(frame, request_id)
-        if schema is None:
-            return JSON_OBJECT_GRAMMAR
-        return schema_grammar(schema)
-    except SchemaError as exc:
-        raise InvalidField(f"{asked[0]}: {exc}", request_id) from None
-
-
-def checked_tools(tools: object, request_id: str | None = None, *, param: str | None = None) -> list[dict]:
-    """``tools``, if it is a list of function tools, for a generate frame or an OpenAI body."""
-    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
-        raise InvalidField(
-            'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}',
-            request_id,
-            param=param,
-        )
-    return tools
-
-
-def _tools_grammar(frame: dict, request_id: str | None) -> str:
-    """The grammar of an answer that calls ``tools`` (docs/protocol.md#tool-calls)."""
-    tools = checked_tools(frame["tools"], request_id)
-    choice, parallel = frame.get("tool_choice", "auto"), frame.get("parallel_tool_calls", True)
-    if choice not in tuple(ToolChoice):
-        raise InvalidField('tool_choice must be "auto" or "required"', request_id)
-    if not isinstance(parallel, bool):
-        raise InvalidField("parallel_tool_calls must be true or false", request_id)
-    return calls_grammar([t["function"] for t in tools], ToolChoice(choice), parallel)
+    return limits.grammar_of(frame, asked[0], request_id)
 
 
 def _sampling_numbers(limits: Limits) -> tuple[tuple[str, float, float, bool, bool], ...]:

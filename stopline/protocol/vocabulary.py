@@ -205,30 +205,6 @@ class StoreState(StrEnum):
     DOWN = "down"
 
 
-class StoreEvent(StrEnum):
-    """The log events of the shared store."""
-
-    UP = "store_up"
-    DOWN = "store_down"
-    WRITES_DROPPED = "store_writes_dropped"
-    REMOTE_CANCEL = "remote_cancel"
-    SESSION_FAILED = "store_session_failed"
-    MESSAGE_INVALID = "store_message_invalid"
-    # A replica's heartbeat lapsed: this replica ended its generations in the store (owner_lost).
-    REPLICA_LOST = "replica_lost"
-
-
-class DropCause(StrEnum):
-    """Why a write to the shared store was given up: the ``cause`` of a ``store_writes_dropped`` line."""
-
-    # The queue of writes waiting for Redis was full: the oldest went.
-    QUEUE_FULL = "queue_full"
-    # Redis answered it with an error, every time it was tried.
-    REJECTED = "rejected"
-    # The replica shut down with it still queued (Redis was away, or slower than the flush allows).
-    SHUTDOWN = "shutdown"
-
-
 class KeyEvent(StrEnum):
     """The log events of API keys (``--api-key``, ``--api-keys-file``)."""
 

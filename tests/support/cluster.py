@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from bench.launch import ServerProcess
 from bench.servers import free_port
-from stopline.protocol.vocabulary import StoreEvent
+from stopline.cluster import StoreEvent
 from support import UNIT
 
 REPO = Path(__file__).resolve().parent.parent.parent

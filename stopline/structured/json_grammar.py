@@ -29,7 +29,7 @@ import json
 import math
 import re
 
-from .errors import StoplineError
+from ..protocol.errors import StoplineError
 
 # Keywords that describe a value without constraining it.
 _ANNOTATIONS = frozenset(

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidField, ModelNotFound, UnsupportedParameter
-from .frames import GenerateFrame
+from ..protocol.errors import InvalidField, ModelNotFound, UnsupportedParameter
+from ..protocol.frames import GenerateFrame
+from ..protocol.requests import Ending, Limits
+from ..protocol.validation import generate_frame
+from ..protocol.vocabulary import Outcome, Reason
 from .openai_fields import ServedModels, Treatment
-from .requests import Ending, Limits
-from .validation import generate_frame
-from .vocabulary import Outcome, Reason
 
 # Every field of the request body, as Anthropic's API reference and its Python package list
 # them (temperature, top_p and top_k through the package's extra_body).

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import InvalidField, ModelNotFound, ResponseNotFound, UnsupportedParameter
-from .frames import GenerateFrame
+from ..protocol.errors import InvalidField, ModelNotFound, ResponseNotFound, UnsupportedParameter
+from ..protocol.frames import GenerateFrame
+from ..protocol.requests import Ending, Limits
+from ..protocol.validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
+from ..protocol.vocabulary import Outcome, Reason
+from ..structured.tool_calls import ToolChoice, call_text
+from ..structured.tool_calls import instructions as call_instructions
 from .openai_fields import ServedModels, Treatment, _tool_call, _with_system
-from .requests import Ending, Limits
-from .tool_calls import ToolChoice, call_text
-from .tool_calls import instructions as call_instructions
-from .validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
-from .vocabulary import Outcome, Reason
 
 # Every field of the request body, as OpenAI's API reference and its Python package list them.
 FIELDS: dict[str, Treatment] = {

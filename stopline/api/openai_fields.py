@@ -18,12 +18,13 @@ import json
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from .errors import InvalidField, ModelNotFound, UnsupportedParameter
-from .frames import GenerateFrame
-from .requests import MAX_SEED, Limits
-from .tool_calls import ToolChoice, call_text, instructions
-from .validation import GRAMMARS_NEED_LLAMA_CPP, checked_tools, generate_frame
-from .vocabulary import ChatFormat
+from ..protocol.errors import InvalidField, ModelNotFound, UnsupportedParameter
+from ..protocol.frames import GenerateFrame
+from ..protocol.requests import MAX_SEED, Limits
+from ..protocol.validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
+from ..protocol.vocabulary import ChatFormat
+from ..structured.frame_grammar import checked_tools
+from ..structured.tool_calls import ToolChoice, call_text, instructions
 
 
 class Treatment(StrEnum):

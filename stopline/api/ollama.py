@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidField, ModelNotFound, UnsupportedParameter
-from .frames import GenerateFrame
+from ..protocol.errors import InvalidField, ModelNotFound, UnsupportedParameter
+from ..protocol.frames import GenerateFrame
+from ..protocol.requests import Ending, Limits
+from ..protocol.validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
+from ..protocol.vocabulary import Outcome, Reason
 from .openai_fields import ServedModels, Treatment, refuse_unless_taken
-from .requests import Ending, Limits
-from .validation import GRAMMARS_NEED_LLAMA_CPP, generate_frame
-from .vocabulary import Outcome, Reason
 
 # The Ollama release whose API this speaks: clients read /api/version to decide what to send.
 OLLAMA_VERSION = "0.12.0"
