@@ -203,7 +203,7 @@ class ResponsesApi:
         api = self.api
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = responses_request(body, models=api.models, limits=api.services.limits)
+            asked = responses_request(body, models=api.models, limits=api.services_for(body.get("model")).limits)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         reply = ResponsesReply(request, asked, self.keep)
@@ -223,7 +223,9 @@ class ResponsesApi:
 
     async def _run(self, request: web.Request, reply: ResponsesReply) -> web.StreamResponse:
         try:
-            return await self.api._generate(request, [reply.asked.frame], reply)
+            return await self.api._generate(
+                request, [reply.asked.frame], reply, self.api.services_for(reply.asked.model)
+            )
         finally:
             if not reply.asked.store and reply.id:
                 self.replies.pop(reply.id, None)
