@@ -89,6 +89,8 @@ class ServedModel:
     scheduler: Scheduler
     limits: Limits
     services: Services
+    # How a chat becomes this model's prompt.
+    chat_format: ChatFormat
 
     @property
     def name(self) -> str:
@@ -187,7 +189,9 @@ class StoplineServer:
             tokenizer_lanes=self.tokenizer_lanes,
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
-        self.served = [ServedModel(names[0], engine, self.scheduler, self.limits, self.services)]
+        self.served = [
+            ServedModel(names[0], engine, self.scheduler, self.limits, self.services, self.models.chat_format)
+        ]
         for each, served, scheduler in zip(others, names[1:], schedulers[1:], strict=True):
             limits = settings.limits_for(each)
             self.served.append(
@@ -197,6 +201,7 @@ class StoplineServer:
                     scheduler,
                     limits,
                     replace(self.services, model=served[0], encode=_encoder(each), limits=limits, scheduler=scheduler),
+                    ChatFormat.of(each.tokenizer.chat_template, settings.chat_template),
                 )
             )
         self.http = HttpApi(
@@ -206,6 +211,7 @@ class StoplineServer:
             self.cluster,
             self.models,
             {name: model.services for model in self.served for name in model.names},
+            {name: model.chat_format for model in self.served for name in model.names},
         )
         # The other dialects build on the HTTP API's replies and routes.
         self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http).routes()])
@@ -270,10 +276,12 @@ class StoplineServer:
                 detail="no API key is configured: anyone who can reach this port may generate "
                 "(--api-key, --api-keys-file)",
             )
-        if self.models.chat_format is ChatFormat.PLAIN_TEXT:
+        for model in self.served:
+            if model.chat_format is not ChatFormat.PLAIN_TEXT:
+                continue
             log.warning(
                 "no_chat_template",
-                model=self.models.primary,
+                model=model.name,
                 chat_format=str(ChatFormat.PLAIN_TEXT),
                 detail="the model file has no chat template (a base model): a chat is completed as the plain "
                 "text of its messages; --chat-template chatml, or a template file, gives it one",

@@ -52,7 +52,7 @@ from .protocol.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .protocol.requests import Ending
 from .protocol.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
-from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal, Status
+from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
@@ -530,11 +530,13 @@ class HttpApi:
         cluster: Cluster | None,
         models: ServedModels,
         by_name: Mapping[str, Services] | None = None,
+        chat_formats: Mapping[str, ChatFormat] | None = None,
     ):
         # The first model's services; by_name, each served name's model's (several --model).
         self.services = services
         self.models = models
         self.by_name = dict(by_name or {})
+        self.chat_formats = dict(chat_formats or {})
         # When the models were first served: /v1/models' "created".
         self.created = int(time.time())
         self.settings = settings
@@ -816,7 +818,7 @@ class HttpApi:
             "object": "model",
             "created": self.created,
             "owned_by": "stopline",
-            "chat_format": str(self.models.chat_format),
+            "chat_format": str(self.chat_formats.get(name, self.models.chat_format)),
         }
 
     async def _models(self, request: web.Request) -> web.Response:

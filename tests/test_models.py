@@ -13,7 +13,7 @@ from stopline.__main__ import parse_args, settings_from
 from stopline.engine.loop import Engine
 from stopline.engine.model import gemma_gguf_path
 from stopline.protocol.errors import UsageError
-from stopline.protocol.vocabulary import EngineName
+from stopline.protocol.vocabulary import ChatFormat, EngineName
 from stopline.settings import Settings, served_names
 from support import (
     CHAT_FRANCE,
@@ -46,11 +46,14 @@ async def greedy(client: openai.AsyncOpenAI, model: str):
     return await client.chat.completions.create(model=model, messages=CHAT_FRANCE, max_tokens=12, temperature=0)
 
 
-async def test_each_request_is_answered_by_the_model_it_names(two):
+async def test_each_request_is_answered_by_the_model_it_names(two, llama_engine, gemma):
     async with openai_client(two) as client:
         smol, gem = await greedy(client, "smol"), await greedy(client, "gemma")
-        listed = [m.id for m in (await client.models.list()).data]
-    assert (smol.model, gem.model) == NAMES and listed == list(NAMES)
+        listed = (await client.models.list()).data
+    assert (smol.model, gem.model) == NAMES and [m.id for m in listed] == list(NAMES)
+    # Each listed with how a chat becomes its own prompt.
+    own = [str(ChatFormat.of(e.tokenizer.chat_template, None)) for e in (llama_engine, gemma)]
+    assert [m.chat_format for m in listed] == own
     # The same greedy prompt, two models: two answers, each its own model's.
     assert smol.choices[0].message.content != gem.choices[0].message.content
     assert "Paris" in smol.choices[0].message.content
