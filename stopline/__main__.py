@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__
@@ -93,12 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
     except KeyFileError as exc:
         p.error(f"argument --api-keys-file: {exc}")
-    if is_hub_model(args.model):
-        try:
-            HubModelName.parse(args.model)  # its form now; the hub is asked once the ports are taken
-        except HubError as exc:
-            p.error(f"argument --model: {exc}")
-    if args.model is None and args.context_length and args.context_length > EMBEDDED_CONTEXT_LIMIT:
+    for model in args.models:
+        if is_hub_model(model):
+            try:
+                HubModelName.parse(model)  # its form now; the hub is asked once the ports are taken
+            except HubError as exc:
+                p.error(f"argument --model: {exc}")
+    if not args.models and args.context_length and args.context_length > EMBEDDED_CONTEXT_LIMIT:
         p.error(
             f"argument --context-length: {args.context_length} exceeds the embedded model's limit "
             f"of {EMBEDDED_CONTEXT_LIMIT}"
@@ -118,16 +120,22 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def resolve_model(settings: Settings) -> Settings:
-    """The settings with a model named on the hub (``--model hf:…``) as a file in the hub's cache,
+    """The settings with each model named on the hub (``--model hf:…``) as a file in the hub's cache,
     downloaded if need be, served under the name it was asked for unless --served-model-name
     names others. Raises HubError (a UsageError) with one line."""
-    if not is_hub_model(settings.model):
+    if not any(is_hub_model(model) for model in settings.models):
         return settings
-    assert settings.model is not None
-    resolved = resolve_hub_model(settings.model)
-    return replace(
-        settings, model=str(resolved.path), served_model_names=settings.served_model_names or (resolved.name,)
-    )
+    paths, names = [], []
+    for model in settings.models:
+        if is_hub_model(model):
+            resolved = resolve_hub_model(model)
+            paths.append(str(resolved.path))
+            names.append(resolved.name)
+        else:
+            # The name its engine would give it (Engine.load): the file's, without the extension.
+            paths.append(model)
+            names.append(Path(model).stem)
+    return replace(settings, models=tuple(paths), served_model_names=settings.served_model_names or tuple(names))
 
 
 def bind_ports(settings: Settings) -> tuple[socket.socket, socket.socket]:
@@ -193,18 +201,22 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
     from .engine.loop import Engine
 
     # Without --threads, each generation takes the cores the others leave (Scheduler).
+    # Each model by its own engine, with slots of its own; none named: the embedded model.
     loaded = _in_daemon_thread(
         loop,
-        lambda: Engine.load(
-            settings.model,
-            settings.model_type,
-            engine=settings.engine,
-            context_length=settings.context_length,
-            threads=settings.threads,
-            prefill_chunk=settings.prefill_chunk,
-            abort_mode=settings.abort_mode,
-            sequences=settings.workers,
-        ),
+        lambda: [
+            Engine.load(
+                model,
+                settings.model_type,
+                engine=settings.engine,
+                context_length=settings.context_length,
+                threads=settings.threads,
+                prefill_chunk=settings.prefill_chunk,
+                abort_mode=settings.abort_mode,
+                sequences=settings.workers,
+            )
+            for model in settings.models or (None,)
+        ],
     )
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -216,12 +228,13 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
         log.info("startup_interrupted", signal=signal.Signals(signalled[0]).name)
         return 128 + signalled[0]
     stopped.cancel()
-    engine = loaded.result()
+    engines = loaded.result()
     if settings.chat_template is not None:
-        engine.tokenizer = engine.tokenizer.with_chat_template(load_chat_template(settings.chat_template))
+        for engine in engines:
+            engine.tokenizer = engine.tokenizer.with_chat_template(load_chat_template(settings.chat_template))
     # The ports actually taken (either may have been 0: any free port).
     settings = replace(settings, port=sock.getsockname()[1], http_port=http_sock.getsockname()[1])
-    server = StoplineServer(engine, settings)
+    server = StoplineServer(engines[0], settings, others=engines[1:])
     servers.append(server)
     await server.start(sock=sock, http_sock=http_sock)
     await stop.wait()

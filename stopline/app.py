@@ -22,8 +22,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,13 +60,14 @@ from .ollama_api import OllamaApi
 from .protocol.connection import AddressQuota
 from .protocol.frames import ErrorFrame, encode_frame
 from .protocol.origin import LOOPBACK_NAMES
+from .protocol.requests import Limits
 from .protocol.vocabulary import ChatFormat, EngineName, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
 from .responses_api import ResponsesApi
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport
-from .settings import Settings
+from .settings import Settings, served_names
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -77,31 +79,61 @@ WEB_ROOT = Path(__file__).resolve().parent / "web"
 CLOSE_UNAUTHORIZED = 4401
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of the server: its engine, its slots' scheduler, the names it answers to,
+    and what a session that asks for it uses."""
+
+    names: tuple[str, ...]
+    engine: Engine
+    scheduler: Scheduler
+    limits: Limits
+    services: Services
+    # How a chat becomes this model's prompt.
+    chat_format: ChatFormat
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
 class StoplineServer:
-    def __init__(self, engine: Engine, settings: Settings):
+    """The server, over ``engine`` and the ``others`` (several --model), each model with its own
+    slots. ``engine`` is the first model: the one a request that names none, and every WebSocket
+    generation, runs on."""
+
+    def __init__(self, engine: Engine, settings: Settings, others: Sequence[Engine] = ()):
         self.engine = engine
         self.settings = settings
         self.metrics = Metrics()
-        # One prompt cache for the server, on the engine whose slots it fills (llama.cpp only).
+        engines = [engine, *others]
+        names = served_names(settings.served_model_names, [e.name for e in engines])
+        # One prompt cache for the server, on the engines whose slots it fills (llama.cpp only); its
+        # entries are keyed by model, so models never read one another's states.
         budget = settings.prompt_cache_bytes
         self.prompt_cache = (
             PromptCache(budget, disk_dir=settings.prompt_cache_path, disk_budget_bytes=settings.prompt_cache_disk_bytes)
             if budget and engine.kind is EngineName.LLAMA_CPP
             else None
         )
-        engine.prompt_cache = self.prompt_cache
+        for each in engines:
+            each.prompt_cache = self.prompt_cache
         if self.prompt_cache is not None:
             self.metrics.add_prompt_cache_metrics(self.prompt_cache)
-        self.scheduler = Scheduler(
-            engine,
-            settings.workers,
-            settings.max_queue,
-            window=settings.window,
-            metrics=self.metrics,
-            threads=settings.threads,
-            batching=settings.batching,
-        )
-        self.metrics.slots.set(settings.workers)
+        schedulers = [
+            Scheduler(
+                each,
+                settings.workers,
+                settings.max_queue,
+                window=settings.window,
+                metrics=self.metrics.for_model(served[0]),
+                threads=settings.threads,
+                batching=settings.batching,
+            )
+            for each, served in zip(engines, names, strict=True)
+        ]
+        self.scheduler = schedulers[0]
+        self.metrics.slots.set(settings.workers * len(engines))
         self.metrics.set_abort_mode(engine.abort_mode)
         # The Host and Origin rules, and what clients are told to connect to (a wildcard address is not one).
         origin_policy, self.public_host = host_rules(settings.host, settings.allowed_origins, settings.allowed_hosts)
@@ -133,19 +165,20 @@ class StoplineServer:
                 heartbeat_ttl_s=settings.heartbeat_ttl_s,
             )
             self.registry.listener = self.cluster
-        # The names the model is served under, and whether a request may name any model.
+        # The names the models are served under, and whether a request may name any model: only
+        # when one is served, for with several the name is what picks one.
         self.models = ServedModels(
-            settings.served_model_names or (engine.name,),
-            any_name=settings.model_names == ModelNames.ANY,
+            tuple(name for served in names for name in served),
+            any_name=settings.model_names == ModelNames.ANY and len(engines) == 1,
             chat_format=ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template),
         )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
         self.quotas = Quotas(self.metrics, self.cluster)
         self.edge = Edge(origin_policy, self.metrics, socket_send_buffer=settings.socket_send_buffer)
-        # What each client's session may use of this server.
+        # What each client's session may use of this server: of the first model, and of each other.
         self.services = Services(
             model=self.models.primary,
-            encode=lambda prompt, messages: engine.encode(prompt=prompt, messages=messages),
+            encode=_encoder(engine),
             limits=self.limits,
             scheduler=self.scheduler,
             registry=self.registry,
@@ -156,7 +189,30 @@ class StoplineServer:
             tokenizer_lanes=self.tokenizer_lanes,
             slow_consumer_grace_s=settings.slow_consumer_grace_s,
         )
-        self.http = HttpApi(self.services, settings, self.edge, self.cluster, self.models)
+        self.served = [
+            ServedModel(names[0], engine, self.scheduler, self.limits, self.services, self.models.chat_format)
+        ]
+        for each, served, scheduler in zip(others, names[1:], schedulers[1:], strict=True):
+            limits = settings.limits_for(each)
+            self.served.append(
+                ServedModel(
+                    served,
+                    each,
+                    scheduler,
+                    limits,
+                    replace(self.services, model=served[0], encode=_encoder(each), limits=limits, scheduler=scheduler),
+                    ChatFormat.of(each.tokenizer.chat_template, settings.chat_template),
+                )
+            )
+        self.http = HttpApi(
+            self.services,
+            settings,
+            self.edge,
+            self.cluster,
+            self.models,
+            {name: model.services for model in self.served for name in model.names},
+            {name: model.chat_format for model in self.served for name in model.names},
+        )
         # The other dialects build on the HTTP API's replies and routes.
         embeddings = None if settings.embedding_model == "none" else EmbeddingsApi(self.http, settings.embedding_model)
         self.http.app.add_routes([*ResponsesApi(self.http).routes(), *OllamaApi(self.http, embeddings).routes()])
@@ -167,6 +223,16 @@ class StoplineServer:
     def sessions(self) -> set[ClientSession]:
         """Every open session: one a WebSocket connection, one an HTTP generation."""
         return self.services.sessions
+
+    @property
+    def active(self) -> int:
+        """Generations running, on every model's slots."""
+        return sum(model.scheduler.active for model in self.served)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot, every model's."""
+        return sum(model.scheduler.queue_depth for model in self.served)
 
     @property
     def port(self) -> int:
@@ -211,10 +277,12 @@ class StoplineServer:
                 detail="no API key is configured: anyone who can reach this port may generate "
                 "(--api-key, --api-keys-file)",
             )
-        if self.models.chat_format is ChatFormat.PLAIN_TEXT:
+        for model in self.served:
+            if model.chat_format is not ChatFormat.PLAIN_TEXT:
+                continue
             log.warning(
                 "no_chat_template",
-                model=self.models.primary,
+                model=model.name,
                 chat_format=str(ChatFormat.PLAIN_TEXT),
                 detail="the model file has no chat template (a base model): a chat is completed as the plain "
                 "text of its messages; --chat-template chatml, or a template file, gives it one",
@@ -238,21 +306,25 @@ class StoplineServer:
             prefill_chunk=self.engine.prefill_chunk,
             abort_mode=str(self.engine.abort_mode),
             http_api=self.http.base_url,
+            **({"models": [model.name for model in self.served]} if len(self.served) > 1 else {}),
         )
 
     async def shutdown(self) -> None:
         """Cancel every request with reason ``shutdown``, then close connections with 1001."""
-        log.info("server_stopping", active=self.scheduler.active, queued=self.scheduler.queue_depth)
+        log.info("server_stopping", active=self.active, queued=self.queued)
         # Stop accepting connections, end every request (its terminal message goes
         # out on its still-open connection), then close connections with 1001.
         self._server.server.close()
-        self.scheduler.close()
+        for model in self.served:
+            model.scheduler.close()
         now = time.monotonic_ns()
         for session in list(self.sessions):
             await session.stop_all(Reason.SHUTDOWN, now)
-        await self.scheduler.shutdown(keep=self.engine.keep_in_prompt_cache if self.prompt_cache else None)
-        if self.engine.prompt_cache is self.prompt_cache:
-            self.engine.prompt_cache = None
+        for model in self.served:
+            engine = model.engine
+            await model.scheduler.shutdown(keep=engine.keep_in_prompt_cache if self.prompt_cache else None)
+            if engine.prompt_cache is self.prompt_cache:
+                engine.prompt_cache = None
         if self.prompt_cache is not None:
             # What memory holds goes to disk on the cache's writer, waited for off the event loop.
             await asyncio.to_thread(self.prompt_cache.close)
@@ -323,9 +395,9 @@ class StoplineServer:
                     "model": self.models.primary,
                     "chat_format": str(self.models.chat_format),
                     "engine": str(self.engine.kind),
-                    "slots": self.scheduler.workers,
-                    "active": self.scheduler.active,
-                    "queued": self.scheduler.queue_depth,
+                    "slots": sum(model.scheduler.workers for model in self.served),
+                    "active": self.active,
+                    "queued": self.queued,
                     "abort_mode": str(self.engine.abort_mode),
                     "http_api": self.http.base_url,
                     "store": self.cluster.health() if self.cluster is not None else {"type": "memory"},
@@ -439,6 +511,10 @@ class GuardedConnection(ServerConnection):
         # data resets it, and the client would never see the answer.
         self.transport.write_eof()
         self.loop.call_later(1.0, self.transport.close)
+
+
+def _encoder(engine: Engine) -> Callable[[str | None, list | None], list[int]]:
+    return lambda prompt, messages: engine.encode(prompt=prompt, messages=messages)
 
 
 def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:

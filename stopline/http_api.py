@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -51,7 +51,7 @@ from .protocol.frames import (
 )
 from .protocol.requests import Ending
 from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
-from .protocol.vocabulary import ErrorCode, Outcome, Reason, Refusal
+from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
@@ -523,10 +523,20 @@ def anthropic_error(code: ErrorCode | Refusal, message: str) -> web.Response:
 
 class HttpApi:
     def __init__(
-        self, services: Services, settings: Settings, edge: Edge, cluster: Cluster | None, models: ServedModels
+        self,
+        services: Services,
+        settings: Settings,
+        edge: Edge,
+        cluster: Cluster | None,
+        models: ServedModels,
+        by_name: Mapping[str, Services] | None = None,
+        chat_formats: Mapping[str, ChatFormat] | None = None,
     ):
+        # The first model's services; by_name, each served name's model's (several --model).
         self.services = services
         self.models = models
+        self.by_name = dict(by_name or {})
+        self.chat_formats = dict(chat_formats or {})
         # When the models were first served: /v1/models' "created".
         self.created = int(time.time())
         self.settings = settings
@@ -635,6 +645,16 @@ class HttpApi:
 
     # Generations -------------------------------------------------------------
 
+    def services_for(self, requested: object) -> Services:
+        """The services of the model a request names (Ollama's ``NAME:latest`` is ``NAME``); the
+        first model's for no name, or a name none is served under, which the request's own
+        checks then answer (404 model_not_found, unless one model answers to any name)."""
+        if isinstance(requested, str):
+            found = self.by_name.get(requested) or self.by_name.get(requested.removesuffix(":latest"))
+            if found is not None:
+                return found
+        return self.services
+
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
         try:
             frame = generate_frame(parse_json_object(await request.text(), "body"), self.services.limits)
@@ -651,29 +671,36 @@ class HttpApi:
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = openai_request(body, chat=chat, models=self.models, limits=self.services.limits)
+            services = self.services_for(body.get("model"))
+            asked = openai_request(body, chat=chat, models=self.models, limits=services.limits)
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=True, param=exc.param)
         stream = body.get("stream") is True
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(request, asked, chat=chat, stream=stream, include_usage=include_usage)
-        return await self._generate(request, asked.frames, reply)
+        return await self._generate(request, asked.frames, reply, services)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = messages_request(body, models=self.models, limits=self.services.limits)
+            services = self.services_for(body.get("model"))
+            asked = messages_request(body, models=self.models, limits=services.limits)
         except ProtocolError as exc:
             return anthropic_error(exc.code, exc.message)
         return await self._generate(
-            request, [asked.frame], AnthropicReply(request, asked, stream=body.get("stream") is True)
+            request, [asked.frame], AnthropicReply(request, asked, stream=body.get("stream") is True), services
         )
 
     async def _generate(
-        self, request: web.Request, frames: Sequence[GenerateFrame], reply: HttpReply
+        self,
+        request: web.Request,
+        frames: Sequence[GenerateFrame],
+        reply: HttpReply,
+        services: Services | None = None,
     ) -> web.StreamResponse:
-        """Run this HTTP request's generations; a lost connection cancels them."""
+        """Run this HTTP request's generations on the model whose ``services`` are given (the first
+        model's when none are); a lost connection cancels them."""
         self.edge.accepted(request.transport.get_extra_info("socket") if request.transport else None)
         try:
             frames, claimed = self._client_ids(request, frames)
@@ -681,7 +708,7 @@ class HttpApi:
             await reply.send(ErrorFrame.refusing(exc))
             assert reply.response is not None  # an error is answered at once
             return reply.response
-        session = ClientSession(self.services, reply, request.remote or "unknown", request.get(API_KEY))
+        session = ClientSession(services or self.services, reply, request.remote or "unknown", request.get(API_KEY))
         self.services.sessions.add(session)
         try:
             for frame in frames:
@@ -777,7 +804,7 @@ class HttpApi:
             "object": "model",
             "created": self.created,
             "owned_by": "stopline",
-            "chat_format": str(self.models.chat_format),
+            "chat_format": str(self.chat_formats.get(name, self.models.chat_format)),
         }
 
     async def _models(self, request: web.Request) -> web.Response:

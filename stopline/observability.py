@@ -274,6 +274,27 @@ class Metrics:
             registry=r,
         )
 
+        # Per model, labelled by the name it is reported under: several may be served (--model).
+        self.model_requests = Counter(
+            "stopline_model_requests", "Requests that ended, by model and outcome.", ["model", "outcome"], registry=r
+        )
+        self.model_tokens_generated = Counter(
+            "stopline_model_tokens_generated", "Tokens generated, by model.", ["model"], registry=r
+        )
+        self.model_queue_depth = Gauge(
+            "stopline_model_queue_depth", "Requests waiting for one of a model's slots.", ["model"], registry=r
+        )
+        self.model_active = Gauge(
+            "stopline_model_active_generations", "Generations running on a model's slots.", ["model"], registry=r
+        )
+        # Each model's scheduler's queue and running counts, which the unlabelled gauges sum.
+        self._queued: dict[str, int] = {}
+        self._running: dict[str, int] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """What one model's scheduler updates: its own gauges, and the server's totals."""
+        return ModelMetrics(self, model)
+
     def add_store_metrics(self) -> None:
         """The shared store's metrics, exported only when there is one (``--redis-url``)."""
         r = self.registry
@@ -301,8 +322,11 @@ class Metrics:
         for each in AbortMode:
             self.abort_mode.labels(str(each)).set(1 if each is mode else 0)
 
-    def record_end(self, ending: Ending, key_id: str | None = None) -> None:
+    def record_end(self, ending: Ending, key_id: str | None = None, model: str | None = None) -> None:
         self.requests.labels(str(ending.outcome), ending.reason).inc()
+        if model is not None:
+            self.model_requests.labels(model, str(ending.outcome)).inc()
+            self.model_tokens_generated.labels(model).inc(ending.tokens_generated)
         if key_id is not None:
             self.key_requests.labels(key_id, str(ending.outcome)).inc()
             self.key_tokens_generated.labels(key_id).inc(ending.tokens_generated)
@@ -324,6 +348,27 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class _SummedGauge:
+    """A model's gauge, whose value also counts towards the server's unlabelled one."""
+
+    def __init__(self, own: Gauge, total: Gauge, parts: dict[str, int], model: str):
+        self._own, self._total, self._parts, self._model = own.labels(model), total, parts, model
+
+    def set(self, value: int) -> None:
+        self._parts[self._model] = value
+        self._own.set(value)
+        self._total.set(sum(self._parts.values()))
+
+
+class ModelMetrics:
+    """The metrics one model's scheduler updates (Scheduler's ``metrics``)."""
+
+    def __init__(self, metrics: Metrics, model: str):
+        self.preemptions = metrics.preemptions
+        self.queue_depth = _SummedGauge(metrics.model_queue_depth, metrics.queue_depth, metrics._queued, model)
+        self.active = _SummedGauge(metrics.model_active, metrics.active, metrics._running, model)
+
+
 def log_accepted(request: Request, peer: str, queue_position: int) -> None:
     log.info(
         "generation_accepted",
@@ -339,12 +384,13 @@ def log_accepted(request: Request, peer: str, queue_position: int) -> None:
     )
 
 
-def log_end(request: Request, ending: Ending, peer: str) -> None:
+def log_end(request: Request, ending: Ending, peer: str, model: str | None = None) -> None:
     """The end line: the fields of the classic cancellation record, and then some."""
     level = "warning" if ending.outcome is Outcome.ERROR else "info"
     getattr(log, level)(
         END_EVENTS[ending.outcome],
         request_id=request.request_id,
+        **({"model": model} if model is not None else {}),
         id=request.id,
         user_id=request.user_id,
         key_id=request.key_id,

@@ -136,7 +136,9 @@ class OllamaApi:
         api = self.api
         try:
             body = parse_json_object(await request.text(), "body")
-            asked = ollama_request(body, chat=chat, models=api.models, limits=api.services.limits)
+            asked = ollama_request(
+                body, chat=chat, models=api.models, limits=api.services_for(body.get("model")).limits
+            )
         except ProtocolError as exc:
             return ollama_error(exc.code, exc.message)
         if asked.frame is None:
@@ -144,7 +146,7 @@ class OllamaApi:
             shown = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
             body = {"model": asked.model, "created_at": _now(), **shown, "done": True, "done_reason": "load"}
             return web.json_response(body, headers=_NO_STORE)
-        return await api._generate(request, [asked.frame], OllamaReply(request, asked))
+        return await api._generate(request, [asked.frame], OllamaReply(request, asked), api.services_for(asked.model))
 
     def _modified_at(self) -> str:
         return datetime.fromtimestamp(self.api.created, UTC).isoformat().replace("+00:00", "Z")

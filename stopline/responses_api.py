@@ -248,7 +248,7 @@ class ResponsesApi:
             asked = responses_request(
                 body,
                 models=api.models,
-                limits=api.services.limits,
+                limits=api.services_for(body.get("model")).limits,
                 earlier=lambda response_id: self.conversation(response_id, key_id),
             )
         except ProtocolError as exc:
@@ -271,7 +271,9 @@ class ResponsesApi:
 
     async def _run(self, request: web.Request, reply: ResponsesReply) -> web.StreamResponse:
         try:
-            return await self.api._generate(request, [reply.asked.frame], reply)
+            return await self.api._generate(
+                request, [reply.asked.frame], reply, self.api.services_for(reply.asked.model)
+            )
         finally:
             if not reply.asked.store and reply.id:
                 self.replies.pop(reply.id, None)

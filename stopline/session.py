@@ -55,8 +55,10 @@ class Transport(Protocol):
 
 @dataclass
 class Services:
-    """What a session needs of the server, and nothing more."""
+    """What a session needs of the server, and nothing more: of one model's, when several are
+    served (each has its own; they share everything but the model, its encoder, limits and scheduler)."""
 
+    # The name the model is reported under, in the greeting, the end line and the metrics.
     model: str
     encode: Callable[[str | None, list | None], list[int]]
     limits: Limits
@@ -195,8 +197,8 @@ class ClientSession:
         # The metrics and the end line, the slow part of the record, follow once the terminal
         # frame is out: before this loop reads anything more, such as a client's next request.
         loop = asyncio.get_running_loop()
-        loop.call_soon(services.metrics.record_end, ended.ending, ended.request.key_id)
-        loop.call_soon(log_end, ended.request, ended.ending, self.peer)
+        loop.call_soon(services.metrics.record_end, ended.ending, ended.request.key_id, services.model)
+        loop.call_soon(log_end, ended.request, ended.ending, self.peer, services.model)
         return []
 
     async def _prepare(self) -> None:

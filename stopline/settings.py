@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -83,14 +83,15 @@ class Settings:
     port: int = 8765
     # The HTTP API's port; None: the WebSocket port + 1 (or a free port when that one is 0).
     http_port: int | None = None
-    # The model file and how to load it; None: the embedded model.
-    model: str | None = None
+    # The model files (or hub specs) served, each by its own engine and slots; none: the embedded model.
+    models: tuple[str, ...] = ()
     model_type: str | None = None
     chat_template: str | None = None
     # The names the model is served under (the first is the one reported unasked); none: its own name.
+    # With several models, one name for each, in their order (model_names_of).
     served_model_names: tuple[str, ...] = ()
     # Which model names a request may send: any (one model is served, whatever it is called), or
-    # only the served names (others get 404 model_not_found).
+    # only the served names (others get 404 model_not_found). Several models: only the served names.
     model_names: ModelNames = ModelNames.ANY
     engine: EngineName = EngineName.LLAMA_CPP
     # The model POST /v1/embeddings answers with, loaded on its first request; "none": no embeddings.
@@ -167,6 +168,11 @@ class Settings:
         if self.model_type is not None and self.engine is not EngineName.CTRANSFORMERS:
             raise UsageError(
                 f"argument --model-type: a GGML file's type, which only --engine {EngineName.CTRANSFORMERS} loads"
+            )
+        if len(self.models) > 1 and self.served_model_names and len(self.served_model_names) != len(self.models):
+            raise UsageError(
+                f"argument --served-model-name: {len(self.models)} models are served, so give one name for each, "
+                "in the order of --model (or none: each is named after its file, or its hf: name)"
             )
         if self.prefill_chunk and self.context_length and self.prefill_chunk > self.context_length:
             raise UsageError(
@@ -341,6 +347,25 @@ def redis_url(text: str) -> str:
     return text
 
 
+def served_names(given: tuple[str, ...], own: Sequence[str]) -> list[tuple[str, ...]]:
+    """The names each model is served under, in the order of --model, given each engine's own name
+    (its file's name without the extension, or the embedded model's). One model: every
+    --served-model-name, else its own name. Several: the --served-model-name in its place, else
+    its own name; a request tells them apart by name, so two may not share one (UsageError)."""
+    if len(own) == 1:
+        return [given or (own[0],)]
+    names = given or tuple(own)
+    if len(names) != len(own):
+        raise UsageError(f"argument --served-model-name: give one name for each of the {len(own)} models")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise UsageError(
+                f"argument --served-model-name: two models would both be served as {name!r}; "
+                "give each its own name, one --served-model-name per --model, in their order"
+            )
+    return [(name,) for name in names]
+
+
 def model_name(text: str) -> str:
     # Sent back in every answer's "model", and listed by /v1/models.
     name = text.strip()
@@ -453,11 +478,13 @@ FLAGS = [
     ),
     Flag(
         "--model",
-        "model",
+        "models",
         str,
         "model file, or a GGUF on the Hugging Face hub: hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf, "
         "downloaded into the hub's cache; checked before it loads (what works: the end of --help, "
-        "docs/models.md)",
+        "docs/models.md); repeatable: each model has its own slots, and a request names the one it wants "
+        '(docs/http.md, "Several models")',
+        repeatable=True,
         default_text="the embedded SmolLM2-135M-Instruct",
     ),
     Flag(
@@ -472,8 +499,8 @@ FLAGS = [
         "served_model_names",
         model_name,
         "a name the model is served under, listed by /v1/models and reported in answers; repeatable "
-        "(STOPLINE_SERVED_MODEL_NAME=a,b), the first is the one reported unasked (docs/http.md, "
-        '"Model names")',
+        "(STOPLINE_SERVED_MODEL_NAME=a,b), the first is the one reported unasked; with several --model, "
+        'one name for each, in their order (docs/http.md, "Model names")',
         repeatable=True,
         default_text="the model's name",
     ),
@@ -482,7 +509,8 @@ FLAGS = [
         "model_names",
         one_of(ModelNames),
         "which model names an OpenAI request may send. any: any name, answered by the one model served "
-        "(as llama-server does); served: only the served names, others get 404 model_not_found (as vLLM does)",
+        "(as llama-server does); served: only the served names, others get 404 model_not_found (as vLLM does), "
+        "which is also the rule when several models are served",
     ),
     Flag(
         "--chat-template",

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import aiohttp
 import openai
@@ -98,14 +99,15 @@ def open_fds() -> set[str]:
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: Engine, **config):
-    """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks."""
+async def running_server(engine: Engine, *, others: Sequence[Engine] = (), **config):
+    """A real Stopline server on 127.0.0.1, port 0, torn down and checked for leaks; ``others``:
+    the models it serves after ``engine``'s (several --model)."""
     threads_before = {t.ident for t in threading.enumerate()}
     # Each server's prompt cache keeps its disk tier apart, unless a test shares one.
     own_dir = None if "prompt_cache_dir" in config else tempfile.mkdtemp(prefix="stopline-prompt-cache-")
     if own_dir is not None:
         config["prompt_cache_dir"] = own_dir
-    server = StoplineServer(engine, Settings.build(**{"host": "127.0.0.1", "port": 0, **config}))
+    server = StoplineServer(engine, Settings.build(**{"host": "127.0.0.1", "port": 0, **config}), others=others)
     await server.start()
     server.ws_url = f"ws://127.0.0.1:{server.port}/ws"
     server.http_url = f"http://127.0.0.1:{server.port}"
@@ -113,7 +115,7 @@ async def running_server(engine: Engine, **config):
         yield server
     finally:
         await server.shutdown()
-        assert server.scheduler.active == 0 and server.scheduler.queue_depth == 0
+        assert server.active == 0 and server.queued == 0
         # Slot worker threads end with the server.
         leftover = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
         assert not [t.name for t in leftover if t.name.startswith("stopline")], leftover
