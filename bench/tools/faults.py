@@ -31,8 +31,7 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio as aioredis
 
-from stopline.cluster import CANCELLATIONS, ENDED_STATUSES, generation_key
-from stopline.protocol.vocabulary import StoreEvent
+from stopline.cluster import CANCELLATIONS, ENDED_STATUSES, StoreEvent, generation_key
 
 from ..launch import ServerProcess
 from ..report import write_results_section
@@ -154,8 +153,8 @@ async def kill_round(redis_server: RedisServer, directory: Path, generations: in
             killed = time.monotonic()
             first = accepted[0]
             url = f"{survivors[0].api_url}/generations/{first['request_id']}"
-            async with http.delete(url, headers={"X-Cancel-Token": first["cancel_token"]}) as response:
-                answer = await response.json()
+            async with http.delete(url, headers={"Authorization": f"Bearer {first['cancel_token']}"}) as response:
+                answer = {"http_status": response.status, **await response.json()}
             delete_s = time.monotonic() - killed
             while True:
                 statuses = [await store.hget(generation_key(i), "status") for i in ids]
@@ -166,7 +165,7 @@ async def kill_round(redis_server: RedisServer, directory: Path, generations: in
             records = [fields["request_id"] for _, fields in await store.xrange(CANCELLATIONS)]
         return {
             "delete_s": round(delete_s, 3),
-            "delete_answer": answer.get("status"),
+            "delete_answer": answer.get("status") or answer,
             "all_ended_s": round(ended_s, 3),
             "statuses": sorted(set(statuses)),
             "log_records_per_id": sorted({records.count(i) for i in ids}),
