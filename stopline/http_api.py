@@ -488,7 +488,20 @@ class AnthropicReply(HttpReply):
             "content": content,
             "stop_reason": None if ending is None else self.asked.stop_reason(ending),
             "stop_sequence": None if ending is None else self.asked.stop_sequence(ending),
-            "usage": {"input_tokens": self._prompt_tokens, "output_tokens": output_tokens},
+            "usage": self._usage(ending, output_tokens),
+        }
+
+    def _usage(self, ending: Ending | None, output_tokens: int) -> dict:
+        """Anthropic's usage: ``input_tokens`` are those evaluated, ``cache_read_input_tokens``
+        those served from the KV cache or the prompt cache, and the two add up to the prompt.
+        How many were cached is known once the generation has ended; until then the whole
+        prompt counts as input."""
+        cached = 0 if ending is None else ending.prompt_tokens_reused
+        return {
+            "input_tokens": self._prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": output_tokens,
         }
 
     async def _end(self, frame: Terminal) -> None:
@@ -503,7 +516,8 @@ class AnthropicReply(HttpReply):
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self.asked.stop_reason(ending), "stop_sequence": self.asked.stop_sequence(ending)},
-            "usage": {"output_tokens": ending.tokens_generated},
+            # Cumulative, as Anthropic's is: the input's split into evaluated and cached is known now.
+            "usage": self._usage(ending, ending.tokens_generated),
             "stopline": frame.json(),
         }
         await self._event("message_delta", delta)

@@ -31,14 +31,35 @@ async def test_a_message_is_the_same_greedy_answer_as_a_chat_completion(server):
     assert block.type == "text" and "Paris" in block.text
     end = message.model_extra["stopline"]
     assert message.stop_reason == ("max_tokens" if end["tokens_generated"] == 32 else "end_turn")
-    assert message.usage.input_tokens == end["prompt_tokens"] and message.usage.output_tokens == end["tokens_generated"]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == end["prompt_tokens"]
+    assert (
+        usage.cache_read_input_tokens == end["prompt_tokens_reused"] and usage.output_tokens == end["tokens_generated"]
+    )
     assert message.id == f"msg_{end['id']}"
     async with openai.AsyncOpenAI(base_url=server.http.base_url, api_key="unused", max_retries=0) as other:
         chat = await other.chat.completions.create(
             model=server.engine.name, max_tokens=32, messages=CHAT_FRANCE, temperature=0
         )
     assert chat.choices[0].message.content == block.text
-    assert chat.usage.prompt_tokens == message.usage.input_tokens
+    assert chat.usage.prompt_tokens == usage.input_tokens + usage.cache_read_input_tokens
+
+
+async def test_a_repeated_conversation_reads_its_prompt_from_the_cache(server):
+    """The same conversation again: its prompt is served from the cache, and usage says how much,
+    in the final message streamed or not (input_tokens and cache_read_input_tokens add up to the prompt)."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe, one per line."}]
+    asked = dict(model=server.engine.name, max_tokens=4, messages=messages, extra_body={"temperature": 0})
+    async with client_of(server) as client:
+        first = await client.messages.create(**asked)
+        again = await client.messages.create(**asked)
+        async with client.messages.stream(**asked) as s:
+            streamed = await s.get_final_message()
+    prompt = first.model_extra["stopline"]["prompt_tokens"]
+    assert again.usage.cache_read_input_tokens == again.model_extra["stopline"]["prompt_tokens_reused"]
+    for usage in (again.usage, streamed.usage):
+        assert usage.cache_read_input_tokens > 0 and usage.cache_creation_input_tokens == 0
+        assert usage.input_tokens + usage.cache_read_input_tokens == prompt
 
 
 async def test_a_streamed_message_has_anthropics_events_and_the_same_text(server):
