@@ -47,8 +47,9 @@ struct sll_sampler {
     int32_t n_vocab;
     /* The repetition penalty's window: the last n_window tokens seen, oldest
      * overwritten first (a ring). The shim applies it rather than llama.cpp's
-     * penalties sampler, which looks every candidate up in a map of the window:
-     * about 1 ms a draw over Gemma 3's 262,144 entries, with no stop check. */
+     * penalties sampler, which looks every candidate up in a map of the window,
+     * a cost that grows with the vocabulary and has no stop check
+     * (docs/engine.md, "Sampling"). */
     float repeat_penalty;
     llama_token *window;
     int32_t n_window, n_seen;

@@ -113,7 +113,7 @@ typedef struct {
 } sl_group_watch;
 
 /* A compute thread's checks during one evaluation. Between two small pieces of
- * a node a check reads the cancel flags only; the clock (20 ns, against 1 for a
+ * a node a check reads the cancel flags only; the clock (far dearer than a
  * flag) is read every `per_clock` checks, doubled or halved so that readings
  * come about every SL_CLOCK_EVERY_NS, and at most every SL_MAX_CHECKS_PER_CLOCK
  * checks: when the pieces grow from a few microseconds to a millisecond, the

@@ -6,9 +6,9 @@ from typing import Self
 
 from typing_extensions import disjoint_base
 
-from stopline.protocol.errors import ContextOverflowError as ContextOverflowError
-from stopline.protocol.errors import EngineError as EngineError
-from stopline.protocol.errors import ModelLoadError as ModelLoadError
+from stopline.engine.errors import ContextOverflowError as ContextOverflowError
+from stopline.engine.errors import EngineError as EngineError
+from stopline.engine.errors import ModelLoadError as ModelLoadError
 from stopline.protocol.requests import SamplingParams
 
 MAX_PREFILL_CHUNK: int
@@ -119,7 +119,6 @@ class LlamaSequence(Slot):
 
 @disjoint_base
 class LoopResult:
-    FIELDS: tuple[str, ...]
     @property
     def exit(self) -> ExitKind: ...
     @property

@@ -287,11 +287,10 @@ class StoplineServer:
                 detail="the model file has no chat template (a base model): a chat is completed as the plain "
                 "text of its messages; --chat-template chatml, or a template file, gives it one",
             )
-        # What was built to get here (the engine, the tokenizer, every module imported: about 87,000
-        # objects) lives as long as the server. Frozen, it is left out of Python's full collections,
-        # which run on whichever thread allocates when one falls due, holding the GIL: about 30 ms
-        # with it, which every stream and a stop read meanwhile waited for; 0.3 ms without it
-        # (docs/engine.md, "The stop a client sees").
+        # What was built to get here (the engine, the tokenizer, every module imported) lives as long
+        # as the server. Frozen, it is left out of Python's full collections, which run on whichever
+        # thread allocates when one falls due, holding the GIL, so that every stream and a stop read
+        # meanwhile wait for them; docs/engine.md, "The stop a client sees", has the measurements.
         gc.freeze()
         log.info(
             "server_started",

@@ -98,7 +98,7 @@ class ConsoleRenderer:
 
 log = structlog.get_logger("stopline")
 
-# Stop latencies are in the low milliseconds; the buckets start at 1 ms.
+# Stop latencies are in the low milliseconds (bench/RESULTS.md); the buckets start at 1 ms.
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

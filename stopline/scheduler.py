@@ -125,8 +125,8 @@ class Scheduler:
     def _warn_if_threads_outnumber_cores(self) -> None:
         """A --threads that puts more compute threads than cores to work when every slot runs.
         ggml's threads spin at every node's barrier while they wait for a partner the OS has
-        preempted: on 2 cores, 4 Gemma 3 generations of 2 threads each decoded about 20 times
-        slower than with the cores shared (docs/engine.md, "Threads")."""
+        preempted, and decode slows many times over against the cores shared (docs/engine.md,
+        "Threads", has the measurement)."""
         if self.threads is None:
             return
         evaluations = 1 if self.batching is Batching.SHARED else self.workers

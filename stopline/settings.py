@@ -72,6 +72,10 @@ EMBEDDING_MODELS = ("all-minilm-l6-v2",)
 # The tokens each slot holds when no context length is asked for, on the ctransformers
 # engine; on llama.cpp, the least that sizing a context from the model chooses.
 DEFAULT_CONTEXT_LENGTH = 2048
+# The largest prompt chunk either engine evaluates at once: the native loop's
+# _core.MAX_PREFILL_CHUNK and _core.LLAMA_MAX_CHUNK, written again here because this
+# module must not load the engine; a test keeps the three equal.
+MAX_PREFILL_CHUNK = 512
 LOG_FORMATS = ("auto", "text", "json")
 
 
@@ -576,8 +580,8 @@ FLAGS = [
     Flag(
         "--prefill-chunk",
         "prefill_chunk",
-        integer(1, 512),
-        "prompt tokens per evaluation, at most 512",
+        integer(1, MAX_PREFILL_CHUNK),
+        f"prompt tokens per evaluation, at most {MAX_PREFILL_CHUNK}",
         # DEFAULT_PREFILL_CHUNK in engine/loop.py, which this module does not import: it loads the engine.
         default_text="with --abort-mode in_step, 64 on ctransformers and 512 on llama.cpp; else 1",
     ),

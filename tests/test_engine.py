@@ -26,8 +26,8 @@ import pytest
 
 from stopline import _core
 from stopline._core import ExitKind, Generation, GenerationState
+from stopline.engine.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.engine.loop import Engine
-from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName, Outcome, Reason
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, make_generation, started_running

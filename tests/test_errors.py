@@ -11,6 +11,7 @@ import pytest
 import stopline
 from stopline import __main__ as cli
 from stopline.client import ServerUnreachable
+from stopline.engine import errors as engine_errors
 from stopline.protocol import errors
 from stopline.protocol.vocabulary import ErrorCode
 
@@ -57,9 +58,10 @@ def test_each_refusal_of_a_request_names_its_own_code():
 
 
 def test_an_engine_failure_is_a_stopline_error_that_a_caller_of_the_engine_also_knows():
-    assert issubclass(errors.ContextOverflowError, ValueError)
-    assert issubclass(errors.ModelLoadError, errors.EngineError)
-    assert issubclass(errors.EngineError, RuntimeError)
+    assert issubclass(engine_errors.ContextOverflowError, ValueError)
+    assert issubclass(engine_errors.ModelLoadError, engine_errors.EngineError)
+    assert issubclass(engine_errors.EngineError, RuntimeError)
+    assert issubclass(engine_errors.EngineError, errors.StoplineError)
 
 
 @pytest.mark.parametrize("kind", [errors.StoreUnavailable, errors.OwnerUnreachable, ServerUnreachable])

@@ -2,7 +2,8 @@
 pure layer (stopline/protocol/) imports only the standard library and itself, structured output
 (stopline/structured/) only those and the protocol, the API dialects (stopline/api/) only those
 and structured output, and the engine layer (stopline/engine/) imports nothing of the servers
-above it, nor the settings it reads anything of the engine."""
+above it, nor the settings it reads anything of the engine. No test imports conftest or another test
+module."""
 
 from __future__ import annotations
 
@@ -149,3 +150,22 @@ def test_the_settings_the_engine_reads_import_no_engine():
     # The engine reads its defaults and STOPLINE_ variables from the settings: they stand below it.
     settings = _imports(MODULES["stopline.settings"], at_load=False)
     assert {module for module in settings if module.startswith(("stopline.engine", "stopline._core"))} == set()
+
+
+def test_no_test_imports_conftest_or_another_test_module():
+    # Shared helpers live in tests/support/ (and the stand-ins beside it); a fixture comes
+    # through pytest, never by import, so one test module can move without breaking another.
+    tests = Path(__file__).resolve().parent
+    found = {}
+    for path in tests.rglob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+        last_parts = {name.rpartition(".")[2] for name in imported}
+        wrong = sorted(name for name in last_parts if name == "conftest" or name.startswith("test_"))
+        if wrong:
+            found[str(path.relative_to(tests))] = wrong
+    assert found == {}

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import gguf
@@ -275,6 +275,22 @@ def test_invalid_input_is_refused_before_it_reaches_llama_cpp(engine, slot):
         make_generation(slot, [1, 2], max_tokens=4, prefill_chunk=slot.max_batch + 1)
     with pytest.raises(_core.ContextOverflowError):
         make_generation(slot, [1] * slot.context_length, max_tokens=4)
+
+
+def test_the_native_loop_reads_every_sampling_parameter(slot):
+    read = set()
+
+    class Recording(SamplingParams):
+        def __getattribute__(self, name):
+            read.add(name)
+            return super().__getattribute__(name)
+
+    _core.Generation(slot, [1, 2], Recording(max_tokens=4, seed=0)).close()
+    # The deadlines are the engine's: Engine.start turns them into the loop's deadline_ns and
+    # first_token_deadline_ns. Every other field of SamplingParams, and nothing else, the
+    # native side reads, so a field added on either side without the other fails here.
+    deadlines = {"timeout_s", "ttft_timeout_s"}
+    assert {name for name in read if not name.startswith("_")} == {f.name for f in fields(SamplingParams)} - deadlines
 
 
 def random_aborts(engine: Engine, slot, control, count: int, seed: int, compare_every: int = 1) -> dict:

@@ -24,6 +24,7 @@ import pytest
 from bench.launch import run_stopline
 from hub_stand_in import split_gguf
 from stopline.engine import conversion, model
+from stopline.engine.errors import ModelLoadError
 from stopline.engine.loop import Engine
 from stopline.engine.model_check import (
     GGML_MODEL_TYPES,
@@ -34,7 +35,6 @@ from stopline.engine.model_check import (
     read_gguf_metadata,
 )
 from stopline.engine.tokenizer import TokenizerError, load_chat_template
-from stopline.protocol.errors import ModelLoadError
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import EngineName
 from support import UNIT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from stopline.protocol.frames import CancelFrame, GenerateFrame, Token, encode_f
 from stopline.protocol.requests import DEFAULT_SAMPLING, EXIT_OUTCOMES, Ending, GenerationResult, Limits, Phase
 from stopline.protocol.validation import generate_frame, incoming_frame
 from stopline.protocol.vocabulary import REASONS_BY_OUTCOME, ErrorCode, Outcome, Reason
+from stopline.settings import MAX_PREFILL_CHUNK
 from stopline.structured.frame_grammar import frame_grammar
 
 MS = 1_000_000
@@ -275,7 +277,20 @@ def test_tokens_wasted_counts_only_unfinished_work():
 def test_the_engines_report_has_the_native_loops_fields_one_for_one():
     from stopline._core import LoopResult
 
-    assert tuple(f.name for f in fields(GenerationResult)) == LoopResult.FIELDS
+    # The native result's fields are the readonly attributes of the built extension type,
+    # so a field added, dropped or renamed on either side fails here.
+    native = [name for name, value in vars(LoopResult).items() if inspect.isgetsetdescriptor(value)]
+    assert [f.name for f in fields(GenerationResult)] == native
+
+
+def test_the_prefill_chunk_limit_is_the_native_loops():
+    from stopline import _core
+    from stopline.engine.loop import DEFAULT_PREFILL_CHUNK
+
+    # settings.py cannot import the engine, so it writes the limit again; here the copies meet.
+    assert MAX_PREFILL_CHUNK == _core.MAX_PREFILL_CHUNK == _core.LLAMA_MAX_CHUNK
+    for by_mode in DEFAULT_PREFILL_CHUNK.values():
+        assert all(1 <= chunk <= MAX_PREFILL_CHUNK for chunk in by_mode.values())
 
 
 def test_every_way_out_of_the_native_loop_has_an_outcome():

@@ -64,7 +64,7 @@ import os
 import random
 import time
 
-from stopline.protocol.errors import ContextOverflowError, EngineError, ModelLoadError
+from stopline.engine.errors import ContextOverflowError, EngineError, ModelLoadError
 from stopline.protocol.requests import DEFAULT_WINDOW, MAX_TOP_LOGPROBS, SamplingParams
 
 cdef enum:
@@ -1351,13 +1351,10 @@ cdef class LoopResult:
     cdef readonly int preemptions
     cdef readonly int64_t preempted_ns
 
-    FIELDS = ("exit", "prompt_tokens", "prompt_tokens_reused", "prompt_tokens_evaluated", "tokens_generated",
-              "tokens_after_cancel", "start_ns", "first_token_ns", "cancel_observed_ns", "end_ns",
-              "text_kept_bytes", "longest_prefill_node_ns", "longest_decode_node_ns", "prompt_tokens_wasted",
-              "wasted_eval_ns", "preemptions", "preempted_ns")
-
     def __repr__(self):
-        return "LoopResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS) + ")"
+        # The fields are the readonly attributes above, in their order: no second list to keep.
+        names = [n for n, v in vars(LoopResult).items() if type(v).__name__ == "getset_descriptor"]
+        return "LoopResult(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
 cdef LoopResult loop_result(const LoopState *s):

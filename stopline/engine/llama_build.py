@@ -69,8 +69,8 @@ CMAKE_OPTIONS = [
     # ggml's own threads rather than OpenMP's. The engine evaluates on whichever
     # thread runs the generation, and every thread that starts an OpenMP region
     # keeps a team of its own; once the teams outnumber the cores, libgomp stops
-    # spinning at barriers and sleeps at every graph node: measured, a lone
-    # 2-thread decode fell from about 90 to 60 tokens/s on a second thread.
+    # spinning at barriers and sleeps at every graph node, which slows a lone
+    # decode on a second thread (docs/engine.md, "Threads", has the measurement).
     "-DGGML_OPENMP=OFF",
 ]
 if platform.machine().lower() in ("x86_64", "amd64"):

@@ -2,8 +2,8 @@
 
 llama.cpp checks its abort callback between graph nodes only, so a stop waits
 for the node under way, and a node grows with the model, the batch and the
-prompt chunk (a 1B model's output projection, or a 512-token chunk's FFN, takes
-tens of milliseconds on two cores). Every long kernel of ggml's CPU backend
+prompt chunk (a 1B model's output projection, or a 512-token chunk's FFN, is a
+long wait on a few cores; docs/engine.md, "Stopping inside a node"). Every long kernel of ggml's CPU backend
 splits its node into pieces that the compute threads take in turn; these edits
 make each thread ask the graph's abort callback between its pieces and take no
 more once it says stop. The node then ends part-way, its output garbage that
@@ -36,9 +36,10 @@ SMALL_PIECES_PER_CHECK = 16
 # The repacked matmul takes, with one plane, pieces of this many input columns
 # (a multiple of its 4-column tiles; ggml takes them all at once), and plans its
 # row pieces (ggml: 4 per thread) so that none is over this many multiply-adds:
-# 0.1 ms in decode on this machine kind, where a 1B model's output projection
-# (262M) was 8 pieces of a millisecond or more. Finer than needed costs: 64 row
-# pieces per thread cut one generation's decode on 2 threads by 10-20%.
+# a fraction of a millisecond in decode, where a 1B model's output projection
+# came in a few pieces of a millisecond or more. Finer than needed costs decode
+# speed, so the bound is on the work, not a count per thread (docs/engine.md,
+# "Stopping inside a node", has the measurements).
 REPACK_COLUMNS = 128
 REPACK_PIECE_MULTIPLY_ADDS = 4_000_000
 # The tiled matmul's pieces, in rows and columns of the output (ggml plans 256).
@@ -178,8 +179,8 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
         f"            int64_t src1_start = ne12 == 1 ? ith1 * {REPACK_COLUMNS} : ith1 * ne11;  // Stopline\n"
         f"            int64_t src1_end = ne12 == 1 ? MIN(src1_start + {REPACK_COLUMNS}, ne11) : (ith1 + 1) * ne11;\n",
     ),
-    # The tiled matmul (the K-quants of a prompt) plans 256 x 256 output pieces: 33M
-    # multiply-adds of Gemma 3's FFN, 0.8 ms here.
+    # The tiled matmul (the K-quants of a prompt) plans 256 x 256 output pieces, each a long
+    # wait in a prompt's FFN; smaller tiles give a stop more places to land.
     Edit(
         _CPU + "tiled/tiled.cpp",
         "int chunk_size = 256; //TILED_TILE_ROWS;",

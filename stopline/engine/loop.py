@@ -34,13 +34,14 @@ import structlog
 
 from stopline import _core
 
-from ..protocol.errors import EngineError, ModelLoadError, SettingError
+from ..protocol.errors import SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
 from ..settings import DEFAULT_CONTEXT_LENGTH, Settings, physical_memory
 from . import conversion
 from . import model as embedded
 from .cores import usable_cores
+from .errors import EngineError, ModelLoadError
 from .model_check import ModelFileError, check_model_file
 from .prompt_cache import PromptCache, model_key
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of

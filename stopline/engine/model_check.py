@@ -21,8 +21,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..protocol.errors import ModelLoadError
 from ..protocol.vocabulary import EngineName
+from .errors import ModelLoadError
 
 # The engines a verdict can name; the default is the one this module's limits describe.
 CTRANSFORMERS = EngineName.CTRANSFORMERS

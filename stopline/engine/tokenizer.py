@@ -305,7 +305,7 @@ def _raise(message: str):
 def compile_chat_template(template: str) -> jinja2.Template:
     """``template`` compiled, once per text. Compiling takes milliseconds and holds the
     GIL, so it would hold up the event loop, and every stream on it, at each request;
-    rendering a compiled template takes a tenth of a millisecond. Jinja renders one
+    rendering a compiled template takes far less. Jinja renders one
     compiled template from several threads at once."""
     # Chat templates come from model files: render them sandboxed.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

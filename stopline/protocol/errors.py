@@ -7,8 +7,8 @@ a client carries its protocol code (:attr:`StoplineError.code`) and HTTP status
 (:attr:`StoplineError.status`) as class attributes; the message is its first
 argument.
 
-The native engine raises :class:`EngineError` and its subclasses, defined here
-so that they share the root.
+The engine's own errors (:class:`stopline.engine.errors.EngineError` and its
+subclasses) live with the engine, which alone raises them, and share this root.
 """
 
 from __future__ import annotations
@@ -80,23 +80,6 @@ class OwnerUnreachable(RequestLookupError):
 
     code = ErrorCode.OWNER_UNREACHABLE
     status = HTTPStatus.GATEWAY_TIMEOUT
-
-
-# The native engine -----------------------------------------------------------
-
-
-class EngineError(StoplineError, RuntimeError):
-    """A failure inside the native engine. ``errno`` is set when a system call failed."""
-
-    errno: int | None = None
-
-
-class ModelLoadError(EngineError):
-    """The engine could not load the model."""
-
-
-class ContextOverflowError(EngineError, ValueError):
-    """The prompt does not fit in the context."""
 
 
 # Running a generation ---------------------------------------------------------
