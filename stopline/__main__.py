@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -30,6 +31,7 @@ from .engine.tokenizer import TokenizerError, load_chat_template
 from .observability import configure_logging, log
 from .protocol.errors import StoplineError, UsageError
 from .protocol.origin import WILDCARD_HOSTS
+from .residency import Loader
 from .settings import FLAGS, Settings, add_flags, converted_keep, flags_table, integer
 
 if TYPE_CHECKING:
@@ -202,22 +204,23 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
 
     # Without --threads, each generation takes the cores the others leave (Scheduler).
     # Each model by its own engine, with slots of its own; none named: the embedded model.
-    loaded = _in_daemon_thread(
-        loop,
-        lambda: [
-            Engine.load(
-                model,
-                settings.model_type,
-                engine=settings.engine,
-                context_length=settings.context_length,
-                threads=settings.threads,
-                prefill_chunk=settings.prefill_chunk,
-                abort_mode=settings.abort_mode,
-                sequences=settings.workers,
-            )
-            for model in settings.models or (None,)
-        ],
-    )
+    def load(model: str | None) -> Engine:
+        return Engine.load(
+            model,
+            settings.model_type,
+            engine=settings.engine,
+            context_length=settings.context_length,
+            threads=settings.threads,
+            prefill_chunk=settings.prefill_chunk,
+            abort_mode=settings.abort_mode,
+            sequences=settings.workers,
+        )
+
+    # The first model loads now, and the server is ready once it has; each other when first asked
+    # for (stopline/residency.py), under the name resolve_model gave it.
+    first, *rest = settings.models or (None,)
+    others = [Loader(Path(model).stem, partial(load, model)) for model in rest]
+    loaded = _in_daemon_thread(loop, lambda: [load(first)])
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)
     if not loaded.done():
@@ -234,7 +237,7 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
             engine.tokenizer = engine.tokenizer.with_chat_template(load_chat_template(settings.chat_template))
     # The ports actually taken (either may have been 0: any free port).
     settings = replace(settings, port=sock.getsockname()[1], http_port=http_sock.getsockname()[1])
-    server = StoplineServer(engines[0], settings, others=engines[1:])
+    server = StoplineServer(engines[0], settings, others=others)
     servers.append(server)
     await server.start(sock=sock, http_sock=http_sock)
     await stop.wait()

@@ -54,6 +54,7 @@ from .edge import Edge, host_rules, peer_name
 from .embeddings_api import EmbeddingsApi
 from .engine.loop import Engine
 from .engine.prompt_cache import PromptCache
+from .engine.tokenizer import load_chat_template
 from .http_api import HttpApi
 from .observability import Metrics, log
 from .ollama_api import OllamaApi
@@ -64,6 +65,7 @@ from .protocol.requests import Limits
 from .protocol.vocabulary import ChatFormat, EngineName, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
+from .residency import LazyModel, Loader, Running
 from .responses_api import ResponsesApi
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport
@@ -102,12 +104,18 @@ class StoplineServer:
     slots. ``engine`` is the first model: the one a request that names none, and every WebSocket
     generation, runs on."""
 
-    def __init__(self, engine: Engine, settings: Settings, others: Sequence[Engine] = ()):
+    def __init__(self, engine: Engine, settings: Settings, others: Sequence[Engine | Loader] = ()):
         self.engine = engine
         self.settings = settings
         self.metrics = Metrics()
-        engines = [engine, *others]
-        names = served_names(settings.served_model_names, [e.name for e in engines])
+        # An engine given loaded is served as loaded for good; a Loader, only once asked for (LazyModel).
+        lazy_others = [each for each in others if isinstance(each, Loader)]
+        loaded_others = [each for each in others if not isinstance(each, Loader)]
+        engines = [engine, *loaded_others]
+        names = served_names(
+            settings.served_model_names, [*(e.name for e in engines), *(each.name for each in lazy_others)]
+        )
+        lazy_names, names = names[len(engines) :], names[: len(engines)]
         # One prompt cache for the server, on the engines whose slots it fills (llama.cpp only); its
         # entries are keyed by model, so models never read one another's states.
         budget = settings.prompt_cache_bytes
@@ -134,6 +142,7 @@ class StoplineServer:
         ]
         self.scheduler = schedulers[0]
         self.metrics.slots.set(settings.workers * len(engines))
+        self._eager_slots = settings.workers * len(engines)
         self.metrics.set_abort_mode(engine.abort_mode)
         # The Host and Origin rules, and what clients are told to connect to (a wildcard address is not one).
         origin_policy, self.public_host = host_rules(settings.host, settings.allowed_origins, settings.allowed_hosts)
@@ -168,8 +177,8 @@ class StoplineServer:
         # The names the models are served under, and whether a request may name any model: only
         # when one is served, for with several the name is what picks one.
         self.models = ServedModels(
-            tuple(name for served in names for name in served),
-            any_name=settings.model_names == ModelNames.ANY and len(engines) == 1,
+            tuple(name for served in [*names, *lazy_names] for name in served),
+            any_name=settings.model_names == ModelNames.ANY and len(engines) + len(lazy_others) == 1,
             chat_format=ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template),
         )
         self.keyring = Keyring(settings.api_keys, settings.api_keys_file)
@@ -192,7 +201,7 @@ class StoplineServer:
         self.served = [
             ServedModel(names[0], engine, self.scheduler, self.limits, self.services, self.models.chat_format)
         ]
-        for each, served, scheduler in zip(others, names[1:], schedulers[1:], strict=True):
+        for each, served, scheduler in zip(loaded_others, names[1:], schedulers[1:], strict=True):
             limits = settings.limits_for(each)
             self.served.append(
                 ServedModel(
@@ -204,6 +213,11 @@ class StoplineServer:
                     ChatFormat.of(each.tokenizer.chat_template, settings.chat_template),
                 )
             )
+        # The models beyond the first given as Loaders: loaded when first asked for, unloaded once idle.
+        self.lazy = [
+            LazyModel(served[0], each.load, self._start_model, self._stop_model, settings.keep_alive_s)
+            for each, served in zip(lazy_others, lazy_names, strict=True)
+        ]
         self.http = HttpApi(
             self.services,
             settings,
@@ -212,6 +226,7 @@ class StoplineServer:
             self.models,
             {name: model.services for model in self.served for name in model.names},
             {name: model.chat_format for model in self.served for name in model.names},
+            lazy={model.name: model for model in self.lazy},
         )
         # The other dialects build on the HTTP API's replies and routes.
         embeddings = None if settings.embedding_model == "none" else EmbeddingsApi(self.http, settings.embedding_model)
@@ -227,12 +242,51 @@ class StoplineServer:
     @property
     def active(self) -> int:
         """Generations running, on every model's slots."""
-        return sum(model.scheduler.active for model in self.served)
+        return sum(scheduler.active for scheduler in self._schedulers())
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot, every model's."""
-        return sum(model.scheduler.queue_depth for model in self.served)
+        return sum(scheduler.queue_depth for scheduler in self._schedulers())
+
+    def _schedulers(self) -> list[Scheduler]:
+        """Every loaded model's scheduler."""
+        loaded = [model.running.scheduler for model in self.lazy if model.running is not None]
+        return [model.scheduler for model in self.served] + loaded
+
+    def _start_model(self, name: str, engine: Engine) -> Running:
+        """The lazily served model ``name`` just loaded: its slots, and what a session that asks for it uses."""
+        settings = self.settings
+        if settings.chat_template is not None:
+            engine.tokenizer = engine.tokenizer.with_chat_template(load_chat_template(settings.chat_template))
+        if self.prompt_cache is not None and engine.kind is EngineName.LLAMA_CPP:
+            engine.prompt_cache = self.prompt_cache
+        scheduler = Scheduler(
+            engine,
+            settings.workers,
+            settings.max_queue,
+            window=settings.window,
+            metrics=self.metrics.for_model(name),
+            threads=settings.threads,
+            batching=settings.batching,
+        )
+        limits = settings.limits_for(engine)
+        services = replace(self.services, model=name, encode=_encoder(engine), limits=limits, scheduler=scheduler)
+        loaded = sum(m.loaded for m in self.lazy) + 1
+        self.metrics.slots.set(self._eager_slots + settings.workers * loaded)
+        chat_format = ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template)
+        if chat_format is ChatFormat.PLAIN_TEXT:
+            _warn_no_chat_template(name)
+        return Running(engine, scheduler, services, chat_format)
+
+    async def _stop_model(self, running: Running) -> None:
+        """Unload a lazily served model: its slots end (no generation runs on them), then the native model."""
+        engine = running.engine
+        running.scheduler.close()
+        await running.scheduler.shutdown(keep=engine.keep_in_prompt_cache if engine.prompt_cache else None)
+        engine.prompt_cache = None
+        await asyncio.to_thread(_free_engine, engine)
+        self.metrics.slots.set(self._eager_slots + self.settings.workers * sum(m.loaded for m in self.lazy))
 
     @property
     def port(self) -> int:
@@ -278,15 +332,8 @@ class StoplineServer:
                 "(--api-key, --api-keys-file)",
             )
         for model in self.served:
-            if model.chat_format is not ChatFormat.PLAIN_TEXT:
-                continue
-            log.warning(
-                "no_chat_template",
-                model=model.name,
-                chat_format=str(ChatFormat.PLAIN_TEXT),
-                detail="the model file has no chat template (a base model): a chat is completed as the plain "
-                "text of its messages; --chat-template chatml, or a template file, gives it one",
-            )
+            if model.chat_format is ChatFormat.PLAIN_TEXT:
+                _warn_no_chat_template(model.name)
         # What was built to get here (the engine, the tokenizer, every module imported) lives as long
         # as the server. Frozen, it is left out of Python's full collections, which run on whichever
         # thread allocates when one falls due, holding the GIL, so that every stream and a stop read
@@ -305,7 +352,11 @@ class StoplineServer:
             prefill_chunk=self.engine.prefill_chunk,
             abort_mode=str(self.engine.abort_mode),
             http_api=self.http.base_url,
-            **({"models": [model.name for model in self.served]} if len(self.served) > 1 else {}),
+            **(
+                {"models": [*(m.name for m in self.served), *(m.name for m in self.lazy)]}
+                if len(self.served) + len(self.lazy) > 1
+                else {}
+            ),
         )
 
     async def shutdown(self) -> None:
@@ -314,8 +365,8 @@ class StoplineServer:
         # Stop accepting connections, end every request (its terminal message goes
         # out on its still-open connection), then close connections with 1001.
         self._server.server.close()
-        for model in self.served:
-            model.scheduler.close()
+        for scheduler in self._schedulers():
+            scheduler.close()
         now = time.monotonic_ns()
         for session in list(self.sessions):
             await session.stop_all(Reason.SHUTDOWN, now)
@@ -324,6 +375,8 @@ class StoplineServer:
             await model.scheduler.shutdown(keep=engine.keep_in_prompt_cache if self.prompt_cache else None)
             if engine.prompt_cache is self.prompt_cache:
                 engine.prompt_cache = None
+        for lazy in self.lazy:
+            await lazy.close()
         if self.prompt_cache is not None:
             # What memory holds goes to disk on the cache's writer, waited for off the event loop.
             await asyncio.to_thread(self.prompt_cache.close)
@@ -510,6 +563,30 @@ class GuardedConnection(ServerConnection):
         # data resets it, and the client would never see the answer.
         self.transport.write_eof()
         self.loop.call_later(1.0, self.transport.close)
+
+
+def _warn_no_chat_template(model: str) -> None:
+    """Said of each model without a chat template: at startup, or as it loads when first asked for."""
+    log.warning(
+        "no_chat_template",
+        model=model,
+        chat_format=str(ChatFormat.PLAIN_TEXT),
+        detail="the model file has no chat template (a base model): a chat is completed as the plain "
+        "text of its messages; --chat-template chatml, or a template file, gives it one",
+    )
+
+
+def _free_engine(engine: Engine) -> None:
+    """Close what an unloaded engine holds natively (its slots are closed already): its probe slot, if
+    it never became one, and the model itself, so that its memory returns now rather than whenever
+    the garbage collector gets to it."""
+    probe = getattr(engine, "_probe", None)
+    if probe is not None:
+        probe.close()
+        engine._probe = None  # type: ignore[attr-defined]
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "close"):
+        model.close()
 
 
 def _encoder(engine: Engine) -> Callable[[str | None, list | None], list[int]]:

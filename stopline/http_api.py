@@ -15,8 +15,10 @@ for the stop, which the native loop sees before its next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import math
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
@@ -28,6 +30,7 @@ from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_reques
 from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
+from .observability import log_end
 from .protocol.errors import (
     DuplicateId,
     InvalidCancelToken,
@@ -49,9 +52,9 @@ from .protocol.frames import (
     encode_json,
     ends_request,
 )
-from .protocol.requests import Ending
+from .protocol.requests import Ending, Request
 from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
-from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal
+from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .session import ClientSession, Services
 from .settings import Settings
@@ -59,6 +62,7 @@ from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolCh
 
 if TYPE_CHECKING:
     from .cluster import Cluster
+    from .residency import LazyModel
 
 # The API key a request was admitted with (when the server asks for keys).
 API_KEY = web.RequestKey("api_key", ApiKey)
@@ -535,6 +539,17 @@ def anthropic_error(code: ErrorCode | Refusal, message: str) -> web.Response:
     return web.json_response(body, status=status, headers=dict(_NO_STORE))
 
 
+@dataclass
+class LoadWait:
+    """A request waiting for its model to load, which a DELETE by its id may end."""
+
+    task: asyncio.Task
+    cancel_token: str | None
+    key: ApiKey | None
+    # When a DELETE asked for the stop; None: none did.
+    cancel_ns: int | None = None
+
+
 class HttpApi:
     def __init__(
         self,
@@ -545,12 +560,18 @@ class HttpApi:
         models: ServedModels,
         by_name: Mapping[str, Services] | None = None,
         chat_formats: Mapping[str, ChatFormat] | None = None,
+        lazy: Mapping[str, LazyModel] | None = None,
     ):
         # The first model's services; by_name, each served name's model's (several --model).
         self.services = services
         self.models = models
         self.by_name = dict(by_name or {})
         self.chat_formats = dict(chat_formats or {})
+        # The models loaded when first asked for, by name (stopline/residency.py).
+        self.lazy = dict(lazy or {})
+        # Requests waiting for their model to load, by the request id the client chose (X-Request-Id):
+        # a DELETE of one ends it there (LoadWait).
+        self.loading: dict[str, LoadWait] = {}
         # When the models were first served: /v1/models' "created".
         self.created = int(time.time())
         self.settings = settings
@@ -662,12 +683,93 @@ class HttpApi:
     def services_for(self, requested: object) -> Services:
         """The services of the model a request names (Ollama's ``NAME:latest`` is ``NAME``); the
         first model's for no name, or a name none is served under, which the request's own
-        checks then answer (404 model_not_found, unless one model answers to any name)."""
+        checks then answer (404 model_not_found, unless one model answers to any name). A model
+        loaded when asked for has its services once loaded; until then, its bounds are the first
+        model's, with the prompt checked against its own context once it is."""
         if isinstance(requested, str):
             found = self.by_name.get(requested) or self.by_name.get(requested.removesuffix(":latest"))
             if found is not None:
                 return found
+            lazy = self.lazy_for(requested)
+            if lazy is not None:
+                if lazy.running is not None:
+                    return lazy.running.services
+                if lazy.limits is not None:
+                    return replace(self.services, model=lazy.name, limits=lazy.limits)
         return self.services
+
+    def lazy_for(self, requested: object) -> LazyModel | None:
+        """The model loaded when first asked for that ``requested`` names, if it names one."""
+        if not isinstance(requested, str):
+            return None
+        return self.lazy.get(requested) or self.lazy.get(requested.removesuffix(":latest"))
+
+    async def _wait_for_load(
+        self, request: web.Request, model: LazyModel, frames: Sequence[GenerateFrame], reply: HttpReply
+    ) -> Services | None:
+        """``model``'s services once it has loaded, or None if the request ended meanwhile: a DELETE
+        by its X-Request-Id (user_cancelled, answered now); a client that goes away ends it with
+        client_disconnected (and the handler's cancellation goes on)."""
+        received_ns = time.monotonic_ns()
+        asked_id = request.headers.get("X-Request-Id")
+        task = asyncio.current_task()
+        assert task is not None
+        wait = LoadWait(task, request.headers.get("X-Cancel-Token"), request.get(API_KEY))
+        if asked_id is not None and asked_id not in self.loading:
+            self.loading[asked_id] = wait
+        try:
+            return await model.ready()
+        except asyncio.CancelledError:
+            if wait.cancel_ns is None:
+                self._ended_in_load(
+                    request, model, frames, Reason.CLIENT_DISCONNECTED, received_ns, time.monotonic_ns()
+                )
+                raise
+            # A DELETE cancelled this wait, not the client's going away: answer it.
+            task.uncancel()
+            for ended in self._ended_in_load(
+                request, model, frames, Reason.USER_CANCELLED, received_ns, wait.cancel_ns
+            ):
+                await reply.send(ended)
+            return None
+        finally:
+            if asked_id is not None and self.loading.get(asked_id) is wait:
+                del self.loading[asked_id]
+
+    def _ended_in_load(
+        self,
+        request: web.Request,
+        model: LazyModel,
+        frames: Sequence[GenerateFrame],
+        reason: Reason,
+        received_ns: int,
+        cancel_ns: int,
+    ) -> list[Frame]:
+        """The endings of requests stopped while their model loaded: cancelled, having never run,
+        recorded as any request's end is."""
+        now = time.monotonic_ns()
+        waited_ms = (now - received_ns) / 1e6
+        ending = Ending(
+            Outcome.CANCELLED,
+            reason,
+            queue_ms=waited_ms,
+            duration_ms=waited_ms,
+            cancel_latency_ms=(now - cancel_ns) / 1e6,
+        )
+        key = request.get(API_KEY)
+        token = request.headers.get("X-Cancel-Token")
+        terminals: list[Frame] = []
+        for frame in frames:
+            request_id = frame.request_id or request.headers.get("X-Request-Id") or frame.id or str(uuid.uuid4())
+            ended = Request(request_id, [], frame.params, received_ns=received_ns, user=frame.user)
+            ended.request_id = request_id
+            if token is not None:
+                ended.cancel_token = token
+            self.services.metrics.record_end(ending, key.key_id if key is not None else None, model.name)
+            log_end(ended, ending, request.remote or "unknown", model.name)
+            # A reply opens with its request's acceptance: the stop ends a request that had one.
+            terminals += [Accepted(ended.id, 0, request_id, ended.cancel_token, 0), Terminal(ended.id, ending)]
+        return terminals
 
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -693,7 +795,7 @@ class HttpApi:
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         reply = OpenAIReply(request, asked, chat=chat, stream=stream, include_usage=include_usage)
-        return await self._generate(request, asked.frames, reply, services)
+        return await self._generate(request, asked.frames, reply, services, self.lazy_for(body.get("model")))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -703,7 +805,11 @@ class HttpApi:
         except ProtocolError as exc:
             return anthropic_error(exc.code, exc.message)
         return await self._generate(
-            request, [asked.frame], AnthropicReply(request, asked, stream=body.get("stream") is True), services
+            request,
+            [asked.frame],
+            AnthropicReply(request, asked, stream=body.get("stream") is True),
+            services,
+            self.lazy_for(body.get("model")),
         )
 
     async def _generate(
@@ -712,10 +818,32 @@ class HttpApi:
         frames: Sequence[GenerateFrame],
         reply: HttpReply,
         services: Services | None = None,
+        model: LazyModel | None = None,
     ) -> web.StreamResponse:
         """Run this HTTP request's generations on the model whose ``services`` are given (the first
-        model's when none are); a lost connection cancels them."""
+        model's when none are), or on ``model``, loaded first if need be; a lost connection cancels them."""
         self.edge.accepted(request.transport.get_extra_info("socket") if request.transport else None)
+        lazy = model
+        if lazy is None:
+            return await self._generate_on(request, frames, reply, services)
+        # Held from before its load to the end of the answer: the model is not unloaded under it.
+        lazy.hold()
+        try:
+            loaded = await self._wait_for_load(request, lazy, frames, reply)
+            if loaded is None:
+                assert reply.response is not None  # answered: cancelled during the load
+                return reply.response
+            return await self._generate_on(request, frames, reply, loaded)
+        finally:
+            lazy.release()
+
+    async def _generate_on(
+        self,
+        request: web.Request,
+        frames: Sequence[GenerateFrame],
+        reply: HttpReply,
+        services: Services | None,
+    ) -> web.StreamResponse:
         try:
             frames, claimed = self._client_ids(request, frames)
         except ProtocolError as exc:
@@ -766,6 +894,15 @@ class HttpApi:
     async def _delete_generation(self, request: web.Request) -> web.Response:
         # The cancel's arrival time, as for a cancel frame.
         now = time.monotonic_ns()
+        waiting = self._load_wait(request)
+        if waiting is not None:
+            if waiting.cancel_ns is None:
+                waiting.cancel_ns = now
+                waiting.task.cancel()
+            # It ends as soon as its task runs, before this answer goes out.
+            return web.json_response(
+                {"request_id": request.match_info["request_id"], "status": str(Status.CANCELLED)}, headers=_NO_STORE
+            )
 
         async def here(entry: Entry) -> dict:
             return {"request_id": entry.request_id, "status": str(await entry.cancel(now))}
@@ -777,6 +914,20 @@ class HttpApi:
             return {"request_id": request_id, "status": await cluster.cancel(request_id, token, key_id)}
 
         return await self._by_id(request, here, elsewhere if cluster is not None else None)
+
+    def _load_wait(self, request: web.Request) -> LoadWait | None:
+        """The request named in the path, if it waits for its model to load and the caller may stop it:
+        by the cancel token it chose (X-Cancel-Token), or the API key that sent it."""
+        waiting = self.loading.get(request.match_info["request_id"])
+        if waiting is None:
+            return None
+        token = bearer(request.headers.get("Authorization"))
+        if waiting.cancel_token is not None and token is not None and hmac.compare_digest(token, waiting.cancel_token):
+            return waiting
+        key = self.services.keyring.lookup(token) if self.services.keyring.required else None
+        if key is not None and waiting.key is not None and key.key_id == waiting.key.key_id:
+            return waiting
+        return None
 
     async def _by_id(self, request: web.Request, here, elsewhere) -> web.Response:
         """Answer for the generation named in the path: from this replica's registry if it holds it,
@@ -812,13 +963,16 @@ class HttpApi:
         return web.json_response(body, headers=_NO_STORE)
 
     def _model_object(self, name: str) -> dict:
-        # The fields the openai package and Open WebUI read, and how a chat becomes the prompt.
+        # The fields the openai package and Open WebUI read, and how a chat becomes the prompt: known
+        # of a model loaded when first asked for once it has loaded, and left out until then.
+        lazy = self.lazy.get(name)
+        chat_format = self.chat_formats.get(name, self.models.chat_format) if lazy is None else lazy.chat_format
         return {
             "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "stopline",
-            "chat_format": str(self.chat_formats.get(name, self.models.chat_format)),
+            **({"chat_format": str(chat_format)} if chat_format is not None else {}),
         }
 
     async def _models(self, request: web.Request) -> web.Response:

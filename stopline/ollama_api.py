@@ -27,18 +27,37 @@ from .api.ollama import (
 from .embeddings_api import EmbeddingModelUnavailable, checked_texts
 from .engine.embeddings import DIMENSIONS
 from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
-from .protocol.errors import ProtocolError
+from .protocol.errors import InvalidField, ProtocolError
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.validation import parse_json_object
 from .protocol.vocabulary import ErrorCode, Refusal
+from .settings import keep_alive
 
 if TYPE_CHECKING:
     from .embeddings_api import EmbeddingsApi
     from .http_api import HttpApi
+    from .residency import LazyModel
 
 _NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "X-Accel-Buffering": "no", **_NO_STORE}
-# Ollama's keep_alive never runs out here: the model is loaded as long as the server runs.
+# When a model that is never unloaded expires, as Ollama writes it: the first model, and any other
+# whose keep_alive is negative.
 _NEVER = "2999-01-01T00:00:00Z"
+
+
+def _keep_alive(value: object) -> float:
+    try:
+        return keep_alive(value)
+    except ValueError as exc:
+        raise InvalidField(str(exc), param="keep_alive") from None
+
+
+def _expires_at(lazy: LazyModel | None) -> str:
+    """When a loaded model unloads unless asked for again: its keep_alive from the end of its last
+    request (from now, while a request holds it)."""
+    if lazy is None or lazy.keep_alive_s < 0:
+        return _NEVER
+    at = lazy.expires_at if lazy.expires_at is not None else time.time() + lazy.keep_alive_s
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _now() -> str:
@@ -139,14 +158,37 @@ class OllamaApi:
             asked = ollama_request(
                 body, chat=chat, models=api.models, limits=api.services_for(body.get("model")).limits
             )
+            kept = None if body.get("keep_alive") is None else _keep_alive(body["keep_alive"])
         except ProtocolError as exc:
             return ollama_error(exc.code, exc.message)
+        lazy = api.lazy_for(asked.model)
+        if lazy is not None and kept is not None:
+            # As Ollama does: this request's keep_alive is the model's from now on. The first model
+            # is always loaded, so for it the field is accepted and changes nothing.
+            lazy.keep_alive_s = kept
         if asked.frame is None:
-            # No messages or no prompt: Ollama's way to load a model, which is loaded.
+            # No messages or no prompt: Ollama's way to load a model (or, with keep_alive 0, to unload it).
+            reason = "load"
+            if lazy is not None and kept == 0:
+                reason = "unload"
+                if lazy.loaded and lazy.holders == 0:
+                    await lazy.unload("keep_alive")
+            elif lazy is not None:
+                lazy.hold()
+                try:
+                    await lazy.ready()
+                finally:
+                    lazy.release()
             shown = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-            body = {"model": asked.model, "created_at": _now(), **shown, "done": True, "done_reason": "load"}
+            body = {"model": asked.model, "created_at": _now(), **shown, "done": True, "done_reason": reason}
             return web.json_response(body, headers=_NO_STORE)
-        return await api._generate(request, [asked.frame], OllamaReply(request, asked), api.services_for(asked.model))
+        return await api._generate(
+            request,
+            [asked.frame],
+            OllamaReply(request, asked),
+            api.services_for(asked.model),
+            api.lazy_for(asked.model),
+        )
 
     def _modified_at(self) -> str:
         return datetime.fromtimestamp(self.api.created, UTC).isoformat().replace("+00:00", "Z")
@@ -163,16 +205,23 @@ class OllamaApi:
         return web.json_response({"models": models}, headers=_NO_STORE)
 
     async def _ps(self, request: web.Request) -> web.Response:
-        models = [
-            {
-                **self._entry(n),
-                "details": self._details(),
-                "expires_at": _NEVER,
-                "size_vram": 0,
-                "context_length": self._context_length(),
-            }
-            for n in self.api.models.names
-        ]
+        # The loaded models only: the first always, the others while loaded (stopline/residency.py).
+        models = []
+        for name in self.api.models.names:
+            lazy = self.api.lazy.get(name)
+            if lazy is not None and not lazy.loaded:
+                continue
+            models.append(
+                {
+                    **self._entry(name),
+                    "details": self._details(),
+                    "expires_at": _expires_at(lazy),
+                    "size_vram": 0,
+                    "context_length": (
+                        lazy.limits if lazy is not None and lazy.limits else self.api.services.limits
+                    ).context_length,
+                }
+            )
         return web.json_response({"models": models}, headers=_NO_STORE)
 
     async def _show(self, request: web.Request) -> web.Response:

@@ -272,7 +272,11 @@ class ResponsesApi:
     async def _run(self, request: web.Request, reply: ResponsesReply) -> web.StreamResponse:
         try:
             return await self.api._generate(
-                request, [reply.asked.frame], reply, self.api.services_for(reply.asked.model)
+                request,
+                [reply.asked.frame],
+                reply,
+                self.api.services_for(reply.asked.model),
+                self.api.lazy_for(reply.asked.model),
             )
         finally:
             if not reply.asked.store and reply.id:

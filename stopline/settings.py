@@ -132,6 +132,9 @@ class Settings:
     handshake_timeout_s: float = 10.0
     # How long a send may wait for a client that stopped reading before its request is cancelled.
     slow_consumer_grace_s: float = 10.0
+    # How long a model beyond the first stays loaded once idle (--keep-alive): seconds; 0: unloaded
+    # as soon as it is idle; negative: never unloaded. Ollama's default, which its clients expect.
+    keep_alive_s: float = 300.0
     # How far (in tokens) a generation may run ahead of what was written to its socket.
     window: int = DEFAULT_WINDOW
     # Small transport and kernel send buffers: a stalled client's backlog stays
@@ -368,6 +371,31 @@ def served_names(given: tuple[str, ...], own: Sequence[str]) -> list[tuple[str, 
                 "give each its own name, one --served-model-name per --model, in their order"
             )
     return [(name,) for name in names]
+
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def keep_alive(value: object) -> float:
+    """A keep_alive as Ollama takes it, in seconds: a number of seconds, or a duration such as
+    "5m", "30s", "1h" or "-1"; any negative value means never. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("keep_alive is a duration such as 5m, or a number of seconds")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.fullmatch(value.strip())
+        if match is not None:
+            return float(match.group(1)) * _UNIT_S[match.group(2)]
+    raise ValueError(f"keep_alive {value!r} is not a duration such as 5m, 30s or -1, nor a number of seconds")
+
+
+def keep_alive_flag(text: str) -> float:
+    try:
+        return keep_alive(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def model_name(text: str) -> str:
@@ -691,6 +719,14 @@ FLAGS = [
         "slow_consumer_grace_s",
         seconds,
         "seconds a client may stop reading before its request is cancelled",
+    ),
+    Flag(
+        "--keep-alive",
+        "keep_alive_s",
+        keep_alive_flag,
+        "how long a model beyond the first --model stays loaded once idle: seconds, or a duration such as "
+        "5m or 1h; 0: unloaded as soon as it is idle; -1 (any negative): never. The first model is "
+        'always loaded; the others load on their first request (docs/http.md, "Loading and keep_alive")',
     ),
     Flag(
         "--redis-url",

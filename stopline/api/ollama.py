@@ -46,7 +46,7 @@ _COMMON: dict[str, Field] = {
     "stream": _HONOURED,
     "format": _HONOURED,
     "options": _HONOURED,
-    # The model stays loaded as long as the server runs, which outlasts any keep_alive.
+    # A model beyond the first unloads once idle for it (docs/http.md, "Loading and keep_alive").
     "keep_alive": _HONOURED,
     "think": _default_only(False),
     "logprobs": _default_only(False),

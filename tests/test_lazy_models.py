@@ -1,0 +1,233 @@
+"""A model beyond the first is loaded when first asked for and unloaded once idle for its keep_alive,
+on real models (the embedded SmolLM2 first, Gemma 3 270M second) and a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from datetime import datetime
+
+import aiohttp
+import ollama
+import openai
+import pytest
+
+from stopline.__main__ import parse_args, settings_from
+from stopline.engine.loop import Engine
+from stopline.engine.model import gemma_gguf_path
+from stopline.protocol.vocabulary import EngineName
+from stopline.residency import Loader
+from stopline.settings import keep_alive
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+
+NAMES = ("smol", "gemma")
+
+
+class GemmaLoader:
+    """Loads Gemma as the server asks, counting the loads; with ``gated``, each load waits for
+    :meth:`open` first, so that a test can act while it is under way."""
+
+    def __init__(self, gated: bool = False):
+        self.loads = 0
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
+
+    def __call__(self) -> Engine:
+        self.loads += 1
+        self.started.set()
+        self.gate.wait(120)
+        return Engine.load(
+            gemma_gguf_path(progress=False), engine=EngineName.LLAMA_CPP, threads=1, context_length=2048, progress=False
+        )
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def ps(server) -> dict[str, str]:
+    """The loaded models, as Ollama's /api/ps lists them: name to expires_at."""
+    async with ollama.AsyncClient(host=server.http.base_url.removesuffix("/v1"), timeout=60 * UNIT) as client:
+        running = await client.ps()
+    return {m.model: m.expires_at for m in running.models}
+
+
+async def greedy(client: openai.AsyncOpenAI, model: str):
+    return await client.chat.completions.create(model=model, messages=CHAT_FRANCE, max_tokens=8, temperature=0)
+
+
+async def test_a_second_model_loads_on_its_first_request_and_requests_share_the_load(llama_engine, logs):
+    loader = GemmaLoader()
+    async with (
+        running_server(
+            llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+        ) as server,
+        openai_client(server) as client,
+    ):
+        assert list(await ps(server)) == ["smol"]
+        # Listed though not loaded; how a chat becomes its prompt is known once it has loaded.
+        listed = (await client.models.list()).data
+        assert [m.id for m in listed] == list(NAMES) and not hasattr(listed[1], "chat_format")
+        assert loader.loads == 0 and not logs.records("model_loaded") and not logs.records("no_chat_template")
+        answers = await asyncio.gather(greedy(client, "gemma"), greedy(client, "gemma"), greedy(client, "smol"))
+        assert [a.model for a in answers] == ["gemma", "gemma", "smol"]
+        assert answers[0].choices[0].message.content
+        # Two requests arrived during one load, and waited for it.
+        assert loader.loads == 1
+        loaded = logs.records("model_loaded", model="gemma")
+        assert len(loaded) == 1 and loaded[0]["why"] == "requested"
+        # Gemma 3 270M is a base model: said as it loads, as it would be at startup.
+        assert [r["model"] for r in logs.records("no_chat_template")] == ["gemma"]
+        assert [m.chat_format for m in (await client.models.list()).data] == ["model_template", "plain_text"]
+        running = await ps(server)
+        assert list(running) == list(NAMES)
+        # keep_alive -1: never unloaded, as Ollama writes it.
+        assert running["gemma"].year == 2999
+
+
+async def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again_when_asked(llama_engine, logs):
+    loader = GemmaLoader()
+    size = gemma_gguf_path(progress=False).stat().st_size
+    async with (
+        running_server(
+            llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=0.5
+        ) as server,
+        openai_client(server) as client,
+    ):
+        before = rss_bytes()
+        first = await greedy(client, "gemma")
+        loaded_rss = rss_bytes()
+        running = await ps(server)
+        # Half a second from the end of its last request.
+        assert 0 < (running["gemma"] - datetime.now(running["gemma"].tzinfo)).total_seconds() <= 0.5
+        unloaded = await wait_for(lambda: logs.records("model_unloaded", model="gemma"), timeout=30)
+        assert unloaded[0]["why"] == "keep_alive"
+        assert list(await ps(server)) == ["smol"]
+        # The native model and its contexts are freed, not left to the garbage collector: the
+        # memory the load took comes back (its weights are most of it).
+        assert loaded_rss - before > size / 2
+        assert loaded_rss - rss_bytes() > size / 2
+        again = await greedy(client, "gemma")
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert loader.loads == 2 and len(logs.records("model_loaded", model="gemma")) == 2
+    assert len(logs.records("model_unloaded", model="gemma")) == 2  # the second at shutdown
+
+
+async def test_a_cancel_during_the_load_ends_the_request_at_once(llama_engine, logs):
+    loader = GemmaLoader(gated=True)
+    async with (
+        running_server(
+            llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+        ) as server,
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{server.http.base_url}/chat/completions"
+        body = {"model": "gemma", "messages": LONG_ANSWER, "max_tokens": 32, "stream": True}
+        headers = {"X-Request-Id": "during-load", "X-Cancel-Token": "t" * 32}
+        posted = asyncio.ensure_future(http.post(url, json=body, headers=headers))
+        await asyncio.to_thread(loader.started.wait, 60)
+        try:
+            async with http.delete(
+                f"{server.http.base_url}/generations/during-load", headers={"Authorization": "Bearer " + "t" * 32}
+            ) as deleted:
+                assert deleted.status == 200 and (await deleted.json())["status"] == "cancelled"
+            async with asyncio.timeout(10 * UNIT):
+                response = await posted
+                text = await response.text()
+            # Ended while the model still loads: the load waits behind the gate.
+            assert not logs.records("model_loaded")
+        finally:
+            loader.open()
+        assert response.status == 200
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        last = chunks[-1]
+        # The stream's usual ending for a stop: OpenAI's finish_reason, and Stopline's own reason beside it.
+        assert last["choices"][0]["finish_reason"] == "stop" and last["model"] == "gemma"
+        assert last["stopline"]["type"] == "cancelled" and last["stopline"]["reason"] == "user_cancelled"
+        assert text.rstrip().endswith("data: [DONE]")
+        ended = logs.records("generation_cancelled", request_id="during-load")
+        assert len(ended) == 1 and ended[0]["reason"] == "user_cancelled" and ended[0]["model"] == "gemma"
+        assert ended[0]["tokens_generated"] == 0
+
+        # A client that goes away during a load ends its request too, with client_disconnected;
+        # the load goes on, and the model is there for the next request.
+        await wait_for(lambda: logs.records("model_loaded", model="gemma"), timeout=60)
+        async with openai_client(server) as client:
+            assert (await greedy(client, "gemma")).model == "gemma"
+        assert loader.loads == 1
+
+
+async def test_a_client_that_leaves_during_the_load_ends_with_client_disconnected(llama_engine, logs):
+    loader = GemmaLoader(gated=True)
+    async with running_server(
+        llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+    ) as server:
+        try:
+            async with openai_client(server) as client:
+                asked = asyncio.ensure_future(greedy(client, "gemma"))
+                await asyncio.to_thread(loader.started.wait, 60)
+                asked.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asked
+            ended = await wait_for(lambda: logs.records("generation_cancelled", model="gemma"), timeout=10)
+            assert ended[0]["reason"] == "client_disconnected"
+            assert not logs.records("model_loaded")
+        finally:
+            loader.open()
+        # Nobody waits for the load any more: it ends with the model loaded, and idle.
+        await wait_for(lambda: logs.records("model_loaded", model="gemma"), timeout=60)
+        assert list(await ps(server)) == list(NAMES)
+
+
+async def test_ollama_keep_alive_sets_the_models_from_that_request_on(llama_engine, logs):
+    loader = GemmaLoader()
+    async with running_server(
+        llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+    ) as server:
+        host = server.http.base_url.removesuffix("/v1")
+        async with ollama.AsyncClient(host=host, timeout=120 * UNIT) as client:
+            # No messages: Ollama's way to load a model.
+            loaded = await client.chat(model="gemma", messages=[], keep_alive="5m")
+            assert loaded.done_reason == "load" and loader.loads == 1
+            expires = (await ps(server))["gemma"]
+            assert 290 < (expires - datetime.now(expires.tzinfo)).total_seconds() <= 300
+            answer = await client.chat(
+                model="gemma", messages=CHAT_FRANCE, options={"temperature": 0, "num_predict": 4}, keep_alive=0
+            )
+            assert answer.model == "gemma"
+            unloaded = await wait_for(lambda: logs.records("model_unloaded", model="gemma"), timeout=10)
+            assert unloaded[0]["keep_alive_s"] == 0
+            assert list(await ps(server)) == ["smol"]
+            # The first model is always loaded: its keep_alive is accepted and changes nothing.
+            await client.chat(model="smol", messages=CHAT_FRANCE, options={"num_predict": 2}, keep_alive=0)
+            assert list(await ps(server)) == ["smol"]
+            with pytest.raises(ollama.ResponseError):
+                await client.chat(model="gemma", messages=CHAT_FRANCE, keep_alive="soon")
+
+
+def test_keep_alive_is_read_as_ollama_writes_it():
+    assert [keep_alive(v) for v in ("5m", "30s", "1h", "-1", "0", "250ms", 7, -1)] == [
+        300,
+        30,
+        3600,
+        -1,
+        0,
+        0.25,
+        7,
+        -1,
+    ]
+    with pytest.raises(ValueError):
+        keep_alive("forever")
+    assert settings_from(parse_args([])).keep_alive_s == 300
+    assert settings_from(parse_args(["--keep-alive", "10m"])).keep_alive_s == 600
+    assert settings_from(parse_args(["--keep-alive", "-1"])).keep_alive_s == -1
