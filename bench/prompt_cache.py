@@ -358,7 +358,9 @@ def section(results: dict) -> str:
             f"### Stop, edit, resend\n\nA {s['resend_tokens']}-token prompt stopped at {s['cancel_at']:.0%} of its "
             f"cold TTFT, then sent again with its last {s['edit_tokens']} tokens changed (llama-server's requests on "
             "one slot, whose release line says when the stop took effect); the target: the resend's TTFT at most "
-            "1.1× the time to evaluate its new tokens.\n",
+            '1.1× the time to evaluate its new tokens. "From a cache" is what the server kept of the stopped '
+            "prompt, with whatever it evaluated after the stop: llama-server sees a closed connection only at its "
+            "next check of the client.\n",
             resend + "\n",
         ]
     if restart := restart_table(rows):
