@@ -8,6 +8,8 @@
     python -m bench native | llama-native | structured    the engines' loops in-process
     python -m bench random-llama [--layers N]             the Llama-3.2-1B-shaped model file
     python -m bench serve --engine NAME ...               one server, as ``run`` starts them
+    python -m bench prompt-cache --build-llama-server     agent-like conversations, a stopped prompt edited and
+                                                          sent again, a restart: the prompt cache against cold
     python -m bench aiperf --build-llama-server [--concurrency 1,2,4,8,16]
                                                           NVIDIA's AIPerf against Stopline and llama-server
 
@@ -31,6 +33,7 @@ COMMANDS = {
     "random-llama": "bench.inprocess.random_llama:main",
     "serve": "bench.servers.serve:main",
     "aiperf": "bench.aiperf:main",
+    "prompt-cache": "bench.prompt_cache:main",
 }
 
 

@@ -60,6 +60,22 @@ class PromptMaker:
             messages = _messages(words, ask)
         return messages
 
+    def edit_tail(self, messages: list[dict], tokens: int) -> list[dict]:
+        """``messages`` (one of :meth:`story`'s) with about their last ``tokens`` prompt tokens
+        changed, as a user edits the end of a question: its last words and the story asked for."""
+        notes, _, ask = messages[-1]["content"].rpartition("\n\n")
+        words = notes.removeprefix("Notes: ").removesuffix(".").split()
+        topic = self.rng.choice([t for t in _TOPICS if t not in ask])
+        before = self.tokenizer.encode(self.tokenizer.render_chat(messages))
+        for cut in range(1, len(words) + 1):
+            changed = words[:-cut] + self.rng.choices([w for w in _WORDS if w not in words[-cut:]], k=cut)
+            edited = messages[:-1] + _messages(changed, f"Write a very long story about {topic}.")
+            after = self.tokenizer.encode(self.tokenizer.render_chat(edited))
+            same = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+            if len(after) - same >= tokens:
+                break
+        return edited
+
 
 def _messages(words: list[str], ask: str) -> list[dict]:
     notes = f"Notes: {' '.join(words)}.\n\n" if words else ""

@@ -22,6 +22,9 @@ DEADLINES = "deadlines"  # the server's own total and first-token deadlines
 OPENAI = "openai"  # an OpenAI-compatible chat stream
 DELETE = "delete"  # a generation over SSE, cancelled by a DELETE from another client
 NONSTREAM = "nonstream"  # a request answered whole, at its end
+# A lane whose requests go to the slot the server picks (llama-server's pick by prompt similarity),
+# not to one slot of the lane's own; Stopline always picks its slots.
+ANY_SLOT = "any_slot"
 
 
 @dataclass

@@ -38,7 +38,7 @@ from stopline.protocol.requests import DEFAULT_SAMPLING
 from stopline.protocol.vocabulary import Outcome, Reason
 
 from ..launch import confine_to
-from .base import NONSTREAM, Driver, End, Lane, Request, Stream
+from .base import ANY_SLOT, NONSTREAM, Driver, End, Lane, Request, Stream
 
 ENGINE = "llama-server"
 # How a finished request says why it ended, in Stopline's words.
@@ -260,8 +260,8 @@ class Completion(Stream):
 class SlotLane(Lane):
     """Requests pinned to one of the server's slots."""
 
-    def __init__(self, driver: LlamaServerDriver, slot: int):
-        self.driver, self.slot = driver, slot
+    def __init__(self, driver: LlamaServerDriver, slot: int, pinned: bool = True):
+        self.driver, self.slot, self.pinned = driver, slot, pinned
         self.completions: list[Completion] = []
 
     async def generate(self, request: Request) -> Stream:
@@ -278,7 +278,7 @@ class SlotLane(Lane):
             "min_p": 0.0,
             "repeat_penalty": sampling.repetition_penalty,
             "repeat_last_n": 64,
-            "id_slot": self.slot,
+            "id_slot": self.slot if self.pinned else -1,
             # Every prompt is evaluated whole, as on the other engines, but in a chat: there the
             # slot's cache makes a follow-up turn cost only its new tokens, as Stopline's does.
             "cache_prompt": request.cache_prompt,
@@ -309,12 +309,15 @@ class LlamaServerDriver(Driver):
         context_length: int,
         tokenize=None,
         cpus: frozenset[int] | None = None,
+        cache_ram: bool = False,
     ):
         """``threads``: compute threads of the whole process, shared by its slots; ``tokenize``:
-        a chat's messages to the prompt's token ids, as the other engines would read it."""
+        a chat's messages to the prompt's token ids, as the other engines would read it;
+        ``cache_ram``: keep llama-server's own prompt cache across requests (its default), which
+        every other measurement turns off so that each prompt is evaluated whole."""
         super().__init__(ENGINE, slots)
         self.binary, self.model, self.threads, self.context_length = Path(binary), Path(model), threads, context_length
-        self.tokenize, self.cpus = tokenize, cpus
+        self.tokenize, self.cpus, self.cache_ram = tokenize, cpus, cache_ram
         self.log_path = out_dir / "server-llama-server.log"
         self.http_url = ""
         self._process: asyncio.subprocess.Process | None = None
@@ -329,7 +332,8 @@ class LlamaServerDriver(Driver):
             *("--parallel", str(self.slots), "--ctx-size", str(self.context_length * self.slots)),
             "--no-kv-unified",  # each slot gets its own context of context_length tokens
             *("--threads", threads, "--threads-batch", threads, "--slots", "--metrics"),
-            *("--cache-ram", "0", "--fit", "off", "--log-colors", "off"),
+            *(() if self.cache_ram else ("--cache-ram", "0")),
+            *("--fit", "off", "--log-colors", "off"),
         ]
 
     async def start(self) -> LlamaServerDriver:
@@ -416,7 +420,7 @@ class LlamaServerDriver(Driver):
             return await self._releases[slot].get()
 
     async def lane(self, index: int = 0, transport: str = "") -> Lane:
-        return SlotLane(self, index % self.slots)
+        return SlotLane(self, index % self.slots, pinned=transport != ANY_SLOT)
 
     async def wait_idle(self, timeout: float = 300.0) -> None:
         async with asyncio.timeout(timeout):

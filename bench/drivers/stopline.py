@@ -396,11 +396,15 @@ class ServedStopline(StoplineDriver):
         self.ws_url, self.api_url = self.process.ws_url, self.process.api_url
         return self
 
-    async def stop(self) -> None:
+    async def stop(self, sig: int | None = None) -> None:
+        """Shut the server down: its stdin closed, or ``sig`` sent, as an operator's stop would."""
         if self.process is None or self.process.returncode is not None:
             return
-        self.process.pause(False)  # a paused process cannot act on its stdin's end
-        self.process.close_stdin()  # the server's signal to shut down
+        self.process.pause(False)  # a paused process cannot act on its stdin's end, or on a signal
+        if sig is None:
+            self.process.close_stdin()  # the server's signal to shut down
+        else:
+            self.process.send_signal(sig)
         try:
             await self.process.ended(60)
         except subprocess.TimeoutExpired:

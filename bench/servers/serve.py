@@ -13,7 +13,8 @@ loop and out of its GIL.
 
 Prints one JSON line when ready, the ``server_started`` record Stopline logs
 (``"url"`` and ``"http_api"``) with the engine's settings, serves until stdin
-closes (or SIGTERM/SIGINT), then writes the lag samples to ``--lag-out`` and exits.
+closes (or SIGTERM/SIGINT), shuts down as the server does (its prompt cache to
+disk), then writes the lag samples to ``--lag-out`` and exits.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-file", required=True, help="the server's JSON log")
     p.add_argument("--redis-url", default=None, help="the store shared with other replicas (docs/deploy.md)")
     p.add_argument("--replica-id", default=None, help="this replica's name in the store")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT_LENGTH, help="context per slot, in tokens")
+    p.add_argument("--no-prompt-cache", action="store_true", help="no prompt cache across requests")
+    p.add_argument("--prompt-cache-dir", default=None, help="the prompt cache's disk tier (default: the user cache)")
+    p.add_argument("--cache-ram", type=int, default=None, metavar="MIB", help="the prompt cache's memory budget")
     return p.parse_args(argv)
 
 
@@ -98,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
         progress=False,
         abort_mode=served.abort_mode,
         # The context per slot llama-server is given (bench/run.py), whatever the model.
-        context_length=DEFAULT_CONTEXT_LENGTH,
+        context_length=args.context,
         llama_library=ensure_llama_library(progress=False, edited=False) if served.unedited else None,
     )
     if args.engine == "baseline":
@@ -118,6 +123,9 @@ async def serve(args: argparse.Namespace) -> None:
             default_ttft_timeout_s=3600,
             redis_url=args.redis_url,
             replica_id=args.replica_id,
+            prompt_cache=not args.no_prompt_cache,
+            prompt_cache_dir=args.prompt_cache_dir,
+            cache_ram_mib=args.cache_ram,
         ),
     )
     await server.start()
