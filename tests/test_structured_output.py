@@ -386,6 +386,8 @@ async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server,
         status, answer = await delete(http, server, first.id, token)
         assert status == 200 and answer["status"] == "cancelled"
         rest = [c async for c in stream]
-        finals = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
-        assert finals == ["user_cancelled"]
+        finals = [c for c in rest if c.choices and c.choices[0].finish_reason]
+        # OpenAI's value, and Stopline's own reason beside it.
+        assert [c.choices[0].finish_reason for c in finals] == ["stop"]
+        assert finals[0].model_extra["stopline"]["reason"] == "user_cancelled"
     await client.close()
