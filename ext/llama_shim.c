@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "llama.h"
 #include "llama_abi.h"
@@ -19,6 +20,8 @@ struct sll_model {
     struct llama_model *model;
     const struct llama_vocab *vocab;
     int32_t n_vocab;
+    /* The layers offloaded, as llama.cpp counts them when it places the model. */
+    int32_t gpu_layers;
 };
 
 struct sll_context {
@@ -93,10 +96,27 @@ extern bool ggml_cpu_stop_requested(void) __attribute__((weak));
 
 SLL_EXPORT int sll_checks_inside_nodes(void) { return ggml_cpu_stop_requested != NULL; }
 
-SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_size) {
+/* The device llama.cpp offloads to by default: its first GPU, else its first integrated GPU. */
+static ggml_backend_dev_t gpu_dev(void) {
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    return dev != NULL ? dev : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU);
+}
+
+SLL_EXPORT int sll_gpu_device(char *buf, size_t buf_size) {
+    pthread_once(&backend_once, backend_init);
+    ggml_backend_dev_t dev = gpu_dev();
+    if (buf_size)
+        buf[0] = 0;
+    if (dev == NULL)
+        return 0;
+    snprintf(buf, buf_size, "%s (%s)", ggml_backend_dev_name(dev), ggml_backend_dev_description(dev));
+    return 1;
+}
+
+SLL_EXPORT sll_model *sll_model_load(const char *path, int32_t n_gpu_layers, char *err, size_t err_size) {
     pthread_once(&backend_once, backend_init);
     struct llama_model_params params = llama_model_default_params();
-    params.n_gpu_layers = 0;
+    params.n_gpu_layers = n_gpu_layers;
     sll_model *m = calloc(1, sizeof *m);
     if (m == NULL) {
         snprintf(err, err_size, "out of memory");
@@ -110,6 +130,10 @@ SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_siz
     }
     m->vocab = llama_model_get_vocab(m->model);
     m->n_vocab = llama_vocab_n_tokens(m->vocab);
+    /* llama.cpp's own count (llama_model::load_tensors): none without a device, else at
+     * most every repeating layer and the output layer. */
+    int32_t n_layers = llama_model_n_layer(m->model) + 1;
+    m->gpu_layers = gpu_dev() == NULL ? 0 : n_gpu_layers < 0 || n_gpu_layers > n_layers ? n_layers : n_gpu_layers;
     return m;
 }
 
@@ -119,6 +143,10 @@ SLL_EXPORT void sll_model_free(sll_model *m) {
     llama_model_free(m->model);
     free(m);
 }
+
+SLL_EXPORT int32_t sll_model_gpu_layers(const sll_model *m) { return m->gpu_layers; }
+
+SLL_EXPORT int32_t sll_model_n_layers(const sll_model *m) { return llama_model_n_layer(m->model) + 1; }
 
 SLL_EXPORT int32_t sll_model_n_vocab(const sll_model *m) { return m->n_vocab; }
 
@@ -458,7 +486,10 @@ SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits, sll_abort_f
 static const sll_api sll_signatures __attribute__((unused)) = {
     .abi_version = sll_abi_version,
     .checks_inside_nodes = sll_checks_inside_nodes,
+    .gpu_device = sll_gpu_device,
     .model_load = sll_model_load,
+    .model_gpu_layers = sll_model_gpu_layers,
+    .model_n_layers = sll_model_n_layers,
     .model_free = sll_model_free,
     .model_n_vocab = sll_model_n_vocab,
     .model_n_ctx_train = sll_model_n_ctx_train,
