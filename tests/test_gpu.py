@@ -57,6 +57,9 @@ NVCC = "/usr/local/cuda/bin/nvcc"
         (BuildMachine("cuda", nvcc=NVCC), CUDA, "no NVIDIA GPU is visible"),
         (BuildMachine("CPU", nvcc=NVCC, nvidia_gpu=True), CPU, "STOPLINE_GPU=cpu"),
         (BuildMachine("", vulkan_sdk=True, vulkan_gpu=True), VULKAN, "Vulkan GPU"),
+        # Headers older than this llama.cpp needs (Debian 12's): not unasked, even with a GPU.
+        (BuildMachine(vulkan_sdk=True, vulkan_headers=(1, 3, 239), vulkan_gpu=True), CPU, "too old"),
+        (BuildMachine(vulkan_sdk=True, vulkan_headers=(1, 4, 309), vulkan_gpu=True), VULKAN, "Vulkan GPU"),
     ],
 )
 def test_the_backend_is_a_gpu_one_only_where_its_compiler_and_a_device_are(machine, backend, why):
@@ -70,6 +73,7 @@ def test_the_backend_is_a_gpu_one_only_where_its_compiler_and_a_device_are(machi
         (BuildMachine("cuda"), "nvcc"),
         (BuildMachine("vulkan", nvcc=NVCC, nvidia_gpu=True), "libvulkan-dev glslc spirv-headers"),
         (BuildMachine("metal"), "cpu, vulkan, cuda or auto"),
+        (BuildMachine("vulkan", vulkan_sdk=True, vulkan_headers=(1, 3, 239)), "1.3.239, .* 1.3.272 .* VULKAN_SDK"),
     ],
 )
 def test_a_backend_asked_for_and_not_buildable_says_what_to_install(machine, names):
@@ -80,6 +84,16 @@ def test_a_backend_asked_for_and_not_buildable_says_what_to_install(machine, nam
 def test_the_machine_probe_reads_stopline_gpu_and_looks_for_no_device_when_told(monkeypatch):
     monkeypatch.setattr(llama_build, "_vulkan_gpu", lambda: pytest.fail("no device check when told"))
     assert llama_build.probe_machine({"STOPLINE_GPU": "cpu"}).requested == "cpu"
+
+
+def test_the_vulkan_headers_version_is_read_from_vulkan_sdk_first(tmp_path):
+    headers = tmp_path / "include" / "vulkan"
+    headers.mkdir(parents=True)
+    (headers / "vulkan_core.h").write_text(
+        "#define VK_HEADER_VERSION 309\n"
+        "#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 4, VK_HEADER_VERSION)\n"
+    )
+    assert llama_build._vulkan_header_version({"VULKAN_SDK": str(tmp_path)}) == (1, 4, 309)
 
 
 def test_each_backend_builds_and_links_in_trees_of_its_own(monkeypatch, tmp_path):

@@ -98,6 +98,9 @@ SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
 # before libggml-base.a, which it calls), and the system libraries it needs at run time.
 CPU, VULKAN, CUDA = "cpu", "vulkan", "cuda"
 BACKENDS = (CPU, VULKAN, CUDA)
+# The oldest Vulkan headers this llama.cpp compiles with: ggml-vulkan.cpp uses VK_EXT_layer_settings,
+# which came with 1.3.272. Debian 12's libvulkan-dev is 1.3.239; Debian 13's, 1.4.309.
+VULKAN_MIN_HEADERS = (1, 3, 272)
 BACKEND_OPTIONS = {
     CPU: [],
     VULKAN: ["-DGGML_VULKAN=ON"],
@@ -136,6 +139,7 @@ class BuildMachine:
     nvcc: str | None = None  # CUDA's compiler
     nvidia_gpu: bool = False  # an NVIDIA device the driver shows
     vulkan_sdk: bool = False  # Vulkan's headers, glslc and SPIR-V's headers
+    vulkan_headers: tuple[int, ...] | None = None  # their version, where it could be read
     vulkan_gpu: bool = False  # a Vulkan device other than a CPU one (lavapipe)
 
 
@@ -166,7 +170,16 @@ def choose_backend(machine: BuildMachine) -> Backend:
             )
         device = "" if machine.nvidia_gpu else "; no NVIDIA GPU is visible, so it runs on the CPU here"
         return Backend(CUDA, f"STOPLINE_GPU=cuda, with {machine.nvcc}{device}")
+    headers = machine.vulkan_headers
+    headers_too_old = headers is not None and headers < VULKAN_MIN_HEADERS
     if requested == VULKAN:
+        if machine.vulkan_sdk and headers is not None and headers_too_old:
+            found, least = (".".join(map(str, v)) for v in (headers, VULKAN_MIN_HEADERS))
+            raise BackendUnavailable(
+                f"STOPLINE_GPU=vulkan: Vulkan's headers are version {found}, and this llama.cpp needs {least} "
+                "or later (VK_EXT_layer_settings): point VULKAN_SDK at newer ones (LunarG's SDK, or Debian 13's "
+                "libvulkan-dev and spirv-headers unpacked), or build for the CPU with STOPLINE_GPU=cpu"
+            )
         if not machine.vulkan_sdk:
             raise BackendUnavailable(
                 "STOPLINE_GPU=vulkan needs Vulkan's headers, glslc and SPIR-V's headers "
@@ -176,10 +189,12 @@ def choose_backend(machine: BuildMachine) -> Backend:
         return Backend(VULKAN, "STOPLINE_GPU=vulkan")
     if machine.nvcc is not None and machine.nvidia_gpu:
         return Backend(CUDA, f"an NVIDIA GPU and {machine.nvcc} are present")
-    if machine.vulkan_sdk and machine.vulkan_gpu:
+    if machine.vulkan_sdk and machine.vulkan_gpu and not headers_too_old:
         return Backend(VULKAN, "a Vulkan GPU, Vulkan's headers and glslc are present")
     if machine.nvcc is not None:
         why = f"{machine.nvcc} is present but no NVIDIA GPU is (STOPLINE_GPU=cuda builds it anyway)"
+    elif machine.vulkan_sdk and headers_too_old:
+        why = "Vulkan's headers are too old for this llama.cpp (VULKAN_SDK can point at newer ones)"
     elif machine.vulkan_sdk:
         why = "Vulkan's headers are present but no Vulkan GPU is (STOPLINE_GPU=vulkan builds it anyway)"
     else:
@@ -201,8 +216,23 @@ def probe_machine(environ: Mapping[str, str] = os.environ) -> BuildMachine:
         and any((Path(d) / "vulkan" / "vulkan.h").is_file() for d in _include_dirs(environ))
         and any((Path(d) / "spirv").is_dir() for d in _include_dirs(environ))
     )
+    headers = _vulkan_header_version(environ) if vulkan_sdk else None
     vulkan_gpu = vulkan_sdk and requested.strip().lower() in ("", "auto") and _vulkan_gpu()
-    return BuildMachine(requested, nvcc, nvidia_gpu, vulkan_sdk, vulkan_gpu)
+    return BuildMachine(requested, nvcc, nvidia_gpu, vulkan_sdk, headers, vulkan_gpu)
+
+
+def _vulkan_header_version(environ: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The version of the first vulkan_core.h on the include path, as (1, 3, 239)."""
+    for directory in _include_dirs(environ):
+        path = Path(directory) / "vulkan" / "vulkan_core.h"
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            patch = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
+            api = re.search(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(0, (\d+), (\d+),", text)
+            if patch and api:
+                return (int(api.group(1)), int(api.group(2)), int(patch.group(1)))
+            return None
+    return None
 
 
 def _include_dirs(environ: Mapping[str, str]) -> list[str]:
@@ -400,6 +430,7 @@ def _cmake_build(
             f"-DCMAKE_CXX_COMPILER={compiler}",
             *CMAKE_OPTIONS,
             *BACKEND_OPTIONS[backend],
+            *_vulkan_sdk_options(backend),
         ]
         print(f"configuring llama.cpp (log: {log_path}) ...", file=sys.stderr)
         if subprocess.run(configure, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
@@ -485,6 +516,15 @@ def _link_shim(source: Path, build: Path, output: Path, backend: str = CPU) -> N
     if result.returncode != 0:
         output.unlink(missing_ok=True)
         raise LlamaBuildError(f"linking the llama.cpp shim failed:\n{result.stdout[-3000:]}")
+
+
+def _vulkan_sdk_options(backend: str) -> list[str]:
+    """Vulkan's headers from $VULKAN_SDK (LunarG's SDK, or a newer distribution's headers unpacked)
+    ahead of the system's, which may be too old (VULKAN_MIN_HEADERS): SPIR-V's headers beside them."""
+    sdk = os.environ.get("VULKAN_SDK")
+    if backend != VULKAN or not sdk:
+        return []
+    return [f"-DVulkan_INCLUDE_DIR={sdk}/include", f"-DCMAKE_PREFIX_PATH={sdk}"]
 
 
 def _cuda_library_dirs(backend: str) -> list[str]:
