@@ -37,8 +37,9 @@ typedef struct sll_sampler sll_sampler;    /* one generation's sampler chain */
 
 /* Called by the CPU backend after every graph node, on the thread that called
  * sll_batch_decode(), and with Stopline's edits between the pieces of a node,
- * on every compute thread; a true return ends the evaluation (sll_batch_decode
- * returns SLL_ABORTED), and must stay true until it has. */
+ * on every compute thread, and where a model has layers on a GPU, between the
+ * pieces of the evaluation, on the calling thread; a true return ends the
+ * evaluation (sll_batch_decode returns SLL_ABORTED), and must stay true until it has. */
 typedef bool (*sll_abort_fn)(void *data);
 
 /* sll_batch_decode()'s results: llama_decode()'s codes, plus the shim's own

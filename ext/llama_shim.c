@@ -38,6 +38,10 @@ struct sll_context {
     /* The context's compute threads, kept between evaluations (NULL: llama.cpp
      * starts threads for each evaluation). */
     struct ggml_threadpool *threads;
+    /* The stop, asked between the pieces of a GPU's evaluation too (eval_piece). */
+    sll_abort_fn abort_fn;
+    void *abort_data;
+    uint32_t piece_nodes;
 };
 
 struct sll_sampler {
@@ -181,6 +185,22 @@ SLL_EXPORT int32_t sll_eos(const sll_model *m) { return llama_vocab_eos(m->vocab
 
 SLL_EXPORT int sll_add_bos(const sll_model *m) { return llama_vocab_get_add_bos(m->vocab); }
 
+/* The graph nodes in one piece of a GPU's evaluation. Each piece ends with a synchronize,
+ * which costs throughput; a stop waits for the piece under way. */
+#define SLL_GPU_PIECE_NODES 64
+
+/* ggml's scheduler eval callback, set where a model has layers on a GPU, whose backend asks
+ * no abort callback. Asked (ask) whether a node's result is wanted, it ends a piece every
+ * SLL_GPU_PIECE_NODES nodes; after each piece, synchronized, it answers false once the stop
+ * is requested, which ends the evaluation (Stopline's edit to ggml-backend.cpp). */
+static bool eval_piece(struct ggml_tensor *t, bool ask, void *data) {
+    sll_context *c = data;
+    (void)t;
+    if (ask)
+        return ++c->piece_nodes % SLL_GPU_PIECE_NODES == 0;
+    return c->abort_fn == NULL || !c->abort_fn(c->abort_data);
+}
+
 SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
                                         int32_t n_seq, char *err, size_t err_size) {
     if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx_seq < 2 || n_threads < 1 || n_seq < 1 ||
@@ -210,6 +230,10 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t
         free(c);
         snprintf(err, err_size, "out of memory");
         return NULL;
+    }
+    if (m->gpu_layers > 0) {
+        params.cb_eval = eval_piece;
+        params.cb_eval_user_data = c;
     }
     c->ctx = llama_init_from_model(m->model, params);
     if (c->ctx == NULL) {
@@ -251,6 +275,8 @@ SLL_EXPORT void sll_context_free(sll_context *c) {
 SLL_EXPORT int32_t sll_context_n_ctx(const sll_context *c) { return c->n_ctx_seq; }
 
 SLL_EXPORT void sll_set_abort(sll_context *c, sll_abort_fn fn, void *data) {
+    c->abort_fn = fn;
+    c->abort_data = data;
     llama_set_abort_callback(c->ctx, fn, data);
 }
 

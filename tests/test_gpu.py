@@ -161,32 +161,64 @@ async def test_healthz_says_where_the_layers_run(server):
 
 
 VULKAN_PROBE = """
-import json, sys
+import json, sys, threading, time
 sys.path.insert(0, "tests")
 from stopline.engine.loop import Engine
-from support import make_generation
-engine = Engine.load(engine="llama.cpp", threads=1, context_length=512, progress=False,
-                     llama_library=sys.argv[1], gpu_layers=-1)
+from support import make_generation, started_running
+engine = Engine.load(engine="llama.cpp", threads=2, context_length=512, progress=False,
+                     llama_library=sys.argv[1], gpu_layers=-1, prefill_chunk=64)
 slot = engine.open_slot()
 generation = make_generation(slot, engine.encode(messages=[{"role": "user", "content":
     "What is the capital of France? Answer in one word."}]), max_tokens=8, temperature=0)
 generation.run()
-print(json.dumps({"device": engine.gpu_device, "layers": engine.gpu_layers,
-                  "of": engine.model.layer_count, "text": b"".join(generation.take()).decode()}))
+report = {"device": engine.gpu_device, "layers": engine.gpu_layers, "of": engine.model.layer_count,
+          "text": b"".join(generation.take()).decode()}
+# One prompt chunk, evaluated whole, then stopped a quarter of the way through.
+prompt = engine.encode(prompt="The history of bread is long. " * 40)[: engine.prefill_chunk]
+slot.forget()
+start = time.monotonic()
+make_generation(slot, prompt, max_tokens=1, prefill_chunk=engine.prefill_chunk).run()
+report["whole_s"] = time.monotonic() - start
+slot.forget()
+generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=engine.prefill_chunk)
+worker = threading.Thread(target=generation.run)
+worker.start()
+started_running(generation)
+time.sleep(report["whole_s"] / 4)
+start = time.monotonic()
+generation.cancel()
+worker.join()
+report["stop_s"] = time.monotonic() - start
+result = generation.result
+report.update(exit=result.exit.name, evaluated=result.prompt_tokens_evaluated, kv=slot.kv_positions,
+              held=slot.n_held)
+print(json.dumps(report))
 """
 
 
-def test_every_layer_runs_on_a_vulkan_device():
+@pytest.fixture(scope="module")
+def on_vulkan() -> dict:
+    """What SmolLM2 did with every layer on a Vulkan device, in a process of its own (one llama.cpp
+    library per process). ggml lists a CPU Vulkan device (lavapipe) only when named, as device 0
+    where no GPU is present."""
     library = cached_library(backend=VULKAN)
     if not library.is_file():
         pytest.skip("no Vulkan build here: STOPLINE_GPU=vulkan python -m stopline.engine.llama_build builds it")
-    # One llama.cpp library per process: the Vulkan one in a process of its own. ggml lists a CPU
-    # Vulkan device (lavapipe) only when named, as device 0 where no GPU is present.
     environ = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
     done = subprocess.run(
         [sys.executable, "-c", VULKAN_PROBE, str(library)], capture_output=True, text=True, env=environ, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.splitlines()[-1])
-    assert report["device"].startswith("Vulkan") and report["layers"] == report["of"] == 31
-    assert "Paris" in report["text"]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_every_layer_runs_on_a_vulkan_device(on_vulkan):
+    assert on_vulkan["device"].startswith("Vulkan") and on_vulkan["layers"] == on_vulkan["of"] == 31
+    assert "Paris" in on_vulkan["text"]
+
+
+def test_a_stop_ends_a_gpu_evaluation_part_way(on_vulkan):
+    # The GPU's nodes are computed in pieces, with the stop asked between them: the stop waits for
+    # the piece under way, not for the rest of the evaluation, and the chunk's positions are dropped.
+    assert on_vulkan["exit"] == "CANCELLED" and on_vulkan["evaluated"] == on_vulkan["kv"] == on_vulkan["held"] == 0
+    assert on_vulkan["stop_s"] < on_vulkan["whole_s"] / 4, on_vulkan
