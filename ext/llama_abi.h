@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 7
+#define SLL_ABI_VERSION 8
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -37,8 +37,9 @@ typedef struct sll_sampler sll_sampler;    /* one generation's sampler chain */
 
 /* Called by the CPU backend after every graph node, on the thread that called
  * sll_batch_decode(), and with Stopline's edits between the pieces of a node,
- * on every compute thread; a true return ends the evaluation (sll_batch_decode
- * returns SLL_ABORTED), and must stay true until it has. */
+ * on every compute thread, and where a model has layers on a GPU, between the
+ * pieces of the evaluation, on the calling thread; a true return ends the
+ * evaluation (sll_batch_decode returns SLL_ABORTED), and must stay true until it has. */
 typedef bool (*sll_abort_fn)(void *data);
 
 /* sll_batch_decode()'s results: llama_decode()'s codes, plus the shim's own
@@ -73,8 +74,16 @@ typedef struct {
     /* Whether llama.cpp was built with Stopline's edits (stopline/engine/llama_edits.py),
      * which call the abort callback between the pieces of a graph node too. */
     int (*checks_inside_nodes)(void);
-    /* Models. Failures return NULL with llama.cpp's own explanation in err. */
-    sll_model *(*model_load)(const char *path, char *err, size_t err_size);
+    /* The GPU device a model's layers go to (llama.cpp's first GPU, or integrated GPU where
+     * there is none): 1 with its name and description in buf, or 0 where the library was built
+     * for the CPU alone or finds no device. */
+    int (*gpu_device)(char *buf, size_t buf_size);
+    /* Models. Failures return NULL with llama.cpp's own explanation in err. n_gpu_layers is
+     * llama.cpp's: the layers (the output layer counts as one) to offload; negative: all. */
+    sll_model *(*model_load)(const char *path, int32_t n_gpu_layers, char *err, size_t err_size);
+    /* The layers offloaded to the GPU device (0 without one), and the most that could be. */
+    int32_t (*model_gpu_layers)(const sll_model *model);
+    int32_t (*model_n_layers)(const sll_model *model);
     void (*model_free)(sll_model *model);
     int32_t (*model_n_vocab)(const sll_model *model);
     int32_t (*model_n_ctx_train)(const sll_model *model);
@@ -159,7 +168,10 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
         return -1;
     }
     SLL_RESOLVE(checks_inside_nodes)
+    SLL_RESOLVE(gpu_device)
     SLL_RESOLVE(model_load)
+    SLL_RESOLVE(model_gpu_layers)
+    SLL_RESOLVE(model_n_layers)
     SLL_RESOLVE(model_free)
     SLL_RESOLVE(model_n_vocab)
     SLL_RESOLVE(model_n_ctx_train)

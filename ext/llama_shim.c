@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "llama.h"
 #include "llama_abi.h"
@@ -19,6 +20,8 @@ struct sll_model {
     struct llama_model *model;
     const struct llama_vocab *vocab;
     int32_t n_vocab;
+    /* The layers offloaded, as llama.cpp counts them when it places the model. */
+    int32_t gpu_layers;
 };
 
 struct sll_context {
@@ -35,6 +38,10 @@ struct sll_context {
     /* The context's compute threads, kept between evaluations (NULL: llama.cpp
      * starts threads for each evaluation). */
     struct ggml_threadpool *threads;
+    /* The stop, asked between the pieces of a GPU's evaluation too (eval_piece). */
+    sll_abort_fn abort_fn;
+    void *abort_data;
+    uint32_t piece_nodes;
 };
 
 struct sll_sampler {
@@ -94,10 +101,27 @@ extern bool ggml_cpu_stop_requested(void) __attribute__((weak));
 
 SLL_EXPORT int sll_checks_inside_nodes(void) { return ggml_cpu_stop_requested != NULL; }
 
-SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_size) {
+/* The device llama.cpp offloads to by default: its first GPU, else its first integrated GPU. */
+static ggml_backend_dev_t gpu_dev(void) {
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    return dev != NULL ? dev : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_IGPU);
+}
+
+SLL_EXPORT int sll_gpu_device(char *buf, size_t buf_size) {
+    pthread_once(&backend_once, backend_init);
+    ggml_backend_dev_t dev = gpu_dev();
+    if (buf_size)
+        buf[0] = 0;
+    if (dev == NULL)
+        return 0;
+    snprintf(buf, buf_size, "%s (%s)", ggml_backend_dev_name(dev), ggml_backend_dev_description(dev));
+    return 1;
+}
+
+SLL_EXPORT sll_model *sll_model_load(const char *path, int32_t n_gpu_layers, char *err, size_t err_size) {
     pthread_once(&backend_once, backend_init);
     struct llama_model_params params = llama_model_default_params();
-    params.n_gpu_layers = 0;
+    params.n_gpu_layers = n_gpu_layers;
     sll_model *m = calloc(1, sizeof *m);
     if (m == NULL) {
         snprintf(err, err_size, "out of memory");
@@ -111,6 +135,10 @@ SLL_EXPORT sll_model *sll_model_load(const char *path, char *err, size_t err_siz
     }
     m->vocab = llama_model_get_vocab(m->model);
     m->n_vocab = llama_vocab_n_tokens(m->vocab);
+    /* llama.cpp's own count (llama_model::load_tensors): none without a device, else at
+     * most every repeating layer and the output layer. */
+    int32_t n_layers = llama_model_n_layer(m->model) + 1;
+    m->gpu_layers = gpu_dev() == NULL ? 0 : n_gpu_layers < 0 || n_gpu_layers > n_layers ? n_layers : n_gpu_layers;
     return m;
 }
 
@@ -120,6 +148,10 @@ SLL_EXPORT void sll_model_free(sll_model *m) {
     llama_model_free(m->model);
     free(m);
 }
+
+SLL_EXPORT int32_t sll_model_gpu_layers(const sll_model *m) { return m->gpu_layers; }
+
+SLL_EXPORT int32_t sll_model_n_layers(const sll_model *m) { return llama_model_n_layer(m->model) + 1; }
 
 SLL_EXPORT int32_t sll_model_n_vocab(const sll_model *m) { return m->n_vocab; }
 
@@ -154,6 +186,22 @@ SLL_EXPORT int32_t sll_eos(const sll_model *m) { return llama_vocab_eos(m->vocab
 
 SLL_EXPORT int sll_add_bos(const sll_model *m) { return llama_vocab_get_add_bos(m->vocab); }
 
+/* The graph nodes in one piece of a GPU's evaluation. Each piece ends with a synchronize,
+ * which costs throughput; a stop waits for the piece under way. */
+#define SLL_GPU_PIECE_NODES 64
+
+/* ggml's scheduler eval callback, set where a model has layers on a GPU, whose backend asks
+ * no abort callback. Asked (ask) whether a node's result is wanted, it ends a piece every
+ * SLL_GPU_PIECE_NODES nodes; after each piece, synchronized, it answers false once the stop
+ * is requested, which ends the evaluation (Stopline's edit to ggml-backend.cpp). */
+static bool eval_piece(struct ggml_tensor *t, bool ask, void *data) {
+    sll_context *c = data;
+    (void)t;
+    if (ask)
+        return ++c->piece_nodes % SLL_GPU_PIECE_NODES == 0;
+    return c->abort_fn == NULL || !c->abort_fn(c->abort_data);
+}
+
 SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
                                         int32_t n_seq, char *err, size_t err_size) {
     if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx_seq < 2 || n_threads < 1 || n_seq < 1 ||
@@ -183,6 +231,10 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t
         free(c);
         snprintf(err, err_size, "out of memory");
         return NULL;
+    }
+    if (m->gpu_layers > 0) {
+        params.cb_eval = eval_piece;
+        params.cb_eval_user_data = c;
     }
     c->ctx = llama_init_from_model(m->model, params);
     if (c->ctx == NULL) {
@@ -224,6 +276,8 @@ SLL_EXPORT void sll_context_free(sll_context *c) {
 SLL_EXPORT int32_t sll_context_n_ctx(const sll_context *c) { return c->n_ctx_seq; }
 
 SLL_EXPORT void sll_set_abort(sll_context *c, sll_abort_fn fn, void *data) {
+    c->abort_fn = fn;
+    c->abort_data = data;
     llama_set_abort_callback(c->ctx, fn, data);
 }
 
@@ -459,7 +513,10 @@ SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits, sll_abort_f
 static const sll_api sll_signatures __attribute__((unused)) = {
     .abi_version = sll_abi_version,
     .checks_inside_nodes = sll_checks_inside_nodes,
+    .gpu_device = sll_gpu_device,
     .model_load = sll_model_load,
+    .model_gpu_layers = sll_model_gpu_layers,
+    .model_n_layers = sll_model_n_layers,
     .model_free = sll_model_free,
     .model_n_vocab = sll_model_n_vocab,
     .model_n_ctx_train = sll_model_n_ctx_train,

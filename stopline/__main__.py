@@ -214,6 +214,7 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
             prefill_chunk=settings.prefill_chunk,
             abort_mode=settings.abort_mode,
             sequences=settings.workers,
+            gpu_layers=settings.gpu_layers,
         )
 
     # The first model loads now, and the server is ready once it has; each other when first asked

@@ -351,6 +351,8 @@ class StoplineServer:
             context_length=self.engine.context_length,
             prefill_chunk=self.engine.prefill_chunk,
             abort_mode=str(self.engine.abort_mode),
+            gpu=self.engine.gpu_device or "none",
+            gpu_layers=self.engine.gpu_layers,
             http_api=self.http.base_url,
             **(
                 {"models": [*(m.name for m in self.served), *(m.name for m in self.lazy)]}
@@ -451,6 +453,9 @@ class StoplineServer:
                     "active": self.active,
                     "queued": self.queued,
                     "abort_mode": str(self.engine.abort_mode),
+                    # The device the model's layers run on (None: the CPU), and how many do.
+                    "gpu": self.engine.gpu_device,
+                    "gpu_layers": self.engine.gpu_layers,
                     "http_api": self.http.base_url,
                     "store": self.cluster.health() if self.cluster is not None else {"type": "memory"},
                 }

@@ -112,6 +112,9 @@ class Settings:
     # Compute threads per generation; None: the cores, shared among the generations
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
+    # Layers offloaded to the GPU device (GPU_LAYERS_ALL: every one); None: every one where the
+    # engine's build has a GPU backend and a device, else none.
+    gpu_layers: int | None = None
     max_queue: int = 16
     # Host memory for the prompt cache's saved KV states, in MiB (0: no cache); None: the
     # smaller of 8 GiB and a quarter of the machine's memory.
@@ -438,6 +441,20 @@ def switch(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not 1/true or 0/false")
 
 
+# --gpu-layers all: llama.cpp's own spelling of every layer, a negative count.
+GPU_LAYERS_ALL = -1
+
+
+def gpu_layers(text: str) -> int:
+    """--gpu-layers: a count of layers, or "all"."""
+    if text.strip().lower() == "all":
+        return GPU_LAYERS_ALL
+    try:
+        return integer(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a layer count (0 or more) or 'all'") from None
+
+
 PORT = integer(0, 65535)
 POSITIVE = integer(1)
 
@@ -462,6 +479,8 @@ class Flag:
     default_text: str = ""
     # Given without a value, it turns its setting off (its variable: a true value).
     switch: bool = False
+    # Other spellings on the command line (another server's, such as llama-server's -ngl).
+    aliases: tuple[str, ...] = ()
 
     @property
     def default(self) -> Any:
@@ -588,6 +607,17 @@ FLAGS = [
         "processes leave idle, and generations that run together share them (why: docs/configuration.md, "
         '"One user and two")',
         default_text="the idle cores, shared",
+    ),
+    Flag(
+        "--gpu-layers",
+        "gpu_layers",
+        gpu_layers,
+        "model layers to offload to the GPU (a count, or `all`; -ngl as llama-server spells it); llama.cpp "
+        "only, on a build with a GPU backend (STOPLINE_GPU=vulkan or cuda when it is built); without one, "
+        "or without a device, a warning says so and the model runs on the CPU; the startup line and "
+        "/healthz say the backend's device and the layers offloaded",
+        default_text="`all` where the build has a GPU backend and a device, else `0`",
+        aliases=("-ngl",),
     ),
     Flag(
         "--context-length",
@@ -827,6 +857,7 @@ def add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple]:
             repeated_defaults[flag.setting] = default
         parser.add_argument(
             flag.flag,
+            *flag.aliases,
             dest=flag.setting,
             metavar=flag.flag.lstrip("-").replace("-", "_").upper(),
             type=kind,
@@ -871,7 +902,8 @@ def flags_table() -> str:
         else:
             default = f"`{_shown(flag.default)}`"
         variable = f"`{flag.env}`" + (" (comma-separated)" if flag.repeatable else "")
-        rows.append(f"| `{flag.flag}` | {variable} | {default} | {cell(flag.help)} |")
+        spelled = ", ".join(f"`{name}`" for name in (flag.flag, *flag.aliases))
+        rows.append(f"| {spelled} | {variable} | {default} | {cell(flag.help)} |")
         if flag.flag == "--api-keys-file":
             rows.append(f"| `--api-key` | `STOPLINE_API_KEYS` (comma-separated) | none | {cell(API_KEY_HELP)} |")
     return "\n".join(rows) + "\n"

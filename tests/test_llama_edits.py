@@ -55,11 +55,13 @@ def test_every_anchor_occurs_as_often_as_its_edit_says(source):
 def test_the_edits_put_the_stop_check_in_every_file_they_touch(edited_files):
     apply_edits(edited_files)
     for path in {edit.path for edit in EDITS}:
-        assert STOP_CHECK in (edited_files / path).read_text(), path
+        # The CPU backend's kernels ask the check; the scheduler ends the evaluation when its eval callback says so.
+        expected = STOP_CHECK if path.startswith("ggml/src/ggml-cpu/") else "return GGML_STATUS_ABORTED;  // Stopline"
+        assert expected in (edited_files / path).read_text(), path
 
 
 def test_a_moved_anchor_fails_in_one_line_and_changes_nothing(edited_files):
-    moved = EDITS[-1]
+    moved = next(edit for edit in EDITS if "job" in edit.anchor)
     target = edited_files / moved.path
     target.write_text(target.read_text().replace(moved.anchor, moved.anchor.replace("job", "task"), 1))
     before = {path: (edited_files / path).read_text() for path in {edit.path for edit in EDITS}}

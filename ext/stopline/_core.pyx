@@ -170,6 +170,17 @@ def load_llama_library(str path):
     LLAMA_READY = True
 
 
+def llama_gpu_device():
+    """The GPU device the loaded llama.cpp library offloads to, as "name (description)", or
+    None: a library built for the CPU alone, or no device."""
+    cdef char buf[256]
+    if not LLAMA_READY:
+        raise EngineError("load_llama_library() has not been called")
+    if not LLAMA.gpu_device(buf, sizeof(buf)):
+        return None
+    return (<bytes>buf).decode("utf-8", "replace")
+
+
 def llama_checks_inside_nodes():
     """Whether the loaded llama.cpp library was built with Stopline's edits, which stop
     an evaluation between the pieces of a graph node, not only between nodes."""
@@ -444,12 +455,17 @@ cdef class LlamaModel:
     cdef readonly int max_token_bytes
     # Whether a context's cache can be cut back to a prefix (not for recurrent models).
     cdef readonly bint can_truncate
+    # The layers offloaded to the GPU device (0 without one), of layer_count (the output layer is one).
+    cdef readonly int gpu_layers
+    cdef readonly int layer_count
     # Calls using the model without the GIL, which close() waits for.
     cdef int users
 
-    def __cinit__(self, str model_path):
+    def __cinit__(self, str model_path, int gpu_layers=0):
+        """``gpu_layers``: the layers to offload to the GPU device, if there is one; negative: all."""
         cdef char err[512]
         cdef int fd, token, longest = 0, size
+        cdef int32_t n_gpu_layers = gpu_layers
         cdef char piece[256]
         if not LLAMA_READY:
             raise EngineError("load_llama_library() has not been called")
@@ -461,12 +477,14 @@ cdef class LlamaModel:
         unistd.close(fd)
         err[0] = 0
         with nogil:
-            self.model = LLAMA.model_load(path, err, sizeof(err))
+            self.model = LLAMA.model_load(path, n_gpu_layers, err, sizeof(err))
         if self.model is NULL:
             raise c_failure(ModelLoadError, f"llama.cpp could not load {model_path}", 0, err)
         self.vocab_size = LLAMA.model_n_vocab(self.model)
         self.context_limit = LLAMA.model_n_ctx_train(self.model)
         self.can_truncate = LLAMA.model_can_truncate(self.model)
+        self.gpu_layers = LLAMA.model_gpu_layers(self.model)
+        self.layer_count = LLAMA.model_n_layers(self.model)
         with nogil:
             for token in range(self.vocab_size):
                 size = LLAMA.token_piece(self.model, token, piece, sizeof(piece), False)

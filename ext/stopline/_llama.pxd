@@ -36,7 +36,10 @@ cdef extern from "llama_abi.h" nogil:
         void *handle
         int (*abi_version)() noexcept nogil
         int (*checks_inside_nodes)() noexcept nogil
-        sll_model *(*model_load)(const char *path, char *err, size_t err_size) noexcept nogil
+        int (*gpu_device)(char *buf, size_t buf_size) noexcept nogil
+        sll_model *(*model_load)(const char *path, int32_t n_gpu_layers, char *err, size_t err_size) noexcept nogil
+        int32_t (*model_gpu_layers)(const sll_model *model) noexcept nogil
+        int32_t (*model_n_layers)(const sll_model *model) noexcept nogil
         void (*model_free)(sll_model *model) noexcept nogil
         int32_t (*model_n_vocab)(const sll_model *model) noexcept nogil
         int32_t (*model_n_ctx_train)(const sll_model *model) noexcept nogil

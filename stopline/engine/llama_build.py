@@ -1,6 +1,11 @@
 """Build llama.cpp once, into the user cache: the llama.cpp engine's shim library.
 
     python -m stopline.engine.llama_build    # the engine's library (what --engine llama.cpp needs)
+    STOPLINE_GPU=vulkan python -m stopline.engine.llama_build    # its Vulkan build
+
+The backend (:func:`choose_backend`) is the CPU unless ``STOPLINE_GPU`` (``cpu``, ``vulkan``,
+``cuda``, ``auto``) asks for another, or, left at ``auto``, the machine has both a GPU backend's
+compiler and a device for it; each backend builds in trees of its own.
 
 llama.cpp's source is taken from the ``llama-cpp-python`` source distribution on
 PyPI, which vendors llama.cpp (``vendor/llama.cpp``) at the commit pinned by that
@@ -28,6 +33,8 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -87,6 +94,25 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # The static libraries the shim links, in link order, relative to the build tree.
 STATIC_LIBRARIES = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
 SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
+# What each GPU backend adds to the CPU build: its CMake options, its static library (linked
+# before libggml-base.a, which it calls), and the system libraries it needs at run time.
+CPU, VULKAN, CUDA = "cpu", "vulkan", "cuda"
+BACKENDS = (CPU, VULKAN, CUDA)
+# The oldest Vulkan headers this llama.cpp compiles with: ggml-vulkan.cpp uses VK_EXT_layer_settings,
+# which came with 1.3.272. Debian 12's libvulkan-dev is 1.3.239; Debian 13's, 1.4.309.
+VULKAN_MIN_HEADERS = (1, 3, 272)
+BACKEND_OPTIONS = {
+    CPU: [],
+    VULKAN: ["-DGGML_VULKAN=ON"],
+    # One architecture, the machine's GPU: every architecture would take an hour, not minutes.
+    CUDA: ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"],
+}
+BACKEND_LIBRARIES = {
+    CPU: [],
+    VULKAN: ["ggml/src/ggml-vulkan/libggml-vulkan.a"],
+    CUDA: ["ggml/src/ggml-cuda/libggml-cuda.a"],
+}
+BACKEND_LINK = {CPU: [], VULKAN: ["-lvulkan"], CUDA: ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]}
 # A change of options builds a new binary, in build trees of their own.
 BUILD_KEY = hashlib.sha256(" ".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
 # The shim library a wheel carries, built when the wheel was (setup.py), in the package's _native/.
@@ -99,6 +125,136 @@ class LlamaBuildError(StoplineError):
 
 class NoCompiler(LlamaBuildError, UsageError):
     """The machine has no C++ compiler to build llama.cpp with: a setting to change, in one line."""
+
+
+class BackendUnavailable(LlamaBuildError, UsageError):
+    """STOPLINE_GPU asks for a backend this machine cannot build: what to install, in one line."""
+
+
+@dataclass(frozen=True)
+class BuildMachine:
+    """What choosing a backend looks at. :func:`probe_machine` fills it in; tests make their own."""
+
+    requested: str = "auto"  # STOPLINE_GPU
+    nvcc: str | None = None  # CUDA's compiler
+    nvidia_gpu: bool = False  # an NVIDIA device the driver shows
+    vulkan_sdk: bool = False  # Vulkan's headers, glslc and SPIR-V's headers
+    vulkan_headers: tuple[int, ...] | None = None  # their version, where it could be read
+    vulkan_gpu: bool = False  # a Vulkan device other than a CPU one (lavapipe)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    why: str
+
+
+def choose_backend(machine: BuildMachine) -> Backend:
+    """The backend to build, and why, in words the build prints.
+
+    ``auto`` builds for a GPU only where its device is present as well as its compiler: a CUDA build
+    on a machine without an NVIDIA GPU (a CI runner with the toolkit installed) is minutes of
+    compiling for a library that would run on the CPU anyway, and lavapipe, Mesa's Vulkan device on
+    the CPU, is slower than ggml's own CPU code. Asked for by name, a backend is built wherever its
+    compiler is, device or not, and its absence is an error naming what to install."""
+    requested = machine.requested.strip().lower() or "auto"
+    if requested not in (*BACKENDS, "auto"):
+        raise BackendUnavailable(f"STOPLINE_GPU={machine.requested!r}: give one of cpu, vulkan, cuda or auto")
+    if requested == CPU:
+        return Backend(CPU, "STOPLINE_GPU=cpu")
+    if requested == CUDA:
+        if machine.nvcc is None:
+            raise BackendUnavailable(
+                "STOPLINE_GPU=cuda, and there is no nvcc: install CUDA's toolkit (or PyPI's nvidia-cuda-nvcc) "
+                "and put nvcc on PATH, or build for the CPU with STOPLINE_GPU=cpu"
+            )
+        device = "" if machine.nvidia_gpu else "; no NVIDIA GPU is visible, so it runs on the CPU here"
+        return Backend(CUDA, f"STOPLINE_GPU=cuda, with {machine.nvcc}{device}")
+    headers = machine.vulkan_headers
+    headers_too_old = headers is not None and headers < VULKAN_MIN_HEADERS
+    if requested == VULKAN:
+        if machine.vulkan_sdk and headers is not None and headers_too_old:
+            found, least = (".".join(map(str, v)) for v in (headers, VULKAN_MIN_HEADERS))
+            raise BackendUnavailable(
+                f"STOPLINE_GPU=vulkan: Vulkan's headers are version {found}, and this llama.cpp needs {least} "
+                "or later (VK_EXT_layer_settings): point VULKAN_SDK at newer ones (LunarG's SDK, or Debian 13's "
+                "libvulkan-dev and spirv-headers unpacked), or build for the CPU with STOPLINE_GPU=cpu"
+            )
+        if not machine.vulkan_sdk:
+            raise BackendUnavailable(
+                "STOPLINE_GPU=vulkan needs Vulkan's headers, glslc and SPIR-V's headers "
+                "(Debian: apt-get install libvulkan-dev glslc spirv-headers), or build for the CPU with "
+                "STOPLINE_GPU=cpu"
+            )
+        return Backend(VULKAN, "STOPLINE_GPU=vulkan")
+    if machine.nvcc is not None and machine.nvidia_gpu:
+        return Backend(CUDA, f"an NVIDIA GPU and {machine.nvcc} are present")
+    if machine.vulkan_sdk and machine.vulkan_gpu and not headers_too_old:
+        return Backend(VULKAN, "a Vulkan GPU, Vulkan's headers and glslc are present")
+    if machine.nvcc is not None:
+        why = f"{machine.nvcc} is present but no NVIDIA GPU is (STOPLINE_GPU=cuda builds it anyway)"
+    elif machine.vulkan_sdk and headers_too_old:
+        why = "Vulkan's headers are too old for this llama.cpp (VULKAN_SDK can point at newer ones)"
+    elif machine.vulkan_sdk:
+        why = "Vulkan's headers are present but no Vulkan GPU is (STOPLINE_GPU=vulkan builds it anyway)"
+    else:
+        why = "no GPU compiler (nvcc, or Vulkan's headers and glslc) is present"
+    return Backend(CPU, why)
+
+
+def probe_machine(environ: Mapping[str, str] = os.environ) -> BuildMachine:
+    """What this machine has. Cheap where no GPU tools are installed, as on CI: the device
+    checks run only behind a compiler that could use them."""
+    requested = environ.get("STOPLINE_GPU", "auto")
+    nvcc = shutil.which("nvcc") or next(
+        (str(p) for p in (Path(environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc",) if p.is_file()), None
+    )
+    # The driver's device nodes: no process to start, and no CUDA library to load.
+    nvidia_gpu = nvcc is not None and any(Path("/proc/driver/nvidia/gpus").glob("*"))
+    vulkan_sdk = (
+        shutil.which("glslc") is not None
+        and any((Path(d) / "vulkan" / "vulkan.h").is_file() for d in _include_dirs(environ))
+        and any((Path(d) / "spirv").is_dir() for d in _include_dirs(environ))
+    )
+    headers = _vulkan_header_version(environ) if vulkan_sdk else None
+    vulkan_gpu = vulkan_sdk and requested.strip().lower() in ("", "auto") and _vulkan_gpu()
+    return BuildMachine(requested, nvcc, nvidia_gpu, vulkan_sdk, headers, vulkan_gpu)
+
+
+def _vulkan_header_version(environ: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The version of the first vulkan_core.h on the include path, as (1, 3, 239)."""
+    for directory in _include_dirs(environ):
+        path = Path(directory) / "vulkan" / "vulkan_core.h"
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            patch = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
+            api = re.search(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(0, (\d+), (\d+),", text)
+            if patch and api:
+                return (int(api.group(1)), int(api.group(2)), int(patch.group(1)))
+            return None
+    return None
+
+
+def _include_dirs(environ: Mapping[str, str]) -> list[str]:
+    sdk = environ.get("VULKAN_SDK")
+    return [*([f"{sdk}/include"] if sdk else []), "/usr/include", "/usr/local/include"]
+
+
+def _vulkan_gpu() -> bool:
+    """Whether vulkaninfo lists a discrete or integrated GPU (not lavapipe's CPU device)."""
+    vulkaninfo = shutil.which("vulkaninfo")
+    if vulkaninfo is None:
+        return False
+    try:
+        result = subprocess.run([vulkaninfo, "--summary"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return re.search(r"PHYSICAL_DEVICE_TYPE_(DISCRETE|INTEGRATED)_GPU", result.stdout) is not None
+
+
+def selected_backend() -> Backend:
+    """The backend this environment builds (STOPLINE_GPU, else what the machine has)."""
+    return choose_backend(probe_machine())
 
 
 def build_root() -> Path:
@@ -114,19 +270,25 @@ def shim_source_dir() -> Path:
     return Path(str(resources.files("stopline") / "_native"))
 
 
-def _shim_key(edited: bool) -> str:
-    digest = hashlib.sha256(BUILD_KEY.encode())
+def _build_key(backend: str) -> str:
+    """The build trees' key: the CPU build's is the options' hash alone, as before backends were
+    chosen, so its trees (minutes to build) stay valid; a GPU build's adds its name."""
+    return BUILD_KEY if backend == CPU else f"{BUILD_KEY}-{backend}"
+
+
+def _shim_key(edited: bool, backend: str = CPU) -> str:
+    digest = hashlib.sha256(_build_key(backend).encode())
     digest.update(edits_key().encode() if edited else b"unedited")
     for name in SHIM_SOURCES:
         digest.update((shim_source_dir() / name).read_bytes())
     return digest.hexdigest()[:12]
 
 
-def cached_library(edited: bool = True) -> Path:
+def cached_library(edited: bool = True, backend: str = CPU) -> Path:
     """The engine's shim library: built from the edited tree, or (``edited=False``,
-    for the benchmark's comparison) from the unedited one."""
-    kind = "" if edited else "-unedited"
-    return build_root() / "lib" / f"libstopline-llama{kind}-{_shim_key(edited)}.so"
+    for the benchmark's comparison) from the unedited one, for ``backend``."""
+    kind = ("" if backend == CPU else f"-{backend}") + ("" if edited else "-unedited")
+    return build_root() / "lib" / f"libstopline-llama{kind}-{_shim_key(edited, backend)}.so"
 
 
 def packaged_library() -> Path | None:
@@ -141,31 +303,37 @@ def engine_library(progress: bool = True) -> Path:
     return packaged_library() or ensure_llama_library(progress)
 
 
-def ensure_llama_library(progress: bool = True, jobs: int | None = None, edited: bool = True) -> Path:
-    """Return the engine's shim library, fetching and building llama.cpp on first use."""
-    library = cached_library(edited)
+def ensure_llama_library(
+    progress: bool = True, jobs: int | None = None, edited: bool = True, backend: Backend | None = None
+) -> Path:
+    """Return the engine's shim library for ``backend`` (default: :func:`selected_backend`),
+    fetching and building llama.cpp on first use."""
+    backend = backend or selected_backend()
+    library = cached_library(edited, backend.name)
     if library.is_file():
         return library
     _compiler()  # before anything is fetched: without one, nothing could be built
     with _build_lock():
         if library.is_file():  # another process built it meanwhile
             return library
-        source, build = _tree(edited, progress)
-        _cmake_build(source, build, ["llama", "ggml", "ggml-cpu", "ggml-base"], progress, jobs, "building llama.cpp")
+        print(f"llama.cpp backend: {backend.name} ({backend.why})", file=sys.stderr)
+        source, build = _tree(edited, progress, backend.name)
+        targets = ["llama", "ggml", "ggml-cpu", "ggml-base"] + ([f"ggml-{backend.name}"] if backend.name != CPU else [])
+        _cmake_build(source, build, targets, progress, jobs, f"building llama.cpp ({backend.name})", backend.name)
         library.parent.mkdir(parents=True, exist_ok=True)
         temp = library.with_name(f".{library.name}.part")
-        _link_shim(source, build, temp)
+        _link_shim(source, build, temp, backend.name)
         os.replace(temp, library)  # a library in place means a finished build
     return library
 
 
-def build_unedited(target: str, progress: bool = True, jobs: int | None = None) -> Path:
+def build_unedited(target: str, progress: bool = True, jobs: int | None = None, backend: str = CPU) -> Path:
     """Build the CMake target ``target`` (a program such as ``llama-server``) of the unedited
     tree, with the engine's options, and return the build tree, whose ``bin/`` holds it."""
     _compiler()
     with _build_lock():
-        source, build = _tree(False, progress)
-        _cmake_build(source, build, [target], progress, jobs, f"building {target}")
+        source, build = _tree(False, progress, backend)
+        _cmake_build(source, build, [target], progress, jobs, f"building {target}", backend)
         return build
 
 
@@ -193,12 +361,13 @@ def _build_lock():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _tree(edited: bool, progress: bool = True) -> tuple[Path, Path]:
-    """The source tree (extracted, and edited when ``edited``) and its build tree."""
+def _tree(edited: bool, progress: bool = True, backend: str = CPU) -> tuple[Path, Path]:
+    """The source tree (extracted, and edited when ``edited``) and its build tree for ``backend``.
+    The source trees are shared; each backend builds in its own tree."""
     root = build_root()
     sdist = _download_sdist(root, progress)
     if not edited:
-        return _extract(sdist, root / "src"), root / f"build-{BUILD_KEY}"
+        return _extract(sdist, root / "src"), root / f"build-{_build_key(backend)}"
     source = root / "src-edited"
     marker = source / ".stopline-edits"
     if not (marker.is_file() and marker.read_text() == edits_key()):
@@ -210,7 +379,9 @@ def _tree(edited: bool, progress: bool = True) -> tuple[Path, Path]:
         except LlamaEditError as exc:
             raise LlamaBuildError(str(exc)) from None
         marker.write_text(edits_key())
-    return source, root / f"build-{BUILD_KEY}-edited"
+    # The CPU build keeps the name it had; a GPU build's key ends in its backend's name.
+    key = BUILD_KEY if backend == CPU else f"{BUILD_KEY}-edited-{backend}"
+    return source, root / (f"build-{key}-edited" if backend == CPU else f"build-{key}")
 
 
 def _download_sdist(root: Path, progress: bool) -> Path:
@@ -240,7 +411,9 @@ def _extract(sdist: Path, source: Path) -> Path:
     return source
 
 
-def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, jobs: int | None, label: str) -> None:
+def _cmake_build(
+    source: Path, build: Path, targets: list[str], progress: bool, jobs: int | None, label: str, backend: str = CPU
+) -> None:
     log_path = build.parent / f"{build.name}.log"
     build.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 1
@@ -256,6 +429,8 @@ def _cmake_build(source: Path, build: Path, targets: list[str], progress: bool, 
             f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}",
             f"-DCMAKE_CXX_COMPILER={compiler}",
             *CMAKE_OPTIONS,
+            *BACKEND_OPTIONS[backend],
+            *_vulkan_sdk_options(backend),
         ]
         print(f"configuring llama.cpp (log: {log_path}) ...", file=sys.stderr)
         if subprocess.run(configure, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
@@ -299,7 +474,7 @@ def _compiler() -> str:
     return path
 
 
-def _link_shim(source: Path, build: Path, output: Path) -> None:
+def _link_shim(source: Path, build: Path, output: Path, backend: str = CPU) -> None:
     """Compile the shim against llama.cpp's headers and link it with the static
     libraries, exporting nothing but the shim's own functions."""
     ext = shim_source_dir()
@@ -324,10 +499,12 @@ def _link_shim(source: Path, build: Path, output: Path) -> None:
         "-Werror=incompatible-pointer-types",
         "-o",
         str(output),
-        *(str(build / lib) for lib in STATIC_LIBRARIES),
+        *(str(build / lib) for lib in STATIC_LIBRARIES[:-1] + BACKEND_LIBRARIES[backend] + STATIC_LIBRARIES[-1:]),
         "-Wl,--exclude-libs,ALL",
         f"-Wl,--version-script={version_script}",
         "-Wl,--no-undefined",
+        *_cuda_library_dirs(backend),
+        *BACKEND_LINK[backend],
         "-lpthread",
         "-lm",
         "-ldl",
@@ -341,12 +518,42 @@ def _link_shim(source: Path, build: Path, output: Path) -> None:
         raise LlamaBuildError(f"linking the llama.cpp shim failed:\n{result.stdout[-3000:]}")
 
 
+def _vulkan_sdk_options(backend: str) -> list[str]:
+    """Vulkan's headers from $VULKAN_SDK (LunarG's SDK, or a newer distribution's headers unpacked)
+    ahead of the system's, which may be too old (VULKAN_MIN_HEADERS): SPIR-V's headers beside them."""
+    sdk = os.environ.get("VULKAN_SDK")
+    if backend != VULKAN or not sdk:
+        return []
+    return [f"-DVulkan_INCLUDE_DIR={sdk}/include", f"-DCMAKE_PREFIX_PATH={sdk}"]
+
+
+def _cuda_library_dirs(backend: str) -> list[str]:
+    """Where the CUDA runtime's libraries are, beside nvcc (``-L``, and a run path, so the engine finds
+    them without LD_LIBRARY_PATH), and the driver's stubs where the link runs without a driver."""
+    if backend != CUDA or (nvcc := shutil.which("nvcc")) is None:
+        return []
+    root = Path(nvcc).resolve().parents[1]
+    dirs = [d for d in (root / "lib64", root / "lib", root / "lib64" / "stubs") if d.is_dir()]
+    return [f"-L{d}" for d in dirs] + [f"-Wl,-rpath,{d}" for d in dirs if d.name != "stubs"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stopline.engine.llama_build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    parser.add_argument(
+        "--gpu",
+        choices=[*BACKENDS, "auto"],
+        default=None,
+        help="the backend to build (default: STOPLINE_GPU, else auto: a GPU backend where its compiler and a "
+        "device are present, else the CPU)",
+    )
     args = parser.parse_args(argv)
     try:
-        print(ensure_llama_library(jobs=args.jobs))
+        machine = probe_machine({**os.environ, **({"STOPLINE_GPU": args.gpu} if args.gpu else {})})
+        backend = choose_backend(machine)
+        if cached_library(backend=backend.name).is_file():  # else the build says it
+            print(f"llama.cpp backend: {backend.name} ({backend.why})", file=sys.stderr)
+        print(ensure_llama_library(jobs=args.jobs, backend=backend))
     except LlamaBuildError as exc:
         print(f"stopline: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""Stopline's edits to llama.cpp's CPU backend: a stop inside a graph node.
+"""Stopline's edits to llama.cpp's CPU backend, a stop inside a graph node, and to ggml's
+scheduler, a stop between the pieces of a GPU's evaluation.
 
 llama.cpp checks its abort callback between graph nodes only, so a stop waits
 for the node under way, and a node grows with the model, the batch and the
@@ -10,6 +11,13 @@ more once it says stop. The node then ends part-way, its output garbage that
 nobody reads: the callback stays true (Stopline's stop conditions are sticky),
 so the graph aborts at the node's end, ``llama_decode`` returns 2, and the loop
 cuts each sequence's cache back to its record, as after any abort.
+
+On a GPU, no abort callback is asked: ggml asks it on the CPU backend only. What ggml's
+scheduler offers instead is its eval callback (``cb_eval``): where one is set, each split of
+the graph is computed as a series of pieces, with a synchronize and a question to the callback
+after each. The shim sets one where a model has layers on a GPU, and it answers false once the
+stop is requested; unedited, that ends the split under way only, and the next split still
+runs. The last edit makes it end the evaluation, which then returns 2 as after an abort.
 
 Each edit replaces an anchor, text that must occur in the hash-verified source
 exactly as often as the edit says, with the anchor and a line or two of our
@@ -225,6 +233,15 @@ int ggml_threadpool_chunk_add(struct ggml_threadpool * tp, int value) {{
         "for (int64_t job = start; job < end; ++job) {\n",
         f"(job - start) % {SMALL_PIECES_PER_CHECK} == 0",
         count=14,
+    ),
+    # The scheduler's eval callback answering false (the stop, asked between the pieces of a GPU's
+    # split) ends the evaluation, not only the split under way: llama_decode returns 2 for it.
+    Edit(
+        "ggml/src/ggml-backend.cpp",
+        "                if (need && !sched->callback_eval(t, false, sched->callback_eval_user_data)) {\n"
+        "                    break;\n",
+        "                if (need && !sched->callback_eval(t, false, sched->callback_eval_user_data)) {\n"
+        "                    return GGML_STATUS_ABORTED;  // Stopline: the evaluation, not only this split\n",
     ),
 )
 

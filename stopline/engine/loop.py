@@ -37,7 +37,7 @@ from stopline import _core
 from ..protocol.errors import SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
 from ..protocol.vocabulary import AbortMode, Batching, EngineName
-from ..settings import DEFAULT_CONTEXT_LENGTH, Settings, physical_memory
+from ..settings import DEFAULT_CONTEXT_LENGTH, GPU_LAYERS_ALL, Settings, physical_memory
 from . import conversion
 from . import model as embedded
 from .cores import usable_cores
@@ -113,6 +113,9 @@ class Engine:
     tokenizer: ChatTokenizer | NativeTokenizer | LlamaTokenizer
     # Saved KV states across requests (llama.cpp only; stopline/engine/prompt_cache.py); None: off.
     prompt_cache: PromptCache | None = None
+    # The GPU device the model's layers were offloaded to ("Vulkan0 (...)"), and how many; None, 0: the CPU.
+    gpu_device: str | None = None
+    gpu_layers: int = 0
 
     @classmethod
     def load(
@@ -128,13 +131,15 @@ class Engine:
         progress: bool = True,
         llama_library: str | os.PathLike | None = None,
         sequences: int = Settings.workers,
+        gpu_layers: int | None = Settings.gpu_layers,
     ) -> Engine:
         """Load ``model_path`` (default: the embedded SmolLM2 model, fetched once) on ``engine``.
 
         ``context_length`` is each slot's; by default, on llama.cpp, the model's trained
         context, as far as ``sequences`` slots of it fit the KV cache's share of memory
         (``sized_context``), and on ctransformers DEFAULT_CONTEXT_LENGTH. ``prefill_chunk``
-        defaults to the size that suits the abort mode in force."""
+        defaults to the size that suits the abort mode in force. ``gpu_layers`` are offloaded
+        (llama.cpp only; GPU_LAYERS_ALL: every one; None: every one where there is a device)."""
         if context_length is not None and context_length < 1:
             raise ValueError("context_length must be positive")
         threads = threads or usable_cores()
@@ -143,8 +148,18 @@ class Engine:
             if model_type is not None:
                 raise ValueError("--model-type names a GGML file's type, which only the ctransformers engine loads")
             return LlamaEngine.from_file(
-                model_path, context_length, threads, prefill_chunk, abort_mode, progress, llama_library, sequences
+                model_path,
+                context_length,
+                threads,
+                prefill_chunk,
+                abort_mode,
+                progress,
+                llama_library,
+                sequences,
+                gpu_layers,
             )
+        if gpu_layers:
+            _gpu_unavailable(gpu_layers, "the ctransformers engine computes on the CPU only")
         return CtransformersEngine.from_file(
             model_path,
             model_type,
@@ -227,6 +242,15 @@ class Engine:
 
 def _logprob_entry(piece: bytes, logprob: float) -> dict:
     return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+
+def _gpu_unavailable(asked: int, detail: str) -> None:
+    """Layers asked for with nowhere to offload them: the model runs on the CPU, as llama-server's does."""
+    log.warning(
+        "gpu_unavailable",
+        gpu_layers="all" if asked == GPU_LAYERS_ALL else asked,
+        detail=detail + "; the model runs on the CPU",
+    )
 
 
 def _step_abort_unavailable(detail: str, cause: object) -> None:
@@ -444,6 +468,7 @@ class LlamaEngine(Engine):
         progress: bool,
         library: str | os.PathLike | None = None,
         sequences: int = Settings.workers,
+        gpu_layers: int | None = Settings.gpu_layers,
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
         library is ``library``, else the one an installed wheel carries, else the one built on
@@ -462,8 +487,15 @@ class LlamaEngine(Engine):
             raise  # a usage error: one line, naming what to install or run instead
         except LlamaBuildError as exc:
             raise EngineError(str(exc)) from None
+        device = _core.llama_gpu_device()
+        if gpu_layers and device is None:
+            _gpu_unavailable(
+                gpu_layers,
+                "this llama.cpp build has no GPU backend, or its backend finds no device "
+                "(STOPLINE_GPU=vulkan or cuda builds one: docs/configuration.md)",
+            )
         try:
-            model = _core.LlamaModel(str(path))
+            model = _core.LlamaModel(str(path), GPU_LAYERS_ALL if gpu_layers is None else gpu_layers)
         except ModelLoadError as exc:
             # llama.cpp checked the file and said why it cannot run it: a usage error, in one line.
             raise ModelFileError(path, f"llama.cpp cannot load it ({exc})", engine=EngineName.LLAMA_CPP) from None
@@ -477,7 +509,10 @@ class LlamaEngine(Engine):
                 "back to an earlier token, which stopping mid-prompt and reusing a prompt need",
                 engine=EngineName.LLAMA_CPP,
             )
-        return cls(model, path, name, context_length, threads, prefill_chunk, abort_mode, sequences)
+        engine = cls(model, path, name, context_length, threads, prefill_chunk, abort_mode, sequences)
+        if model.gpu_layers:
+            engine.gpu_device, engine.gpu_layers = device, model.gpu_layers
+        return engine
 
     def _prompt_cache_key(self, slot: _core.Slot) -> str:
         assert isinstance(slot, _core.LlamaSequence)
