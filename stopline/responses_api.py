@@ -24,7 +24,7 @@ from .protocol.errors import InvalidField, ProtocolError, ResponseNotFound, Unkn
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.validation import parse_json_object
 from .registry import Entry
-from .structured.tool_calls import CallReader, CallStarted, Prose, ToolChoice
+from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 
 if TYPE_CHECKING:
     from .http_api import HttpApi
@@ -55,6 +55,15 @@ class ResponsesReply(HttpReply):
         self.ending: Terminal | None = None
         self.error: dict | None = None
         self.sequence_number = 0
+        # A stream with tools reads the answer as it comes (chat completions' reader), so that its
+        # prose streams as a message item and each call as a function_call item.
+        self.reader: CallReader | None = None
+        # The output items streamed so far; the message item's index while it is open, and its text.
+        self.outputs = 0
+        self.message_at: int | None = None
+        self.message_texts: list[str] = []
+        # The calls streamed: name, arguments so far, output index, whether their item is done.
+        self.streamed_calls: list[list] = []
         # Set once the request was accepted or refused: a background response is answered then.
         self.started = asyncio.Event()
 
@@ -142,9 +151,12 @@ class ResponsesReply(HttpReply):
     def call_id(self, index: int) -> str:
         return f"call_{self.id.removeprefix(PREFIX)}_{index}"
 
+    def _call_item_id(self, index: int) -> str:
+        return f"fc_{self.id.removeprefix(PREFIX)}_{index}"
+
     def _call(self, index: int, name: str, arguments: str, status: str) -> dict:
         return {
-            "id": f"fc_{self.id.removeprefix(PREFIX)}_{index}",
+            "id": self._call_item_id(index),
             "type": "function_call",
             "call_id": self.call_id(index),
             "name": name,
@@ -182,21 +194,86 @@ class ResponsesReply(HttpReply):
                 await self._event("response.created", {"response": self.body()})
                 self.queued = False
                 await self._event("response.in_progress", {"response": self.body()})
-                await self._event(
-                    "response.output_item.added", {"output_index": 0, "item": self._item("in_progress", False)}
-                )
-                await self._event("response.content_part.added", {**self._at(), "part": self._part("")})
+                if self.asked.calls is None:
+                    await self._open_message()
+                else:
+                    # Whether the answer opens with prose or a call is known only once the model writes it.
+                    self.reader = CallReader(prose=self.asked.calls is ToolChoice.AUTO)
             self.started.set()
         elif isinstance(frame, Token):
             self.queued = False
             self.texts.append(frame.text)
-            if self.asked.stream:
-                await self._event("response.output_text.delta", {**self._at(), "delta": frame.text, "logprobs": []})
+            if not self.asked.stream:
+                return
+            if self.reader is None:
+                await self._text_delta(frame.text)
+            else:
+                await self._stream_calls(self.reader.feed(frame.text))
         elif isinstance(frame, Terminal):
             await self._end(frame)
 
     def _at(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
+
+    async def _open_message(self) -> None:
+        self.message_at = self.outputs
+        self.outputs += 1
+        await self._event(
+            "response.output_item.added", {"output_index": self.message_at, "item": self._item("in_progress", False)}
+        )
+        await self._event("response.content_part.added", {**self._at(), "part": self._part("")})
+
+    async def _text_delta(self, text: str) -> None:
+        if self.message_at is None:
+            await self._open_message()
+        self.message_texts.append(text)
+        await self._event("response.output_text.delta", {**self._at(), "delta": text, "logprobs": []})
+
+    async def _close_message(self, status: str) -> None:
+        text = "".join(self.message_texts)
+        await self._event("response.output_text.done", {**self._at(), "text": text, "logprobs": []})
+        await self._event("response.content_part.done", {**self._at(), "part": self._part(text)})
+        item = self._item(status, text=text)
+        await self._event("response.output_item.done", {"output_index": self.message_at, "item": item})
+        self.message_at = None
+
+    async def _stream_calls(self, events: list[Event]) -> None:
+        """Stream what the reader found as OpenAI does: prose as the message item's text, each call
+        as a function_call item whose arguments arrive in pieces; a call's item is done once its
+        closing marker is read."""
+        assert self.reader is not None
+        for event in events:
+            if isinstance(event, Prose):
+                await self._text_delta(event.text)
+            elif isinstance(event, CallStarted):
+                if self.message_at is not None:
+                    # The prose before a call is whole once the call starts.
+                    await self._close_message("completed")
+                self.streamed_calls.append([event.name, "", self.outputs, False])
+                item = self._call(event.index, event.name, "", "in_progress")
+                await self._event("response.output_item.added", {"output_index": self.outputs, "item": item})
+                self.outputs += 1
+            else:
+                call = self.streamed_calls[event.index]
+                call[1] += event.text
+                await self._event(
+                    "response.function_call_arguments.delta",
+                    {"item_id": self._call_item_id(event.index), "output_index": call[2], "delta": event.text},
+                )
+        for index in range(self.reader.closed):
+            if not self.streamed_calls[index][3]:
+                await self._close_call(index, "completed")
+
+    async def _close_call(self, index: int, status: str) -> None:
+        name, arguments, at, _ = self.streamed_calls[index]
+        self.streamed_calls[index][3] = True
+        await self._event(
+            "response.function_call_arguments.done",
+            {"item_id": self._call_item_id(index), "output_index": at, "name": name, "arguments": arguments},
+        )
+        await self._event(
+            "response.output_item.done", {"output_index": at, "item": self._call(index, name, arguments, status)}
+        )
 
     async def _end(self, frame: Terminal) -> None:
         self.ending = frame
@@ -204,10 +281,17 @@ class ResponsesReply(HttpReply):
         if not self.asked.stream:
             self.response = web.json_response(body, headers={**_NO_STORE, **self.headers})
             return
-        text = "".join(self.texts)
-        await self._event("response.output_text.done", {**self._at(), "text": text, "logprobs": []})
-        await self._event("response.content_part.done", {**self._at(), "part": self._part(text)})
-        await self._event("response.output_item.done", {"output_index": 0, "item": self._item(self._item_status())})
+        status = self._item_status()
+        if self.reader is not None:
+            await self._stream_calls(self.reader.finish())
+            if self.outputs == 0:
+                # Neither prose nor a call: one empty message, as the Response's output has.
+                await self._open_message()
+            for index, call in enumerate(self.streamed_calls):
+                if not call[3]:
+                    await self._close_call(index, status)
+        if self.message_at is not None:
+            await self._close_message(status)
         # The last event also carries Stopline's terminal frame: how it ended and what stopping cost.
         # A cancelled response ends as incomplete, its status cancelled (Responses has no cancelled event).
         final = _FINAL_EVENT.get(self.status, "response.incomplete")

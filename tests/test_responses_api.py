@@ -357,7 +357,77 @@ async def test_a_function_call_and_its_output_go_round_as_on_chat_completions(ll
             temperature=0,
             max_output_tokens=24,
         )
-        with pytest.raises(openai.BadRequestError) as refused:
-            await client.responses.create(model=server.engine.name, input=QUESTION, tools=[WEATHER], stream=True)
-    assert refused.value.body["param"] == "stream"
     assert continued.output and continued.usage.input_tokens > called.usage.input_tokens
+
+
+def streamed_items(events) -> list[dict]:
+    """The output items a Responses stream built, checked against its events' order: each item
+    added, then its pieces, then done, at its own output index; the pieces add up to the whole."""
+    items: dict[int, dict] = {}
+    done: set[int] = set()
+    for event in events:
+        at = getattr(event, "output_index", None)
+        if event.type == "response.output_item.added":
+            assert at == len(items)
+            assert all(index in done for index in items), "an item opened before the one before it was done"
+            items[at] = {"item": event.item, "text": "", "arguments": ""}
+        elif event.type == "response.output_text.delta":
+            assert at in items and at not in done and items[at]["item"].type == "message"
+            items[at]["text"] += event.delta
+        elif event.type == "response.function_call_arguments.delta":
+            assert at in items and at not in done and event.item_id == items[at]["item"].id
+            items[at]["arguments"] += event.delta
+        elif event.type == "response.function_call_arguments.done":
+            assert event.arguments == items[at]["arguments"] and event.name == items[at]["item"].name
+        elif event.type == "response.output_item.done":
+            assert at in items and at not in done
+            done.add(at)
+            item = event.item
+            if item.type == "function_call":
+                assert item.arguments == items[at]["arguments"] and item.id == items[at]["item"].id
+            else:
+                assert item.content[0].text == items[at]["text"]
+            items[at]["item"] = item
+    assert done == set(items)
+    return [items[index]["item"].model_dump() for index in sorted(items)]
+
+
+def comparable(item):
+    """An output item without what names its response (ids), nor what the stream helper adds."""
+    if isinstance(item, list):
+        return [comparable(part) for part in item]
+    if not isinstance(item, dict):
+        return item
+    dropped = ("id", "call_id", "parsed_arguments", "parsed")
+    return {key: comparable(value) for key, value in item.items() if key not in dropped}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+async def test_a_streamed_function_call_arrives_in_pieces_and_ends_as_the_whole_one(llama_engine, choice):
+    asked = dict(input=QUESTION, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, temperature=0)
+    async with running_server(llama_engine) as server, openai_client(server, GRAMMAR_TIMEOUT) as client:
+        asked["model"] = server.engine.name
+        whole = await client.responses.create(**asked)
+        async with client.responses.stream(**asked) as stream:
+            events = [event async for event in stream]
+            final = await stream.get_final_response()
+    names = [event.type for event in events]
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+    numbers = [event.sequence_number for event in events]
+    assert numbers == sorted(set(numbers))
+    items = streamed_items(events)
+    expected = [comparable(item.model_dump()) for item in whole.output]
+    assert [comparable(item) for item in items] == expected
+    assert [comparable(item.model_dump()) for item in final.output] == expected
+    if choice == "required":
+        [call] = final.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
+        # The arguments came in pieces, between the item's added and done events.
+        assert names[2] == "response.output_item.added" and names[-3:-1] == [
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+        ]
+        assert names.count("response.function_call_arguments.delta") > 1
+        assert "response.output_text.delta" not in names
+    assert final.usage.output_tokens == whole.usage.output_tokens

@@ -171,8 +171,6 @@ def responses_request(
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidField("parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if call is not None:
-        if body.get("stream") is True:
-            raise UnsupportedParameter("stream with tools is not supported yet: ask without stream", param="stream")
         chosen, kind = call
         frame.update(tools=chosen, tool_choice=str(kind), parallel_tool_calls=parallel is not False)
         shown = call_instructions([t["function"] for t in chosen], kind, parallel is not False)
