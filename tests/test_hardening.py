@@ -10,6 +10,7 @@ import logging
 import random
 import signal
 import socket
+import subprocess
 import time
 
 import psutil
@@ -444,13 +445,21 @@ async def test_a_port_in_use_fails_at_once():
 
 
 async def test_ctrl_c_while_loading_exits_cleanly():
-    with ServerProcess("--port", "0") as process:
+    # With the fault handler on, a SIGABRT makes a process that did not exit write every thread's stack.
+    with ServerProcess("--port", "0", env={"PYTHONFAULTHANDLER": "1"}) as process:
         # The port is taken before the model loads: wait until it listens, then interrupt.
         def listening():
             return any(c.status == psutil.CONN_LISTEN for c in psutil.Process(process.pid).net_connections())
 
         await wait_for(listening, timeout=30)
-        assert await process.stopped(signal.SIGINT, 30 * UNIT) == 128 + signal.SIGINT
+        process.send_signal(signal.SIGINT)
+        try:
+            code = await process.ended(30 * UNIT)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            await process.ended(30)
+            pytest.fail(f"still running 30 s after SIGINT; its threads:\n{process.stderr}")
+        assert code == 128 + signal.SIGINT, process.stdout
     assert process.stderr == ""
     [line] = process.stdout.splitlines()
     assert json.loads(line)["event"] == "startup_interrupted"
