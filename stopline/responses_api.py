@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -34,6 +35,16 @@ PREFIX = "resp_"
 REMEMBERED = 1024
 # The final event of a stream, by the Response's status.
 _FINAL_EVENT = {"completed": "response.completed", "failed": "response.failed"}
+
+
+@dataclass
+class StreamedCall:
+    """A function call as its events go out: its arguments so far, and whether its item is done."""
+
+    name: str
+    output_index: int
+    arguments: str = ""
+    done: bool = False
 
 
 class ResponsesReply(HttpReply):
@@ -62,8 +73,7 @@ class ResponsesReply(HttpReply):
         self.outputs = 0
         self.message_at: int | None = None
         self.message_texts: list[str] = []
-        # The calls streamed: name, arguments so far, output index, whether their item is done.
-        self.streamed_calls: list[list] = []
+        self.streamed_calls: list[StreamedCall] = []
         # Set once the request was accepted or refused: a background response is answered then.
         self.started = asyncio.Event()
 
@@ -249,31 +259,39 @@ class ResponsesReply(HttpReply):
                 if self.message_at is not None:
                     # The prose before a call is whole once the call starts.
                     await self._close_message("completed")
-                self.streamed_calls.append([event.name, "", self.outputs, False])
+                self.streamed_calls.append(StreamedCall(event.name, self.outputs))
                 item = self._call(event.index, event.name, "", "in_progress")
                 await self._event("response.output_item.added", {"output_index": self.outputs, "item": item})
                 self.outputs += 1
             else:
                 call = self.streamed_calls[event.index]
-                call[1] += event.text
+                call.arguments += event.text
                 await self._event(
                     "response.function_call_arguments.delta",
-                    {"item_id": self._call_item_id(event.index), "output_index": call[2], "delta": event.text},
+                    {
+                        "item_id": self._call_item_id(event.index),
+                        "output_index": call.output_index,
+                        "delta": event.text,
+                    },
                 )
         for index in range(self.reader.closed):
-            if not self.streamed_calls[index][3]:
+            if not self.streamed_calls[index].done:
                 await self._close_call(index, "completed")
 
     async def _close_call(self, index: int, status: str) -> None:
-        name, arguments, at, _ = self.streamed_calls[index]
-        self.streamed_calls[index][3] = True
+        call = self.streamed_calls[index]
+        call.done = True
         await self._event(
             "response.function_call_arguments.done",
-            {"item_id": self._call_item_id(index), "output_index": at, "name": name, "arguments": arguments},
+            {
+                "item_id": self._call_item_id(index),
+                "output_index": call.output_index,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
         )
-        await self._event(
-            "response.output_item.done", {"output_index": at, "item": self._call(index, name, arguments, status)}
-        )
+        item = self._call(index, call.name, call.arguments, status)
+        await self._event("response.output_item.done", {"output_index": call.output_index, "item": item})
 
     async def _end(self, frame: Terminal) -> None:
         self.ending = frame
@@ -288,7 +306,7 @@ class ResponsesReply(HttpReply):
                 # Neither prose nor a call: one empty message, as the Response's output has.
                 await self._open_message()
             for index, call in enumerate(self.streamed_calls):
-                if not call[3]:
+                if not call.done:
                     await self._close_call(index, status)
         if self.message_at is not None:
             await self._close_message(status)
