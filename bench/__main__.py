@@ -12,6 +12,8 @@
                                                           sent again, a restart: the prompt cache against cold
     python -m bench aiperf --build-llama-server [--concurrency 1,2,4,8,16]
                                                           NVIDIA's AIPerf against Stopline and llama-server
+    python -m bench embeddings --build-llama-server       all-MiniLM-L6-v2: Stopline's numpy against llama-server
+                                                          on the GGUF file converted from it
 
 ``python -m bench COMMAND --help`` says more; the microbenchmarks are ``python -m pytest bench/ --benchmark-only``.
 """
@@ -34,6 +36,7 @@ COMMANDS = {
     "serve": "bench.servers.serve:main",
     "aiperf": "bench.aiperf:main",
     "prompt-cache": "bench.prompt_cache:main",
+    "embeddings": "bench.embeddings:main",
 }
 
 

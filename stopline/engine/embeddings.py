@@ -18,9 +18,11 @@ import json
 import math
 import threading
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -126,52 +128,83 @@ class Embedded:
     token_counts: list[int]
 
 
+def sentence_tokenizer(tokenizer_json: str) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.enable_truncation(max_length=MAX_TOKENS)
+    tokenizer.no_padding()  # a batch is padded to its longest input, below
+    return tokenizer
+
+
+def gguf_named(weights: Mapping[str, np.ndarray], blocks: int) -> dict[str, np.ndarray]:
+    """The model's weights under the names a BERT GGUF file gives them (gguf's tensor-name map),
+    as float32, less the tensors mean pooling never reads: the pooler and the position ids."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, blocks)
+    named = {}
+    for name, value in weights.items():
+        if name == "embeddings.position_ids" or name.startswith("pooler."):
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no GGUF name for the tensor {name!r}")
+        named[target] = np.asarray(value, dtype=np.float32)
+    return named
+
+
 class SentenceEncoder:
-    """all-MiniLM-L6-v2's forward pass, mean pooling and normalization, in float32 numpy."""
+    """all-MiniLM-L6-v2's forward pass, mean pooling and normalization, in float32 numpy.
 
-    def __init__(self, files: zipfile.ZipFile):
-        from safetensors.numpy import load
+    The weights are named as in a BERT GGUF file, so that the same forward pass runs on the
+    safetensors (:meth:`from_model_zip`) and on the GGUF file written from them."""
 
-        config = json.loads(files.read("config.json"))
-        self.heads = int(config["num_attention_heads"])
-        self.hidden = int(config["hidden_size"])
-        self.eps = float(config["layer_norm_eps"])
-        self.tokenizer = Tokenizer.from_str(files.read("tokenizer.json").decode("utf-8"))
-        self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
-        self.tokenizer.no_padding()  # a batch is padded to its longest input, below
-        w = {name: np.asarray(value, dtype=np.float32) for name, value in load(files.read("model.safetensors")).items()}
+    def __init__(self, tokenizer: Tokenizer, tensors: Mapping[str, np.ndarray], heads: int, eps: float):
+        self.tokenizer = tokenizer
+        self.heads = heads
+        self.eps = eps
+        w = {name: np.asarray(value, dtype=np.float32) for name, value in tensors.items()}
 
         def norm(prefix: str) -> tuple[np.ndarray, np.ndarray]:
             return w[f"{prefix}.weight"], w[f"{prefix}.bias"]
 
-        self.word = w["embeddings.word_embeddings.weight"]
-        self.position = w["embeddings.position_embeddings.weight"]
-        self.token_type = w["embeddings.token_type_embeddings.weight"][0]
-        self.embedding_norm = norm("embeddings.LayerNorm")
+        self.word = w["token_embd.weight"]
+        self.hidden = self.word.shape[1]
+        self.position = w["position_embd.weight"]
+        self.token_type = w["token_types.weight"][0]
+        self.embedding_norm = norm("token_embd_norm")
         self.layers = []
-        for i in range(int(config["num_hidden_layers"])):
-            p = f"encoder.layer.{i}"
-            parts = [f"{p}.attention.self.{n}" for n in ("query", "key", "value")]
+        blocks = 1 + max(int(name.split(".")[1]) for name in w if name.startswith("blk."))
+        for i in range(blocks):
+            p = f"blk.{i}"
+            parts = [f"{p}.attn_{n}" for n in ("q", "k", "v")]
             self.layers.append(
                 _Layer(
                     qkv=np.ascontiguousarray(np.concatenate([w[f"{n}.weight"] for n in parts]).T),
                     qkv_bias=np.concatenate([w[f"{n}.bias"] for n in parts]),
-                    attention_out=np.ascontiguousarray(w[f"{p}.attention.output.dense.weight"].T),
-                    attention_out_bias=w[f"{p}.attention.output.dense.bias"],
-                    attention_norm=norm(f"{p}.attention.output.LayerNorm"),
-                    intermediate=np.ascontiguousarray(w[f"{p}.intermediate.dense.weight"].T),
-                    intermediate_bias=w[f"{p}.intermediate.dense.bias"],
-                    output=np.ascontiguousarray(w[f"{p}.output.dense.weight"].T),
-                    output_bias=w[f"{p}.output.dense.bias"],
-                    output_norm=norm(f"{p}.output.LayerNorm"),
+                    attention_out=np.ascontiguousarray(w[f"{p}.attn_output.weight"].T),
+                    attention_out_bias=w[f"{p}.attn_output.bias"],
+                    attention_norm=norm(f"{p}.attn_output_norm"),
+                    intermediate=np.ascontiguousarray(w[f"{p}.ffn_up.weight"].T),
+                    intermediate_bias=w[f"{p}.ffn_up.bias"],
+                    output=np.ascontiguousarray(w[f"{p}.ffn_down.weight"].T),
+                    output_bias=w[f"{p}.ffn_down.bias"],
+                    output_norm=norm(f"{p}.layer_output_norm"),
                 )
             )
         self.dimensions = self.hidden
 
     @classmethod
+    def from_model_zip(cls, files: zipfile.ZipFile) -> SentenceEncoder:
+        """The encoder on the model.zip's safetensors and tokenizer."""
+        from safetensors.numpy import load
+
+        config = json.loads(files.read("config.json"))
+        weights = gguf_named(load(files.read("model.safetensors")), int(config["num_hidden_layers"]))
+        tokenizer = sentence_tokenizer(files.read("tokenizer.json").decode("utf-8"))
+        return cls(tokenizer, weights, int(config["num_attention_heads"]), float(config["layer_norm_eps"]))
+
+    @classmethod
     def load(cls, progress: bool = False) -> SentenceEncoder:
         with zipfile.ZipFile(model_zip_path(progress)) as files:
-            return cls(files)
+            return cls.from_model_zip(files)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """The tokens each text takes (at most 256: longer texts are cut)."""
