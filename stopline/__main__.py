@@ -200,7 +200,7 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
     # once the signal handlers are in: a Ctrl-C during the import ends the start as one would
     # during the load.
     from .app import StoplineServer
-    from .engine.loop import Engine
+    from .engine.loop import Engine, file_memory_bytes
 
     # Without --threads, each generation takes the cores the others leave (Scheduler).
     # Each model by its own engine, with slots of its own; none named: the embedded model.
@@ -220,7 +220,16 @@ async def serve(settings: Settings, sock: socket.socket, http_sock: socket.socke
     # The first model loads now, and the server is ready once it has; each other when first asked
     # for (stopline/residency.py), under the name resolve_model gave it.
     first, *rest = settings.models or (None,)
-    others = [Loader(Path(model).stem, partial(load, model)) for model in rest]
+    others = [
+        Loader(
+            Path(model).stem,
+            partial(load, model),
+            file_memory_bytes(Path(model), settings.workers, settings.context_length)
+            if settings.memory_budget_bytes
+            else None,
+        )
+        for model in rest
+    ]
     loaded = _in_daemon_thread(loop, lambda: [load(first)])
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopped], return_when=asyncio.FIRST_COMPLETED)

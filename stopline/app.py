@@ -52,7 +52,7 @@ from .auth import (
 )
 from .edge import Edge, host_rules, peer_name
 from .embeddings_api import EmbeddingsApi
-from .engine.loop import Engine
+from .engine.loop import Engine, engine_memory_bytes
 from .engine.prompt_cache import PromptCache
 from .engine.tokenizer import load_chat_template
 from .http_api import HttpApi
@@ -65,7 +65,7 @@ from .protocol.requests import Limits
 from .protocol.vocabulary import ChatFormat, EngineName, ErrorCode, KeyEvent, ModelNames, Reason, Refusal
 from .quota import Quotas
 from .registry import Registry
-from .residency import LazyModel, Loader, Running
+from .residency import LazyModel, Loader, Residency, Running
 from .responses_api import ResponsesApi
 from .scheduler import Scheduler
 from .session import ClientSession, Services, WebSocketTransport
@@ -215,9 +215,17 @@ class StoplineServer:
             )
         # The models beyond the first given as Loaders: loaded when first asked for, unloaded once idle.
         self.lazy = [
-            LazyModel(served[0], each.load, self._start_model, self._stop_model, settings.keep_alive_s)
+            LazyModel(
+                served[0], each.load, self._start_model, self._stop_model, settings.keep_alive_s, each.memory_bytes
+            )
             for each, served in zip(lazy_others, lazy_names, strict=True)
         ]
+        # With a memory budget, a model loads once it fits beside those in memory (residency.py).
+        if settings.memory_budget_bytes:
+            fixed = sum(engine_memory_bytes(each, settings.workers) for each in engines)
+            residency = Residency(settings.memory_budget_bytes, fixed, self.lazy)
+            for model in self.lazy:
+                model.residency = residency
         self.http = HttpApi(
             self.services,
             settings,
@@ -277,7 +285,8 @@ class StoplineServer:
         chat_format = ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template)
         if chat_format is ChatFormat.PLAIN_TEXT:
             _warn_no_chat_template(name)
-        return Running(engine, scheduler, services, chat_format)
+        measured = engine_memory_bytes(engine, settings.workers) if settings.memory_budget_bytes else 0
+        return Running(engine, scheduler, services, chat_format, measured)
 
     async def _stop_model(self, running: Running) -> None:
         """Unload a lazily served model: its slots end (no generation runs on them), then the native model."""

@@ -33,6 +33,7 @@ from .edge import Edge, peer_name
 from .observability import log_end
 from .protocol.errors import (
     DuplicateId,
+    InsufficientMemory,
     InvalidCancelToken,
     InvalidField,
     ProtocolError,
@@ -73,6 +74,7 @@ _HTTP_STATUS = {
     ErrorCode.DUPLICATE_ID: HTTPStatus.CONFLICT,
     ErrorCode.QUOTA_EXCEEDED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.BUSY: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.INSUFFICIENT_MEMORY: HTTPStatus.SERVICE_UNAVAILABLE,
     ErrorCode.TOO_MANY_REQUESTS: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.RATE_LIMITED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.INTERNAL_ERROR: HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -829,9 +831,13 @@ class HttpApi:
         # Held from before its load to the end of the answer: the model is not unloaded under it.
         lazy.hold()
         try:
-            loaded = await self._wait_for_load(request, lazy, frames, reply)
+            try:
+                loaded = await self._wait_for_load(request, lazy, frames, reply)
+            except InsufficientMemory as exc:
+                await reply.send(ErrorFrame.refusing(exc))
+                loaded = None
             if loaded is None:
-                assert reply.response is not None  # answered: cancelled during the load
+                assert reply.response is not None  # answered: cancelled during the load, or refused
                 return reply.response
             return await self._generate_on(request, frames, reply, loaded)
         finally:

@@ -27,7 +27,7 @@ from .api.ollama import (
 from .embeddings_api import EmbeddingModelUnavailable, checked_texts
 from .engine.embeddings import DIMENSIONS
 from .http_api import _NO_STORE, HttpReply, _request_headers, http_status
-from .protocol.errors import InvalidField, ProtocolError
+from .protocol.errors import InsufficientMemory, InvalidField, ProtocolError
 from .protocol.frames import Accepted, Frame, Terminal, Token, as_error, encode_json
 from .protocol.validation import parse_json_object
 from .protocol.vocabulary import ErrorCode, Refusal
@@ -177,6 +177,8 @@ class OllamaApi:
                 lazy.hold()
                 try:
                     await lazy.ready()
+                except InsufficientMemory as exc:
+                    return ollama_error(exc.code, exc.message)
                 finally:
                     lazy.release()
             shown = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}

@@ -4,6 +4,11 @@ The first model is loaded at startup and stays loaded: it is what the WebSocket,
 names no model, and the server's readiness stand on. Every other model is a :class:`LazyModel`.
 A request for it holds it (:meth:`LazyModel.hold`) from before its load until its answer is done,
 so that a model is idle exactly when no request holds it; the keep_alive clock starts then.
+
+With a memory budget (--memory-budget), :class:`Residency` decides each load: a model loads once
+the models in memory and it fit the budget, idle models unloading to make room, the least recently
+used first. A held model is never unloaded for room; when the idle ones are not enough, the load
+is refused with :class:`InsufficientMemory`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .observability import log
+from .protocol.errors import InsufficientMemory
 from .protocol.requests import Limits
 from .protocol.vocabulary import ChatFormat
+from .settings import MIB
 
 if TYPE_CHECKING:
     from .engine.loop import Engine
@@ -31,6 +38,9 @@ class Loader:
 
     name: str
     load: Callable[[], Engine]
+    # What it takes in memory once loaded, estimated before its load (engine.loop.file_memory_bytes);
+    # None: unknown, counted as nothing until it has loaded.
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class Running:
     scheduler: Scheduler
     services: Services
     chat_format: ChatFormat
+    # What it takes in memory (engine.loop.engine_memory_bytes); 0: not measured.
+    memory_bytes: int = 0
 
 
 class LazyModel:
@@ -57,9 +69,18 @@ class LazyModel:
         start: Callable[[str, Engine], Running],
         stop: Callable[[Running], Awaitable[None]],
         keep_alive_s: float,
+        memory_bytes: int | None = None,
+        residency: Residency | None = None,
     ):
         self.name = name
         self._load = load
+        # What it takes in memory: estimated before its first load, measured (start's) once loaded.
+        self.memory_bytes = memory_bytes or 0
+        # Who decides whether it may load (a memory budget), if anyone does.
+        self.residency = residency
+        # When a request last held or released it (time.monotonic()): the least recently used
+        # idle model is the first to unload for room.
+        self.last_used = 0.0
         self._start = start
         self._stop = stop
         # Seconds it stays loaded once idle: 0, unloaded as soon as idle; negative, never.
@@ -83,6 +104,7 @@ class LazyModel:
     def hold(self) -> None:
         """A request wants this model: it stays loaded (or is not unloaded) until :meth:`release`."""
         self.holders += 1
+        self.last_used = time.monotonic()
         self.expires_at = None
         if self._timer is not None:
             self._timer.cancel()
@@ -91,6 +113,7 @@ class LazyModel:
     def release(self) -> None:
         """A request is done with this model; the last one out starts its keep_alive."""
         self.holders -= 1
+        self.last_used = time.monotonic()
         if self.holders == 0:
             self._idle()
 
@@ -103,6 +126,10 @@ class LazyModel:
                 await asyncio.shield(self._unloading)
                 continue
             if self._loading is None:
+                if self.residency is not None:
+                    # Room is made (idle models unloaded) or refused before the load starts.
+                    await self.residency.admit(self)
+                    continue
                 self._loading = asyncio.get_running_loop().create_task(self._load_now())
             await asyncio.shield(self._loading)
         return self.running.services
@@ -118,6 +145,7 @@ class LazyModel:
         finally:
             self._loading = None
         self.running = running
+        self.memory_bytes = running.memory_bytes or self.memory_bytes
         self.limits = running.services.limits
         self.chat_format = running.chat_format
         log.info(
@@ -163,6 +191,21 @@ class LazyModel:
             if self._unloading is asyncio.current_task():
                 self._unloading = None
 
+    def start_load(self) -> None:
+        """Start its load (the residency has made room for it)."""
+        if self._loading is None and self.running is None:
+            self._loading = asyncio.get_running_loop().create_task(self._load_now())
+
+    @property
+    def resident(self) -> bool:
+        """In memory, or on its way in or out of it."""
+        return self.running is not None or self._loading is not None or self._unloading is not None
+
+    async def unloaded(self) -> None:
+        """Wait for an unload under way, if one is."""
+        if self._unloading is not None:
+            await asyncio.shield(self._unloading)
+
     async def close(self) -> None:
         """The server is stopping: wait for a load under way, then unload."""
         if self._loading is not None:
@@ -173,3 +216,47 @@ class LazyModel:
         if self._unloading is not None:
             await asyncio.shield(self._unloading)
         await self.unload("shutdown")
+
+
+class Residency:
+    """Which models may be in memory together: those whose ``memory_bytes`` fit ``budget_bytes``,
+    beside ``fixed_bytes`` of models loaded for good (the first --model's)."""
+
+    def __init__(self, budget_bytes: int, fixed_bytes: int, models: list[LazyModel]):
+        self.budget_bytes = budget_bytes
+        self.fixed_bytes = fixed_bytes
+        self.models = models
+        # One decision at a time: two loads never count the same room.
+        self._deciding = asyncio.Lock()
+
+    def in_use(self, besides: LazyModel) -> int:
+        return self.fixed_bytes + sum(m.memory_bytes for m in self.models if m is not besides and m.resident)
+
+    async def admit(self, model: LazyModel) -> None:
+        """Start ``model``'s load once it fits: idle models unload for it, the least recently used
+        first. Raises InsufficientMemory when even then it does not fit."""
+        async with self._deciding:
+            if model.resident:
+                # Another request's admission started it meanwhile.
+                return
+            while self.in_use(model) + model.memory_bytes > self.budget_bytes:
+                leaving = [m for m in self.models if m is not model and m.resident and m.running is None]
+                if leaving:
+                    # Unloads under way free their room: wait for them before unloading another.
+                    await asyncio.gather(*(m.unloaded() for m in leaving))
+                    continue
+                idle = [m for m in self.models if m is not model and m.running is not None and m.holders == 0]
+                if not idle:
+                    raise InsufficientMemory(self._refusal(model))
+                await min(idle, key=lambda m: m.last_used).unload("memory_budget")
+            model.start_load()
+
+    def _refusal(self, model: LazyModel) -> str:
+        busy = [m.name for m in self.models if m is not model and m.resident]
+        held = f"; {', '.join(busy)} {'is' if len(busy) == 1 else 'are'} serving requests" if busy else ""
+        free = max(self.budget_bytes - self.in_use(model), 0)
+        return (
+            f"model {model.name!r} needs {model.memory_bytes / MIB:.0f} MiB and the memory budget "
+            f"(--memory-budget {self.budget_bytes / MIB:.0f}) has {free / MIB:.0f} MiB free{held}; "
+            "try again once they are done"
+        )

@@ -138,6 +138,9 @@ class Settings:
     # How long a model beyond the first stays loaded once idle (--keep-alive): seconds; 0: unloaded
     # as soon as it is idle; negative: never unloaded. Ollama's default, which its clients expect.
     keep_alive_s: float = 300.0
+    # MiB the models together may take in memory (--memory-budget): a model beyond the first loads
+    # once it fits, idle ones unloading for it, the least recently used first; None: no budget.
+    memory_budget_mib: int | None = None
     # How far (in tokens) a generation may run ahead of what was written to its socket.
     window: int = DEFAULT_WINDOW
     # Small transport and kernel send buffers: a stalled client's backlog stays
@@ -215,6 +218,11 @@ class Settings:
         if self.cache_ram_mib is None:
             return default_prompt_cache_bytes()
         return self.cache_ram_mib * MIB
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """The models' memory budget in bytes; 0: none."""
+        return (self.memory_budget_mib or 0) * MIB
 
     @property
     def prompt_cache_path(self) -> Path:
@@ -757,6 +765,16 @@ FLAGS = [
         "how long a model beyond the first --model stays loaded once idle: seconds, or a duration such as "
         "5m or 1h; 0: unloaded as soon as it is idle; -1 (any negative): never. The first model is "
         'always loaded; the others load on their first request (docs/http.md, "Loading and keep_alive")',
+    ),
+    Flag(
+        "--memory-budget",
+        "memory_budget_mib",
+        integer(1),
+        "MiB the models together may take in memory, each counted as its file and its slots' KV cache: a "
+        "model beyond the first --model loads once it fits, idle models unloading for it (least recently "
+        "used first); a model serving requests is never unloaded, and when the idle ones are not enough "
+        'the request gets 503 insufficient_memory (docs/http.md, "Loading and keep_alive")',
+        default_text="none, models unload only after their keep_alive",
     ),
     Flag(
         "--redis-url",

@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from stopline.__main__ import parse_args, settings_from
-from stopline.engine.loop import Engine
+from stopline.engine.loop import Engine, engine_memory_bytes, file_memory_bytes
 from stopline.engine.model import gemma_gguf_path
 from stopline.protocol.vocabulary import EngineName
 from stopline.residency import Loader
-from stopline.settings import keep_alive
+from stopline.settings import MIB, Settings, keep_alive
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
 
 NAMES = ("smol", "gemma")
@@ -187,6 +187,67 @@ async def test_a_client_that_leaves_during_the_load_ends_with_client_disconnecte
         # Nobody waits for the load any more: it ends with the model loaded, and idle.
         await wait_for(lambda: logs.records("model_loaded", model="gemma"), timeout=60)
         assert list(await ps(server)) == list(NAMES)
+
+
+async def test_a_memory_budget_unloads_the_least_recently_used_idle_model_and_never_a_busy_one(llama_engine, logs):
+    """Three Gemmas beside SmolLM2, and room for two: each load unloads the idle model used least
+    recently, never one that is generating; with none idle, the request is refused."""
+    workers = Settings.workers
+    gemma = file_memory_bytes(gemma_gguf_path(progress=False), workers, 2048)
+    # Its file and its slots' KV cache: more than the file alone.
+    assert gemma > gemma_gguf_path(progress=False).stat().st_size
+    fixed = engine_memory_bytes(llama_engine, workers)
+    budget_mib = -(-(fixed + 2 * gemma) // MIB)
+    assert (fixed + 3 * gemma) > budget_mib * MIB
+    names = ("smol", "a", "b", "c")
+    others = [Loader(f"gemma-{name}", GemmaLoader(), gemma) for name in names[1:]]
+    async with (
+        running_server(
+            llama_engine, others=others, served_model_names=names, keep_alive_s=-1, memory_budget_mib=budget_mib
+        ) as server,
+        openai_client(server) as client,
+    ):
+
+        def unloads() -> list[tuple[str, str]]:
+            return [(r["model"], r["why"]) for r in logs.records("model_unloaded")]
+
+        async def generating(model: str):
+            """A long answer on ``model``, running once its first token is read."""
+            stream = await client.chat.completions.create(
+                model=model, messages=LONG_ANSWER, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+            )
+            await anext(aiter(stream))
+            return stream
+
+        await greedy(client, "a")
+        await greedy(client, "b")
+        assert list(await ps(server)) == ["smol", "a", "b"] and unloads() == []
+        # Measured once loaded, a model takes what its file's estimate said.
+        assert [m.memory_bytes for m in server.lazy[:2]] == [gemma, gemma]
+        await greedy(client, "a")
+        # b was used least recently.
+        await greedy(client, "c")
+        assert unloads() == [("b", "memory_budget")]
+        assert sorted(await ps(server)) == ["a", "c", "smol"]
+
+        # a is generating; c, used since, is idle: c unloads for b, though a was used less recently.
+        on_a = await generating("a")
+        await greedy(client, "c")
+        await greedy(client, "b")
+        assert unloads() == [("b", "memory_budget"), ("c", "memory_budget")]
+        # Both loaded models are generating: no room for c, and nothing else is unloaded.
+        on_b = await generating("b")
+        with pytest.raises(openai.APIStatusError) as refused:
+            await greedy(client, "c")
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == "insufficient_memory" and "'c'" in refused.value.body["message"]
+        assert unloads() == [("b", "memory_budget"), ("c", "memory_budget")]
+        await on_a.close()
+        await on_b.close()
+        # Once a request is done with a, it may make room again.
+        await wait_for(lambda: server.lazy[0].holders == 0, timeout=10)
+        assert (await greedy(client, "c")).model == "c"
+        assert unloads()[-1] == ("a", "memory_budget")
 
 
 async def test_ollama_keep_alive_sets_the_models_from_that_request_on(llama_engine, logs):

@@ -24,6 +24,7 @@ import contextlib
 import importlib.metadata
 import os
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ from . import conversion
 from . import model as embedded
 from .cores import usable_cores
 from .errors import EngineError, ModelLoadError
-from .model_check import ModelFileError, check_model_file
+from .model_check import ModelFileError, check_model_file, read_gguf_metadata
 from .prompt_cache import PromptCache, model_key
 from .tokenizer import ChatTokenizer, LlamaTokenizer, NativeTokenizer, TextStream, TokenizerError, chat_template_of
 
@@ -548,7 +549,7 @@ class LlamaEngine(Engine):
         return list(context.sequences)
 
 
-def kv_bytes_per_token(model: _core.LlamaModel) -> int | None:
+def kv_bytes_per_token(model: _core.LlamaModel | _FileMetadata) -> int | None:
     """What one position of one sequence takes in the (f16) KV cache, from the file's
     shapes; None when the file does not say them."""
     arch = model.metadata("general.architecture")
@@ -566,6 +567,14 @@ def kv_bytes_per_token(model: _core.LlamaModel) -> int | None:
     return layers * kv_heads * (key + value) * 2
 
 
+def _fitted_context(model: _core.LlamaModel | _FileMetadata, sequences: int, memory: int) -> int:
+    trained = model.context_limit or DEFAULT_CONTEXT_LENGTH
+    per_token = kv_bytes_per_token(model)
+    budget = int(memory * KV_MEMORY_SHARE)
+    fits = budget // (per_token * sequences) // 256 * 256 if per_token else trained
+    return min(trained, max(fits, DEFAULT_CONTEXT_LENGTH))
+
+
 def sized_context(model: _core.LlamaModel, sequences: int, memory: int) -> int:
     """Each slot's context when none is asked for: the model's trained context, shortened
     (to a multiple of 256, and never under DEFAULT_CONTEXT_LENGTH) until ``sequences`` slots
@@ -573,8 +582,7 @@ def sized_context(model: _core.LlamaModel, sequences: int, memory: int) -> int:
     trained = model.context_limit or DEFAULT_CONTEXT_LENGTH
     per_token = kv_bytes_per_token(model)
     budget = int(memory * KV_MEMORY_SHARE)
-    fits = budget // (per_token * sequences) // 256 * 256 if per_token else trained
-    chosen = min(trained, max(fits, DEFAULT_CONTEXT_LENGTH))
+    chosen = _fitted_context(model, sequences, memory)
     log.info(
         "context_sized",
         context_length=chosen,
@@ -585,6 +593,47 @@ def sized_context(model: _core.LlamaModel, sequences: int, memory: int) -> int:
         why="the model's trained context" if chosen == trained else "what fits the KV cache's share of memory",
     )
     return chosen
+
+
+class _FileMetadata:
+    """A GGUF file's metadata read from its header alone, shaped as :class:`_core.LlamaModel`'s
+    (``metadata``, ``context_limit``), so that a model's size is known before it loads."""
+
+    def __init__(self, path: Path):
+        self._fields = read_gguf_metadata(path).fields
+
+    def metadata(self, key: str) -> str | None:
+        found = self._fields.get(key)
+        return None if found is None else str(found.contents())
+
+    @property
+    def context_limit(self) -> int:
+        limit = self.metadata(f"{self.metadata('general.architecture')}.context_length")
+        return int(limit) if limit is not None and limit.isdigit() else 0
+
+
+def file_memory_bytes(path: Path, sequences: int, context_length: int | None) -> int:
+    """What serving the model file ``path`` takes in memory, known before it loads: the file (its
+    weights) and the KV cache of ``sequences`` slots of ``context_length`` tokens, or of the context
+    :func:`sized_context` would choose. A file whose header says no shapes (a GGML file) counts its
+    size alone."""
+    size = path.stat().st_size
+    try:
+        header = _FileMetadata(path)
+    except (ValueError, struct.error):
+        return size
+    per_token = kv_bytes_per_token(header)
+    if not per_token:
+        return size
+    context = context_length or _fitted_context(header, sequences, physical_memory() or 0)
+    return size + per_token * sequences * context
+
+
+def engine_memory_bytes(engine: Engine, sequences: int) -> int:
+    """What a loaded engine takes in memory with ``sequences`` slots open: its file and their KV cache."""
+    size = engine.model_path.stat().st_size
+    per_token = kv_bytes_per_token(engine.model) if isinstance(engine, LlamaEngine) else None
+    return size + (per_token or 0) * sequences * engine.context_length
 
 
 def _with_file_template(engine: CtransformersEngine, fields: dict | None) -> CtransformersEngine:

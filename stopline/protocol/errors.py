@@ -151,6 +151,13 @@ class ModelNotFound(ProtocolError):
     code = ErrorCode.MODEL_NOT_FOUND
 
 
+class InsufficientMemory(ProtocolError):
+    """A model cannot load: the memory budget has no room for it, even with every idle model unloaded."""
+
+    code = ErrorCode.INSUFFICIENT_MEMORY
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+
+
 class ResponseNotFound(ProtocolError):
     """A Responses request continues a response (previous_response_id) this server does not keep."""
 

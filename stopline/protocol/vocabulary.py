@@ -135,6 +135,9 @@ class ErrorCode(StrEnum):
     # OpenAI endpoints only: a body field Stopline does not honour, a model it does not serve.
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MODEL_NOT_FOUND = "model_not_found"
+    # A model beyond the first cannot load: the memory budget (--memory-budget) has no room for it
+    # beside the models that are serving requests.
+    INSUFFICIENT_MEMORY = "insufficient_memory"
     # POST /v1/embeddings only: more inputs than one request may embed.
     TOO_MANY_INPUTS = "too_many_inputs"
     # Cross-replica GET/DELETE with --redis-url (docs/deploy.md)
