@@ -14,6 +14,7 @@
                                                           NVIDIA's AIPerf against Stopline and llama-server
     python -m bench embeddings --build-llama-server       all-MiniLM-L6-v2: Stopline's numpy against llama-server
                                                           on the GGUF file converted from it
+    python -m bench responses-cancel [--rounds 100]       the Responses API's cancel against DELETE, on one server
 
 ``python -m bench COMMAND --help`` says more; the microbenchmarks are ``python -m pytest bench/ --benchmark-only``.
 """
@@ -37,6 +38,7 @@ COMMANDS = {
     "aiperf": "bench.aiperf:main",
     "prompt-cache": "bench.prompt_cache:main",
     "embeddings": "bench.embeddings:main",
+    "responses-cancel": "bench.responses_cancel:main",
 }
 
 

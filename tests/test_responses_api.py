@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import jsonschema
 import openai
 import pytest
@@ -13,7 +14,17 @@ import pytest
 from stopline import responses_api
 from stopline.api.openai_fields import Treatment
 from stopline.api.responses import FIELDS
-from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+from support import (
+    CHAT_FRANCE,
+    LONG_ANSWER,
+    UNIT,
+    cancelled_records,
+    delete,
+    openai_client,
+    running_server,
+    sse_events,
+    wait_for,
+)
 from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, WEATHER_TOOL
 
 KEY = "responses-test-key-0123456789"
@@ -164,6 +175,46 @@ async def test_a_background_response_is_answered_at_once_and_cancelled_by_id(eng
         assert (await client.responses.retrieve(running.id)).status == "cancelled"
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve("resp_00000000-0000-0000-0000-000000000000")
+
+
+async def test_a_response_cancel_and_a_delete_end_alike(server, logs):
+    """The Responses cancel is DELETE by another route: one stop, with the same end record and
+    the same terminal frame, figures included."""
+    api = server.http.base_url
+    async with aiohttp.ClientSession() as http:
+        asked = {"model": server.engine.name, "input": LONG_ANSWER, "max_output_tokens": 500, "background": True}
+        async with http.post(f"{api}/responses", json=asked) as response:
+            response_id = (await response.json())["id"]
+            auth = {"Authorization": f"Bearer {response.headers['X-Cancel-Token']}"}
+
+        async def decoding():
+            async with http.get(f"{api}/responses/{response_id}", headers=auth) as response:
+                return (await response.json())["output"]
+
+        await wait_for(decoding, timeout=60)
+        async with http.post(f"{api}/responses/{response_id}/cancel", headers=auth) as response:
+            cancelled = await response.json()
+        async with http.post(f"{api}/generations", json={"messages": LONG_ANSWER, "max_tokens": 500}) as response:
+            events = sse_events(response)
+            event, accepted = await anext(events)
+            assert event == "accepted"
+            while (await anext(events))[0] != "token":
+                pass
+            assert await delete(http, server, accepted["request_id"], accepted["cancel_token"]) == (
+                200,
+                {"request_id": accepted["request_id"], "status": "cancelled"},
+            )
+            terminal = [data async for _, data in events][-1]
+    by_cancel = cancelled["stopline"]
+    assert cancelled["status"] == "cancelled" and by_cancel["type"] == terminal["type"] == "cancelled"
+    assert by_cancel["reason"] == terminal["reason"] == "user_cancelled"
+    assert by_cancel.keys() == terminal.keys()
+    [responses_end] = await cancelled_records(logs, response_id.removeprefix("resp_"))
+    [delete_end] = await cancelled_records(logs, accepted["request_id"])
+    assert responses_end.keys() == delete_end.keys()
+    for end, frame in ((responses_end, by_cancel), (delete_end, terminal)):
+        assert end["cancel_latency_ms"] == frame["cancel_latency_ms"] is not None
+        assert end["tokens_after_cancel"] == frame["tokens_after_cancel"] <= 1
 
 
 async def _settled(client, response_id: str):
