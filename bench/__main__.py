@@ -5,6 +5,8 @@
     python -m bench render [--out DIR] [--results-md]     the tables, chart and RESULTS.md section again
     python -m bench one-user | auth-flood                 a measurement against a Stopline of its own
     python -m bench faults churn | kill                   memory under keep-alive churn; a replica killed
+    python -m bench priority [--rounds 3]                 TTFT of users beyond the workers, and of a request
+                                                          of higher priority among long generations
     python -m bench native | llama-native | structured    the engines' loops in-process
     python -m bench random-llama [--layers N]             the Llama-3.2-1B-shaped model file
     python -m bench serve --engine NAME ...               one server, as ``run`` starts them
@@ -30,6 +32,7 @@ COMMANDS = {
     "one-user": "bench.tools.one_user:main",
     "auth-flood": "bench.tools.auth_flood:main",
     "faults": "bench.tools.faults:main",
+    "priority": "bench.tools.priority:main",
     "native": "bench.inprocess.native:main",
     "llama-native": "bench.inprocess.llama_native:main",
     "structured": "bench.inprocess.structured_output:main",
