@@ -495,7 +495,10 @@ class StoplineServer:
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         transport = WebSocketTransport(websocket)
-        session = ClientSession(self.services, transport, transport.address, key=websocket.api_key)
+        # Each generate frame runs on the model it names, the first when it names none.
+        session = ClientSession(
+            self.services, transport, transport.address, key=websocket.api_key, catalog=self.http.catalog
+        )
         self.sessions.add(session)
         self.metrics.connections.inc()
         try:
