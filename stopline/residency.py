@@ -1,9 +1,10 @@
 """A model beyond the first --model: loaded on its first request, unloaded once idle for its keep_alive.
 
-The first model is loaded at startup and stays loaded: it is what the WebSocket, a request that
-names no model, and the server's readiness stand on. Every other model is a :class:`LazyModel`.
-A request for it holds it (:meth:`LazyModel.hold`) from before its load until its answer is done,
-so that a model is idle exactly when no request holds it; the keep_alive clock starts then.
+The first model is loaded at startup and stays loaded: it is what a request that names no model
+(an API body, a WebSocket generate frame) and the server's readiness stand on. Every other model
+is a :class:`LazyModel`. A request for it holds it (:meth:`LazyModel.hold`) from before its load
+until its answer is done, so that a model is idle exactly when no request holds it; the keep_alive
+clock starts then.
 
 With a memory budget (--memory-budget), :class:`Residency` decides each load: a model loads once
 the models in memory and it fit the budget, idle models unloading to make room, the least recently
