@@ -101,8 +101,8 @@ class ServedModel:
 
 class StoplineServer:
     """The server, over ``engine`` and the ``others`` (several --model), each model with its own
-    slots. ``engine`` is the first model: the one a request that names none, and every WebSocket
-    generation, runs on."""
+    slots. ``engine`` is the first model: the one a request (an API body, a WebSocket generate
+    frame) that names none runs on."""
 
     def __init__(self, engine: Engine, settings: Settings, others: Sequence[Engine | Loader] = ()):
         self.engine = engine
@@ -495,7 +495,10 @@ class StoplineServer:
                 await websocket.close(CLOSE_UNAUTHORIZED, str(Refusal.UNAUTHORIZED))
             return
         transport = WebSocketTransport(websocket)
-        session = ClientSession(self.services, transport, transport.address, key=websocket.api_key)
+        # Each generate frame runs on the model it names, the first when it names none.
+        session = ClientSession(
+            self.services, transport, transport.address, key=websocket.api_key, catalog=self.http.catalog
+        )
         self.sessions.add(session)
         self.metrics.connections.inc()
         try:

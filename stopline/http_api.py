@@ -31,6 +31,7 @@ from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
 from .observability import log_end
+from .protocol.connection import ending_before_start
 from .protocol.errors import (
     DuplicateId,
     InsufficientMemory,
@@ -54,9 +55,16 @@ from .protocol.frames import (
     ends_request,
 )
 from .protocol.requests import Ending, Request
-from .protocol.validation import client_cancel_token, client_request_id, generate_frame, parse_json_object
+from .protocol.validation import (
+    client_cancel_token,
+    client_request_id,
+    generate_frame,
+    model_limits,
+    parse_json_object,
+)
 from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
+from .residency import Catalog
 from .session import ClientSession, Services
 from .settings import Settings
 from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
@@ -564,13 +572,13 @@ class HttpApi:
         chat_formats: Mapping[str, ChatFormat] | None = None,
         lazy: Mapping[str, LazyModel] | None = None,
     ):
-        # The first model's services; by_name, each served name's model's (several --model).
+        # The first model's services; the catalog, every model's by the names it is served under.
         self.services = services
         self.models = models
-        self.by_name = dict(by_name or {})
+        self.catalog = Catalog(services, models, by_name, lazy)
         self.chat_formats = dict(chat_formats or {})
         # The models loaded when first asked for, by name (stopline/residency.py).
-        self.lazy = dict(lazy or {})
+        self.lazy = self.catalog.lazy
         # Requests waiting for their model to load, by the request id the client chose (X-Request-Id):
         # a DELETE of one ends it there (LoadWait).
         self.loading: dict[str, LoadWait] = {}
@@ -683,28 +691,12 @@ class HttpApi:
     # Generations -------------------------------------------------------------
 
     def services_for(self, requested: object) -> Services:
-        """The services of the model a request names (Ollama's ``NAME:latest`` is ``NAME``); the
-        first model's for no name, or a name none is served under, which the request's own
-        checks then answer (404 model_not_found, unless one model answers to any name). A model
-        loaded when asked for has its services once loaded; until then, its bounds are the first
-        model's, with the prompt checked against its own context once it is."""
-        if isinstance(requested, str):
-            found = self.by_name.get(requested) or self.by_name.get(requested.removesuffix(":latest"))
-            if found is not None:
-                return found
-            lazy = self.lazy_for(requested)
-            if lazy is not None:
-                if lazy.running is not None:
-                    return lazy.running.services
-                if lazy.limits is not None:
-                    return replace(self.services, model=lazy.name, limits=lazy.limits)
-        return self.services
+        """The services of the model a request names (:meth:`Catalog.services_for`)."""
+        return self.catalog.services_for(requested)
 
     def lazy_for(self, requested: object) -> LazyModel | None:
         """The model loaded when first asked for that ``requested`` names, if it names one."""
-        if not isinstance(requested, str):
-            return None
-        return self.lazy.get(requested) or self.lazy.get(requested.removesuffix(":latest"))
+        return self.catalog.lazy_for(requested)
 
     async def _wait_for_load(
         self, request: web.Request, model: LazyModel, frames: Sequence[GenerateFrame], reply: HttpReply
@@ -749,15 +741,7 @@ class HttpApi:
     ) -> list[Frame]:
         """The endings of requests stopped while their model loaded: cancelled, having never run,
         recorded as any request's end is."""
-        now = time.monotonic_ns()
-        waited_ms = (now - received_ns) / 1e6
-        ending = Ending(
-            Outcome.CANCELLED,
-            reason,
-            queue_ms=waited_ms,
-            duration_ms=waited_ms,
-            cancel_latency_ms=(now - cancel_ns) / 1e6,
-        )
+        ending = ending_before_start(Outcome.CANCELLED, reason, 0, received_ns, cancel_ns, time.monotonic_ns())
         key = request.get(API_KEY)
         token = request.headers.get("X-Cancel-Token")
         terminals: list[Frame] = []
@@ -770,15 +754,22 @@ class HttpApi:
             self.services.metrics.record_end(ending, key.key_id if key is not None else None, model.name)
             log_end(ended, ending, request.remote or "unknown", model.name)
             # A reply opens with its request's acceptance: the stop ends a request that had one.
-            terminals += [Accepted(ended.id, 0, request_id, ended.cancel_token, 0), Terminal(ended.id, ending)]
+            terminals += [
+                Accepted(ended.id, 0, request_id, ended.cancel_token, 0, model.name),
+                Terminal(ended.id, ending, model.name),
+            ]
         return terminals
 
     async def _post_generation(self, request: web.Request) -> web.StreamResponse:
         try:
-            frame = generate_frame(parse_json_object(await request.text(), "body"), self.services.limits)
+            body = parse_json_object(await request.text(), "body")
+            # The model it names, as a WebSocket generate frame's; none: the first.
+            frame = generate_frame(body, model_limits(body, self.services.limits, self.catalog))
         except ProtocolError as exc:
             return error_response(exc.code, exc.message, openai=False, frame=ErrorFrame.refusing(exc))
-        return await self._generate(request, [frame], SseReply(request))
+        return await self._generate(
+            request, [frame], SseReply(request), self.services_for(frame.model), self.lazy_for(frame.model)
+        )
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, chat=True)

@@ -1,9 +1,10 @@
 """A model beyond the first --model: loaded on its first request, unloaded once idle for its keep_alive.
 
-The first model is loaded at startup and stays loaded: it is what the WebSocket, a request that
-names no model, and the server's readiness stand on. Every other model is a :class:`LazyModel`.
-A request for it holds it (:meth:`LazyModel.hold`) from before its load until its answer is done,
-so that a model is idle exactly when no request holds it; the keep_alive clock starts then.
+The first model is loaded at startup and stays loaded: it is what a request that names no model
+(an API body, a WebSocket generate frame) and the server's readiness stand on. Every other model
+is a :class:`LazyModel`. A request for it holds it (:meth:`LazyModel.hold`) from before its load
+until its answer is done, so that a model is idle exactly when no request holds it; the keep_alive
+clock starts then.
 
 With a memory budget (--memory-budget), :class:`Residency` decides each load: a model loads once
 the models in memory and it fit the budget, idle models unloading to make room, the least recently
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .observability import log
@@ -26,6 +27,7 @@ from .protocol.vocabulary import ChatFormat
 from .settings import MIB
 
 if TYPE_CHECKING:
+    from .api.openai_fields import ServedModels
     from .engine.loop import Engine
     from .scheduler import Scheduler
     from .session import Services
@@ -260,3 +262,57 @@ class Residency:
             f"(--memory-budget {self.budget_bytes / MIB:.0f}) has {free / MIB:.0f} MiB free{held}; "
             "try again once they are done"
         )
+
+
+class Catalog:
+    """Every model of the server by the names it is served under: what a request that names one
+    runs on, whichever way it came (an API's ``model``, a WebSocket generate frame's)."""
+
+    def __init__(
+        self,
+        first: Services,
+        models: ServedModels,
+        by_name: Mapping[str, Services] | None = None,
+        lazy: Mapping[str, LazyModel] | None = None,
+    ):
+        # The first model's services; by_name, each served name's model's (several --model).
+        self.first = first
+        self.models = models
+        self.by_name = dict(by_name or {})
+        # The models loaded when first asked for, by name.
+        self.lazy = dict(lazy or {})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.models.names
+
+    def services_for(self, requested: object) -> Services:
+        """The services of the model a request names (Ollama's ``NAME:latest`` is ``NAME``); the
+        first model's for no name, or a name none is served under, which the request's own
+        checks then answer (404 model_not_found, unless one model answers to any name). A model
+        loaded when asked for has its services once loaded; until then, its bounds are the first
+        model's, with the prompt checked against its own context once it is."""
+        if isinstance(requested, str):
+            found = self.by_name.get(requested) or self.by_name.get(requested.removesuffix(":latest"))
+            if found is not None:
+                return found
+            lazy = self.lazy_for(requested)
+            if lazy is not None:
+                if lazy.running is not None:
+                    return lazy.running.services
+                if lazy.limits is not None:
+                    return replace(self.first, model=lazy.name, limits=lazy.limits)
+        return self.first
+
+    def lazy_for(self, requested: object) -> LazyModel | None:
+        """The model loaded when first asked for that ``requested`` names, if it names one."""
+        if not isinstance(requested, str):
+            return None
+        return self.lazy.get(requested) or self.lazy.get(requested.removesuffix(":latest"))
+
+    def limits_of(self, requested: str) -> Limits | None:
+        """The bounds of a request for the model ``requested`` names, as the HTTP APIs check a
+        body's; None when no model answers to that name (model_not_found)."""
+        if self.models.answering(requested) is None:
+            return None
+        return self.services_for(requested).limits

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -28,8 +28,19 @@ from websockets.exceptions import ConnectionClosed
 from .auth import ApiKey, Keyring
 from .edge import peer_name
 from .observability import Metrics, log, log_accepted, log_end
-from .protocol.connection import Action, AddressQuota, Cancel, Connection, Draft, Ended, Send, Submit, Tokenize
-from .protocol.errors import Busy
+from .protocol.connection import (
+    Action,
+    AddressQuota,
+    Cancel,
+    Connection,
+    Draft,
+    Ended,
+    Send,
+    StopDraft,
+    Submit,
+    Tokenize,
+)
+from .protocol.errors import Busy, InsufficientMemory
 from .protocol.frames import Frame, GenerateFrame, as_error, encode_frame
 from .protocol.requests import GenerationResult, Limits, Request
 from .protocol.vocabulary import Reason
@@ -37,6 +48,9 @@ from .quota import Quotas
 from .registry import Registry
 from .scheduler import Scheduler
 from .tasks import stop_tasks
+
+if TYPE_CHECKING:
+    from .residency import Catalog, LazyModel
 
 # Prompts up to this size take the short tokenizing lane (a few milliseconds of work each).
 SHORT_PROMPT_BYTES = 16 * 1024
@@ -76,13 +90,35 @@ class Services:
     sessions: set[ClientSession] = field(default_factory=set)
 
 
+@dataclass(eq=False)
+class Route:
+    """The model a request runs on: its services, and the lazily loaded model it holds, if it is one
+    (held from before its load to the request's end, so that it is not unloaded under it)."""
+
+    draft: Draft
+    services: Services
+    lazy: LazyModel | None = None
+
+
 class ClientSession:
     """One client: a WebSocket connection, or one HTTP request. It feeds the protocol what
     its transport reads and what the scheduler reports about its requests (it is their Sink),
-    and performs the actions the protocol returns."""
+    and performs the actions the protocol returns.
 
-    def __init__(self, services: Services, transport: Transport, address: str, key: ApiKey | None = None):
+    Each request runs on the model it names, found in ``catalog`` (a WebSocket's generate frames
+    may name any served model, loaded on first use); without a catalog, on ``services``' model
+    (an HTTP request, whose model the API has found and loaded already)."""
+
+    def __init__(
+        self,
+        services: Services,
+        transport: Transport,
+        address: str,
+        key: ApiKey | None = None,
+        catalog: Catalog | None = None,
+    ):
         self.services = services
+        self.catalog = catalog
         self.transport = transport
         self.peer = transport.peer
         # The API key the client presented (None when the server asks for none).
@@ -96,11 +132,17 @@ class ClientSession:
             user_id=key.user if key is not None else None,
             key_id=key.key_id if key is not None else None,
             priority=key.priority if key is not None else 0,
+            models=catalog,
         )
         # Prompts wait here to be tokenized, one at a time: reading goes on meanwhile
         # (cancels, pings), and one connection never has more than one prompt in the works.
         self._drafts: asyncio.Queue[Draft] = asyncio.Queue()
         self._preparer: asyncio.Task | None = None
+        # Each live or pending request's model, by its id.
+        self._routes: dict[str, Route] = {}
+        # Drafts waiting for their model to load, by id, and why each wait was stopped, if it was.
+        self._loads: dict[str, asyncio.Task] = {}
+        self._stopped_loads: dict[str, Reason] = {}
 
     # What the client did --------------------------------------------------------
 
@@ -132,7 +174,12 @@ class ClientSession:
         await self.perform(self.protocol.request_cancel(request, reason, now_ns))
 
     async def stop_all(self, reason: Reason, now_ns: int) -> None:
-        """Stop every live request of this client: it left, or the server is shutting down."""
+        """Stop every live request of this client: it left, or the server is shutting down. A
+        request waiting for its model to load ends first, while the protocol still has it."""
+        loads = list(self._loads.values())
+        for draft_id in list(self._loads):
+            self._stop_load(draft_id, reason)
+        await asyncio.gather(*loads, return_exceptions=True)
         await self.perform(self.protocol.stop_all(reason, now_ns))
 
     async def client_gone(self) -> None:
@@ -143,6 +190,9 @@ class ClientSession:
         if self._preparer is not None:
             # Waited for, so that no task of this connection outlives it.
             await stop_tasks([self._preparer])
+        # Drafts dropped unprepared give back the models they held.
+        for route in list(self._routes.values()):
+            self._settle(route.draft)
 
     # Carrying out what the protocol decided -----------------------------------------
 
@@ -160,6 +210,8 @@ class ClientSession:
                 more = await self._submit(action.request)
             elif isinstance(action, Cancel):
                 more = self._cancel(action.request)
+            elif isinstance(action, StopDraft):
+                more = self._stop_load(action.draft.id, Reason.USER_CANCELLED)
             else:
                 more = self._record(action)
             pending[:0] = more
@@ -181,19 +233,92 @@ class ClientSession:
         return []
 
     def _tokenize(self, draft: Draft) -> list[Action]:
+        """Find the model ``draft`` names, then tokenize its prompt: at once on a loaded model;
+        on a lazily loaded one, once it has loaded (stopped by a cancel, as a queued request is)."""
+        catalog, asked = self.catalog, draft.frame.model
+        lazy = catalog.lazy_for(asked) if catalog is not None else None
+        if lazy is None:
+            services = catalog.services_for(asked) if catalog is not None else self.services
+            self._routes[draft.id] = Route(draft, services)
+            draft.model = services.model
+            self._prepare_later(draft)
+            return []
+        lazy.hold()
+        self._routes[draft.id] = Route(draft, self.services, lazy)
+        draft.model = lazy.name
+        if lazy.running is not None:
+            self._routes[draft.id].services = lazy.running.services
+            self._prepare_later(draft)
+        else:
+            self._loads[draft.id] = asyncio.get_running_loop().create_task(self._load(draft, lazy))
+        return []
+
+    def _prepare_later(self, draft: Draft) -> None:
         self._drafts.put_nowait(draft)
         if self._preparer is None:
             self._preparer = asyncio.get_running_loop().create_task(self._prepare())
+
+    async def _load(self, draft: Draft, lazy: LazyModel) -> None:
+        """Wait for ``draft``'s model to load (other frames, and other models' requests, go on
+        meanwhile), then tokenize its prompt. A stop ends the wait at once; the load goes on."""
+        try:
+            try:
+                services = await lazy.ready()
+            finally:
+                del self._loads[draft.id]
+        except asyncio.CancelledError:
+            reason = self._stopped_loads.pop(draft.id, None)
+            if reason is None:
+                raise
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            actions = self.protocol.stopped_in_load(draft, reason, time.monotonic_ns())
+        except InsufficientMemory as exc:
+            actions = self.protocol.tokenized(draft, exc)
+        except Exception as exc:
+            actions = self.protocol.preparation_failed(
+                draft, f"the model {lazy.name!r} failed to load: {type(exc).__name__}"
+            )
+        else:
+            self._routes[draft.id].services = services
+            self._prepare_later(draft)
+            return
+        await self.perform(actions)
+        self._settle(draft)
+
+    def _stop_load(self, draft_id: str, reason: Reason) -> list[Action]:
+        """End the wait of ``draft_id`` for its model to load, if it waits; its task answers for it."""
+        task = self._loads.get(draft_id)
+        if task is not None and draft_id not in self._stopped_loads:
+            self._stopped_loads[draft_id] = reason
+            task.cancel()
         return []
 
+    def _settle(self, draft: Draft) -> None:
+        """``draft`` did not become a live request (refused, or its client left): give back its model."""
+        route = self._routes.get(draft.id)
+        if route is not None and route.draft is draft and draft.id not in self.protocol.live:
+            self._unroute(draft.id)
+
+    def _unroute(self, request_id: str) -> None:
+        route = self._routes.pop(request_id, None)
+        if route is not None and route.lazy is not None:
+            route.lazy.release()
+
+    def _services_of(self, request: Request) -> Services:
+        route = self._routes.get(request.id)
+        return route.services if route is not None else self.services
+
     def _cancel(self, request: Request) -> list[Action]:
-        self.services.scheduler.cancel(request)
+        self._services_of(request).scheduler.cancel(request)
         return []
 
     def _record(self, ended: Ended) -> list[Action]:
-        services = self.services
+        services = self._services_of(ended.request)
         services.quotas.release(ended.request.request_id, ended.ending.tokens_generated)
         services.registry.end(ended.request, ended.ending)
+        self._unroute(ended.request.id)
         # The metrics and the end line, the slow part of the record, follow once the terminal
         # frame is out: before this loop reads anything more, such as a client's next request.
         loop = asyncio.get_running_loop()
@@ -207,10 +332,12 @@ class ClientSession:
         while True:
             draft = await self._drafts.get()
             try:
-                lane = self.services.tokenizer_lanes[draft.frame.size > SHORT_PROMPT_BYTES]
-                actions = self.protocol.tokenized(
-                    draft, await loop.run_in_executor(lane, self.protocol.tokenize, draft)
+                services = self._routes[draft.id].services
+                lane = services.tokenizer_lanes[draft.frame.size > SHORT_PROMPT_BYTES]
+                tokens = await loop.run_in_executor(
+                    lane, self.protocol.tokenize, draft, services.encode, services.limits
                 )
+                actions = self.protocol.tokenized(draft, tokens)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -220,13 +347,14 @@ class ClientSession:
                     draft, f"the server failed to read this prompt: {type(exc).__name__}"
                 )
             await self.perform(actions)
+            self._settle(draft)
 
     async def _submit(self, request: Request) -> list[Action]:
         if self.key is not None:
             refused = await self._refused(request)
             if refused is not None:
                 return refused
-        services = self.services
+        services = self._services_of(request)
         services.registry.add(request, self)
         try:
             position = services.scheduler.submit(request, self)

@@ -19,7 +19,7 @@ from stopline.engine.model import gemma_gguf_path
 from stopline.protocol.vocabulary import EngineName
 from stopline.residency import Loader
 from stopline.settings import MIB, Settings, keep_alive
-from support import CHAT_FRANCE, LONG_ANSWER, UNIT, openai_client, running_server, wait_for
+from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, openai_client, running_server, wait_for
 
 NAMES = ("smol", "gemma")
 
@@ -292,3 +292,88 @@ def test_keep_alive_is_read_as_ollama_writes_it():
     assert settings_from(parse_args([])).keep_alive_s == 300
     assert settings_from(parse_args(["--keep-alive", "10m"])).keep_alive_s == 600
     assert settings_from(parse_args(["--keep-alive", "-1"])).keep_alive_s == -1
+
+
+async def test_websocket_requests_on_one_connection_run_on_the_models_they_name(llama_engine, logs):
+    loader = GemmaLoader()
+    async with (
+        running_server(
+            llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+        ) as server,
+        client_for(server) as ws,
+    ):
+        # Not loaded yet: the first frame that names it loads it, as an HTTP request would.
+        ask = {"type": "generate", "messages": CHAT_FRANCE, "max_tokens": 8, "temperature": 0}
+        await ws.send({**ask, "id": "g", "model": "gemma"})
+        await ws.send({**ask, "id": "s"})
+        ends: dict[str, dict] = {}
+        while len(ends) < 2:
+            frame = await ws.recv(60)
+            if frame["type"] in ("done", "cancelled", "timeout", "error"):
+                ends[frame["id"]] = frame
+        accepted = {f["id"]: f for f in ws.frames if f["type"] == "accepted"}
+        assert {i: (accepted[i]["model"], ends[i]["model"]) for i in ends} == {
+            "g": ("gemma", "gemma"),
+            "s": ("smol", "smol"),
+        }
+        assert all(end["type"] == "done" for end in ends.values())
+        assert loader.loads == 1
+        assert {r["request_id"]: r["model"] for r in logs.records("generation_done")} == {
+            accepted["g"]["request_id"]: "gemma",
+            accepted["s"]["request_id"]: "smol",
+        }
+        # A greedy answer is the one the HTTP API gives for the same model.
+        async with openai_client(server) as http:
+            for request_id, name in (("g", "gemma"), ("s", "smol")):
+                text = "".join(f["text"] for f in ws.tokens(request_id))
+                assert text and text == (await greedy(http, name)).choices[0].message.content
+
+        # A name no model is served under: the error every API answers it with.
+        refused = await ws.generate("x", messages=CHAT_FRANCE, model="gpt-4o")
+        assert refused["type"] == "error" and refused["code"] == "model_not_found"
+        assert "'smol', 'gemma'" in refused["message"]
+
+        # A cancel of one model's request stops it with nothing computed after it; the other's goes on.
+        long = {"messages": LONG_ANSWER, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        await ws.generate("g2", model="gemma", **long)
+        await ws.generate("s2", **long)
+        await ws.recv_until(lambda f: f["type"] == "token" and f["id"] == "g2")
+        await ws.send({"type": "cancel", "id": "g2"})
+        cancelled = await ws.terminal("g2")
+        assert cancelled["type"] == "cancelled" and cancelled["reason"] == "user_cancelled"
+        assert cancelled["model"] == "gemma" and cancelled["tokens_after_cancel"] == 0
+        after = len(ws.frames)
+        ended = [f for f in ws.frames if f.get("id") == "s2" and f["type"] in ("done", "error")]
+        done = ended[0] if ended else await ws.terminal("s2")
+        assert done["type"] == "done" and done["model"] == "smol" and done["tokens_generated"] == 64
+        # Nothing of the cancelled request came after its terminal frame.
+        assert not [f for f in ws.frames[after:] if f.get("id") == "g2"]
+
+
+async def test_a_websocket_cancel_during_the_load_ends_the_request_at_once(llama_engine, logs):
+    loader = GemmaLoader(gated=True)
+    async with (
+        running_server(
+            llama_engine, others=[Loader("gemma-3-270m", loader)], served_model_names=NAMES, keep_alive_s=-1
+        ) as server,
+        client_for(server) as ws,
+    ):
+        try:
+            await ws.send({"type": "generate", "id": "g", "model": "gemma", "messages": LONG_ANSWER})
+            await asyncio.to_thread(loader.started.wait, 60)
+            await ws.send({"type": "cancel", "id": "g"})
+            cancelled = await ws.terminal("g", timeout=10)
+            # Ended while the model still loads: the load waits behind the gate.
+            assert not logs.records("model_loaded")
+        finally:
+            loader.open()
+        assert [f["type"] for f in ws.frames] == ["accepted", "cancelled"]
+        assert cancelled["reason"] == "user_cancelled" and cancelled["tokens_generated"] == 0
+        assert ws.frames[0]["model"] == cancelled["model"] == "gemma"
+        # The first model answers meanwhile, and the load goes on for the next request.
+        assert (await ws.generate("s", messages=CHAT_FRANCE, max_tokens=4))["model"] == "smol"
+        assert (await ws.terminal("s"))["type"] == "done"
+        await wait_for(lambda: logs.records("model_loaded", model="gemma"), timeout=60)
+        assert (await ws.generate("g2", model="gemma", messages=CHAT_FRANCE, max_tokens=4))["model"] == "gemma"
+        assert (await ws.terminal("g2"))["type"] == "done"
+        assert loader.loads == 1

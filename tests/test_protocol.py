@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stopline.protocol.connection import AddressQuota, Cancel, Connection, Ended, Send, Submit, Tokenize
+from stopline.protocol.connection import AddressQuota, Cancel, Connection, Ended, Send, StopDraft, Submit, Tokenize
 from stopline.protocol.errors import InvalidField
 from stopline.protocol.frames import CancelFrame, GenerateFrame, Token, encode_frame
 from stopline.protocol.requests import DEFAULT_SAMPLING, EXIT_OUTCOMES, Ending, GenerationResult, Limits, Phase
@@ -452,8 +452,8 @@ def test_a_cancel_while_the_prompt_is_tokenized_stops_the_request_once_it_exists
     # Still counted: the id is taken and the request counts towards the caps.
     [dup] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a"}', 1)
     assert dup.frame.json()["code"] == ErrorCode.DUPLICATE_ID
-    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == []
-    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == []
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == [StopDraft(work.draft)]
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS) == [StopDraft(work.draft)]
     submit, cancel = conn.tokenized(work.draft, conn.tokenize(work.draft))
     assert isinstance(submit, Submit) and cancel == Cancel(submit.request)
     assert submit.request.cancel_requested_ns == 5 * MS
@@ -655,3 +655,71 @@ def test_the_speed_is_the_decode_speed_and_needs_two_tokens():
     assert ending.tokens_per_s == 50.0
     assert Ending(Outcome.DONE, Reason.EOS, tokens_generated=1, ttft_ms=900.0, duration_ms=900.0).tokens_per_s is None
     assert Ending(Outcome.TIMEOUT, Reason.FIRST_TOKEN_TIMEOUT, duration_ms=900.0).tokens_per_s is None
+
+
+class TwoModels:
+    """Two served models, the second with a context of its own."""
+
+    names = ("smol", "gemma")
+
+    def limits_of(self, requested: str) -> Limits | None:
+        return {
+            "smol": Limits(context_length=16, vocab_size=100),
+            "gemma": Limits(context_length=64, vocab_size=1000),
+        }.get(requested)
+
+
+def two_models() -> Connection:
+    return Connection(Limits(context_length=16, vocab_size=100), fake_tokenize, 0, models=TwoModels())
+
+
+def test_a_generate_frame_names_its_model_and_is_checked_against_its_bounds():
+    conn = two_models()
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a", "model": "gemma"}', 0)
+    assert isinstance(work, Tokenize) and work.draft.frame.model == "gemma"
+    # Bounds are the named model's: a max_tokens or top_k beyond the first model's is allowed.
+    [work] = conn.receive_text(
+        '{"type": "generate", "id": "r2", "prompt": "a", "model": "gemma", "max_tokens": 60, "top_k": 500}', 0
+    )
+    assert work.draft.frame.params.max_tokens == 60
+    [refused] = frames(conn.receive_text('{"type": "generate", "id": "r3", "prompt": "a", "max_tokens": 60}', 0))
+    assert refused["code"] == ErrorCode.INVALID_FIELD
+    # No model: the first, as before.
+    [work] = conn.receive_text('{"type": "generate", "id": "r4", "prompt": "a"}', 0)
+    assert work.draft.frame.model is None
+
+
+@pytest.mark.parametrize(
+    ("model", "code", "named"),
+    [
+        ('"gpt-4o"', ErrorCode.MODEL_NOT_FOUND, "'smol', 'gemma'"),
+        ("7", ErrorCode.INVALID_FIELD, "model must be a string"),
+        ('""', ErrorCode.INVALID_FIELD, "model must be a string"),
+        ('"' + "m" * 257 + '"', ErrorCode.INVALID_FIELD, "model must be a string"),
+        ('"\\ud800"', ErrorCode.INVALID_FIELD, "model must be a string"),
+    ],
+)
+def test_a_model_not_served_or_not_a_name_is_refused(model, code, named):
+    conn = two_models()
+    [refused] = frames(conn.receive_text(f'{{"type": "generate", "id": "r1", "prompt": "a", "model": {model}}}', 0))
+    assert refused["code"] == code and refused["id"] == "r1" and named in refused["message"]
+    # Nothing is left live: the id is free again.
+    assert not conn.pending and not conn.live
+
+
+def test_a_stop_while_the_model_loads_ends_the_request_with_no_tokens():
+    conn = two_models()
+    [work] = conn.receive_text('{"type": "generate", "id": "r1", "prompt": "a", "model": "gemma"}', 0)
+    work.draft.model = "gemma"
+    assert conn.receive_text('{"type": "cancel", "id": "r1"}', 5 * MS) == [StopDraft(work.draft)]
+    conn.receive_text('{"type": "cancel", "id": "r1"}', 6 * MS)
+    actions = conn.stopped_in_load(work.draft, Reason.USER_CANCELLED, 7 * MS)
+    [ended] = [a for a in actions if isinstance(a, Ended)]
+    assert ended.ending.tokens_generated == 0 and ended.ending.cancel_latency_ms == 2.0
+    sent = frames(actions)
+    assert [f["type"] for f in sent] == ["accepted", "cancelled", "cancel_ack"]
+    assert sent[0]["model"] == sent[1]["model"] == "gemma"
+    assert sent[1]["reason"] == Reason.USER_CANCELLED and sent[1]["tokens_after_cancel"] == 0
+    assert not conn.pending and not conn.live
+    # Once ended, a late tokenizing or a second stop finds nothing.
+    assert conn.stopped_in_load(work.draft, Reason.CLIENT_DISCONNECTED, 8 * MS) == []

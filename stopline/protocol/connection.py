@@ -72,7 +72,7 @@ from .requests import (
     first_deadline,
 )
 from .throttle import Throttle
-from .validation import incoming_frame
+from .validation import ModelBounds, incoming_frame
 from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 
 
@@ -86,6 +86,8 @@ class Draft:
     # Cancel frames that arrived meanwhile, and when the first did.
     cancels: int = 0
     cancel_ns: int = 0
+    # The name of the model that serves it, once the server has found that model (and loaded it).
+    model: str = ""
 
 
 # Actions returned to the I/O layer: every call of a Connection returns a list of them.
@@ -121,6 +123,15 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class StopDraft:
+    """A cancel frame reached ``draft`` before its request exists. A draft that waits for its
+    model to load stops waiting: the I/O layer ends it with ``Connection.stopped_in_load``. One
+    being tokenized is stopped by ``Connection.tokenized``, and needs nothing more."""
+
+    draft: Draft
+
+
+@dataclass(frozen=True)
 class Ended:
     """``request`` ended: record ``ending`` (the registry, the metrics, the end log line).
     It comes before the frames that tell the client."""
@@ -129,11 +140,27 @@ class Ended:
     ending: Ending
 
 
-Action = Send | Tokenize | Submit | Cancel | Ended
+Action = Send | Tokenize | Submit | Cancel | StopDraft | Ended
 
 
 def _ms(start_ns: int, end_ns: int) -> float:
     return round((end_ns - start_ns) / 1e6, 3)
+
+
+def ending_before_start(
+    outcome: Outcome, reason: Reason, prompt_tokens: int, received_ns: int, cancel_ns: int, now_ns: int
+) -> Ending:
+    """How a request that never reached a slot ends (stopped or expired in the queue, or while its
+    model loaded): nothing was computed for it, and all its time was waiting."""
+    waited_ms = _ms(received_ns, now_ns)
+    return Ending(
+        outcome,
+        reason,
+        prompt_tokens=prompt_tokens,
+        queue_ms=waited_ms,
+        duration_ms=waited_ms,
+        cancel_latency_ms=_ms(cancel_ns, now_ns) if outcome is Outcome.CANCELLED else None,
+    )
 
 
 class AddressQuota:
@@ -174,8 +201,11 @@ class Connection:
         user_id: str | None = None,
         key_id: str | None = None,
         priority: int = 0,
+        models: ModelBounds | None = None,
     ):
         self.limits = limits
+        # The models a generate frame may name (None: one model, whose bounds are ``limits``).
+        self.models = models
         # The API key this client authenticated with (None without keys): every request is theirs,
         # of its priority unless the request names one.
         self.user_id = user_id
@@ -210,7 +240,7 @@ class Connection:
         if not self._admit(now_ns, len(data)):
             return self._rate_limited(now_ns)
         try:
-            frame = incoming_frame(data, self.limits)
+            frame = incoming_frame(data, self.limits, self.models)
         except ProtocolError as exc:
             return [Send(ErrorFrame.refusing(exc))]
         if isinstance(frame, CancelFrame):
@@ -235,16 +265,20 @@ class Connection:
         self.quota.take(self.address)
         return [Tokenize(draft)]
 
-    def tokenize(self, draft: Draft) -> list[int] | ProtocolError:
-        """The prompt's tokens, or the error that refuses it. Safe to call from any thread."""
+    def tokenize(
+        self, draft: Draft, tokenize: TokenizeFn | None = None, limits: Limits | None = None
+    ) -> list[int] | ProtocolError:
+        """The prompt's tokens, or the error that refuses it, by the model that serves it (its
+        ``tokenize`` and ``limits``; by default, this connection's). Safe to call from any thread."""
         frame = draft.frame
+        limits = limits or self.limits
         try:
-            tokens = self._tokenize(frame.prompt, frame.messages)
+            tokens = (tokenize or self._tokenize)(frame.prompt, frame.messages)
         except ValueError as exc:  # the tokenizer or the chat template refused the text
             return InvalidField(str(exc), draft.id)
         if not tokens:
             return InvalidField("the prompt is empty", draft.id)
-        if len(tokens) + frame.min_answer_tokens > self.limits.context_length:
+        if len(tokens) + frame.min_answer_tokens > limits.context_length:
             answer = (
                 "at least one generated token"
                 if frame.min_answer_tokens == 1
@@ -253,7 +287,7 @@ class Connection:
             # The server's operator can give a longer one, up to the model's own limit.
             return PromptTooLong(
                 f"the prompt has {len(tokens)} tokens; the context holds "
-                f"{self.limits.context_length}, including {answer} (the server's --context-length)",
+                f"{limits.context_length}, including {answer} (the server's --context-length)",
                 draft.id,
             )
         return tokens
@@ -267,6 +301,27 @@ class Connection:
             self.quota.give_back(self.address)
             refusal: list[Action] = [Send(ErrorFrame.refusing(tokens))]
             return refusal + [Send(CancelAck.of(draft.id, Outcome.ERROR))] * draft.cancels
+        request = self._live_request(draft, tokens)
+        actions: list[Action] = [Submit(request)]
+        if draft.cancels:
+            request.unanswered_cancels = draft.cancels - 1
+            actions += self.request_cancel(request, Reason.USER_CANCELLED, draft.cancel_ns)
+        return actions
+
+    def stopped_in_load(self, draft: Draft, reason: Reason, now_ns: int) -> list[Action]:
+        """A stop ended ``draft``'s wait for its model to load: a cancel frame (``StopDraft``), the
+        client's leaving or a shutdown. Its request ends now, cancelled with 0 tokens, as one
+        stopped in the queue: accepted, then its terminal message."""
+        if self.pending.pop(draft.id, None) is not draft:
+            return []  # ended already
+        request = self._live_request(draft, [])
+        request.cancel_reason = reason
+        request.cancel_requested_ns = draft.cancel_ns if reason is Reason.USER_CANCELLED and draft.cancels else now_ns
+        request.unanswered_cancels = max(draft.cancels - 1, 0)
+        return self.accepted(request, 0) + self._ended_in_queue(request, Outcome.CANCELLED, reason, now_ns)
+
+    def _live_request(self, draft: Draft, tokens: list[int]) -> Request:
+        """The request ``draft`` becomes, live from now on."""
         request = Request(
             draft.id,
             tokens,
@@ -276,6 +331,7 @@ class Connection:
             user_id=self.user_id,
             key_id=self.key_id,
             priority=self.priority if draft.frame.priority is None else draft.frame.priority,
+            model=draft.model,
         )
         if draft.frame.request_id is not None:
             request.request_id = draft.frame.request_id
@@ -284,11 +340,7 @@ class Connection:
         if draft.frame.cancel_token is not None:
             request.cancel_token = draft.frame.cancel_token
         self.live[draft.id] = request
-        actions: list[Action] = [Submit(request)]
-        if draft.cancels:
-            request.unanswered_cancels = draft.cancels - 1
-            actions += self.request_cancel(request, Reason.USER_CANCELLED, draft.cancel_ns)
-        return actions
+        return request
 
     def preparation_failed(self, draft: Draft, message: str) -> list[Action]:
         """The server could not prepare ``draft`` (a bug): it ends with internal_error, alone."""
@@ -321,7 +373,7 @@ class Connection:
         if draft is not None:
             draft.cancels += 1
             draft.cancel_ns = draft.cancel_ns or now_ns
-            return []
+            return [StopDraft(draft)]
         request = self.live.get(request_id)
         if request is None:
             return [Send(CancelAck.of(request_id, self._ended.get(request_id)))]
@@ -368,7 +420,12 @@ class Connection:
     def accepted(self, request: Request, queue_position: int) -> list[Action]:
         """The scheduler took ``request``: 0 if it started at once, else its place in the queue."""
         accepted = Accepted(
-            request.id, queue_position, request.request_id, request.cancel_token, len(request.prompt_tokens)
+            request.id,
+            queue_position,
+            request.request_id,
+            request.cancel_token,
+            len(request.prompt_tokens),
+            request.model or None,
         )
         return [Send(accepted)]
 
@@ -498,17 +555,10 @@ class Connection:
         return self._ended_in_queue(request, Outcome.TIMEOUT, reason, now_ns)
 
     def _ended_in_queue(self, request: Request, outcome: Outcome, reason: Reason, now_ns: int) -> list[Action]:
-        # Nothing was computed for it.
-        waited_ms = _ms(request.received_ns, now_ns)
         return self.end(
             request,
-            Ending(
-                outcome,
-                reason,
-                prompt_tokens=len(request.prompt_tokens),
-                queue_ms=waited_ms,
-                duration_ms=waited_ms,
-                cancel_latency_ms=_ms(request.cancel_requested_ns, now_ns) if outcome is Outcome.CANCELLED else None,
+            ending_before_start(
+                outcome, reason, len(request.prompt_tokens), request.received_ns, request.cancel_requested_ns, now_ns
             ),
         )
 
@@ -527,7 +577,7 @@ class Connection:
         self._ended[request.id] = ending.outcome
         if len(self._ended) > self.limits.remembered_ids:
             self._ended.popitem(last=False)
-        actions: list[Action] = [Ended(request, ending), Send(Terminal(request.id, ending))]
+        actions: list[Action] = [Ended(request, ending), Send(Terminal(request.id, ending, request.model or None))]
         acks = request.unanswered_cancels
         if request.cancel_reason is Reason.USER_CANCELLED and ending.outcome is not Outcome.CANCELLED:
             acks += 1

@@ -146,7 +146,7 @@ class UnsupportedParameter(ProtocolError):
 
 
 class ModelNotFound(ProtocolError):
-    """An OpenAI request names a model this server does not serve."""
+    """A request (an API's body, a WebSocket generate frame) names a model this server does not serve."""
 
     code = ErrorCode.MODEL_NOT_FOUND
 

@@ -43,6 +43,8 @@ class GenerateFrame:
     # X-Cancel-Token, checked by client_request_id and client_cancel_token); None: the server's.
     request_id: str | None = None
     cancel_token: str | None = None
+    # The model the request names (a WebSocket frame's ``model``); None: the first model.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Hello:
 @dataclass(frozen=True)
 class Accepted:
     """The scheduler took a request: its place in the queue (0: it started), its id and cancel
-    token, and its prompt's length in tokens."""
+    token, its prompt's length in tokens, and the name of the model that serves it."""
 
     type: ClassVar[str] = "accepted"
     id: str
@@ -95,9 +97,14 @@ class Accepted:
     request_id: str
     cancel_token: str
     prompt_tokens: int
+    # None: a request that reached no model.
+    model: str | None = None
 
     def json(self) -> dict:
-        return {"type": self.type, **asdict(self)}
+        frame = {"type": self.type, **asdict(self)}
+        if self.model is None:
+            del frame["model"]
+        return frame
 
 
 @dataclass(frozen=True)
@@ -164,10 +171,12 @@ class ErrorFrame:
 
 @dataclass(frozen=True)
 class Terminal:
-    """A request's one terminal message: how it ended (``ending``), and what that cost."""
+    """A request's one terminal message: how it ended (``ending``), what that cost, and the name
+    of the model that served it (None: a request that reached no model)."""
 
     id: str
     ending: Ending
+    model: str | None = None
 
     @property
     def type(self) -> str:
@@ -183,10 +192,13 @@ class Terminal:
 
     def json(self) -> dict:
         if (error := self.error) is not None:
-            return error.json()
-        ending = self.ending
-        frame: dict = {"type": self.type, "id": self.id, "reason": str(ending.reason)}
-        frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])
+            frame = error.json()
+        else:
+            ending = self.ending
+            frame = {"type": self.type, "id": self.id, "reason": str(ending.reason)}
+            frame.update((name, getattr(ending, name)) for name in _TERMINAL_FIELDS[ending.outcome])
+        if self.model is not None:
+            frame["model"] = self.model
         return frame
 
 

@@ -14,6 +14,8 @@ from .vocabulary import ErrorCode, Outcome, QuotaLimit, Reason
 # Any deadline beyond a day is a mistake, not a wish.
 MAX_SECONDS = 86_400.0
 MAX_USER_CHARS = 256
+# The longest model name a generate frame may give (a served name may be OWNER/REPO:QUANT).
+MAX_MODEL_CHARS = 256
 # Priorities are -MAX_PRIORITY to MAX_PRIORITY (lower first).
 MAX_PRIORITY = 2**31 - 1
 # Seeds are 0 to MAX_SEED - 1.
@@ -173,6 +175,8 @@ class Request:
     unanswered_cancels: int = 0
     # vLLM's: a lower value is served first, and preempts a running request of a higher one.
     priority: int = 0
+    # The name of the model that serves it, as the frames, the end line and the metrics report it.
+    model: str = ""
 
     def advance(self, phase: Phase) -> None:
         if phase not in _TRANSITIONS[self.phase]:

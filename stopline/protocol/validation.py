@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
-from .errors import InvalidField, InvalidFrame, InvalidJson, PromptTooLong, UnknownType
+from .errors import InvalidField, InvalidFrame, InvalidJson, ModelNotFound, PromptTooLong, UnknownType
 from .frames import CancelFrame, GenerateFrame, Incoming
 from .requests import (
     DEFAULT_SAMPLING,
     MAX_LOGIT_BIAS,
+    MAX_MODEL_CHARS,
     MAX_PRIORITY,
     MAX_SECONDS,
     MAX_SEED,
@@ -36,20 +37,54 @@ def parse_json_object(data: str, what: str = "frame") -> dict:
     return value
 
 
-def incoming_frame(data: str, limits: Limits) -> Incoming:
-    """A WebSocket text frame, checked."""
+class ModelBounds(Protocol):
+    """The models a generate frame may name, and what a request for each may ask."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The served names, the first model's first."""
+
+    def limits_of(self, requested: str) -> Limits | None:
+        """The bounds of a request for the model named ``requested``; None: no model answers to it."""
+
+
+def incoming_frame(data: str, limits: Limits, models: ModelBounds | None = None) -> Incoming:
+    """A WebSocket text frame, checked: a generate frame against the bounds of the model it names
+    (``models``; without them, one model answers to any name, whose bounds are ``limits``)."""
     frame = parse_json_object(data)
     kind = frame.get("type")
     if not isinstance(kind, str):
         raise InvalidFrame("the frame needs a string field 'type'", _id_of(frame))
     if kind == "generate":
-        return generate_frame(frame, limits)
+        return generate_frame(frame, model_limits(frame, limits, models))
     if kind == "cancel":
         request_id = frame.get("id")
         if not _is_id(request_id):
             raise InvalidField("cancel needs the id of a request: a string of 1 to 128 characters")
         return CancelFrame(request_id)
     raise UnknownType(f"unknown type {_shown(kind)}; expected 'generate' or 'cancel'", _id_of(frame))
+
+
+def model_limits(frame: dict, limits: Limits, models: ModelBounds | None) -> Limits:
+    """The bounds of a request for the model a generate frame names in ``model``: the first model's
+    (``limits``) when it names none; a name no model answers to is model_not_found, as on every API."""
+    requested = frame.get("model")
+    if requested is None:
+        return limits
+    request_id = _id_of(frame)
+    if not isinstance(requested, str) or not 1 <= len(requested) <= MAX_MODEL_CHARS or not _encodable(requested):
+        raise InvalidField(f"model must be a string of 1 to {MAX_MODEL_CHARS} characters", request_id)
+    if models is None:
+        return limits
+    found = models.limits_of(requested)
+    if found is None:
+        raise ModelNotFound(
+            f"the model {_shown(requested)} is not served here; this server serves "
+            f"{', '.join(repr(name) for name in models.names)}",
+            request_id,
+            param="model",
+        )
+    return found
 
 
 # A request id an HTTP client chooses travels in headers and in the path of
@@ -303,5 +338,16 @@ def generate_frame(frame: dict, limits: Limits) -> GenerateFrame:
         frame, "min_answer_tokens", 1, 1, limits.context_length, integer=True, request_id=request_id
     )
     priority = _number_field(frame, "priority", None, -MAX_PRIORITY, MAX_PRIORITY, integer=True, request_id=request_id)
+    model = frame.get("model")
 
-    return GenerateFrame(client_id, params, prompt, messages, size, user, min_answer_tokens, priority)
+    return GenerateFrame(
+        client_id,
+        params,
+        prompt,
+        messages,
+        size,
+        user,
+        min_answer_tokens,
+        priority,
+        model=model if isinstance(model, str) else None,
+    )
