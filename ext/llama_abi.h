@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 9
+#define SLL_ABI_VERSION 8
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -30,14 +30,6 @@
 #define SLL_MAX_CHUNK 512
 #define SLL_MAX_SEQUENCES 64
 #define SLL_MAX_BATCH (SLL_MAX_CHUNK + SLL_MAX_SEQUENCES - 1)
-
-/* The physical batch: llama.cpp computes an evaluation's tokens this many at a
- * time, and an evaluation that is aborted keeps, in the cache, the physical
- * batches it finished; each sequence's kept positions are then read back
- * (pos_max). Small enough that a stop inside a prompt chunk loses little of
- * it, large enough that a prompt is evaluated about as fast as in whole
- * chunks (docs/engine.md, "Physical batches", has the measurements). */
-#define SLL_UBATCH 64
 
 typedef struct sll_model sll_model;        /* a loaded model and its vocabulary */
 typedef struct sll_context sll_context;    /* one context: one KV cache, several sequences */

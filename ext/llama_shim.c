@@ -211,12 +211,10 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t
     }
     struct llama_context_params params = llama_context_default_params();
     params.n_ctx = (uint32_t)(n_ctx_seq * n_seq);
-    /* A call is computed in physical batches of SLL_UBATCH tokens: an aborted
-     * call keeps the ones it finished in the cache (llama.cpp removes only the
-     * positions of the one under way), so a stop inside a prompt chunk loses
-     * at most one physical batch of work. */
+    /* One physical batch per call: an aborted call then leaves no finished
+     * part of itself in the cache, and a prompt chunk is one evaluation. */
     params.n_batch = (uint32_t)n_batch;
-    params.n_ubatch = (uint32_t)(n_batch < SLL_UBATCH ? n_batch : SLL_UBATCH);
+    params.n_ubatch = (uint32_t)n_batch;
     params.n_seq_max = (uint32_t)n_seq;
     /* One pool of cells for every sequence: a batch is then never split by
      * sequence (llama.cpp splits per-sequence caches into equal shares of

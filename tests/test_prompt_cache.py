@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from stopline.settings import (
     default_prompt_cache_bytes,
     default_prompt_cache_dir,
 )
-from support import UNIT, fetch_metrics, make_generation, metric_value, openai_client, running_server, started_running
+from support import fetch_metrics, metric_value, openai_client, running_server
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 FIRST = [{"role": "user", "content": " ".join(f"Fact {i}: the {i}th stone is grey." for i in range(24)) + " Why?"}]
@@ -457,55 +456,3 @@ async def test_after_a_restart_a_repeated_prompt_is_served_from_disk(engine, tmp
         else:
             assert again.usage.prompt_tokens_details.cached_tokens == 0
             assert "stopline_prompt_cache_disk_hits" not in text
-
-
-def cancel_inside_a_chunk(engine: Engine, slot, prompt: list[int]) -> _core.LoopResult:
-    """Cancel a greedy generation of ``prompt`` on ``slot`` (emptied first) part-way into a
-    prompt chunk, after at least one of its physical batches: later on each try until one is."""
-    chunk, physical = engine.prefill_chunk, slot.owner.physical_batch
-    result = None
-    for attempt in range(8):
-        slot.forget()
-        generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=chunk, temperature=0)
-        worker = threading.Thread(target=generation.run)
-        worker.start()
-        started_running(generation)
-        # A physical batch or more into the first chunk, and deeper with each try.
-        time.sleep((0.3 + 0.4 * attempt) * UNIT)
-        generation.cancel()
-        worker.join(60 * UNIT)
-        assert not worker.is_alive(), "the loop hung after a cancel"
-        result = generation.result
-        if result.exit is _core.ExitKind.CANCELLED and result.prompt_tokens_evaluated % chunk >= physical:
-            return result
-    pytest.skip(f"no cancel landed inside a chunk after a physical batch (last: {result})")
-
-
-def test_a_cancel_inside_a_chunk_keeps_its_finished_physical_batches_for_the_resend(engine, slots, cache):
-    prompt = engine.encode(prompt="The history of bread is long, and every town bakes its own. " * 60)
-    chunk, physical = engine.prefill_chunk, slots[0].owner.physical_batch
-    assert physical < chunk < len(prompt)
-    # A cold run, with nothing cached: the reference answer.
-    cold, result, cached = generate(engine, slots[1], prompt)
-    assert cached == 0 and result.prompt_tokens_evaluated == len(prompt)
-    slots[1].forget()
-
-    result = cancel_inside_a_chunk(engine, slots[0], prompt)
-    kept = result.prompt_tokens_evaluated
-    # More than the finished chunks: whole physical batches of the chunk under way too, and
-    # exactly what the cache holds.
-    assert kept % physical == 0 and kept > kept // chunk * chunk
-    assert slots[0].kv_positions == slots[0].n_held == kept
-    assert slots[0].held_record()[0] == prompt[:kept]
-    # Only the rest of that chunk was thrown away.
-    assert result.prompt_tokens_wasted == min(chunk, len(prompt) - kept // chunk * chunk) - kept % chunk
-
-    # The next prompt on that sequence saves what it held into the cache.
-    generate(engine, slots[0], engine.encode(messages=others(1)[0]))
-    assert slots[0].kv_positions == slots[0].n_held
-    # The resend, on the other sequence, evaluates only what is new, and answers as the cold run did.
-    again, result, cached = generate(engine, slots[1], prompt)
-    assert cached == kept and result.prompt_tokens_reused == kept
-    assert result.prompt_tokens_evaluated == len(prompt) - kept
-    assert again == cold
-    assert slots[1].kv_positions == slots[1].n_held

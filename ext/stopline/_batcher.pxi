@@ -42,8 +42,6 @@ cdef struct Batcher:
     int64_t reruns
     # The stop conditions of the step being evaluated (the abort callback's data).
     sl.sl_group_watch group
-    # The last evaluation was stopped after llama.cpp had finished it (decode_batch).
-    bint unsure
 
 
 cdef void claim_context(Batcher *b) noexcept nogil:
@@ -104,9 +102,6 @@ cdef int32_t decode_batch(Batcher *b) noexcept nogil:
     b.group.longest_gap_ns = 0
     b.group.start_ns = sl.sl_monotonic_ns()
     status = LLAMA.batch_decode(b.ctx)
-    # Finished by llama.cpp's count, yet a check saw the stop: no physical batch
-    # of it is known to be whole (see keep_evaluated).
-    b.unsure = b.group.aborted and status == ll.SLL_OK
     return ll.SLL_ABORTED if b.group.aborted else status
 
 
@@ -308,9 +303,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
     # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
     cdef int32_t output[ll.SLL_MAX_SEQUENCES]
-    # The order the members join the batch in.
-    cdef int order[ll.SLL_MAX_SEQUENCES]
-    cdef int i, j, k, room, stopped, total, first, waiting = n, threads = 1
+    cdef int i, j, k, room, stopped, total, waiting = n, threads = 1
     cdef int32_t index, status
     cdef bint want_logits
     cdef const float *row
@@ -324,24 +317,9 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
         LLAMA.batch_clear(b.ctx)
         k = 0
         room = b.max_tokens
-        # A prompt chunk first, the leader's if it has one: llama.cpp splits a batch into
-        # physical batches from its start, so the chunk's physical batches start where a
-        # lone evaluation's do, and a stop keeps whole ones of them.
-        first = 0
-        for i in range(n):
-            if members[i] is not NULL and members[i].n_past < members[i].n_prompt:
-                first = i
-                break
-        order[0] = first
-        j = 1
-        for i in range(n):
-            if i != first:
-                order[j] = i
-                j += 1
         # Under the lock, a member can neither leave nor be stopped unseen while it joins the batch.
         sl.pthread_mutex_lock(&b.lock)
-        for j in range(n):
-            i = order[j]
+        for i in range(n):
             s = members[i]
             if s is NULL:
                 continue
@@ -419,52 +397,30 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 s.n_past += s.post_count
                 waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
             continue
-        # An aborted or failed step keeps the physical batches it finished: each
-        # member's record takes the tokens its sequence kept (keep_evaluated).
-        # Stopped part-way, the stop condition that did it still holds (the flag
-        # is sticky, deadlines only pass): its generation leaves at once, and
-        # the others evaluate the rest of their tokens again without it.
+        # One call is one physical batch, so an aborted or failed step leaves
+        # at most its own positions behind: drop them, so that each sequence's
+        # cache holds exactly the tokens of its record.
         # (A member that left is counted as stopped: it has been let go already.)
         stopped = 0
         for j in range(k):
             if included[j] < 0:
                 stopped += 1
-                continue
-            s = members[included[j]]
-            if b.group.aborted and should_stop(s):
-                keep_evaluated(b, s, True)
-                waiting -= give_result(b, members, included[j], PostResult.POST_STOPPED)
-                stopped += 1
-            elif keep_evaluated(b, s, False):
-                # Its whole posted chunk was kept, and it wanted no logits: its step is done.
-                waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
+            else:
+                LLAMA.truncate(b.ctx, members[included[j]].seq, members[included[j]].n_past)
+        # Stopped part-way: the stop condition that did it still holds (the
+        # flag is sticky, deadlines only pass). Its generation leaves at once;
+        # the others evaluate the step again without it.
+        if b.group.aborted:
+            for j in range(k):
+                if included[j] >= 0 and should_stop(members[included[j]]):
+                    waiting -= give_result(b, members, included[j], PostResult.POST_STOPPED)
+                    stopped += 1
         if stopped and waiting:
             b.reruns += 1
         if stopped == 0:
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
-
-
-cdef bint keep_evaluated(Batcher *b, LoopState *s, bint leaving) noexcept nogil:
-    """After an aborted or failed evaluation of ``s``'s posted tokens, make its record
-    say exactly what its sequence's cache holds, and leave the rest posted. llama.cpp
-    keeps the physical batches it finished and removes the positions of the one it
-    was computing (llama_context::decode), so the cache holds a prefix of the posted
-    tokens, read back here. A member that stays (not ``leaving``) gives back its last
-    token if it was kept: its logits were not read, and it is evaluated again. True
-    when nothing is left to evaluate (every token kept, and no logits wanted)."""
-    cdef int kept = 0
-    cdef bint want_logits = s.n_past + s.post_count >= s.n_prompt
-    if not b.unsure:
-        kept = LLAMA.pos_max(b.ctx, s.seq) + 1 - s.n_past
-        kept = max(0, min(kept, s.post_count))
-    if not leaving and want_logits and kept == s.post_count:
-        kept -= 1
-    LLAMA.truncate(b.ctx, s.seq, s.n_past + kept)
-    s.n_past += kept
-    s.post_count -= kept
-    return s.post_count == 0
 
 
 cdef void evaluate_from_start(Batcher *b, LoopState *s) noexcept nogil:

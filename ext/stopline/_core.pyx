@@ -660,9 +660,8 @@ cdef struct LoopState:
     int64_t end_ns
     int64_t longest_prefill_node_ns
     int64_t longest_decode_node_ns
-    # The work a stop threw away: the part of the prompt chunk an evaluation it cut short
-    # was computing that the KV cache did not keep (the chunks before it stay, and so do the
-    # physical batches of it that were finished), and how long that evaluation had run.
+    # The work a stop threw away: the prompt chunk an evaluation it cut short was computing
+    # (the chunks before it stay in the KV cache), and how long that evaluation had run.
     int prompt_tokens_wasted
     int64_t wasted_eval_ns
     # Set by an evaluation that ended before its tokens were part of any step (evaluate_in_step).
@@ -695,9 +694,6 @@ cdef class LlamaContext:
     cdef readonly tuple sequences
     cdef readonly int context_length
     cdef readonly int max_batch
-    # The most tokens llama.cpp computes at once (its physical batch): an evaluation
-    # stopped part-way keeps the ones it finished, a multiple of this many per sequence.
-    cdef readonly int physical_batch
     cdef int open_sequences
 
     def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1,
@@ -727,7 +723,6 @@ cdef class LlamaContext:
         LLAMA.set_abort(self.b.ctx, sl.sl_group_abort_callback, &self.b.group)
         self.model = model
         self.max_batch = batch
-        self.physical_batch = min(self.b.max_tokens, ll.SLL_UBATCH)
         self.context_length = LLAMA.context_n_ctx(self.b.ctx)
         self.sequences = tuple(LlamaSequence(self, seq) for seq in range(sequences))
         self.open_sequences = sequences
@@ -1223,19 +1218,15 @@ cdef void run_steps(LoopState *s) noexcept nogil:
 
 cdef bint evaluate_counted(LoopState *s, int count, bint prompt) noexcept nogil:
     """The engine's evaluation of the next ``count`` tokens. One that fails after it began
-    computing threw away the work its cache did not keep: the result reports it as wasted.
-    (The llama.cpp engine keeps the physical batches finished before a stop: n_past
-    counts them.)"""
+    computing threw its work away: the result reports it as wasted."""
     cdef int64_t start = sl.sl_monotonic_ns()
-    cdef int before = s.n_past
     s.withdrawn = False
     if s.ops.evaluate(s, count):
         return True
     if not s.withdrawn:
         s.wasted_eval_ns += sl.sl_monotonic_ns() - start
         if prompt:
-            s.prompt_tokens_wasted = count - (s.n_past - before)
-            s.n_prompt_evaluated = s.n_past - s.n_reused
+            s.prompt_tokens_wasted = count
     return False
 
 

@@ -9,7 +9,6 @@ cdef extern from "llama_abi.h" nogil:
     enum: SLL_MAX_CHUNK
     enum: SLL_MAX_BATCH
     enum: SLL_MAX_SEQUENCES
-    enum: SLL_UBATCH
 
     enum:
         SLL_OK
