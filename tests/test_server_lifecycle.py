@@ -30,12 +30,13 @@ async def test_greedy_chat_streams_tokens_then_done(server, logs):
         accepted = await client.generate("r1", messages=CHAT_FRANCE, temperature=0, max_tokens=32)
         assert accepted.pop("request_id") != "r1" and len(accepted.pop("cancel_token")) >= 32
         prompt_tokens = accepted.pop("prompt_tokens")
-        assert accepted == {"type": "accepted", "id": "r1", "queue_position": 0}
+        model = server.engine.name
+        assert accepted == {"type": "accepted", "id": "r1", "queue_position": 0, "model": model}
         done = await client.terminal("r1")
         tokens = client.tokens("r1")
         assert [t["index"] for t in tokens] == list(range(len(tokens)))
         assert "Paris" in "".join(t["text"] for t in tokens)
-        assert done["type"] == "done" and done["tokens_generated"] == len(tokens)
+        assert done["type"] == "done" and done["tokens_generated"] == len(tokens) and done["model"] == model
         assert done["reason"] == ("max_tokens" if len(tokens) == 32 else "eos")
         assert done["prompt_tokens"] == prompt_tokens > 20
         assert done["ttft_ms"] > 0 and done["duration_ms"] >= done["ttft_ms"]
