@@ -1,5 +1,6 @@
 # Static metadata lives in pyproject.toml; this file only declares the extension,
 # and ships the llama.cpp engine's library (and its shim's sources) with the package.
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,12 +22,14 @@ class BuildPyWithLlama(build_py):
         target = Path(self.build_lib) / "stopline" / "_native"
         target.mkdir(parents=True, exist_ok=True)
         for source in LLAMA_SHIM_SOURCES:
-            self.copy_file(source, str(target / Path(source).name))
+            shutil.copy(source, target / Path(source).name)
         if not getattr(self, "editable_mode", False):
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from stopline.engine.llama_build import PACKAGED_LIBRARY, ensure_llama_library
 
-            self.copy_file(str(ensure_llama_library()), str(target / PACKAGED_LIBRARY))
+            # Copied whatever the times say: the cached library of other shim sources may be older
+            # than the one a previous build left here (copy_file keeps a newer target).
+            shutil.copy(ensure_llama_library(), target / PACKAGED_LIBRARY)
 
 
 setup(

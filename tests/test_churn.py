@@ -115,10 +115,10 @@ async def websocket_churn(
 
 
 async def test_http_keep_alive_churn_levels_off(llama_engine, logs):
-    slope = await http_churn(llama_engine, logs, remembered=100, warm_up_rounds=2, rounds=5, per_round=200)
+    slope = await http_churn(llama_engine, logs, remembered=100, warm_up_rounds=2, rounds=5, per_round=120)
     assert slope < SLOPE_BYTES_PER_1000, f"the heap grows {slope / 1024:.0f} KiB per 1,000 requests"
 
 
 async def test_websocket_churn_levels_off(llama_engine, logs):
-    slope = await websocket_churn(llama_engine, logs, remembered=100, warm_up_rounds=2, rounds=5, per_round=200)
+    slope = await websocket_churn(llama_engine, logs, remembered=100, warm_up_rounds=2, rounds=5, per_round=120)
     assert slope < SLOPE_BYTES_PER_1000, f"the heap grows {slope / 1024:.0f} KiB per 1,000 requests"
