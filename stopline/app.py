@@ -68,7 +68,8 @@ from .registry import Registry
 from .residency import LazyModel, Loader, Residency, Running
 from .responses_api import ResponsesApi
 from .scheduler import Scheduler
-from .session import ClientSession, Services, WebSocketTransport
+from .services import OpenSession, Services
+from .session import ClientSession, WebSocketTransport
 from .settings import Settings, served_names
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ class StoplineServer:
             self.http.app.add_routes(embeddings.routes())
 
     @property
-    def sessions(self) -> set[ClientSession]:
+    def sessions(self) -> set[OpenSession]:
         """Every open session: one a WebSocket connection, one an HTTP generation."""
         return self.services.sessions
 

@@ -65,7 +65,8 @@ from .protocol.validation import (
 from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal, Status
 from .registry import Entry
 from .residency import Catalog
-from .session import ClientSession, Services
+from .services import Services
+from .session import ClientSession
 from .settings import Settings
 from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .api.openai_fields import ServedModels
     from .engine.loop import Engine
     from .scheduler import Scheduler
-    from .session import Services
+    from .services import Services
 
 
 @dataclass(frozen=True)

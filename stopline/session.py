@@ -18,19 +18,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from .auth import ApiKey, Keyring
+from .auth import ApiKey
 from .edge import peer_name
-from .observability import Metrics, log, log_accepted, log_end
+from .observability import log, log_accepted, log_end
 from .protocol.connection import (
     Action,
-    AddressQuota,
     Cancel,
     Connection,
     Draft,
@@ -42,11 +40,9 @@ from .protocol.connection import (
 )
 from .protocol.errors import Busy, InsufficientMemory
 from .protocol.frames import Frame, GenerateFrame, as_error, encode_frame
-from .protocol.requests import GenerationResult, Limits, Request
+from .protocol.requests import GenerationResult, Request
 from .protocol.vocabulary import Reason
-from .quota import Quotas
-from .registry import Registry
-from .scheduler import Scheduler
+from .services import Services
 from .tasks import stop_tasks
 
 if TYPE_CHECKING:
@@ -65,29 +61,6 @@ class Transport(Protocol):
     async def send(self, frame: Frame) -> None:
         """Write ``frame``; waits while the client does not read. Raises ConnectionError
         (or websockets' ConnectionClosed) when the client has gone."""
-
-
-@dataclass
-class Services:
-    """What a session needs of the server, and nothing more: of one model's, when several are
-    served (each has its own; they share everything but the model, its encoder, limits and scheduler)."""
-
-    # The name the model is reported under, in the greeting, the end line and the metrics.
-    model: str
-    encode: Callable[[str | None, list | None], list[int]]
-    limits: Limits
-    scheduler: Scheduler
-    registry: Registry
-    metrics: Metrics
-    quotas: Quotas
-    keyring: Keyring
-    address_quota: AddressQuota
-    # Prompts are tokenized here: a lane for short prompts, and one for long ones.
-    tokenizer_lanes: tuple[Executor, Executor]
-    # How long a send may wait for a client that stopped reading before its request is cancelled.
-    slow_consumer_grace_s: float
-    # Every open session, so that a shutdown can stop what each has started.
-    sessions: set[ClientSession] = field(default_factory=set)
 
 
 @dataclass(eq=False)

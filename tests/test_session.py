@@ -22,7 +22,8 @@ from stopline.protocol.vocabulary import STATUS_BY_OUTCOME, Outcome, Reason
 from stopline.quota import Quotas
 from stopline.registry import Registry
 from stopline.scheduler import Scheduler
-from stopline.session import ClientSession, Services
+from stopline.services import Services
+from stopline.session import ClientSession
 from stopline.settings import Settings
 
 
