@@ -39,6 +39,7 @@ from stopline.settings import cache_dir
 from .drivers.llama_server import LlamaServerDriver, call_json, ensure_llama_server
 from .launch import ServerProcess, confine_to
 from .machine import load_average, machine
+from .report import BENCH_DIR, write_results_section
 from .tables import fmt, table
 
 AIPERF_VERSION = "0.13.0"
@@ -408,6 +409,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aiperf", metavar="PATH", help="an aiperf command to use (default: installed into the cache)")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds one aiperf run may take")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench/out/aiperf)")
+    p.add_argument("--results-md", action="store_true", help="also write the run's section of bench/RESULTS.md")
     args = p.parse_args(argv)
     if not (args.llama_server or args.build_llama_server):
         p.error("llama-server needs --llama-server PATH or --build-llama-server")
@@ -542,6 +544,8 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     markdown = report(results)
     (out / "report.md").write_text(markdown)
+    if args.results_md:
+        write_results_section(BENCH_DIR / "RESULTS.md", f"aiperf-{args.model}", markdown)
     print(markdown)
     print(f"results: {out / 'results.json'}\nreport: {out / 'report.md'}", file=sys.stderr)
     return 0

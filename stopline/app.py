@@ -142,8 +142,8 @@ class StoplineServer:
             for each, served in zip(engines, names, strict=True)
         ]
         self.scheduler = schedulers[0]
-        self.metrics.slots.set(settings.workers * len(engines))
-        self._eager_slots = settings.workers * len(engines)
+        self._eager_slots = sum(each.workers for each in schedulers)
+        self.metrics.slots.set(self._eager_slots)
         self.metrics.set_abort_mode(engine.abort_mode)
         # The Host and Origin rules, and what clients are told to connect to (a wildcard address is not one).
         origin_policy, self.public_host = host_rules(settings.host, settings.allowed_origins, settings.allowed_hosts)
@@ -223,7 +223,7 @@ class StoplineServer:
         ]
         # With a memory budget, a model loads once it fits beside those in memory (residency.py).
         if settings.memory_budget_bytes:
-            fixed = sum(engine_memory_bytes(each, settings.workers) for each in engines)
+            fixed = sum(engine_memory_bytes(each.engine, each.workers) for each in schedulers)
             residency = Residency(settings.memory_budget_bytes, fixed, self.lazy)
             for model in self.lazy:
                 model.residency = residency
@@ -281,12 +281,11 @@ class StoplineServer:
         )
         limits = settings.limits_for(engine)
         services = replace(self.services, model=name, encode=_encoder(engine), limits=limits, scheduler=scheduler)
-        loaded = sum(m.loaded for m in self.lazy) + 1
-        self.metrics.slots.set(self._eager_slots + settings.workers * loaded)
+        self.metrics.slots.set(self._eager_slots + self._lazy_slots() + scheduler.workers)
         chat_format = ChatFormat.of(engine.tokenizer.chat_template, settings.chat_template)
         if chat_format is ChatFormat.PLAIN_TEXT:
             _warn_no_chat_template(name)
-        measured = engine_memory_bytes(engine, settings.workers) if settings.memory_budget_bytes else 0
+        measured = engine_memory_bytes(engine, scheduler.workers) if settings.memory_budget_bytes else 0
         return Running(engine, scheduler, services, chat_format, measured)
 
     async def _stop_model(self, running: Running) -> None:
@@ -296,7 +295,11 @@ class StoplineServer:
         await running.scheduler.shutdown(keep=engine.keep_in_prompt_cache if engine.prompt_cache else None)
         engine.prompt_cache = None
         await asyncio.to_thread(_free_engine, engine)
-        self.metrics.slots.set(self._eager_slots + self.settings.workers * sum(m.loaded for m in self.lazy))
+        self.metrics.slots.set(self._eager_slots + self._lazy_slots())
+
+    def _lazy_slots(self) -> int:
+        """The slots of the models beyond the first that are loaded now."""
+        return sum(model.running.scheduler.workers for model in self.lazy if model.running is not None)
 
     @property
     def port(self) -> int:
@@ -355,7 +358,7 @@ class StoplineServer:
             model=self.models.primary,
             chat_format=str(self.models.chat_format),
             engine=str(self.engine.kind),
-            workers=self.settings.workers,
+            workers=self.scheduler.workers,
             batching=str(self.scheduler.batching),
             threads=self.engine.threads,
             context_length=self.engine.context_length,

@@ -82,14 +82,14 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        workers: int,
+        workers: int | None,
         max_queue: int,
         window: int = Settings.window,
         metrics=None,
         threads: int | None = None,
         batching: Batching | None = None,
     ):
-        if workers < 1 or max_queue < 0:
+        if (workers is not None and workers < 1) or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
         self.engine = engine
         # Compute threads per generation; None: the engine's threads (the cores), shared
@@ -103,14 +103,15 @@ class Scheduler:
         # Whether the running generations share each evaluation (the llama.cpp engine's
         # continuous batching) or evaluate each on its own context.
         self.batching = batching or engine.batching
-        self._workers = workers
+        # None: the slots the engine is sized for.
+        self._workers = workers or engine.sequences
         # Free slots, least recently used first. Generations in shared steps get spare sequences
         # beyond the workers: a request of higher priority starts on one while the generation
         # it preempts keeps its own sequence, and its cache (see _preempt).
         spare = PREEMPTION_SLOTS if self.batching is Batching.SHARED else 0
-        self._free = deque(engine.open_slots(workers + spare, self.batching))
+        self._free = deque(engine.open_slots(self._workers + spare, self.batching))
         self._slots = list(self._free)
-        self._executor = ThreadPoolExecutor(max_workers=workers + spare, thread_name_prefix="stopline-slot")
+        self._executor = ThreadPoolExecutor(max_workers=self._workers + spare, thread_name_prefix="stopline-slot")
         # Waiting requests, by priority (lower first), then in order of arrival.
         self._queue: deque[tuple[Request, Sink]] = deque()
         self._queue_timers: dict[Request, asyncio.TimerHandle] = {}

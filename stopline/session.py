@@ -121,7 +121,8 @@ class ClientSession:
 
     async def open(self) -> None:
         """The connection opened: greet the client."""
-        await self.perform(self.protocol.hello(self.services.model))
+        models = self.catalog.names if self.catalog is not None else ()
+        await self.perform(self.protocol.hello(self.services.model, models))
 
     async def receive_text(self, text: str, now_ns: int) -> None:
         await self._feed(lambda: self.protocol.receive_text(text, now_ns))

@@ -105,7 +105,8 @@ class Settings:
     abort_mode: AbortMode = AbortMode.IN_STEP
     # Prompt tokens per evaluation; None: what suits the abort mode in force.
     prefill_chunk: int | None = None
-    workers: int = 4
+    # Generation slots; None: what the engine is sized for (Engine.sequences).
+    workers: int | None = None
     # How the llama.cpp engine evaluates the generations that run at once; None: the engine's
     # own way (Engine.batching): shared steps on llama.cpp.
     batching: Batching | None = None
@@ -597,7 +598,14 @@ FLAGS = [
         "2023-era Llama-family files (the embedded model converted once for it) and needs no build "
         "(docs/models.md)",
     ),
-    Flag("--workers", "workers", POSITIVE, "generation slots: users served at once"),
+    Flag(
+        "--workers",
+        "workers",
+        POSITIVE,
+        "generation slots: users served at once",
+        default_text="llama.cpp: 4, as llama-server, or up to 8 where each holds the model's trained context in a "
+        "quarter of the memory (the startup line slots_sized says what was chosen); ctransformers: `4`",
+    ),
     Flag(
         "--batching",
         "batching",
@@ -633,7 +641,7 @@ FLAGS = [
         integer(2),
         "tokens per slot, up to the model's limit",
         default_text="llama.cpp: the model's trained context, as far as every slot's fits a quarter of "
-        "the memory (the startup line context_sized says what was chosen); ctransformers: `2048`",
+        "the memory (the startup line slots_sized says what was chosen); ctransformers: `2048`",
     ),
     Flag(
         "--abort-mode",

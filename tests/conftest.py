@@ -100,9 +100,11 @@ def prompt_cache_apart(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_engine() -> Engine:
     """The embedded SmolLM2 on the llama.cpp engine, the default: one compute thread per slot,
-    as on two cores by default, and 2,048 tokens per slot, which every test fits (a context
-    sized from the model is 4 times as large, and slower to create for each test's server)."""
-    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, context_length=2048, progress=False)
+    as on two cores by default, and 4 slots of 2,048 tokens, which every test fits (slots sized
+    from the model and the memory are 8 of 4 times as many tokens, slower to create for each
+    test's server; a test that fills every slot and queues one more does it on one connection,
+    whose live requests are 8 at most)."""
+    return Engine.load(engine=EngineName.LLAMA_CPP, threads=1, context_length=2048, progress=False, sequences=4)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from stopline.engine.loop import Engine, engine_memory_bytes, file_memory_bytes
 from stopline.engine.model import gemma_gguf_path
 from stopline.protocol.vocabulary import EngineName
 from stopline.residency import Loader
-from stopline.settings import MIB, Settings, keep_alive
+from stopline.settings import MIB, keep_alive
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, client_for, openai_client, running_server, wait_for
 
 NAMES = ("smol", "gemma")
@@ -192,11 +192,10 @@ async def test_a_client_that_leaves_during_the_load_ends_with_client_disconnecte
 async def test_a_memory_budget_unloads_the_least_recently_used_idle_model_and_never_a_busy_one(llama_engine, logs):
     """Three Gemmas beside SmolLM2, and room for two: each load unloads the idle model used least
     recently, never one that is generating; with none idle, the request is refused."""
-    workers = Settings.workers
-    gemma = file_memory_bytes(gemma_gguf_path(progress=False), workers, 2048)
+    gemma = file_memory_bytes(gemma_gguf_path(progress=False), None, 2048)
     # Its file and its slots' KV cache: more than the file alone.
     assert gemma > gemma_gguf_path(progress=False).stat().st_size
-    fixed = engine_memory_bytes(llama_engine, workers)
+    fixed = engine_memory_bytes(llama_engine, llama_engine.sequences)
     budget_mib = -(-(fixed + 2 * gemma) // MIB)
     assert (fixed + 3 * gemma) > budget_mib * MIB
     names = ("smol", "a", "b", "c")
@@ -302,6 +301,8 @@ async def test_websocket_requests_on_one_connection_run_on_the_models_they_name(
         ) as server,
         client_for(server) as ws,
     ):
+        # The greeting names every model a frame may name, loaded or not, and the one it runs on unnamed.
+        assert ws.hello["model"] == NAMES[0] and ws.hello["models"] == list(NAMES)
         # Not loaded yet: the first frame that names it loads it, as an HTTP request would.
         ask = {"type": "generate", "messages": CHAT_FRANCE, "max_tokens": 8, "temperature": 0}
         await ws.send({**ask, "id": "g", "model": "gemma"})

@@ -24,12 +24,12 @@ import pytest
 from bench.launch import run_stopline
 from stopline import _core
 from stopline.engine.llama_build import cached_library
-from stopline.engine.loop import KV_MEMORY_SHARE, Engine, kv_bytes_per_token, sized_context
+from stopline.engine.loop import KV_MEMORY_SHARE, MAX_SEQUENCES, Engine, kv_bytes_per_token, sized_slots
 from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.engine.model_check import ModelFileError, read_gguf_metadata
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
-from stopline.protocol.vocabulary import AbortMode, Batching, EngineName
+from stopline.protocol.vocabulary import TERMINAL_TYPES, AbortMode, Batching, EngineName
 from support import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -100,35 +100,70 @@ def reference(engine: Engine, prompt: list[int], max_tokens: int) -> Reference:
         alone.close()
 
 
-async def test_by_default_each_of_four_shared_slots_holds_the_models_trained_context(logs):
-    # The README's command: the embedded model, 4 slots in shared steps, its 8,192-token context.
+async def test_by_default_eight_shared_slots_each_hold_the_models_trained_context(logs):
+    # The README's command: the embedded model in shared steps, with as many slots of its
+    # 8,192-token context as fit a quarter of the memory, up to 8 (a test machine has room for 8).
     engine = Engine.load(engine=EngineName.LLAMA_CPP, threads=1, progress=False)
     assert engine.context_length == 8192 == engine.model.context_limit
-    [sized] = logs.records("context_sized")
-    assert sized["context_length"] == 8192 and sized["sequences"] == 4
-    assert sized["why"] == "the model's trained context"
+    [sized] = logs.records("slots_sized")
+    assert sized["context_length"] == 8192 and sized["sequences"] == engine.sequences == MAX_SEQUENCES
+    assert sized["why"] == "8 sequences: as many as fit, up to 8; the model's trained context"
     async with running_server(engine) as server:
-        assert server.scheduler.batching is Batching.SHARED and server.scheduler.workers == 4
-        assert logs.records("server_started")[0]["batching"] == "shared"
+        assert server.scheduler.batching is Batching.SHARED and server.scheduler.workers == MAX_SEQUENCES
+        assert logs.records("server_started")[0]["workers"] == MAX_SEQUENCES
         async with client_for(server) as client:
             # Longer than the 2,048 tokens a slot held by default before.
             accepted = await client.generate("long", prompt="The history of bread is long. " * 450, max_tokens=4)
             assert accepted["type"] == "accepted" and accepted["prompt_tokens"] > 3031
             done = await client.terminal("long", timeout=120 * UNIT)
-    assert done["type"] == "done" and done["tokens_generated"] == 4
+            assert done["type"] == "done" and done["tokens_generated"] == 4
+            # Eight users at once: each starts at once (none is queued), beside the others.
+            users = [f"user{n}" for n in range(MAX_SEQUENCES)]
+            for n, user in enumerate(users):
+                accepted = await client.generate(user, prompt=f"{n}. Tell me a long story.", max_tokens=400)
+                assert accepted["queue_position"] == 0, user
+            for user in users:
+                await client.send({"type": "cancel", "id": user})
+            ended = {}
+            while len(ended) < len(users):
+                frame = await client.recv_until(lambda f: f["type"] in TERMINAL_TYPES, timeout=60)
+                ended[frame["id"]] = frame["type"]
+    assert ended == dict.fromkeys(users, "cancelled")
 
 
-def test_a_context_sized_from_the_model_fits_the_kv_caches_share_of_memory(engine, logs):
+def test_the_slots_are_llama_servers_four_or_as_many_as_hold_the_trained_context_up_to_eight(engine, logs):
     # SmolLM2: 30 layers, 3 KV heads of 64 dimensions, K and V in f16.
     per_token = kv_bytes_per_token(engine.model)
     assert per_token == 30 * 3 * (64 + 64) * 2
+
+    def memory_for(sequences: int, context: int) -> int:
+        return int(sequences * context * per_token / KV_MEMORY_SHARE)
+
+    assert sized_slots(engine.model, None, None, memory_for(6, 8192)) == (6, 8192)
+    assert logs.records("slots_sized")[-1]["why"] == "6 sequences: as many as fit, up to 8; the model's trained context"
+    assert sized_slots(engine.model, None, None, memory_for(100, 8192)) == (8, 8192)
+    # Too little for 4 of the trained context: 4, each with what fits.
+    assert sized_slots(engine.model, None, None, memory_for(4, 4096)) == (4, 4096)
+    assert logs.records("slots_sized")[-1]["why"] == (
+        "4 sequences: llama-server's parallel sequences; the context that fits the KV cache's share of memory"
+    )
+    # A context asked for is what the sequences are counted in.
+    assert sized_slots(engine.model, None, 2048, memory_for(7, 2048)) == (7, 2048)
+    # Asked for both: nothing is sized, and nothing said.
+    logs.clear()
+    assert sized_slots(engine.model, 3, 1024, 1) == (3, 1024)
+    assert not logs.records("slots_sized")
+
+
+def test_a_context_sized_from_the_model_fits_the_kv_caches_share_of_memory(engine, logs):
+    per_token = kv_bytes_per_token(engine.model)
     # Memory for 4 slots of 4,096 tokens: the trained 8,192 is halved.
     memory = int(4 * 4096 * per_token / KV_MEMORY_SHARE)
-    assert sized_context(engine.model, 4, memory) == 4096
-    assert logs.records("context_sized")[-1]["why"] == "what fits the KV cache's share of memory"
+    assert sized_slots(engine.model, 4, None, memory) == (4, 4096)
+    assert logs.records("slots_sized")[-1]["why"] == "the context that fits the KV cache's share of memory"
     # Never under 2,048 tokens, nor over the trained context.
-    assert sized_context(engine.model, 4, 1 << 20) == 2048
-    assert sized_context(engine.model, 1, 1 << 50) == 8192
+    assert sized_slots(engine.model, 4, None, 1 << 20) == (4, 2048)
+    assert sized_slots(engine.model, 1, None, 1 << 50) == (1, 8192)
 
 
 def test_the_engine_proves_its_abort_and_names_itself(engine):

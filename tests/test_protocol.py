@@ -636,6 +636,8 @@ def test_the_greeting_and_a_failed_frame_are_actions_too():
     conn = connection()
     [hello] = frames(conn.hello("m"))
     assert hello["type"] == "hello" and hello["limits"]["max_tokens"] == 16
+    assert hello["model"] == "m" and hello["models"] == ["m"]
+    assert frames(conn.hello("m", ("m", "other")))[0]["models"] == ["m", "other"]
     # The defaults a client shows are the ones a frame that leaves a field out gets.
     assert hello["defaults"]["max_tokens"] == DEFAULT_SAMPLING.max_tokens == 1024
     assert hello["defaults"] == {name: getattr(DEFAULT_SAMPLING, name) for name in hello["defaults"]}

@@ -266,7 +266,10 @@ def test_help_shows_defaults_and_which_model_files_work():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "--port PORT port to listen on (0: any free port) (default: 8765)" in text
-    assert "--workers WORKERS generation slots: users served at once (default: 4)" in text
+    assert (
+        "--workers WORKERS generation slots: users served at once (default: llama.cpp: 4, as llama-server, or up"
+        in text
+    )
     assert "Model files: The ctransformers engine runs GGUF v2-v3 files of architecture llama" in text
     client = run_stopline("--help", module="stopline.client", timeout=60 * UNIT)
     help_text = " ".join(client.stdout.split())

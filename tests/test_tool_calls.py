@@ -197,6 +197,46 @@ async def test_closing_the_stream_inside_a_call_stops_the_model(server, logs):
     await client.close()
 
 
+async def test_a_delete_by_the_clients_id_inside_a_streamed_call_ends_it_with_one_final_chunk(server, http, logs):
+    """An agent's Stop while the model writes a call's arguments: a DELETE, from another connection,
+    by the id and token the agent chose. The stream ends with one final chunk, which says how; the
+    arguments read are a prefix of what the model wrote, and nothing came after the cancel."""
+    client = openai_client(server, GRAMMAR_TIMEOUT)
+    request_id, token = "agent-turn.7", "an-agents-own-cancel-token"
+    stream = await client.chat.completions.create(
+        model=server.engine.name,
+        messages=[{"role": "user", "content": "Store many numbers."}],
+        tools=[SLOW_TOOL],
+        tool_choice="required",
+        max_tokens=1500,
+        stream=True,
+        extra_headers={"X-Request-Id": request_id, "X-Cancel-Token": token},
+    )
+    pieces, finals, deleted = [], [], None
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        pieces += [d.function.arguments for d in choice.delta.tool_calls or [] if d.function.arguments]
+        if choice.finish_reason:
+            finals.append((choice.finish_reason, chunk.model_extra["stopline"]))
+        if len(pieces) == 5 and deleted is None:
+            async with http.delete(
+                f"{server.http.base_url}/generations/{request_id}", headers={"Authorization": f"Bearer {token}"}
+            ) as response:
+                deleted = response.status, await response.json()
+    assert deleted == (200, {"request_id": request_id, "status": "cancelled"})
+    [(finish_reason, end)] = finals
+    assert finish_reason == "stop" and end["type"] == "cancelled" and end["reason"] == "user_cancelled"
+    assert end["tokens_after_cancel"] == 0 and len(pieces) <= end["tokens_generated"] < 1500
+    # A cut call: the start of an object, never a whole one.
+    arguments = "".join(pieces)
+    assert arguments.lstrip().startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
+    [record] = await cancelled_records(logs, request_id)
+    assert record["reason"] == "user_cancelled" and record["tokens_after_cancel"] == 0
+    await client.close()
+
+
 # Schemas with each keyword the grammar holds, and a check beyond jsonschema's where it has none.
 KEYWORD_SCHEMAS = {
     "pattern": (

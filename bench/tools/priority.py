@@ -4,8 +4,9 @@ Starts ``python -m stopline`` with its defaults and measures, each user on a Web
 connection of its own, the time from sending ``generate`` to the first token frame (TTFT):
 
 * unloaded: a short request of priority 0, alone, ``--unloaded`` times;
-* queue: as many long greedy generations as the server has workers, then requests 5 to 8
-  (the short request, default priority) sent one by one, ``--arrival-gap-s`` apart;
+* queue: 4 long greedy generations (llama-server's parallel sequences), then requests 5 to 8
+  (the short request, default priority) sent one by one, ``--arrival-gap-s`` apart: queued
+  where the server has 4 workers, started at once where it has 8;
 * priority: 8 long greedy generations of priority 10 (``ignore_eos``, so that each runs its
   full length), and while they run, the short request at priority 0, ``--highs-per-round``
   times a round, each once the one before it has ended and ``--arrival-gap-s`` has passed.
@@ -61,6 +62,8 @@ OPENINGS = [
     "The letter arrived on a Tuesday, addressed to a man who had died",
 ]
 CONCURRENT = len(OPENINGS)
+# The users before requests 5 to 8: as many as llama-server serves at once by default.
+FIRST_USERS = 4
 DONE = END_EVENTS[Outcome.DONE]
 
 
@@ -203,9 +206,9 @@ class Bench:
         return calls
 
     async def queue_round(self, round_: int) -> dict:
-        longs = await self.start_longs(f"queue{round_}", self.workers, None)
+        longs = await self.start_longs(f"queue{round_}", FIRST_USERS, None)
         queued = []
-        for _ in range(self.workers + 1, CONCURRENT + 1):
+        for _ in range(FIRST_USERS + 1, CONCURRENT + 1):
             queued.append(self.next_short(f"queue{round_}", None).start(self.session, self.server.ws_url))
             await asyncio.sleep(self.args.arrival_gap_s)
         await asyncio.gather(*(call.ended() for call in longs + queued))
@@ -394,7 +397,7 @@ def ttft_table(result: dict) -> str:
     cases = result["ttft"]
     names = {
         "unloaded": "a short request alone (priority 0)",
-        "queue": "requests 5 to 8, with the workers busy (default priority)",
+        "queue": "requests 5 to 8, with 4 long generations running (default priority)",
         "priority": f"priority 0 among {CONCURRENT} generations of priority {LOW}, preempting one",
     }
     rows = [

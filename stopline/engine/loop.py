@@ -69,6 +69,15 @@ DEFAULT_PREFILL_CHUNK = {
 # to fit this share (the cache is allocated whole when the context is created).
 KV_MEMORY_SHARE = 0.25
 
+# Generations served at once when --workers is not given: llama-server's 4 parallel sequences
+# at least, so that nobody who would be served there waits here. On llama.cpp, up to
+# MAX_SEQUENCES where each still holds its whole context in the KV cache's share of memory:
+# a 5th to 8th user then starts at once, in the running step, instead of waiting for a whole
+# answer. Beyond that, every sequence added makes each running stream's step longer, for
+# everyone; the queue (and priority) serve the rest.
+DEFAULT_SEQUENCES = 4
+MAX_SEQUENCES = 8
+
 
 def _result_of(loop: _core.LoopResult) -> GenerationResult:
     """The native loop's result, field for field, as the protocol reads it."""
@@ -105,6 +114,8 @@ class Engine:
     batching: Batching
     name: str
     model_path: Path
+    # The slots it is sized for: what the server opens unless --workers says otherwise.
+    sequences: int = DEFAULT_SEQUENCES
     context_length: int
     vocab_size: int
     threads: int
@@ -131,14 +142,15 @@ class Engine:
         abort_mode: AbortMode | str = Settings.abort_mode,
         progress: bool = True,
         llama_library: str | os.PathLike | None = None,
-        sequences: int = Settings.workers,
+        sequences: int | None = Settings.workers,
         gpu_layers: int | None = Settings.gpu_layers,
     ) -> Engine:
         """Load ``model_path`` (default: the embedded SmolLM2 model, fetched once) on ``engine``.
 
-        ``context_length`` is each slot's; by default, on llama.cpp, the model's trained
-        context, as far as ``sequences`` slots of it fit the KV cache's share of memory
-        (``sized_context``), and on ctransformers DEFAULT_CONTEXT_LENGTH. ``prefill_chunk``
+        ``sequences`` are the slots the engine is sized for (:attr:`sequences`), and
+        ``context_length`` is each slot's; by default, on llama.cpp, both are sized from the model
+        and the memory (:func:`sized_slots`), and on ctransformers they are DEFAULT_SEQUENCES of
+        DEFAULT_CONTEXT_LENGTH. ``prefill_chunk``
         defaults to the size that suits the abort mode in force. ``gpu_layers`` are offloaded
         (llama.cpp only; GPU_LAYERS_ALL: every one; None: every one where there is a device)."""
         if context_length is not None and context_length < 1:
@@ -161,7 +173,7 @@ class Engine:
             )
         if gpu_layers:
             _gpu_unavailable(gpu_layers, "the ctransformers engine computes on the CPU only")
-        return CtransformersEngine.from_file(
+        loaded = CtransformersEngine.from_file(
             model_path,
             model_type,
             context_length or DEFAULT_CONTEXT_LENGTH,
@@ -170,6 +182,8 @@ class Engine:
             abort_mode,
             progress,
         )
+        loaded.sequences = sequences or DEFAULT_SEQUENCES
+        return loaded
 
     def open_slot(self) -> _core.Slot:
         """A new native context for this model. Close it with ``slot.close()``."""
@@ -421,17 +435,16 @@ class LlamaEngine(Engine):
         threads: int,
         prefill_chunk: int | None,
         abort_mode: AbortMode,
-        sequences: int = Settings.workers,
+        sequences: int | None = Settings.workers,
     ):
         self.model = model
         self.model_path = model_path
         self.name = name
         self._cache_keys: dict[tuple, str] = {}
         self.threads = threads
-        if context_length is None:
-            context_length = sized_context(model, sequences, physical_memory() or 0)
-        elif model.context_limit and context_length > model.context_limit:
+        if model.context_limit and context_length is not None and context_length > model.context_limit:
             raise SettingError(f"context_length {context_length} exceeds the model's limit of {model.context_limit}")
+        self.sequences, context_length = sized_slots(model, sequences, context_length, physical_memory() or 0)
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
         self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][AbortMode.IN_STEP]
         probe = _core.LlamaContext(model, context_length, self._batch, threads).sequences[0]
@@ -468,7 +481,7 @@ class LlamaEngine(Engine):
         abort_mode: AbortMode,
         progress: bool,
         library: str | os.PathLike | None = None,
-        sequences: int = Settings.workers,
+        sequences: int | None = Settings.workers,
         gpu_layers: int | None = Settings.gpu_layers,
     ) -> LlamaEngine:
         """The embedded model's original GGUF when ``model_path`` is None. The engine's
@@ -567,32 +580,58 @@ def kv_bytes_per_token(model: _core.LlamaModel | _FileMetadata) -> int | None:
     return layers * kv_heads * (key + value) * 2
 
 
-def _fitted_context(model: _core.LlamaModel | _FileMetadata, sequences: int, memory: int) -> int:
+def _fitted(
+    model: _core.LlamaModel | _FileMetadata, sequences: int | None, context_length: int | None, memory: int
+) -> tuple[int, int, str]:
+    """The sequences and each one's context that :func:`sized_slots` chooses, and why."""
     trained = model.context_limit or DEFAULT_CONTEXT_LENGTH
     per_token = kv_bytes_per_token(model)
     budget = int(memory * KV_MEMORY_SHARE)
-    fits = budget // (per_token * sequences) // 256 * 256 if per_token else trained
-    return min(trained, max(fits, DEFAULT_CONTEXT_LENGTH))
+    whys = []
+    if sequences is None:
+        whole = context_length or trained
+        fit = budget // (per_token * whole) if per_token else DEFAULT_SEQUENCES
+        sequences = min(MAX_SEQUENCES, max(DEFAULT_SEQUENCES, fit))
+        whys.append(
+            f"{sequences} sequences: "
+            + (
+                "llama-server's parallel sequences"
+                if sequences == DEFAULT_SEQUENCES
+                else f"as many as fit, up to {MAX_SEQUENCES}"
+            )
+        )
+    if context_length is None:
+        fits = budget // (per_token * sequences) // 256 * 256 if per_token else trained
+        context_length = min(trained, max(fits, DEFAULT_CONTEXT_LENGTH))
+        whys.append(
+            "the model's trained context"
+            if context_length == trained
+            else "the context that fits the KV cache's share of memory"
+        )
+    return sequences, context_length, "; ".join(whys)
 
 
-def sized_context(model: _core.LlamaModel, sequences: int, memory: int) -> int:
-    """Each slot's context when none is asked for: the model's trained context, shortened
-    (to a multiple of 256, and never under DEFAULT_CONTEXT_LENGTH) until ``sequences`` slots
-    of it fit KV_MEMORY_SHARE of ``memory``. Says in one line what it chose and why."""
-    trained = model.context_limit or DEFAULT_CONTEXT_LENGTH
-    per_token = kv_bytes_per_token(model)
-    budget = int(memory * KV_MEMORY_SHARE)
-    chosen = _fitted_context(model, sequences, memory)
-    log.info(
-        "context_sized",
-        context_length=chosen,
-        sequences=sequences,
-        trained_context=model.context_limit or None,
-        kv_bytes=per_token * sequences * chosen if per_token else None,
-        kv_budget_bytes=budget,
-        why="the model's trained context" if chosen == trained else "what fits the KV cache's share of memory",
-    )
-    return chosen
+def sized_slots(
+    model: _core.LlamaModel, sequences: int | None, context_length: int | None, memory: int
+) -> tuple[int, int]:
+    """The slots and each one's context, where either is not asked for (None). Sequences:
+    DEFAULT_SEQUENCES, or up to MAX_SEQUENCES while each holds its context in KV_MEMORY_SHARE of
+    ``memory``. Context: the model's trained context, shortened (to a multiple of 256, and never
+    under DEFAULT_CONTEXT_LENGTH) until the sequences fit that share. Says in one line what it
+    chose and why."""
+    chosen, context, why = _fitted(model, sequences, context_length, memory)
+    if why:
+        per_token = kv_bytes_per_token(model)
+        log.info(
+            "slots_sized",
+            sequences=chosen,
+            context_length=context,
+            trained_context=model.context_limit or None,
+            kv_bytes=per_token * chosen * context if per_token else None,
+            kv_budget_bytes=int(memory * KV_MEMORY_SHARE),
+            why=why,
+        )
+    return chosen, context
 
 
 class _FileMetadata:
@@ -612,10 +651,10 @@ class _FileMetadata:
         return int(limit) if limit is not None and limit.isdigit() else 0
 
 
-def file_memory_bytes(path: Path, sequences: int, context_length: int | None) -> int:
+def file_memory_bytes(path: Path, sequences: int | None, context_length: int | None) -> int:
     """What serving the model file ``path`` takes in memory, known before it loads: the file (its
-    weights) and the KV cache of ``sequences`` slots of ``context_length`` tokens, or of the context
-    :func:`sized_context` would choose. A file whose header says no shapes (a GGML file) counts its
+    weights) and the KV cache of ``sequences`` slots of ``context_length`` tokens, or of those
+    :func:`sized_slots` would choose. A file whose header says no shapes (a GGML file) counts its
     size alone."""
     size = path.stat().st_size
     try:
@@ -625,7 +664,7 @@ def file_memory_bytes(path: Path, sequences: int, context_length: int | None) ->
     per_token = kv_bytes_per_token(header)
     if not per_token:
         return size
-    context = context_length or _fitted_context(header, sequences, physical_memory() or 0)
+    sequences, context, _ = _fitted(header, sequences, context_length, physical_memory() or 0)
     return size + per_token * sequences * context
 
 

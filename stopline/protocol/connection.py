@@ -223,9 +223,10 @@ class Connection:
         self._rate_limited_report = Throttle()
         self._bytes = float(limits.byte_burst)
 
-    def hello(self, model: str) -> list[Action]:
-        """The greeting, sent once as the connection opens."""
-        return [Send(Hello(model, self.limits))]
+    def hello(self, model: str, models: tuple[str, ...] = ()) -> list[Action]:
+        """The greeting, sent once as the connection opens: ``model`` is the one a generate frame
+        that names none runs on, ``models`` every one it may name (none given: ``model`` alone)."""
+        return [Send(Hello(model, self.limits, models))]
 
     # Incoming frames ------------------------------------------------------
 

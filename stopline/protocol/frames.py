@@ -62,11 +62,13 @@ Incoming = GenerateFrame | CancelFrame
 
 @dataclass(frozen=True)
 class Hello:
-    """The greeting, once per WebSocket connection: the model and what a request may ask for."""
+    """The greeting, once per WebSocket connection: the model a generate frame runs on when it
+    names none, every model one may name, and what a request may ask for."""
 
     type: ClassVar[str] = "hello"
     model: str
     limits: Limits
+    models: tuple[str, ...] = ()
 
     def json(self) -> dict:
         lim = self.limits
@@ -74,6 +76,7 @@ class Hello:
             "type": self.type,
             "protocol": PROTOCOL_VERSION,
             "model": self.model,
+            "models": list(self.models or (self.model,)),
             "context_length": lim.context_length,
             "limits": {
                 "max_tokens": lim.context_length,
