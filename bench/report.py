@@ -19,6 +19,7 @@ from .inprocess.llama_native import NEAR_TIE_LOGPROB
 from .scenarios import (
     BUSY_MAX_TOKENS,
     CANCEL_VIA_REPLICA,
+    CONCURRENT_STREAMS,
     DECODE_CONCURRENT,
     DISCONNECT_BUSY,
     HTTP_SCENARIOS,
@@ -47,7 +48,7 @@ SCENARIO_TITLES = {
     "prefill_long": "prefill, long prompt",
     "decode": "decode, random phase",
     "decode_after_token": "decode, right after a token frame",
-    DECODE_CONCURRENT: "decode, 1 of 4 concurrent streams, random phase",
+    DECODE_CONCURRENT: "decode, 1 of {streams} concurrent streams, random phase",
     "timeout_total": "total timeout (decode)",
     "timeout_ttft": "first-token timeout (long prefill)",
     "timeout_total_prefill": "total timeout that fell in the prefill",
@@ -75,7 +76,7 @@ UNEDITED_SPEED = 0.99
 STOPS = (
     ("decode_after_token", "right after a token", "longest_decode_node_ms"),
     ("decode", "random phase of decode", "longest_decode_node_ms"),
-    (DECODE_CONCURRENT, "1 of 4 concurrent streams, random phase", "longest_decode_node_ms"),
+    (DECODE_CONCURRENT, "1 of {streams} concurrent streams, random phase", "longest_decode_node_ms"),
     ("prefill_long", "during the long prompt", "longest_prefill_node_ms"),
 )
 SPREAD = ("p50", "p90", "p99", "max")
@@ -112,6 +113,11 @@ class Report:
         self.ref = next((t for t in (OURS, OURS_LLAMA) if t in self.targets), None)
         self.peers = [p for p in PEERS if p in self.targets and p != self.ref] if self.ref else []
         self.ours = [t for t in (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
+        # The streams decode_concurrent ran (one per slot of the servers it ran on), in its titles.
+        concurrent = [s["streams"] for s in self.samples if s["scenario"] == DECODE_CONCURRENT]
+        streams = max(concurrent, default=CONCURRENT_STREAMS)
+        self.titles = {scenario: title.format(streams=streams) for scenario, title in SCENARIO_TITLES.items()}
+        self.stops = tuple((scenario, title.format(streams=streams), phase) for scenario, title, phase in STOPS)
 
     def of(self, scenario: str, target: str, **match) -> list[dict]:
         return [
@@ -139,7 +145,7 @@ class Report:
         rows = []
         for scenario in scenarios:
             stats = {t: (len(ss), figures(ss, *columns)) for t in self.targets for ss in [self.of(scenario, t)]}
-            rows += self._rows_with_ratio(SCENARIO_TITLES[scenario], stats)
+            rows += self._rows_with_ratio(self.titles[scenario], stats)
         return rows
 
     def _lengths(self) -> tuple[int, int]:
@@ -183,7 +189,7 @@ class Report:
 
     def tokens_after_cancel(self) -> str | None:
         rows = []
-        groups = [(SCENARIO_TITLES[scenario], (scenario,)) for scenario in REPORTED_STOPS]
+        groups = [(self.titles[scenario], (scenario,)) for scenario in REPORTED_STOPS]
         for title, scenarios in groups + [("**all cancels**", REPORTED_STOPS)]:
             group = len(rows)
             for target in self.targets:
@@ -230,7 +236,7 @@ class Report:
                     delta = run.get("tokens_wasted_delta") if run else None
                     mean = delta / run["requests"] if delta is not None and run and run["requests"] else None
                     stats[target] = (run["requests"] if run else 0, [mean, None, None, None])
-            rows += self._rows_with_ratio(SCENARIO_TITLES.get(scenario, scenario), stats)
+            rows += self._rows_with_ratio(self.titles.get(scenario, scenario), stats)
         return table(
             "scenario|engine|n|tokens wasted per request: mean|max|prompt tokens evaluated: mean|"
             "tokens generated: mean",
@@ -403,13 +409,14 @@ class Report:
         return max((s[phase] for s in self.of(scenario, target) if s.get(phase)), default=None)
 
     def tokens_after_cancel_max(self, target: str) -> int | None:
-        stops = [scenario for scenario, _, _ in STOPS]
+        stops = [scenario for scenario, _, _ in self.stops]
         samples = [s for s in self.samples if s["target"] == target and s["scenario"] in stops]
         return max(tokens_after_cancel(samples), default=None)
 
     def lost_tokens(self, target: str) -> tuple[int, int] | None:
         samples = self.of(DECODE_CONCURRENT, target)
-        return (sum(s.get("others_lost_tokens") or 0 for s in samples), 3 * len(samples)) if samples else None
+        others = sum(s["streams"] - 1 for s in samples)
+        return (sum(s.get("others_lost_tokens") or 0 for s in samples), others) if samples else None
 
     def streams_seen(self) -> list[int]:
         return sorted({s["streams"] for s in self.samples if s["scenario"] == "throughput"})
@@ -441,7 +448,7 @@ class Report:
             ("decode_after_token", "stop right after a token"),
             ("decode", "stop at a random phase of decode"),
             ("prefill_long", f"stop during a ~{long:,}-token prompt"),
-            (DECODE_CONCURRENT, "stop 1 of 4 concurrent streams, random phase"),
+            (DECODE_CONCURRENT, f"stop {self.titles[DECODE_CONCURRENT].removeprefix('decode, ')}"),
             ("disconnect", "disconnect during decode"),
             (DISCONNECT_BUSY, "disconnect while another client streams"),
         ):
@@ -474,7 +481,7 @@ class Report:
         """Our loop's own stop latency (cancel read → loop exited), which llama-server cannot report,
         beside the longest stretch between two stop checks that the same requests' evaluations had."""
         rows = []
-        for scenario, title, phase in STOPS:
+        for scenario, title, phase in self.stops:
             for target in self.ours:
                 if samples := self.of(scenario, target):
                     figures = stat((s["server_ms"] for s in samples), *SPREAD)
@@ -505,7 +512,7 @@ class Report:
             at_most(client50, bound50),
         )
         target(f"{what} p99 ms", fmt(client99), fmt(CLIENT_STOP_MS), at_most(client99, CLIENT_STOP_MS))
-        for scenario, title, phase in STOPS[1:]:
+        for scenario, title, phase in self.stops[1:]:
             for engine in (OURS_LLAMA, OURS_LLAMA_SHARED) if scenario == DECODE_CONCURRENT else (OURS_LLAMA,):
                 if not self.of(scenario, engine):
                     continue
@@ -537,7 +544,7 @@ class Report:
         target("tokens after cancel: max", show(after_max), "0", at_most(after_max, 0))
         lost, peer_lost = self.lost_tokens(OURS_LLAMA), self.lost_tokens(LLAMA)
         target(
-            "4 concurrent streams: tokens the other streams lost",
+            f"{self.titles[DECODE_CONCURRENT].split(', ')[1]}: tokens the other streams lost",
             f"{lost[0]} over {lost[1]} streams" if lost else "–",
             "0" + (f" (llama-server: {peer_lost[0]} over {peer_lost[1]} streams)" if peer_lost else ""),
             lost[0] == 0 if lost else None,
@@ -689,7 +696,7 @@ def plot_stop_latency_cdf(results: dict, path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(SCENARIO_TITLES[scenario])
+        ax.set_title(report.titles[scenario])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     for ax in axes.flat[len(REPORTED_STOPS) :]:

@@ -5,7 +5,8 @@ is in bench/RESULTS.md ("How the cancels are placed"); in short:
 
 * stops: ``queued``, ``prefill_short``/``prefill_long`` (a random delay within the calibrated
   prefill), ``decode`` (after 1-32 token frames and part of a step), ``decode_after_token``,
-  ``decode_concurrent`` (1 of 4 decoding streams; the others' lost tokens);
+  ``decode_concurrent`` (1 of as many decoding streams as the server has slots, at least 4; the
+  others' lost tokens);
 * speed: ``throughput``, ``prefill_speed``, ``multi_turn``; deadlines: ``timeout_total``, ``timeout_ttft``;
 * a client that goes away: ``disconnect``, ``disconnect_busy`` (while another client streams),
   ``nonstream``; over Stopline's HTTP API, ``openai_stream_closed`` and ``delete_prefill``;
@@ -33,6 +34,7 @@ from .prompts import PromptMaker
 
 STOP_SCENARIOS = ("queued", "prefill_short", "prefill_long", "decode", "decode_after_token")
 DECODE_CONCURRENT = "decode_concurrent"
+# The fewest streams decode_concurrent runs: it runs one per slot (--wide-workers sets them).
 CONCURRENT_STREAMS = 4
 # The streams that are not cancelled: long enough to outlast the cancelled one's 1-32 frames.
 CONCURRENT_OTHER_TOKENS = 96
@@ -341,11 +343,12 @@ class Bench:
         return [stop_record(scenario, driver, stream, end, cancel_ns, **placed, measured_as=scenario)]
 
     async def _concurrent(self, driver: Driver, _lane) -> list[dict]:
-        """Cancel one of CONCURRENT_STREAMS decoding streams; the others run to their end."""
+        """Cancel one of the decoding streams, one per slot; the others run to their end."""
         await driver.wait_idle()
         frames, jitter_ms = self._decode_point(driver)
+        count = driver.slots
         async with contextlib.AsyncExitStack() as stack:
-            lanes = [await stack.enter_async_context(await driver.lane(i)) for i in range(CONCURRENT_STREAMS)]
+            lanes = [await stack.enter_async_context(await driver.lane(i)) for i in range(count)]
             streams = [
                 await lane.generate(
                     self.request(self.plan.short_tokens, LONG_GENERATION if i == 0 else CONCURRENT_OTHER_TOKENS)
@@ -366,7 +369,7 @@ class Bench:
         others = {"others_lost_tokens": sum(lost_tokens(e, CONCURRENT_OTHER_TOKENS) for e in ends)}
         others["others_not_done"] = sum(e is None or e.outcome != Outcome.DONE for e in ends)
         record = stop_record(DECODE_CONCURRENT, driver, cancelled, end, cancel_ns, **placed, **others)
-        return [record | {"measured_as": DECODE_CONCURRENT, "streams": CONCURRENT_STREAMS}]
+        return [record | {"measured_as": DECODE_CONCURRENT, "streams": count}]
 
     async def _queued(self, driver: Driver, run: dict, wanted: float) -> None:
         """Hold every slot with a long generation, then queue one more request and cancel it."""

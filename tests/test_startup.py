@@ -422,6 +422,14 @@ def test_the_load_of_other_processes_leaves_out_this_ones_own(monkeypatch):
     assert [machine.others() for _ in range(5)] == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
 
 
+def test_work_at_a_lowered_priority_is_busy_only_for_a_niced_server():
+    # cpu  user nice system idle iowait irq softirq steal, in clock ticks
+    line = b"cpu  100 300 50 9000 7 2 3 11 0 0\n"
+    ticks = cores._CLOCK_TICKS
+    assert cores.busy_seconds(line, niced=False) == pytest.approx(155 / ticks)
+    assert cores.busy_seconds(line, niced=True) == pytest.approx(455 / ticks)
+
+
 def test_the_machine_busy_time_counts_other_processes():
     first = cores._cpu_sample()
     subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 1\nwhile time.time() < end: pass"])

@@ -150,9 +150,9 @@ class Engine:
         ``sequences`` are the slots the engine is sized for (:attr:`sequences`), and
         ``context_length`` is each slot's; by default, on llama.cpp, both are sized from the model
         and the memory (:func:`sized_slots`), and on ctransformers they are DEFAULT_SEQUENCES of
-        DEFAULT_CONTEXT_LENGTH. ``prefill_chunk``
-        defaults to the size that suits the abort mode in force. ``gpu_layers`` are offloaded
-        (llama.cpp only; GPU_LAYERS_ALL: every one; None: every one where there is a device)."""
+        DEFAULT_CONTEXT_LENGTH. ``prefill_chunk`` defaults to the size that suits the abort mode in
+        force. ``gpu_layers`` are offloaded (llama.cpp only; GPU_LAYERS_ALL: every one; None: every
+        one where there is a device)."""
         if context_length is not None and context_length < 1:
             raise ValueError("context_length must be positive")
         threads = threads or usable_cores()
