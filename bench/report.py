@@ -115,7 +115,7 @@ class Report:
         self.ours = [t for t in (OURS_LLAMA, OURS_LLAMA_SHARED, OURS_LLAMA_UNEDITED, OURS) if t in self.targets]
         # The streams decode_concurrent ran (one per slot of the servers it ran on), in its titles.
         concurrent = [s["streams"] for s in self.samples if s["scenario"] == DECODE_CONCURRENT]
-        streams = max(concurrent, default=CONCURRENT_STREAMS)
+        self.streams = streams = max(concurrent, default=CONCURRENT_STREAMS)
         self.titles = {scenario: title.format(streams=streams) for scenario, title in SCENARIO_TITLES.items()}
         self.stops = tuple((scenario, title.format(streams=streams), phase) for scenario, title, phase in STOPS)
 
@@ -448,7 +448,7 @@ class Report:
             ("decode_after_token", "stop right after a token"),
             ("decode", "stop at a random phase of decode"),
             ("prefill_long", f"stop during a ~{long:,}-token prompt"),
-            (DECODE_CONCURRENT, f"stop {self.titles[DECODE_CONCURRENT].removeprefix('decode, ')}"),
+            (DECODE_CONCURRENT, f"stop 1 of {self.streams} concurrent streams, random phase"),
             ("disconnect", "disconnect during decode"),
             (DISCONNECT_BUSY, "disconnect while another client streams"),
         ):
@@ -544,7 +544,7 @@ class Report:
         target("tokens after cancel: max", show(after_max), "0", at_most(after_max, 0))
         lost, peer_lost = self.lost_tokens(OURS_LLAMA), self.lost_tokens(LLAMA)
         target(
-            f"{self.titles[DECODE_CONCURRENT].split(', ')[1]}: tokens the other streams lost",
+            f"{self.streams} concurrent streams: tokens the other streams lost",
             f"{lost[0]} over {lost[1]} streams" if lost else "–",
             "0" + (f" (llama-server: {peer_lost[0]} over {peer_lost[1]} streams)" if peer_lost else ""),
             lost[0] == 0 if lost else None,

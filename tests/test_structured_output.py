@@ -17,7 +17,7 @@ from stopline.protocol.requests import Limits
 from stopline.structured.frame_grammar import frame_grammar
 from stopline.structured.json_grammar import JSON_OBJECT_GRAMMAR, SchemaError, schema_grammar
 from support import cancelled_records, delete, make_generation, openai_client, sse_events
-from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS, WEATHER_TOOL
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, TOOLS, WEATHER_TOOL, stream_slow_call
 
 PERSON = {
     "type": "object",
@@ -368,14 +368,7 @@ async def test_bad_tools_and_tool_choices_are_refused_by_name(server):
 async def test_closing_or_deleting_a_tool_calling_stream_stops_the_model(server, logs, http):
     client = openai_client(server, GRAMMAR_TIMEOUT)
     for how in ("close", "delete"):
-        stream = await client.chat.completions.create(
-            model=server.engine.name,
-            messages=[{"role": "user", "content": "Store many numbers."}],
-            tools=[SLOW_TOOL],
-            tool_choice="required",
-            max_tokens=1500,
-            stream=True,
-        )
+        stream = await stream_slow_call(client, server.engine.name)
         first = await anext(aiter(stream))
         if how == "close":
             await stream.close()

@@ -16,7 +16,7 @@ from stopline.engine.loop import Engine
 from stopline.structured.json_grammar import SchemaError, schema_grammar
 from stopline.structured.tool_calls import ArgumentsPiece, CallReader, CallStarted, Prose, ToolChoice, calls_grammar
 from support import cancelled_records, openai_client
-from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, SLOW_TOOL, TOOLS
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, TOOLS, stream_slow_call
 
 
 @pytest.fixture(scope="module")
@@ -176,14 +176,7 @@ async def test_parallel_tool_calls_false_never_gives_two_calls(server):
 
 async def test_closing_the_stream_inside_a_call_stops_the_model(server, logs):
     client = openai_client(server, GRAMMAR_TIMEOUT)
-    stream = await client.chat.completions.create(
-        model=server.engine.name,
-        messages=[{"role": "user", "content": "Store many numbers."}],
-        tools=[SLOW_TOOL],
-        tool_choice="required",
-        max_tokens=1500,
-        stream=True,
-    )
+    stream = await stream_slow_call(client, server.engine.name)
     pieces, request_id = 0, None
     async for chunk in stream:
         request_id = chunk.id
@@ -203,14 +196,8 @@ async def test_a_delete_by_the_clients_id_inside_a_streamed_call_ends_it_with_on
     arguments read are a prefix of what the model wrote, and nothing came after the cancel."""
     client = openai_client(server, GRAMMAR_TIMEOUT)
     request_id, token = "agent-turn.7", "an-agents-own-cancel-token"
-    stream = await client.chat.completions.create(
-        model=server.engine.name,
-        messages=[{"role": "user", "content": "Store many numbers."}],
-        tools=[SLOW_TOOL],
-        tool_choice="required",
-        max_tokens=1500,
-        stream=True,
-        extra_headers={"X-Request-Id": request_id, "X-Cancel-Token": token},
+    stream = await stream_slow_call(
+        client, server.engine.name, extra_headers={"X-Request-Id": request_id, "X-Cancel-Token": token}
     )
     pieces, finals, deleted = [], [], None
     async for chunk in stream:

@@ -48,3 +48,17 @@ SLOW_TOOL = {
         },
     },
 }
+
+
+async def stream_slow_call(client, model: str, **extra):
+    """A streamed chat completion that must call SLOW_TOOL, whose arguments run long: what the tests
+    that stop a model inside a call start (``extra``: more create() arguments, headers say)."""
+    return await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Store many numbers."}],
+        tools=[SLOW_TOOL],
+        tool_choice="required",
+        max_tokens=1500,
+        stream=True,
+        **extra,
+    )
