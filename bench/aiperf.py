@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ SERVERS = (STOPLINE, LLAMA_SERVER)
 # llama-server's default for parallel serving: 4 slots sharing one unified KV cache.
 LLAMA_SERVER_SLOTS = 4
 EXPORT = "profile_export_aiperf.json"
+DEFAULT_REQUEST_RATE = 200.0
 
 
 def venv_dir() -> Path:
@@ -105,6 +107,11 @@ class Profile:
     cancellation_delay_s: float | None = None  # after the request is sent (AIPerf's default: 0)
     seed: int = 0
     goodput: str | None = None  # AIPerf's SLOs, e.g. "time_to_first_token:500 inter_token_latency:50"
+    # The most requests per second AIPerf starts, evenly spaced. Without a rate, AIPerf's sender
+    # polls for a free concurrency slot in a loop that never sleeps: a core taken from the servers.
+    # With one, it sleeps between attempts; a rate far above what the servers finish only spaces
+    # the attempts, and each server waits for it alike.
+    request_rate: float = DEFAULT_REQUEST_RATE
 
 
 def profile_command(aiperf: Path | str, p: Profile) -> list[str]:
@@ -113,6 +120,7 @@ def profile_command(aiperf: Path | str, p: Profile) -> list[str]:
         *(str(aiperf), "profile", "--model", p.model, "--url", p.url),
         *("--endpoint-type", "chat", "--streaming", "--tokenizer", str(p.tokenizer)),
         *("--concurrency", str(p.concurrency), "--request-count", str(p.requests)),
+        *("--request-rate", f"{p.request_rate:g}", "--arrival-pattern", "constant"),
         *("--synthetic-input-tokens-mean", str(p.input_tokens), "--synthetic-input-tokens-stddev", "0"),
         *("--output-tokens-mean", str(p.output_tokens), "--output-tokens-stddev", "0"),
         # Every answer as long as asked: the model's end-of-text token is not allowed to end it.
@@ -257,7 +265,8 @@ def report(results: dict) -> str:
         f"start, {_loads(meta['load_average_end'])} at the end.",
         "",
         f"Each run: `aiperf profile --endpoint-type chat --streaming`, {meta['requests']} requests"
-        f" (after {meta['warmup']} warm-up), {meta['input_tokens']}-token synthetic prompts, "
+        f" (after {meta['warmup']} warm-up; at most {meta.get('request_rate', DEFAULT_REQUEST_RATE):g} started per"
+        f" second), {meta['input_tokens']}-token synthetic prompts, "
         f"{meta['output_tokens']}-token answers with `ignore_eos`. The servers took turns level by level.",
         "",
         *(
@@ -294,8 +303,11 @@ class StoplineDefaults:
     """``python -m stopline`` with its defaults but the ports (any free ones) and, for any model
     but the embedded one, ``--model``."""
 
-    def __init__(self, model: Path | None, cpus: frozenset[int], log_path: Path):
-        self.args = ["--port", "0", "--http-port", "0"] + (["--model", str(model)] if model else [])
+    def __init__(self, model: Path | None, cpus: frozenset[int], log_path: Path, prompt_cache_dir: Path):
+        # The prompt cache's disk tier in a folder of the run's own: states kept by an earlier run
+        # would answer prompts that llama-server, started afresh, evaluates.
+        self.args = ["--port", "0", "--http-port", "0", "--prompt-cache-dir", str(prompt_cache_dir)]
+        self.args += ["--model", str(model)] if model else []
         self.cpus, self.log_path = cpus, log_path
         self.process: ServerProcess | None = None
         self.base_url = ""
@@ -357,6 +369,7 @@ def run_aiperf(command: list[str], artifact_dir: Path, cpus: frozenset[int] | No
             stderr=subprocess.STDOUT,
             env=env,
             cwd=artifact_dir,
+            start_new_session=True,
             preexec_fn=lambda: _as_client(cpus),
             timeout=timeout,
         ).returncode
@@ -368,9 +381,16 @@ def run_aiperf(command: list[str], artifact_dir: Path, cpus: frozenset[int] | No
 
 
 def _as_client(cpus: frozenset[int] | None) -> None:
-    """AIPerf's own processes run at the lowest priority: its timing loop keeps a core busy, and
-    on cores the servers share it would take a core from whichever server it measures."""
+    """AIPerf's own processes run at the lowest priority, so that on cores the servers share they
+    take nothing from whichever server they measure. Where the kernel groups processes by session
+    (autogroup), a nice value counts only inside the group, and a server started in a session of
+    its own would share the cores with AIPerf's group half and half; so AIPerf runs in a session
+    of its own (``start_new_session``) whose group is lowered as well."""
     os.nice(19)
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:  # no autogroup: the nice value alone orders the processes
+        pass
     confine = confine_to(cpus)
     if confine is not None:
         confine()
@@ -400,6 +420,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per run, not counted")
     p.add_argument("--input-tokens", type=int, default=200)
     p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=DEFAULT_REQUEST_RATE,
+        help="the most requests per second AIPerf starts, evenly spaced (spares the client's polling loop)",
+    )
     p.add_argument("--goodput", help="AIPerf's SLOs, e.g. 'time_to_first_token:1000 inter_token_latency:100'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", help="the cores both servers are confined to, e.g. 0,1 (default: all available)")
@@ -433,9 +459,11 @@ def model_tokenizer(choice: str, gguf: Path) -> ChatTokenizer:
 
 
 def plan_profile(
-    args, url: str, model: str, tokenizer: Path, out: Path, concurrency: int, rate: float | None
+    args, url: str, model: str, tokenizer: Path, out: Path, concurrency: int, rate: float | None, level: int
 ) -> Profile:
-    """The profile of one level against one server, its artifacts in ``out``."""
+    """The profile of the ``level``-th level against one server, its artifacts in ``out``. Both
+    servers get the same prompts at a level, and new ones at each level (the seed counts the
+    levels): a prompt seen at an earlier level would be answered from either server's prompt cache."""
     return Profile(
         url=url,
         model=model,
@@ -448,8 +476,9 @@ def plan_profile(
         output_tokens=args.output_tokens,
         cancellation_rate=rate,
         cancellation_delay_s=args.cancellation_delay if rate else None,
-        seed=args.seed,
+        seed=args.seed + level,
         goodput=args.goodput,
+        request_rate=args.request_rate,
     )
 
 
@@ -468,7 +497,11 @@ async def run(args) -> dict:
     tokenizer = write_tokenizer(model_tokenizer(args.model, gguf), out / "tokenizer", DEFAULT_CONTEXT_LENGTH)
     load_at_start = load_average()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    stopline = StoplineDefaults(None if args.model == "smollm2" else gguf, args.cpu_set, out / "server-stopline.log")
+    prompt_cache = out / "stopline-prompt-cache"
+    shutil.rmtree(prompt_cache, ignore_errors=True)
+    stopline = StoplineDefaults(
+        None if args.model == "smollm2" else gguf, args.cpu_set, out / "server-stopline.log", prompt_cache
+    )
     llama = LlamaServerDefaults(
         binary, gguf, out, LLAMA_SERVER_SLOTS, len(args.cpu_set), DEFAULT_CONTEXT_LENGTH, cpus=args.cpu_set
     )
@@ -485,7 +518,7 @@ async def run(args) -> dict:
             for name in turns(index):
                 for other, server in servers.items():
                     server.pause(other != name)
-                profile = plan_profile(args, urls[name], names[name], tokenizer, out / name, concurrency, rate)
+                profile = plan_profile(args, urls[name], names[name], tokenizer, out / name, concurrency, rate, index)
                 print(f"aiperf: {name}, concurrency {concurrency}{f', {rate:g}% cancelled' if rate else ''}")
                 command = profile_command(aiperf, profile)
                 timeout = args.run_timeout
@@ -514,6 +547,7 @@ async def run(args) -> dict:
         "client_cpus": sorted(args.client_cpu_set) if args.client_cpu_set else None,
         "requests": args.requests,
         "warmup": args.warmup,
+        "request_rate": args.request_rate,
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
         "load_average_start": load_at_start,

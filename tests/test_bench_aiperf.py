@@ -57,6 +57,8 @@ def test_the_profile_the_issue_asks_for() -> None:
     assert flag(command, "--tokenizer") == "/tmp/tok"
     assert flag(command, "--concurrency") == "8"
     assert flag(command, "--request-count") == "100"
+    # Paced: AIPerf's sender sleeps between attempts instead of polling for a free slot.
+    assert flag(command, "--request-rate") == "200" and flag(command, "--arrival-pattern") == "constant"
     assert flag(command, "--warmup-request-count") == "2"
     assert flag(command, "--synthetic-input-tokens-mean") == "200"
     assert flag(command, "--synthetic-input-tokens-stddev") == "0"
@@ -123,3 +125,15 @@ def test_the_tables_show_each_server_and_their_ratio() -> None:
     ratio_line = next(line for line in markdown.splitlines() if line.startswith("| 2, 30% cancelled |"))
     assert ratio_line.count("0.50") == 5, ratio_line
     assert aiperf.fmt(ours["output_tokens_per_s"]) in markdown
+
+
+def test_each_level_gets_new_prompts_and_both_servers_the_same() -> None:
+    args = aiperf.parse_args(["--llama-server", "/bin/true", "--seed", "5"])
+    plans = [
+        aiperf.plan_profile(args, f"http://{server}", "m", Path("t"), Path("o"), c, rate, level)
+        for level, (c, rate) in enumerate(levels(args.concurrency, args.cancel_concurrency, args.cancellation_rate))
+        for server in turns(level)
+    ]
+    seeds = [p.seed for p in plans]
+    assert seeds[0] == seeds[1] == 5  # both servers at the first level
+    assert len(set(seeds)) == len(plans) // 2  # a seed of its own at every level
