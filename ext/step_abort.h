@@ -108,6 +108,9 @@ typedef struct {
     sl_watch *members[SL_MAX_GROUP];
     int n;
     int aborted;
+    /* Set by a generation of a higher priority that preempted one of the members: the
+     * evaluation ends at the next check, whoever its members are (see _batcher.pxi). */
+    int interrupt;
     int64_t start_ns;         /* when the evaluation started; also tells one evaluation from the next */
     int64_t longest_gap_ns;   /* the longest a compute thread went between two clock readings of its checks */
 } sl_group_watch;
@@ -166,6 +169,10 @@ static bool sl_group_abort_callback(void *data) {
     /* A stop holds for the rest of the evaluation, whichever thread saw it. */
     if (__atomic_load_n(&g->aborted, __ATOMIC_RELAXED))
         return true;
+    if (__atomic_load_n(&g->interrupt, __ATOMIC_RELAXED)) {
+        __atomic_store_n(&g->aborted, 1, __ATOMIC_RELAXED);
+        return true;
+    }
     if (c->group != g || c->start_ns != g->start_ns) {
         c->group = g;
         c->start_ns = c->clock_ns = c->offered_ns = g->start_ns;

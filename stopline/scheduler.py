@@ -184,9 +184,12 @@ class Scheduler:
         """Queue ``request``; returns its queue position (0: it starts now)."""
         if self._closed:
             raise Busy("the server is shutting down")
-        if self._free and (self._unpaused() < self.workers or self._preempt_for(request)):
-            self._start(request, sink, self._take_free_slot(request.prompt_tokens))
-            return 0
+        if self._free:
+            # With every worker busy, it starts only by preempting one.
+            preempting = self._unpaused() >= self.workers
+            if not preempting or self._preempt_for(request):
+                self._start(request, sink, self._take_free_slot(request.prompt_tokens), urgent=preempting)
+                return 0
         if len(self._queue) >= self.max_queue:
             raise Busy(f"all {self.workers} slots are busy and the queue is full ({self.max_queue})")
         # Behind every request of the same or a higher priority (a lower or equal value).
@@ -272,7 +275,9 @@ class Scheduler:
         self._free.remove(best)
         return best
 
-    def _start(self, request: Request, sink: Sink, slot) -> None:
+    def _start(self, request: Request, sink: Sink, slot, urgent: bool = False) -> None:
+        """Start ``request`` on ``slot``; ``urgent``: it preempted a running generation, and
+        interrupts the step under way rather than wait for it."""
         try:
             stream = self.engine.start(
                 slot,
@@ -281,6 +286,7 @@ class Scheduler:
                 window=self.window,
                 started_ns=request.received_ns,
                 threads=self.threads_each(len(self._running) + 1),
+                urgent=urgent,
             )
         except Exception:
             self._free.appendleft(slot)
@@ -331,7 +337,8 @@ class Scheduler:
         while not self._closed:
             paused = min(self._paused, key=lambda r: r.priority, default=None)
             queued = self._queue[0][0] if self._queue else None
-            if self._unpaused() < self.workers:
+            preempting = self._unpaused() >= self.workers
+            if not preempting:
                 if paused is not None and (queued is None or paused.priority <= queued.priority):
                     self._resume(paused)
                     continue
@@ -342,7 +349,7 @@ class Scheduler:
             request, sink = self._queue.popleft()
             self._disarm_queue_deadline(request)
             try:
-                self._start(request, sink, self._take_free_slot(request.prompt_tokens))
+                self._start(request, sink, self._take_free_slot(request.prompt_tokens), urgent=preempting)
             except Exception as exc:
                 self._spawn(sink.failed(request, str(exc)))
         self._update_gauges()

@@ -60,6 +60,7 @@ class FakeStream:
         self.generation = FakeGeneration(threads)
         self.cancelled = False
         self.cancel_observed_ns = 0
+        self.urgent = False  # started by preempting another (Engine.start's urgent)
         self.result: GenerationResult | None = None
         # Set by a test to hold the generation after its first word, until released.
         self.hold = asyncio.Event()
@@ -152,9 +153,10 @@ class FakeEngine:
         return [ord(c) % self.vocab_size for c in text][: self.context_length - 1]
 
     def start(
-        self, slot, prompt_tokens, params, *, window=Settings.window, started_ns=None, threads=None
+        self, slot, prompt_tokens, params, *, window=Settings.window, started_ns=None, threads=None, urgent=False
     ) -> FakeStream:
         stream = FakeStream(prompt_tokens, params, self.words, threads or self.threads)
+        stream.urgent = urgent
         if self.hold_new_streams:
             stream.hold.clear()
         self.streams.append(stream)

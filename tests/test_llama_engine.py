@@ -450,7 +450,7 @@ def test_generations_on_one_context_share_its_steps(engine):
         assert [r.exit for r in results] == [_core.ExitKind.MAX_TOKENS] * 4
         # Each computed what it computes alone, token for token up to a near-tie.
         assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations, strict=True))
-        steps, carried, reruns = slots[0].owner.step_counts
+        steps, carried, reruns, _ = slots[0].owner.step_counts
         # 4 prompts of one chunk and 31 evaluated tokens each, mostly in shared steps.
         assert carried == 4 * 32 and steps < carried / 2 and reruns == 0
         assert all(slot.kv_positions == slot.n_held for slot in slots)
@@ -592,6 +592,56 @@ def test_a_paused_generation_takes_no_step_and_resumes_from_its_cache(engine):
             slot.close()
 
 
+def test_an_urgent_generation_interrupts_the_step_under_way_and_the_others_lose_nothing(engine):
+    prompts = [engine.encode(messages=story) for story in STORIES[:2]]
+    # Within the loop's window: nobody reads these generations' tokens as they come.
+    expected = [reference(engine, prompt, 60) for prompt in prompts]
+    urgent_prompt = engine.encode(messages=FRANCE)
+    urgent_expected = reference(engine, urgent_prompt, 4)
+    slots = engine.open_slots(3, Batching.SHARED)
+    owner = slots[0].owner
+    try:
+        running = [
+            make_generation(slot, prompt, max_tokens=60, prefill_chunk=engine.prefill_chunk, **GREEDY)
+            for slot, prompt in zip(slots, prompts, strict=False)
+        ]
+        workers = [threading.Thread(target=g.run) for g in running]
+        for worker in workers:
+            worker.start()
+        for generation in running:
+            wait_for_tokens(generation, 4)
+        # Steps follow one another while two generations decode, but a post can fall between
+        # two: a few preemptions make an interrupted step all but certain.
+        urgent_results = []
+        for _ in range(4):
+            running[1].pause()
+            urgent = make_generation(
+                slots[2], urgent_prompt, max_tokens=4, prefill_chunk=engine.prefill_chunk, urgent=True, **GREEDY
+            )
+            urgent.run()
+            urgent_results.append((urgent.result, urgent.token_ids()))
+            slots[2].forget()
+            running[1].resume()
+            if owner.step_counts[3] or any(g.finished for g in running):
+                break
+        for worker in workers:
+            worker.join(120 * UNIT)
+            assert not worker.is_alive()
+        _, _, reruns, interruptions = owner.step_counts
+        assert 1 <= interruptions <= len(urgent_results) and reruns == 0
+        # The interrupted steps' work was done again: every generation's text is its own greedy one.
+        for result, ids in urgent_results:
+            assert result.exit is _core.ExitKind.MAX_TOKENS and urgent_expected.agrees_up_to_a_near_tie(ids)
+        for generation, reference_ids in zip(running, expected, strict=True):
+            assert generation.result.exit is _core.ExitKind.MAX_TOKENS
+            assert generation.result.prompt_tokens_wasted == 0
+            assert reference_ids.agrees_up_to_a_near_tie(generation.token_ids())
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+
+
 async def test_a_request_of_higher_priority_preempts_one_of_lower_and_it_resumes_losing_nothing(engine, logs):
     async with running_server(engine, workers=2) as server:
         async with client_for(server) as client:
@@ -627,7 +677,7 @@ async def test_a_server_with_shared_steps_stops_one_request_and_finishes_the_oth
             await client.send({"type": "cancel", "id": "stopped"})
             cancelled = await client.terminal("stopped")
             kept = await client.terminal("kept")
-        steps, carried, _ = server.scheduler._slots[0].owner.step_counts
+        steps, carried, _, _ = server.scheduler._slots[0].owner.step_counts
     assert cancelled["type"] == "cancelled" and cancelled["tokens_after_cancel"] == 0
     assert kept["type"] == "done" and kept["tokens_generated"] == 48
     assert len(client.tokens("kept")) == 48

@@ -40,6 +40,9 @@ cdef struct Batcher:
     int64_t steps
     int64_t step_members
     int64_t reruns
+    # Evaluations interrupted for a generation that preempted one of their members (see
+    # evaluate_in_step): their members evaluate again, with its tokens.
+    int64_t interruptions
     # The stop conditions of the step being evaluated (the abort callback's data).
     sl.sl_group_watch group
 
@@ -50,6 +53,8 @@ cdef void claim_context(Batcher *b) noexcept nogil:
     while b.leading:
         sl.pthread_cond_wait(&b.changed, &b.lock)
     b.leading = True
+    # No step is under way: an interrupt asked for during an earlier one has nothing to end.
+    sl.sl_store_release(&b.group.interrupt, 0)
     make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
 
@@ -116,6 +121,13 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
     s.post_result = PostResult.POST_WAITING
     b.posted[b.n_posted] = s
     b.n_posted += 1
+    if s.urgent:
+        # It preempted a generation of a lower priority: rather than wait for the step under
+        # way, which the others' tokens fill, it ends that step now, and its members take
+        # the next one with its tokens. (Only its first evaluation: its prompt's first chunk.)
+        s.urgent = False
+        if b.leading and b.own_thread:
+            sl.sl_store_release(&b.group.interrupt, 1)
     sl.pthread_cond_broadcast(&b.changed)
     while s.post_result == PostResult.POST_WAITING:
         if not b.own_thread and not b.leading and b.n_posted >= b.present:
@@ -246,6 +258,8 @@ cdef void lead_step(Batcher *b, LoopState *leader) noexcept nogil:
         members[i].in_step = True
     b.n_posted = 0
     b.leading = True
+    # Every post so far is in this step: an interrupt asked for before it is answered.
+    sl.sl_store_release(&b.group.interrupt, 0)
     make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
     evaluate_together(b, members, n, leader is not NULL)
@@ -266,6 +280,7 @@ cdef int post_again(Batcher *b, LoopState **members, int i) noexcept nogil:
     cdef LoopState *s = members[i]
     members[i] = NULL
     s.in_step = False
+    s.delivering = False
     if not s.left_step:
         b.posted[b.n_posted] = s
         b.n_posted += 1
@@ -415,6 +430,11 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 if included[j] >= 0 and should_stop(members[included[j]]):
                     waiting -= give_result(b, members, included[j], PostResult.POST_STOPPED)
                     stopped += 1
+            if sl.sl_load_acquire(&b.group.interrupt):
+                # Interrupted for a generation that preempted: the rest are handed back
+                # (lead_step), to take the next step with its tokens.
+                b.interruptions += 1
+                return
         if stopped and waiting:
             b.reruns += 1
         if stopped == 0:

@@ -678,6 +678,9 @@ cdef struct LoopState:
     int pause_requested
     int preemptions
     int64_t preempted_ns
+    # It preempted a generation of a lower priority: its first evaluation interrupts the
+    # step under way on its context (evaluate_in_step).
+    bint urgent
 
 
 # How generations share one llama.cpp context's steps.
@@ -745,11 +748,11 @@ cdef class LlamaContext:
 
     @property
     def step_counts(self):
-        """``(steps, generations, reruns)``: the evaluations run, the generations they
-        carried in all, and the evaluations stopped for one generation and run again
-        for the others."""
+        """``(steps, generations, reruns, interruptions)``: the evaluations run, the
+        generations they carried in all, the evaluations stopped for one generation and
+        run again for the others, and those interrupted for a generation that preempted."""
         claim_context(&self.b)
-        counts = (self.b.steps, self.b.step_members, self.b.reruns)
+        counts = (self.b.steps, self.b.step_members, self.b.reruns, self.b.interruptions)
         release_context(&self.b)
         return counts
 
@@ -1413,7 +1416,9 @@ cdef class Generation:
 
     ``params`` is a ``stopline.protocol.SamplingParams``, the one source of the sampling
     settings and their defaults (the stop sequences included); the other arguments are
-    the loop's own options."""
+    the loop's own options. ``urgent``: it preempted a generation of a lower priority, and
+    its first evaluation interrupts the step under way on its context rather than wait
+    for it (shared steps only)."""
 
     cdef LoopState s
     cdef Slot context
@@ -1426,7 +1431,7 @@ cdef class Generation:
 
     def __cinit__(self, Slot context, prompt_tokens, params, *, int prefill_chunk=1, int threads=1,
                   int window=DEFAULT_WINDOW, int64_t deadline_ns=0, int64_t first_token_deadline_ns=0,
-                  bint step_abort=True, bint trim_output=True):
+                  bint step_abort=True, bint trim_output=True, bint urgent=False):
         cdef int max_tokens, top_k, seed, logprobs
         cdef double temperature, top_p, repetition_penalty, frequency_penalty, presence_penalty, min_p
         cdef bint ignore_eos
@@ -1483,6 +1488,7 @@ cdef class Generation:
         self.s.window = window
         self.s.watch.deadline_ns = deadline_ns
         self.s.watch.first_token_deadline_ns = first_token_deadline_ns
+        self.s.urgent = urgent
         self.s.max_token_bytes = context.max_token_bytes
         context.prepare(&self.s, step_abort, trim_output, grammar_text)
         self.s.tokens = <int *>malloc((n_prompt + max_tokens) * sizeof(int))

@@ -62,6 +62,7 @@ cdef extern from "step_abort.h" nogil:
         sl_watch *members[SL_MAX_GROUP]
         int n
         int aborted
+        int interrupt
         int64_t start_ns
         int64_t longest_gap_ns
 

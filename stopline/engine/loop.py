@@ -213,9 +213,11 @@ class Engine:
         window: int = Settings.window,
         started_ns: int | None = None,
         threads: int | None = None,
+        urgent: bool = False,
     ) -> Stream:
         """Prepare a generation on ``slot``, computing on ``threads`` (default: the engine's);
-        it runs when the stream is iterated or run."""
+        it runs when the stream is iterated or run. ``urgent``: it preempted another, and does
+        not wait for the step under way (Generation's ``urgent``)."""
         # time.monotonic_ns() reads CLOCK_MONOTONIC, the clock the native loop stamps with.
         now = started_ns if started_ns is not None else time.monotonic_ns()
         generation = _core.Generation(
@@ -229,6 +231,7 @@ class Engine:
             first_token_deadline_ns=_deadline(now, params.ttft_timeout_s),
             step_abort=self.abort_mode is AbortMode.IN_STEP,
             trim_output=self.trim_output,
+            urgent=urgent,
         )
         prepare = None
         cache = self.prompt_cache

@@ -48,6 +48,7 @@ LOOP_OPTIONS = (
     "first_token_deadline_ns",
     "step_abort",
     "trim_output",
+    "urgent",
 )
 
 
