@@ -185,8 +185,7 @@ class Scheduler:
         if self._closed:
             raise Busy("the server is shutting down")
         if self._free:
-            # With every worker busy, it starts only by preempting one.
-            preempting = self._unpaused() >= self.workers
+            preempting = self._workers_busy()
             if not preempting or self._preempt_for(request):
                 self._start(request, sink, self._take_free_slot(request.prompt_tokens), urgent=preempting)
                 return 0
@@ -233,8 +232,10 @@ class Scheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _unpaused(self) -> int:
-        return len(self._running) - len(self._paused)
+    def _workers_busy(self) -> bool:
+        """Every worker runs a generation (paused ones aside): a request starts now only by
+        preempting one."""
+        return len(self._running) - len(self._paused) >= self.workers
 
     def _preempt_for(self, request: Request) -> bool:
         """Pause the running generation of the lowest priority below ``request``'s (the
@@ -275,7 +276,7 @@ class Scheduler:
         self._free.remove(best)
         return best
 
-    def _start(self, request: Request, sink: Sink, slot, urgent: bool = False) -> None:
+    def _start(self, request: Request, sink: Sink, slot, urgent: bool) -> None:
         """Start ``request`` on ``slot``; ``urgent``: it preempted a running generation, and
         interrupts the step under way rather than wait for it."""
         try:
@@ -337,7 +338,7 @@ class Scheduler:
         while not self._closed:
             paused = min(self._paused, key=lambda r: r.priority, default=None)
             queued = self._queue[0][0] if self._queue else None
-            preempting = self._unpaused() >= self.workers
+            preempting = self._workers_busy()
             if not preempting:
                 if paused is not None and (queued is None or paused.priority <= queued.priority):
                     self._resume(paused)
