@@ -110,17 +110,31 @@ def llama_engine() -> Engine:
 @pytest.fixture(scope="session")
 def ctransformers_engine() -> Engine:
     """The embedded SmolLM2 on the ctransformers engine (its converted file), one compute thread
-    per slot: for the tests about that engine, and the second run of each test that takes ``engine``."""
+    per slot: for the tests about that engine, and the second run of each test marked ``both_engines``."""
     return Engine.load(engine=EngineName.CTRANSFORMERS, threads=1, progress=False)
 
 
 ENGINE_FIXTURES = {EngineName.LLAMA_CPP: "llama_engine", EngineName.CTRANSFORMERS: "ctransformers_engine"}
 
 
-@pytest.fixture(scope="session", params=list(ENGINE_FIXTURES), ids=[e.value for e in ENGINE_FIXTURES])
+def pytest_generate_tests(metafunc) -> None:
+    """A test that takes ``engine``, or the ``server`` built on it, runs on llama.cpp, the default.
+    One marked ``both_engines`` runs on ctransformers too, and the mark says why: what it checks
+    passes through the engine, not only the layers above it. A module that defines its own
+    ``engine`` fixture has chosen its engine."""
+    if "engine" not in metafunc.fixturenames or hasattr(metafunc.module, "engine"):
+        return
+    marker = metafunc.definition.get_closest_marker("both_engines")
+    if marker is not None and not marker.kwargs.get("why"):
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: both_engines(why=...) says why")
+    engines = list(ENGINE_FIXTURES) if marker else [EngineName.LLAMA_CPP]
+    metafunc.parametrize("engine", engines, indirect=True, ids=[e.value for e in engines], scope="session")
+
+
+@pytest.fixture(scope="session")
 def engine(request) -> Engine:
-    """The embedded SmolLM2 on each engine, llama.cpp (the default) first: every test that takes
-    ``engine``, or the ``server`` built on it, runs on both. Each engine is loaded once."""
+    """The embedded SmolLM2 on the engine ``pytest_generate_tests`` chose for the test, llama.cpp
+    (the default) first. Each engine is loaded once."""
     return request.getfixturevalue(ENGINE_FIXTURES[request.param])
 
 

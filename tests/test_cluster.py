@@ -516,7 +516,8 @@ async def _members(store: aioredis.Redis, key: str, count: int) -> bool:
 
 async def test_a_task_using_redis_ends_even_if_a_cancel_is_lost(tmp_path):
     """Tasks that send nothing but commands, with the client the cluster makes, cancelled at many moments: a
-    cancel alone may leave one running (on Python 3.11, stop_tasks says why); stop_tasks ends every one."""
+    cancel alone may leave one running (on Python 3.11, stop_tasks says why); stop_tasks ends every one.
+    A lost cancel costs stop_tasks many rounds on a loaded machine, and one is the case it is for."""
     redis_server = RedisServer(tmp_path).start(10 * UNIT)
     client = Cluster(redis_server.url, Registry(), Metrics()).client
 
@@ -537,6 +538,8 @@ async def test_a_task_using_redis_ends_even_if_a_cancel_is_lost(tmp_path):
             async with asyncio.timeout(120 * UNIT):
                 await stop_tasks([task])
             assert task.cancelled()
+            if lost:
+                break
     finally:
         await client.aclose()
         redis_server.kill()

@@ -154,6 +154,7 @@ def test_layers_asked_for_without_a_gpu_warn_and_run_on_the_cpu(llama_engine, lo
     assert not logs.records("gpu_unavailable")
 
 
+@pytest.mark.both_engines(why="only llama.cpp offloads; ctransformers says it runs on the CPU")
 async def test_healthz_says_where_the_layers_run(server):
     status, body = await http_get(server, "/healthz")
     health = json.loads(body)

@@ -9,6 +9,8 @@ import pytest
 from stopline._core import ExitKind
 from support import make_generation
 
+pytestmark = pytest.mark.both_engines(why="each engine samples with its own code")
+
 COUNTING = "1, 2, 1, 2, 1, 2, 1, 2, 1, 2,"
 
 

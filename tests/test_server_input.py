@@ -25,6 +25,10 @@ from support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.both_engines(
+    why="input that could kill the process is checked before each engine's native call"
+)
+
 BAD_FRAMES = [
     ("not json", "invalid_json"),
     ("[1, 2, 3]", "invalid_frame"),

@@ -23,6 +23,8 @@ from support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.both_engines(why="every stop path ends in the engine's own loop")
+
 
 async def test_greedy_chat_streams_tokens_then_done(server, logs):
     async with client_for(server) as client:

@@ -101,6 +101,7 @@ async def test_metrics_count_outcomes_and_give_a_cancellation_rate(server):
 
 
 @pytest.mark.slow
+@pytest.mark.both_engines(why="each engine allocates and frees its own native state")
 async def test_connect_generate_disconnect_cycles_leak_nothing(engine):
     """Many short lives of a connection: RSS stays flat, no slot, thread or fd is left behind."""
     cycles = int(os.environ.get("STOPLINE_SOAK_CYCLES", "150"))

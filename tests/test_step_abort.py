@@ -176,6 +176,7 @@ def test_aborts_at_random_moments_never_corrupt_a_slot(ctransformers_engine, thr
 # --- the server ----------------------------------------------------------------
 
 
+@pytest.mark.both_engines(why="each engine stops inside a step its own way")
 async def test_health_and_metrics_report_the_abort_mode(server):
     status, body = await http_get(server, "/healthz")
     assert status == 200 and '"abort_mode": "in_step"' in body
@@ -185,6 +186,7 @@ async def test_health_and_metrics_report_the_abort_mode(server):
 
 
 @pytest.mark.slow
+@pytest.mark.both_engines(why="each engine keeps a conversation in its own cache")
 async def test_a_conversation_comes_back_to_the_slot_that_holds_it(server, engine, logs):
     """Two conversations alternate on two slots; each turn finds its own history."""
     conversations = {

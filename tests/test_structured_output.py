@@ -193,20 +193,21 @@ async def test_json_schema_output_always_parses_and_validates(server):
     await client.close()
 
 
-# Requests with a grammar, in pairs, seeds 0 to 19: each schema of SCHEMAS several times, on both slots.
+# Requests with a grammar, seeds 0 to 19: each schema of SCHEMAS several times, AT_ONCE at a time,
+# one on each of the test engine's slots.
 MANY_REQUESTS = 20
+AT_ONCE = 4
 
 
 @pytest.mark.slow
 async def test_many_json_schema_requests(server):
     client = openai_client(server, GRAMMAR_TIMEOUT)
     names = list(SCHEMAS)
-    # Two at a time: one on each slot.
-    for start in range(0, MANY_REQUESTS, 2):
+    for start in range(0, MANY_REQUESTS, AT_ONCE):
         results = await asyncio.gather(
-            *(structured(client, server, names[i % len(names)], seed=i) for i in range(start, start + 2))
+            *(structured(client, server, names[i % len(names)], seed=i) for i in range(start, start + AT_ONCE))
         )
-        for i, (text, finish_reason) in zip(range(start, start + 2), results, strict=True):
+        for i, (text, finish_reason) in zip(range(start, start + AT_ONCE), results, strict=True):
             assert finish_reason == "stop", text
             jsonschema.validate(json.loads(text), SCHEMAS[names[i % len(names)]])
     await client.close()
@@ -216,7 +217,7 @@ async def test_many_json_schema_requests(server):
 async def test_many_json_object_requests(server):
     client = openai_client(server, GRAMMAR_TIMEOUT)
     names = list(SCHEMAS)
-    for start in range(0, MANY_REQUESTS, 2):
+    for start in range(0, MANY_REQUESTS, AT_ONCE):
         answers = await asyncio.gather(
             *(
                 client.chat.completions.create(
@@ -226,7 +227,7 @@ async def test_many_json_object_requests(server):
                     max_tokens=1000,
                     seed=i,
                 )
-                for i in range(start, start + 2)
+                for i in range(start, start + AT_ONCE)
             )
         )
         for answer in answers:

@@ -156,6 +156,7 @@ async def test_stop_button_cancels_a_streaming_generation(page, server, logs):
 
 
 @pytest.mark.alone
+@pytest.mark.both_engines(why="the stop's wait ends in each engine's own loop")
 async def test_stop_to_cancelled_latency_over_20_tries(page, server, logs):
     await settings(page, max_tokens=400, temperature=0)
     samples = []
