@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 8
+#define SLL_ABI_VERSION 9
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -140,6 +140,15 @@ typedef struct {
     void (*sampler_free)(sll_sampler *sampler);
     void (*sampler_accept)(sll_sampler *sampler, int32_t token);
     int32_t (*sample)(sll_sampler *sampler, const float *logits, sll_abort_fn stop, void *data);
+    /* Sentence embeddings, from an embedding model (a BERT: attention over the whole input,
+     * pooled as its file says). embedding_context_new() makes a context that embeds up to n_seq
+     * inputs of n_tokens tokens in all in one evaluation (sll_context_free frees it). embed()
+     * evaluates the n inputs tokens[offsets[i]..offsets[i + 1]) and writes input i's pooled
+     * embedding, model_n_embd() floats, at out + i * model_n_embd(): an SLL_* code. */
+    sll_context *(*embedding_context_new)(sll_model *model, int32_t n_tokens, int32_t n_threads, int32_t n_seq,
+                                          char *err, size_t err_size);
+    int32_t (*model_n_embd)(const sll_model *model);
+    int32_t (*embed)(sll_context *ctx, const int32_t *tokens, const int32_t *offsets, int32_t n, float *out);
 } sll_api;
 
 /* Resolve every function from the shim at `path`, opened RTLD_LOCAL.
@@ -202,6 +211,9 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
     SLL_RESOLVE(sampler_free)
     SLL_RESOLVE(sampler_accept)
     SLL_RESOLVE(sample)
+    SLL_RESOLVE(embedding_context_new)
+    SLL_RESOLVE(model_n_embd)
+    SLL_RESOLVE(embed)
 #undef SLL_RESOLVE
     api->handle = handle;
     return 0;

@@ -509,6 +509,92 @@ SLL_EXPORT int32_t sll_sample(sll_sampler *smp, const float *logits, sll_abort_f
     return token;
 }
 
+SLL_EXPORT sll_context *sll_embedding_context_new(sll_model *m, int32_t n_tokens, int32_t n_threads, int32_t n_seq,
+                                                  char *err, size_t err_size) {
+    if (n_tokens < 1 || n_threads < 1 || n_seq < 1 || n_seq > SLL_MAX_SEQUENCES) {
+        snprintf(err, err_size, "invalid embedding context sizes");
+        return NULL;
+    }
+    struct llama_context_params params = llama_context_default_params();
+    /* An encoder sees every token of an input at once: one evaluation is one physical batch. */
+    params.n_ctx = (uint32_t)n_tokens;
+    params.n_batch = (uint32_t)n_tokens;
+    params.n_ubatch = (uint32_t)n_tokens;
+    params.n_seq_max = (uint32_t)n_seq;
+    params.n_threads = n_threads;
+    params.n_threads_batch = n_threads;
+    params.embeddings = true;
+    params.no_perf = true;
+    sll_context *c = calloc(1, sizeof *c);
+    if (c == NULL || (c->in_batch = calloc((size_t)n_seq, 1)) == NULL) {
+        free(c);
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    c->ctx = llama_init_from_model(m->model, params);
+    if (c->ctx == NULL) {
+        take_error(err, err_size, "llama.cpp could not create an embedding context");
+        free(c->in_batch);
+        free(c);
+        return NULL;
+    }
+    if (llama_pooling_type(c->ctx) == LLAMA_POOLING_TYPE_NONE) {
+        llama_free(c->ctx);
+        free(c->in_batch);
+        free(c);
+        snprintf(err, err_size, "the model's file names no pooling: it has no sentence embedding");
+        return NULL;
+    }
+    c->model = m;
+    c->n_batch = n_tokens;
+    c->n_seq = n_seq;
+    c->n_ctx_seq = n_tokens;
+    c->batch = llama_batch_init(n_tokens, 0, 1);
+    return c;
+}
+
+SLL_EXPORT int32_t sll_model_n_embd(const sll_model *m) { return llama_model_n_embd(m->model); }
+
+SLL_EXPORT int32_t sll_embed(sll_context *c, const int32_t *tokens, const int32_t *offsets, int32_t n, float *out) {
+    int32_t i, j, at = 0, n_embd = llama_model_n_embd(c->model->model);
+    /* What llama.cpp asserts on, refused instead: more inputs than sequences, an empty input,
+     * more tokens than one evaluation takes, an input longer than the model's positions, and
+     * a token outside the vocabulary. */
+    if (n < 1 || n > c->n_seq || offsets[0] != 0 || offsets[n] > c->n_batch)
+        return SLL_REFUSED;
+    for (i = 0; i < n; i++)
+        if (offsets[i + 1] <= offsets[i] || offsets[i + 1] - offsets[i] > llama_model_n_ctx_train(c->model->model))
+            return SLL_REFUSED;
+    for (j = 0; j < offsets[n]; j++)
+        if (tokens[j] < 0 || tokens[j] >= c->model->n_vocab)
+            return SLL_REFUSED;
+    for (i = 0; i < n; i++) {
+        for (j = offsets[i]; j < offsets[i + 1]; j++, at++) {
+            c->batch.token[at] = tokens[j];
+            c->batch.pos[at] = j - offsets[i];
+            c->batch.n_seq_id[at] = 1;
+            c->batch.seq_id[at][0] = i;
+            c->batch.logits[at] = 1;
+        }
+    }
+    c->batch.n_tokens = at;
+    /* A model that keeps a cache (a causal one pooled by its last token) starts each call afresh. */
+    llama_memory_t memory = llama_get_memory(c->ctx);
+    if (memory != NULL)
+        llama_memory_clear(memory, true);
+    int32_t status = llama_decode(c->ctx, c->batch);
+    c->batch.n_tokens = 0;
+    if (status != 0)
+        return status;
+    for (i = 0; i < n; i++) {
+        const float *pooled = llama_get_embeddings_seq(c->ctx, i);
+        if (pooled == NULL)
+            return SLL_INVALID_BATCH;
+        memcpy(out + (size_t)i * (size_t)n_embd, pooled, (size_t)n_embd * sizeof(float));
+    }
+    return SLL_OK;
+}
+
 /* The compiler checks every function above against ext/llama_abi.h's table. */
 static const sll_api sll_signatures __attribute__((unused)) = {
     .abi_version = sll_abi_version,
@@ -547,4 +633,7 @@ static const sll_api sll_signatures __attribute__((unused)) = {
     .sampler_free = sll_sampler_free,
     .sampler_accept = sll_sampler_accept,
     .sample = sll_sample,
+    .embedding_context_new = sll_embedding_context_new,
+    .model_n_embd = sll_model_n_embd,
+    .embed = sll_embed,
 };

@@ -1,8 +1,8 @@
-"""OpenAI's embeddings endpoint, POST /v1/embeddings, answered by all-MiniLM-L6-v2
-(:mod:`.engine.embeddings`).
+"""OpenAI's embeddings endpoint, POST /v1/embeddings, answered by all-MiniLM-L6-v2 from its
+GGUF file by llama.cpp (:mod:`.engine.llama_embeddings`).
 
 The model loads on the first request, and every batch runs on a thread of its own, so the
-event loop goes on streaming generations while numpy works. A request is checked whole (its
+event loop goes on streaming generations while llama.cpp works. A request is checked whole (its
 fields, the number of its inputs, their size) before any work starts.
 """
 
@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .engine.embeddings import DIMENSIONS, Embedded, LazyEncoder
+from .engine.embeddings import DIMENSIONS, Embedded
+from .engine.errors import EngineError
+from .engine.llama_embeddings import LazyEncoder
 from .engine.model import ModelFetchError
 from .http_api import _NO_STORE, error_response
 from .observability import log
@@ -119,7 +121,7 @@ class EmbeddingsApi:
         self.api = api
         self.model_name = model_name
         self.encoder = LazyEncoder()
-        # One batch at a time: numpy's matrix products use every core already.
+        # One batch at a time: an evaluation uses every core already.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stopline-embed")
         api.app.on_cleanup.append(self._close)
 
@@ -136,7 +138,7 @@ class EmbeddingsApi:
         started = time.monotonic_ns()
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.encoder.get)
-        except (ModelFetchError, OSError, zipfile.BadZipFile) as exc:
+        except (ModelFetchError, EngineError, OSError, zipfile.BadZipFile) as exc:
             log.error("embedding_model_unavailable", model=self.model_name, detail=str(exc))
             raise EmbeddingModelUnavailable(f"the embedding model could not be loaded: {exc}") from exc
         return time.monotonic_ns() - started
@@ -147,7 +149,7 @@ class EmbeddingsApi:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, lambda: self.encoder.get().embed(texts))
-        except (ModelFetchError, OSError, zipfile.BadZipFile) as exc:
+        except (ModelFetchError, EngineError, OSError, zipfile.BadZipFile) as exc:
             log.error("embedding_model_unavailable", model=self.model_name, detail=str(exc))
             raise EmbeddingModelUnavailable(f"the embedding model could not be loaded: {exc}") from exc
 

@@ -67,7 +67,7 @@ def default_prompt_cache_disk_bytes(directory: Path) -> int:
     return min(PROMPT_CACHE_DISK_CAP, free // 4)
 
 
-# The embedding models /v1/embeddings can serve (stopline/engine/embeddings.py).
+# The embedding models /v1/embeddings can serve (stopline/engine/llama_embeddings.py).
 EMBEDDING_MODELS = ("all-minilm-l6-v2",)
 # The tokens each slot holds when no context length is asked for, on the ctransformers
 # engine; on llama.cpp, the least that sizing a context from the model chooses.

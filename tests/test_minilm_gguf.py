@@ -15,6 +15,7 @@ from safetensors.numpy import load
 from bench.drivers.llama_server import call_json, llama_server_binary
 from bench.embeddings import COMPARED, SENTENCES, EmbeddingLlamaServer, cosines
 from stopline.engine.embeddings import MAX_TOKENS, SentenceEncoder, gguf_named, model_zip_path
+from stopline.engine.llama_embeddings import LlamaEncoder
 from stopline.engine.minilm_gguf import ARCH, CONTINUATION, WORD_START, field_value, read_gguf, write_gguf
 
 BERT = f"{ARCH}."
@@ -119,7 +120,7 @@ def test_a_file_that_is_not_bert_is_refused(tmp_path, files):
 
 
 @pytest.mark.slow
-def test_llama_server_embeds_the_file_as_stopline_does(converted, reference, tmp_path):
+def test_llama_server_embeds_the_file_as_the_reference_and_stopline_do(converted, reference, tmp_path):
     binary = llama_server_binary()
     if not binary.is_file():
         pytest.skip(f"no llama-server built at {binary} (python -m bench embeddings --build-llama-server builds it)")
@@ -133,4 +134,11 @@ def test_llama_server_embeds_the_file_as_stopline_does(converted, reference, tmp
             await server.stop()
         return np.array([row["embedding"] for row in sorted(answer["data"], key=lambda row: row["index"])])
 
-    assert cosines(asyncio.run(served()), reference).min() >= 0.999
+    vectors = asyncio.run(served())
+    assert cosines(vectors, reference).min() >= 0.999
+    # Stopline serves the file through the same llama.cpp.
+    encoder = LlamaEncoder(converted)
+    try:
+        assert cosines(vectors, encoder.embed(SENTENCES[:COMPARED]).vectors).min() >= 0.9999
+    finally:
+        encoder.close()

@@ -687,6 +687,87 @@ cdef struct LoopState:
 include "_batcher.pxi"
 
 
+cdef class LlamaEmbedder:
+    """Sentence embeddings from an embedding model (a BERT) by llama.cpp: one evaluation
+    takes up to ``max_inputs`` inputs of ``max_tokens`` tokens in all. Not thread-safe: one
+    thread at a time calls :meth:`embed`."""
+    cdef LlamaModel model
+    cdef ll.sll_context *ctx
+    cdef readonly int dimensions
+    cdef readonly int max_tokens
+    cdef readonly int max_inputs
+    # The most tokens one input may have: the model's positions.
+    cdef readonly int input_limit
+
+    def __cinit__(self, LlamaModel model, int max_tokens=2048, int max_inputs=64, int threads=1):
+        cdef char err[512]
+        model._check_open()
+        if max_tokens < 1 or threads < 1 or not 1 <= max_inputs <= ll.SLL_MAX_SEQUENCES:
+            raise ValueError(f"max_tokens and threads are positive, max_inputs 1 to {ll.SLL_MAX_SEQUENCES}")
+        err[0] = 0
+        with nogil:
+            self.ctx = LLAMA.embedding_context_new(model.model, max_tokens, threads, max_inputs, err, sizeof(err))
+        if self.ctx is NULL:
+            raise c_failure(ModelLoadError, "llama.cpp could not create an embedding context", 0, err)
+        self.model = model
+        self.dimensions = LLAMA.model_n_embd(model.model)
+        self.max_tokens = max_tokens
+        self.max_inputs = max_inputs
+        self.input_limit = model.context_limit
+
+    def embed(self, list inputs):
+        """The pooled embedding of each input (a list of token ids), in one evaluation: the
+        float32 bytes of ``len(inputs)`` rows of :attr:`dimensions` values, in input order."""
+        cdef int32_t n = len(inputs), total = 0, i, j = 0, status
+        cdef int32_t *tokens
+        cdef int32_t *offsets
+        cdef float *out
+        if self.ctx is NULL:
+            raise EngineError("the embedder is closed")
+        # What would reach one of llama.cpp's asserts is refused here (and again by the shim).
+        if not 1 <= n <= self.max_inputs:
+            raise ValueError(f"1 to {self.max_inputs} inputs at a time")
+        for ids in inputs:
+            if not 1 <= len(ids) <= self.input_limit:
+                raise ValueError(f"an input has 1 to {self.input_limit} tokens")
+            total += len(ids)
+        if total > self.max_tokens:
+            raise ValueError(f"{total} tokens: one evaluation takes {self.max_tokens} at most")
+        rows = bytearray(n * self.dimensions * sizeof(float))
+        out = <float *><char *>rows
+        tokens = <int32_t *>malloc(total * sizeof(int32_t))
+        offsets = <int32_t *>malloc((n + 1) * sizeof(int32_t))
+        try:
+            if tokens is NULL or offsets is NULL:
+                raise c_failure(MemoryError, "cannot allocate the inputs")
+            offsets[0] = 0
+            for i in range(n):
+                for token in inputs[i]:
+                    if not 0 <= token < self.model.vocab_size:
+                        raise ValueError(f"token {token} is not in the vocabulary")
+                    tokens[j] = token
+                    j += 1
+                offsets[i + 1] = j
+            self.model.users += 1
+            with nogil:
+                status = LLAMA.embed(self.ctx, tokens, offsets, n, out)
+            self.model.users -= 1
+        finally:
+            free(tokens)
+            free(offsets)
+        if status != ll.SLL_OK:
+            raise EngineError(f"llama.cpp could not embed {n} inputs (status {status})")
+        return bytes(rows)
+
+    def close(self):
+        if self.ctx is not NULL:
+            LLAMA.context_free(self.ctx)
+            self.ctx = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
 cdef class LlamaContext:
     """One llama.cpp context over a :class:`LlamaModel`: one KV cache holding
     ``sequences`` sequences, each a :class:`LlamaSequence` slot. The generations

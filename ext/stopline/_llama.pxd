@@ -74,6 +74,11 @@ cdef extern from "llama_abi.h" nogil:
         void (*sampler_free)(sll_sampler *sampler) noexcept nogil
         void (*sampler_accept)(sll_sampler *sampler, int32_t token) noexcept nogil
         int32_t (*sample)(sll_sampler *sampler, const float *logits, sll_abort_fn stop, void *data) noexcept nogil
+        sll_context *(*embedding_context_new)(sll_model *model, int32_t n_tokens, int32_t n_threads, int32_t n_seq,
+                                              char *err, size_t err_size) noexcept nogil
+        int32_t (*model_n_embd)(const sll_model *model) noexcept nogil
+        int32_t (*embed)(sll_context *ctx, const int32_t *tokens, const int32_t *offsets, int32_t n,
+                         float *out) noexcept nogil
 
     # 0, or -1 with dlerror()'s text (or the version mismatch) in err.
     int sll_api_open(sll_api *api, const char *path, char *err, size_t err_size)

@@ -16,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import threading
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -272,22 +271,3 @@ class SentenceEncoder:
             x = _layer_norm(out, *layer.output_norm, self.eps)
         x = x.reshape(batch, length, self.hidden)
         return x.astype(np.float32, copy=False)
-
-
-class LazyEncoder:
-    """The encoder, loaded on first use (seconds, and a download on the very first) and kept."""
-
-    def __init__(self, progress: bool = False):
-        self._progress = progress
-        self._lock = threading.Lock()
-        self._encoder: SentenceEncoder | None = None
-
-    @property
-    def loaded(self) -> bool:
-        return self._encoder is not None
-
-    def get(self) -> SentenceEncoder:
-        with self._lock:
-            if self._encoder is None:
-                self._encoder = SentenceEncoder.load(self._progress)
-            return self._encoder
