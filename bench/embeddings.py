@@ -1,13 +1,13 @@
-"""python -m bench embeddings: all-MiniLM-L6-v2 served by Stopline (numpy) and by llama-server (GGUF).
+"""python -m bench embeddings: all-MiniLM-L6-v2 served by Stopline and by llama-server, both by llama.cpp.
 
-The model.zip Stopline serves is converted to a GGUF file (``stopline.engine.minilm_gguf``);
-llama-server serves that file with ``--embedding --pooling mean``, and Stopline serves the
-safetensors it came from, both confined to the same cores with as many compute threads
-(llama-server's ``--threads``, OpenBLAS's under Stopline). Both get the same 20 sentences in
+The model.zip is converted to a GGUF file (``stopline.engine.minilm_gguf``), which
+llama-server serves with ``--embedding --pooling mean``; Stopline serves the file it writes the
+same way into its cache. Both are confined to the same cores with as many compute threads
+(llama-server's ``--threads``; Stopline takes one per core). Both get the same 20 sentences in
 one request, and the cosine of each pair of vectors is reported. Then a batch of 32 sentences
 (``POST /v1/embeddings``, one request) is sent ``--reps`` times to each, the servers taking
-turns, alternating which goes first; the latency is the client's, from sending the request
-to the last byte of its answer.
+turns, alternating which goes first, each request SETTLE_S after the one before; the latency
+is the client's, from sending the request to the last byte of its answer.
 
     python -m bench embeddings --build-llama-server [--reps 50] [--cpus 0,1] [--results-md]
 """
@@ -76,6 +76,8 @@ SENTENCES = [
 ]
 COMPARED = 20
 BATCH = 32
+# The pause before each timed request.
+SETTLE_S = 0.2
 
 
 class EmbeddingLlamaServer(LlamaServerDriver):
@@ -117,6 +119,9 @@ async def measure(urls: dict[str, str], reps: int) -> dict:
         for rep in range(reps):
             order = list(urls) if rep % 2 == 0 else list(urls)[::-1]
             for name in order:
+                # The other server's compute threads wind down first: llama-server's spin for a
+                # while after each request, on the cores the next request needs.
+                await asyncio.sleep(SETTLE_S)
                 _, latency_ms, tokens[name] = await embed(session, urls[name], SENTENCES[:BATCH])
                 latencies[name].append(latency_ms)
     return {
@@ -144,10 +149,9 @@ async def run(args) -> dict:
     threads = len(args.cpu_set)
     binary = Path(args.llama_server) if args.llama_server else ensure_llama_server()
     llama = EmbeddingLlamaServer(binary, model, args.out, BATCH, threads, MAX_TOKENS, cpus=args.cpu_set)
-    # OpenBLAS computes Stopline's embeddings: as many threads as llama-server's, on the same cores.
-    blas = {name: str(threads) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    # Stopline computes embeddings with one thread per core it may use: as many as llama-server's.
     ours = ServerProcess(
-        *("--port", "0", "--http-port", "0"), env=blas, cpus=args.cpu_set, stderr_path=args.out / "server-stopline.log"
+        *("--port", "0", "--http-port", "0"), cpus=args.cpu_set, stderr_path=args.out / "server-stopline.log"
     )
     meta = {
         "command": "python -m bench embeddings " + shlex.join(argv_tail()),
@@ -193,15 +197,16 @@ def section(results: dict) -> str:
             "",
             f"{m.get('cpu', 'CPU')}, {m.get('cores_available', '?')} cores available, 1-minute load average "
             f"{loads} at the start/end; both servers confined to cores {','.join(map(str, meta['cpus']))} with "
-            f"{meta['threads']} compute threads each. Stopline serves the pinned model.zip's safetensors in numpy "
-            "(OpenBLAS); llama-server serves the float32 GGUF file converted from it (`stopline.engine.minilm_gguf`), "
+            f"{meta['threads']} compute threads each. Both serve the float32 GGUF file converted from the pinned "
+            "model.zip (`stopline.engine.minilm_gguf`) by llama.cpp: Stopline the copy in its cache, llama-server "
             f"as `llama-server {meta['llama_server']}` ({meta['llama_server_source']}).",
             "",
             f"The same {len(pair)} sentences to both in one request: the cosine of each pair of vectors is "
             f"{min(pair):.6f} at the least, {float(np.median(pair)):.6f} at the median.",
             "",
             f"A batch of {BATCH} sentences in one `POST /v1/embeddings`, {meta['reps']} times to each, the servers "
-            "taking turns; latency from sending the request to the last byte of the answer:",
+            f"taking turns, each request {SETTLE_S:g} s after the one before (llama-server's threads spin a while "
+            "after each request); latency from sending the request to the last byte of the answer:",
             "",
             latency_table,
             "",

@@ -545,6 +545,12 @@ SLL_EXPORT sll_context *sll_embedding_context_new(sll_model *m, int32_t n_tokens
         snprintf(err, err_size, "the model's file names no pooling: it has no sentence embedding");
         return NULL;
     }
+    /* Threads kept between evaluations, as a generation's context keeps them (sll_context_new). */
+    struct ggml_threadpool_params pool = ggml_threadpool_params_default(n_threads);
+    pool.poll = 0;
+    c->threads = ggml_threadpool_new(&pool);
+    if (c->threads != NULL)
+        llama_attach_threadpool(c->ctx, c->threads, c->threads);
     c->model = m;
     c->n_batch = n_tokens;
     c->n_seq = n_seq;
