@@ -26,7 +26,7 @@ from .engine import model as embedded
 from .engine.hub import HubError, HubModelName, is_hub_model, models_command
 from .engine.hub import resolve as resolve_hub_model
 from .engine.model import EMBEDDED_CONTEXT_LIMIT
-from .engine.model_check import WHAT_WORKS, ModelFileError
+from .engine.model_check import WHAT_WORKS, ModelFileError, models_in_folder
 from .engine.tokenizer import TokenizerError, load_chat_template
 from .observability import configure_logging, log
 from .protocol.errors import StoplineError, UsageError
@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         Keyring(args.api_keys, args.api_keys_file)  # checked now, before the model loads
     except KeyFileError as exc:
         p.error(f"argument --api-keys-file: {exc}")
+    args.models = tuple(_each_model(p, args.models))
     for model in args.models:
         if is_hub_model(model):
             try:
@@ -112,6 +113,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     except UsageError as exc:
         p.error(str(exc))
     return args
+
+
+def _each_model(parser: argparse.ArgumentParser, models: tuple[str, ...]):
+    """The models named, a folder standing for the models in it, as if each were named."""
+    for model in models:
+        if is_hub_model(model) or not Path(model).is_dir():
+            yield model
+            continue
+        found = models_in_folder(Path(model))
+        if not found:
+            parser.error(f"argument --model: the folder {model} holds no GGUF model")
+        yield from (str(path) for path in found)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

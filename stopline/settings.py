@@ -543,7 +543,7 @@ FLAGS = [
         "model file, or a GGUF on the Hugging Face hub: hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO/FILE.gguf, "
         "downloaded into the hub's cache; checked before it loads (what works: the end of --help, "
         "docs/models.md); repeatable: each model has its own slots, and a request names the one it wants "
-        '(docs/http.md, "Several models")',
+        '(docs/http.md, "Several models"); a folder: each GGUF model in it, by file name',
         repeatable=True,
         default_text="the embedded SmolLM2-135M-Instruct",
     ),

@@ -9,9 +9,10 @@ import ollama
 import openai
 import pytest
 
+from bench.launch import ServerProcess
 from stopline.__main__ import parse_args, settings_from
 from stopline.engine.loop import Engine
-from stopline.engine.model import gemma_gguf_path
+from stopline.engine.model import gemma_gguf_path, original_gguf_path
 from stopline.protocol.errors import UsageError
 from stopline.protocol.vocabulary import ChatFormat, EngineName
 from stopline.settings import Settings, served_names
@@ -146,3 +147,33 @@ def test_model_is_repeatable_and_names_each_model():
         served_names((), ["a", "a"])
     with pytest.raises(UsageError, match="one name for each"):
         Settings(models=("a.gguf", "b.gguf"), served_model_names=("x",))
+
+
+def test_a_folder_stands_for_each_gguf_model_in_it(tmp_path):
+    for name in ("b.gguf", "a.GGUF", "big-00001-of-00002.gguf", "big-00002-of-00002.gguf", "mmproj-a.gguf", "a.txt"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "inner.gguf").mkdir()
+    settings = settings_from(parse_args(["--model", str(tmp_path), "--model", "c.gguf"]))
+    assert settings.models == tuple(str(tmp_path / n) for n in ("a.GGUF", "b.gguf", "big-00001-of-00002.gguf")) + (
+        "c.gguf",
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(empty)])
+
+
+@pytest.mark.slow
+async def test_a_server_given_a_folder_serves_each_model_in_it(tmp_path):
+    (tmp_path / "smollm2.gguf").symlink_to(original_gguf_path(progress=False))
+    (tmp_path / "gemma.gguf").symlink_to(gemma_gguf_path(progress=False))
+    with ServerProcess("--port", "0", "--model", str(tmp_path), "--context-length", "512") as process:
+        api = (await process.started(120 * UNIT)).api_url
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60 * UNIT)) as http:
+            async with http.get(f"{api}/models") as response:
+                assert [m["id"] for m in (await response.json())["data"]] == ["gemma", "smollm2"]
+            for name in ("gemma", "smollm2"):
+                body = {"model": name, "prompt": "The capital of France is", "max_tokens": 2}
+                async with http.post(f"{api}/completions", json=body) as response:
+                    answer = await response.json()
+                assert response.status == 200 and answer["model"] == name, answer

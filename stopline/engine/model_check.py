@@ -331,6 +331,20 @@ def check_model_file(path: Path, model_type: str | None, engine: str = CTRANSFOR
 SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<parts>\d{5})\.gguf$", re.IGNORECASE)
 
 
+def models_in_folder(folder: Path) -> list[Path]:
+    """The models in a folder, by file name: each GGUF file, a split model by its first part.
+    A vision projector (``mmproj``) is not a model; nor is anything in a folder within."""
+    models = []
+    for path in sorted(folder.iterdir()):
+        name = path.name.lower()
+        if not path.is_file() or not name.endswith(".gguf") or "mmproj" in name:
+            continue
+        part = SPLIT_PART.match(path.name)
+        if part is None or int(part["part"]) == 1:
+            models.append(path)
+    return models
+
+
 def _split_count(fields: dict) -> int:
     value = _integer(fields, "split.count")
     return value if value is not None else 1
