@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, messages_request
+from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, count_tokens_request, messages_request
 from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
@@ -66,7 +66,7 @@ from .protocol.vocabulary import ChatFormat, ErrorCode, Outcome, Reason, Refusal
 from .registry import Entry
 from .residency import Catalog
 from .services import Services
-from .session import ClientSession
+from .session import SHORT_PROMPT_BYTES, ClientSession
 from .settings import Settings
 from .structured.tool_calls import CallReader, CallStarted, Event, Prose, ToolChoice
 
@@ -597,6 +597,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/messages", self._messages),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.get("/v1/models", self._models),
                 # A served name may hold slashes (OWNER/REPO:QUANT).
                 web.get("/v1/models/{model:.+}", self._model),
@@ -805,6 +806,30 @@ class HttpApi:
             services,
             self.lazy_for(body.get("model")),
         )
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/messages/count_tokens: the tokens a message's prompt would take, through the
+        model's own chat template; a model not yet loaded loads first."""
+        try:
+            body = parse_json_object(await request.text(), "body")
+            services = self.services_for(body.get("model"))
+            asked = count_tokens_request(body, models=self.models, limits=services.limits)
+        except ProtocolError as exc:
+            return anthropic_error(exc.code, exc.message)
+        lazy = self.lazy_for(body.get("model"))
+        if lazy is not None:
+            lazy.hold()
+        try:
+            if lazy is not None:
+                services = await lazy.ready()
+            lane = services.tokenizer_lanes[asked.frame.size > SHORT_PROMPT_BYTES]
+            tokens = await asyncio.get_running_loop().run_in_executor(lane, services.encode, None, asked.frame.messages)
+        except InsufficientMemory as exc:
+            return anthropic_error(exc.code, exc.message)
+        finally:
+            if lazy is not None:
+                lazy.release()
+        return web.json_response({"input_tokens": len(tokens)}, headers=dict(_NO_STORE))
 
     async def _generate(
         self,

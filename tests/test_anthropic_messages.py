@@ -99,6 +99,23 @@ async def test_closing_a_message_stream_stops_the_model(server, logs):
     await wait_for(lambda: server.scheduler.active == 0)
 
 
+async def test_count_tokens_is_the_prompt_a_message_takes(server):
+    async with client_of(server) as client:
+        # With a system prompt of its own, and with the model's default one.
+        for system in ({"system": "You answer in one word."}, {}):
+            asked = dict(model=server.engine.name, messages=CHAT_FRANCE, **system)
+            counted = await client.messages.count_tokens(**asked)
+            message = await client.messages.create(max_tokens=2, **asked)
+            assert counted.input_tokens == message.model_extra["stopline"]["prompt_tokens"] > 0
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.post(
+                "/v1/messages/count_tokens",
+                cast_to=anthropic.types.MessageTokensCount,
+                body={"model": server.engine.name, "messages": CHAT_FRANCE, "max_tokens": 8},
+            )
+    assert "max_tokens" in refused.value.body["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "change, named",
     [

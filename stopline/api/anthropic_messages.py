@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (``POST /v1/messages``): a request body checked into the one
-generate frame, and the shapes of its answer. No I/O here.
+"""Anthropic's Messages API (``POST /v1/messages``, and ``/v1/messages/count_tokens``): a
+request body checked into the one generate frame, and the shapes of its answer. No I/O here.
 
 :data:`FIELDS` names every field of the request body and what Stopline does with it, as
 :mod:`.openai_fields` does for OpenAI's: honoured, or refused with 400 naming it. Nothing
@@ -47,6 +47,10 @@ FIELDS: dict[str, Treatment] = {
     "workspace_id": Treatment.REFUSED,
 }
 
+# The fields of a count_tokens body (POST /v1/messages/count_tokens): a message's less what
+# shapes the answer, each treated as in a message.
+COUNT_TOKENS_FIELDS = frozenset(FIELDS) - {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
+
 # How a done request's reason reads as Anthropic's stop_reason (MessagesRequest.stop_reason).
 _STOP_REASON: dict[str, str] = {
     Reason.EOS: "end_turn",
@@ -89,6 +93,16 @@ class MessagesRequest:
         """The stop sequence that ended the answer: known when the request gave one."""
         stops = self.frame.params.stop
         return stops[0] if ending.reason is Reason.STOP_SEQUENCE and len(stops) == 1 else None
+
+
+def count_tokens_request(body: dict, *, models: ServedModels, limits: Limits) -> MessagesRequest:
+    """The prompt a count_tokens body would give a message: its generate frame's, with the
+    checks a message's fields get; or the ProtocolError that refuses it."""
+    for name in body:
+        if name not in COUNT_TOKENS_FIELDS:
+            raise UnsupportedParameter(f"{name}: Extra inputs are not permitted", param=name)
+    # One token to generate: the frame's prompt is what is counted.
+    return messages_request({**body, "max_tokens": 1}, models=models, limits=limits)
 
 
 def messages_request(body: dict, *, models: ServedModels, limits: Limits) -> MessagesRequest:
