@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, count_tokens_request, messages_request
+from .api.anthropic_messages import ERROR_TYPE, MessagesRequest, count_tokens_request, messages_request, tool_input
 from .api.openai_fields import OpenAIRequest, ServedModels, openai_request
 from .auth import WWW_AUTHENTICATE, ApiKey, bearer, refusal_message
 from .edge import Edge, peer_name
@@ -456,7 +456,9 @@ class OpenAIReply(HttpReply):
 
 
 class AnthropicReply(HttpReply):
-    """POST /v1/messages: Anthropic's stream of events, or one message at the end."""
+    """POST /v1/messages: Anthropic's stream of events, or one message at the end. When the
+    answer may call tools, a reader turns its text into content blocks: text, and a tool_use
+    block for each call, whose input streams as pieces of JSON."""
 
     def __init__(self, http_request: web.Request, asked: MessagesRequest, *, stream: bool):
         super().__init__(http_request)
@@ -465,7 +467,9 @@ class AnthropicReply(HttpReply):
         self._id = ""
         self._headers: dict = {}
         self._prompt_tokens = 0
-        self._texts: list[str] = []
+        self._reader = None if asked.calls is None else CallReader(prose=asked.calls is ToolChoice.AUTO)
+        # The content blocks so far; a tool_use block's input is its arguments' text until the end.
+        self._blocks: list[dict] = []
 
     async def emit(self, frame: Frame) -> None:
         error = as_error(frame)
@@ -483,25 +487,57 @@ class AnthropicReply(HttpReply):
                 self.response = web.StreamResponse(headers={**_SSE_HEADERS, **self._headers})
                 await self.response.prepare(self.http_request)
                 await self._event("message_start", {"type": "message_start", "message": self._message([], None, 0)})
-                block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-                await self._event("content_block_start", block)
+            if self._reader is None:
+                await self._start_block({"type": "text", "text": ""})
         elif isinstance(frame, Token):
-            if self.stream:
-                delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": frame.text}}
-                await self._event("content_block_delta", delta)
+            if self._reader is None:
+                await self._text(frame.text)
             else:
-                self._texts.append(frame.text)
+                await self._read(self._reader.feed(frame.text))
         elif isinstance(frame, Terminal):
             await self._end(frame)
 
-    def _message(self, content: list[dict], ending: Ending | None, output_tokens: int) -> dict:
+    async def _start_block(self, block: dict) -> None:
+        if self.stream:
+            if self._blocks:
+                await self._event("content_block_stop", {"type": "content_block_stop", "index": len(self._blocks) - 1})
+            start = {"type": "content_block_start", "index": len(self._blocks), "content_block": block}
+            await self._event("content_block_start", start)
+        self._blocks.append(dict(block))
+
+    async def _delta(self, delta: dict) -> None:
+        if self.stream:
+            event = {"type": "content_block_delta", "index": len(self._blocks) - 1, "delta": delta}
+            await self._event("content_block_delta", event)
+
+    async def _text(self, text: str) -> None:
+        if not self._blocks or self._blocks[-1]["type"] != "text":
+            await self._start_block({"type": "text", "text": ""})
+        self._blocks[-1]["text"] += text
+        await self._delta({"type": "text_delta", "text": text})
+
+    async def _read(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Prose):
+                await self._text(event.text)
+            elif isinstance(event, CallStarted):
+                call_id = f"toolu_{self._id.removeprefix('msg_').replace('-', '')[:24]}_{event.index}"
+                await self._start_block({"type": "tool_use", "id": call_id, "name": event.name, "input": {}})
+                self._blocks[-1]["input"] = ""
+            else:
+                self._blocks[-1]["input"] += event.text
+                await self._delta({"type": "input_json_delta", "partial_json": event.text})
+
+    def _message(
+        self, content: list[dict], ending: Ending | None, output_tokens: int, stop_reason: str | None = None
+    ) -> dict:
         return {
             "id": self._id,
             "type": "message",
             "role": "assistant",
             "model": self.asked.model,
             "content": content,
-            "stop_reason": None if ending is None else self.asked.stop_reason(ending),
+            "stop_reason": stop_reason,
             "stop_sequence": None if ending is None else self.asked.stop_sequence(ending),
             "usage": self._usage(ending, output_tokens),
         }
@@ -521,16 +557,25 @@ class AnthropicReply(HttpReply):
 
     async def _end(self, frame: Terminal) -> None:
         ending = frame.ending
+        stop_reason = self.asked.stop_reason(ending)
+        if self._reader is not None:
+            await self._read(self._reader.finish())
+            # Every call written whole: the answer is its calls, whatever ended the text after them.
+            if ending.outcome is Outcome.DONE and self._reader.complete:
+                stop_reason = "tool_use"
         if not self.stream:
-            content = [{"type": "text", "text": "".join(self._texts)}]
-            body = {**self._message(content, ending, ending.tokens_generated), "stopline": frame.json()}
+            content = [
+                {**b, "input": tool_input(b["input"])} if b["type"] == "tool_use" else b for b in self._blocks
+            ] or [{"type": "text", "text": ""}]
+            body = {**self._message(content, ending, ending.tokens_generated, stop_reason), "stopline": frame.json()}
             self.response = web.json_response(body, headers={**_NO_STORE, **self._headers})
             return
-        await self._event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        if self._blocks:
+            await self._event("content_block_stop", {"type": "content_block_stop", "index": len(self._blocks) - 1})
         # The last delta also carries Stopline's terminal frame: how it ended and what stopping cost.
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": self.asked.stop_reason(ending), "stop_sequence": self.asked.stop_sequence(ending)},
+            "delta": {"stop_reason": stop_reason, "stop_sequence": self.asked.stop_sequence(ending)},
             # Cumulative, as Anthropic's is: the input's split into evaluated and cached is known now.
             "usage": self._usage(ending, ending.tokens_generated),
             "stopline": frame.json(),

@@ -4,21 +4,33 @@ and stopped when the stream closes."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
+import jsonschema
 import openai
 import pytest
 
 from stopline.api.anthropic_messages import FIELDS
 from stopline.api.openai_fields import Treatment
 from support import CHAT_FRANCE, LONG_ANSWER, UNIT, running_server, wait_for
+from support.tools import GRAMMAR_TIMEOUT, PARAMETERS, TOOLS
+
+# The tools in Anthropic's shape.
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+    | ({"description": t["function"]["description"]} if "description" in t["function"] else {})
+    for t in TOOLS
+]
+WEATHER_IN_PARIS = [{"role": "user", "content": "What is the weather in Paris today? Use the tool."}]
 
 KEY = "anthropic-test-key-0123456789"
 
 
-def client_of(server, api_key: str = "unused") -> anthropic.AsyncAnthropic:
+def client_of(server, api_key: str = "unused", timeout: float = 120) -> anthropic.AsyncAnthropic:
     # The package appends /v1/messages to its base URL.
     base = server.http.base_url.removesuffix("/v1")
-    return anthropic.AsyncAnthropic(base_url=base, api_key=api_key, max_retries=0, timeout=120 * UNIT)
+    return anthropic.AsyncAnthropic(base_url=base, api_key=api_key, max_retries=0, timeout=timeout * UNIT)
 
 
 async def test_a_message_is_the_same_greedy_answer_as_a_chat_completion(server):
@@ -116,11 +128,68 @@ async def test_count_tokens_is_the_prompt_a_message_takes(server):
     assert "max_tokens" in refused.value.body["error"]["message"]
 
 
+async def test_a_forced_tool_call_is_a_tool_use_block_streamed_or_not(server):
+    asked = dict(
+        model=server.engine.name,
+        max_tokens=200,
+        messages=WEATHER_IN_PARIS,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    )
+    async with client_of(server, timeout=GRAMMAR_TIMEOUT) as client:
+        message = await client.messages.create(**asked)
+        deltas = []
+        async with client.messages.stream(**asked) as stream:
+            async for event in stream:
+                if event.type == "content_block_delta":
+                    deltas.append(event.delta)
+            streamed = await stream.get_final_message()
+    for answer in (message, streamed):
+        assert answer.stop_reason == "tool_use", answer
+        [call] = [block for block in answer.content if block.type == "tool_use"]
+        assert call.name == "get_weather" and call.id.startswith("toolu_")
+        jsonschema.validate(call.input, PARAMETERS["get_weather"])
+    # The input arrives in pieces of JSON that make it whole.
+    pieces = [d.partial_json for d in deltas if d.type == "input_json_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == streamed.content[-1].input
+
+
+async def test_a_tool_result_goes_back_and_the_answer_uses_it(server):
+    async with client_of(server, timeout=GRAMMAR_TIMEOUT) as client:
+        first = await client.messages.create(
+            model=server.engine.name,
+            max_tokens=200,
+            messages=WEATHER_IN_PARIS,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        )
+        [call] = [block for block in first.content if block.type == "tool_use"]
+        result = {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 31 degrees."}
+        conversation = [
+            *WEATHER_IN_PARIS,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [result]},
+        ]
+        answer = await client.messages.create(
+            model=server.engine.name,
+            max_tokens=40,
+            messages=conversation,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "none"},
+            extra_body={"temperature": 0},
+        )
+        counted = await client.messages.count_tokens(model=server.engine.name, messages=conversation)
+    assert answer.stop_reason in ("end_turn", "max_tokens") and [b.type for b in answer.content] == ["text"]
+    # The call and its result are in the prompt: longer than the question alone.
+    assert counted.input_tokens > answer.usage.input_tokens // 2 > 0
+    assert answer.model_extra["stopline"]["prompt_tokens"] > len(server.engine.encode(messages=WEATHER_IN_PARIS))
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
         ({"max_tokens": None}, "max_tokens"),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0"),

@@ -9,6 +9,7 @@ other API's (the reply in ``stopline/http_api.py`` writes them).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..protocol.errors import InvalidField, ModelNotFound, UnsupportedParameter
@@ -16,7 +17,9 @@ from ..protocol.frames import GenerateFrame
 from ..protocol.requests import Ending, Limits
 from ..protocol.validation import generate_frame
 from ..protocol.vocabulary import Outcome, Reason
-from .openai_fields import ServedModels, Treatment
+from ..structured.tool_calls import ToolChoice, call_text
+from ..structured.tool_calls import instructions as call_instructions
+from .openai_fields import ServedModels, Treatment, _tool_call, _with_system
 
 # Every field of the request body, as Anthropic's API reference and its Python package list
 # them (temperature, top_p and top_k through the package's extra_body).
@@ -33,8 +36,9 @@ FIELDS: dict[str, Treatment] = {
     "metadata": Treatment.HONOURED,
     # A prompt's prefix is reused from the KV cache whenever a slot holds it, asked or not.
     "cache_control": Treatment.HONOURED,
-    "tools": Treatment.REFUSED,
-    "tool_choice": Treatment.REFUSED,
+    # Custom tools, called as on chat completions (docs/protocol.md#tool-calls): tool_use blocks.
+    "tools": Treatment.HONOURED,
+    "tool_choice": Treatment.HONOURED,
     "thinking": Treatment.REFUSED,
     "output_config": Treatment.REFUSED,
     "service_tier": Treatment.REFUSED,
@@ -77,6 +81,8 @@ class MessagesRequest:
     frame: GenerateFrame
     # The model name the answer reports.
     model: str
+    # Whether the answer may call the tools (AUTO) or must (REQUIRED); None: it is text.
+    calls: ToolChoice | None = None
 
     def stop_reason(self, ending: Ending) -> str:
         """How a generation's end reads as Anthropic's stop_reason, always one of Anthropic's
@@ -121,11 +127,19 @@ def messages_request(body: dict, *, models: ServedModels, limits: Limits) -> Mes
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidField("messages: a list of at least one message is required", param="messages")
-    chat = [_message(m, i) for i, m in enumerate(messages)]
+    call_names: dict[str, str] = {}
+    chat = [_message(m, i, call_names) for i, m in enumerate(messages)]
     system = body.get("system")
     if system is not None:
         chat.insert(0, {"role": "system", "content": _text(system, "system")})
-    frame: dict = {"messages": chat, "max_tokens": body["max_tokens"]}
+    frame: dict = {"max_tokens": body["max_tokens"]}
+    choice, parallel = _chat_choice(body.get("tool_choice"))
+    call = _tool_call(_chat_tools(body.get("tools")), choice, limits.grammars)
+    if call is not None:
+        chosen, kind = call
+        frame.update(tools=chosen, tool_choice=str(kind), parallel_tool_calls=parallel)
+        chat = _with_system(chat, call_instructions([t["function"] for t in chosen], kind, parallel))
+    frame["messages"] = chat
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             frame[name] = body[name]
@@ -140,17 +154,84 @@ def messages_request(body: dict, *, models: ServedModels, limits: Limits) -> Mes
             frame["user"] = metadata["user_id"]
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise InvalidField("stream must be true or false", param="stream")
-    return MessagesRequest(generate_frame(frame, limits), model)
+    return MessagesRequest(generate_frame(frame, limits), model, None if call is None else call[1])
 
 
-def _message(message: object, index: int) -> dict:
+def _chat_tools(tools: object) -> list[dict] | None:
+    """Anthropic's custom tools, ``{"name", "description", "input_schema"}``, in chat's shape."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidField("tools: a list of tools", param="tools")
+    shown = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "custom") if isinstance(tool, dict) else None
+        if kind != "custom":
+            raise UnsupportedParameter(f"tools.{i}: only custom tools are supported (got {kind!r})", param="tools")
+        assert isinstance(tool, dict)
+        extra = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
+        if extra:
+            raise UnsupportedParameter(f"tools.{i}.{sorted(extra)[0]} is not supported", param="tools")
+        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        shown.append({"type": "function", "function": function})
+    return shown
+
+
+def _chat_choice(choice: object) -> tuple[object, bool]:
+    """Anthropic's tool_choice as chat's, and whether several calls may come at once."""
+    if choice is None:
+        return None, True
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise InvalidField('tool_choice: {"type": "auto"|"any"|"tool"|"none"}', param="tool_choice")
+    assert isinstance(choice, dict)
+    parallel = choice.get("disable_parallel_tool_use") is not True
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def _message(message: object, index: int, call_names: dict[str, str]) -> dict:
+    """A message as chat's: its text, an assistant's tool_use blocks as the text the model writes
+    for a call, and a user's tool_result blocks as a text naming the tool, as Stopline's other
+    APIs give a call's output. ``call_names`` gains each tool_use block's id."""
     where = f"messages.{index}"
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise InvalidField(f'{where}: a message is {{"role": "user"|"assistant", "content": ...}}', param="messages")
     extra = set(message) - {"role", "content"}
     if extra:
         raise InvalidField(f"{where}.{sorted(extra)[0]}: Extra inputs are not permitted", param="messages")
-    return {"role": message["role"], "content": _text(message.get("content"), f"{where}.content")}
+    role, content = message["role"], message.get("content")
+    if not isinstance(content, list):
+        return {"role": role, "content": _text(content, f"{where}.content")}
+    pieces = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{i}"
+        if kind == "tool_use" and role == "assistant":
+            name, call_id = block.get("name"), block.get("id")
+            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(block.get("input"), dict):
+                raise InvalidField(f'{at}: a tool_use block is {{"id", "name", "input": {{...}}}}', param="messages")
+            call_names[call_id] = name
+            pieces.append(call_text(name, block["input"]))
+        elif kind == "tool_result" and role == "user":
+            name = call_names.get(block.get("tool_use_id"), "the tool")
+            result = block.get("content", "")
+            output = _text(result, f"{at}.content")
+            pieces.append(f"{name} {'failed' if block.get('is_error') else 'returned'}: {output}")
+        elif kind == "text" and isinstance(block.get("text"), str):
+            pieces.append(block["text"])
+        else:
+            raise UnsupportedParameter(
+                f"{at}: only text blocks, an assistant's tool_use and a user's tool_result are supported "
+                f"(got {kind!r})",
+                param="messages",
+            )
+    # Text blocks run on, as one text; beside a call or a result, each is a line of its own.
+    joiner = "\n" if any(b.get("type") != "text" for b in content) else ""
+    return {"role": role, "content": joiner.join(p for p in pieces if p)}
 
 
 def _text(content: object, where: str) -> str:
@@ -166,3 +247,12 @@ def _text(content: object, where: str) -> str:
             raise UnsupportedParameter(f"{where}.{i}: only text blocks are supported (got {kind!r})", param="messages")
         texts.append(block["text"])
     return "".join(texts)
+
+
+def tool_input(arguments: str) -> object:
+    """A call's arguments as a tool_use block's ``input``: the object the grammar made them."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        # Cut short by a stop: the text as far as it went.
+        return {"partial_json": arguments}
