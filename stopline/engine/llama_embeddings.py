@@ -17,11 +17,12 @@ import numpy as np
 
 from .. import _core
 from ..settings import cache_dir
-from .embeddings import MAX_TOKENS, TOKENS_PER_BATCH, Embedded, model_zip_path
+from .embeddings import MAX_TOKENS, MODEL_ZIP_SHA256, TOKENS_PER_BATCH, Embedded, model_zip_path
 from .errors import EngineError
 from .minilm_gguf import write_gguf
 
-GGUF_NAME = "all-MiniLM-L6-v2-f32.gguf"
+# Named by the model.zip it is written from: another pin writes a file of its own.
+GGUF_NAME = f"all-MiniLM-L6-v2-{MODEL_ZIP_SHA256[:12]}-f32.gguf"
 # Inputs one evaluation takes at most: a batch's inputs are sequences of one llama.cpp context.
 INPUTS_PER_BATCH = 64
 
