@@ -197,6 +197,8 @@ async def test_a_tool_result_goes_back_and_the_answer_uses_it(server):
         ({"top_k": -1}, "top_k"),
         ({"metadata": {"session": "x"}}, "metadata"),
         ({"bogus": 1}, "bogus"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]}, "tool_use_id"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "tool_use block"),
     ],
 )
 async def test_what_is_not_honoured_is_refused_by_name(server, change, named):

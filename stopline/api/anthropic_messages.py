@@ -217,7 +217,9 @@ def _message(message: object, index: int, call_names: dict[str, str]) -> dict:
             call_names[call_id] = name
             pieces.append(call_text(name, block["input"]))
         elif kind == "tool_result" and role == "user":
-            name = call_names.get(block.get("tool_use_id"), "the tool")
+            if not isinstance(block.get("tool_use_id"), str):
+                raise InvalidField(f"{at}.tool_use_id: the id of the tool_use block it answers", param="messages")
+            name = call_names.get(block["tool_use_id"], "the tool")
             result = block.get("content", "")
             output = _text(result, f"{at}.content")
             pieces.append(f"{name} {'failed' if block.get('is_error') else 'returned'}: {output}")
