@@ -202,6 +202,47 @@ static bool eval_piece(struct ggml_tensor *t, bool ask, void *data) {
     return c->abort_fn == NULL || !c->abort_fn(c->abort_data);
 }
 
+/* A context of `params` (n_batch, n_seq_max and the thread counts set), each sequence up to
+ * n_ctx_seq positions; `pieces`: a GPU's evaluation in pieces, with the stop between them
+ * (eval_piece). NULL with `failure` and llama.cpp's explanation in err. */
+static sll_context *open_context(sll_model *m, struct llama_context_params params, int32_t n_ctx_seq, bool pieces,
+                                 const char *failure, char *err, size_t err_size) {
+    sll_context *c = calloc(1, sizeof *c);
+    if (c == NULL || (c->in_batch = calloc((size_t)params.n_seq_max, 1)) == NULL) {
+        free(c);
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    if (pieces) {
+        params.cb_eval = eval_piece;
+        params.cb_eval_user_data = c;
+    }
+    c->ctx = llama_init_from_model(m->model, params);
+    if (c->ctx == NULL) {
+        take_error(err, err_size, failure);
+        free(c->in_batch);
+        free(c);
+        return NULL;
+    }
+    /* Without a pool of its own, ggml starts and joins n_threads - 1 threads for every
+     * evaluation. A new thread waits for a core, up to a scheduler tick when
+     * every core computes, and a stop waits for it too: the evaluation ends only
+     * once each of its threads has run. llama.cpp's own tools keep a pool, as
+     * here; its threads sleep between evaluations (poll 0) rather than spin, so
+     * that the cores are free for the event loop and for the other contexts. */
+    struct ggml_threadpool_params pool = ggml_threadpool_params_default(params.n_threads);
+    pool.poll = 0;
+    c->threads = ggml_threadpool_new(&pool);
+    if (c->threads != NULL)
+        llama_attach_threadpool(c->ctx, c->threads, c->threads);
+    c->model = m;
+    c->n_batch = (int32_t)params.n_batch;
+    c->n_seq = (int32_t)params.n_seq_max;
+    c->n_ctx_seq = n_ctx_seq;
+    c->batch = llama_batch_init(c->n_batch, 0, 1);
+    return c;
+}
+
 SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
                                         int32_t n_seq, char *err, size_t err_size) {
     if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx_seq < 2 || n_threads < 1 || n_seq < 1 ||
@@ -226,40 +267,8 @@ SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t
     /* Sliding-window models (Gemma 3) keep every position, so that a
      * conversation can resume from any prefix. */
     params.swa_full = true;
-    sll_context *c = calloc(1, sizeof *c);
-    if (c == NULL || (c->in_batch = calloc((size_t)n_seq, 1)) == NULL) {
-        free(c);
-        snprintf(err, err_size, "out of memory");
-        return NULL;
-    }
-    if (m->gpu_layers > 0) {
-        params.cb_eval = eval_piece;
-        params.cb_eval_user_data = c;
-    }
-    c->ctx = llama_init_from_model(m->model, params);
-    if (c->ctx == NULL) {
-        take_error(err, err_size, "llama.cpp could not create a context");
-        free(c->in_batch);
-        free(c);
-        return NULL;
-    }
-    /* Without a pool of its own, ggml starts and joins n_threads - 1 threads for every
-     * evaluation. A new thread waits for a core, up to a scheduler tick when
-     * every core computes, and a stop waits for it too: the evaluation ends only
-     * once each of its threads has run. llama.cpp's own tools keep a pool, as
-     * here; its threads sleep between evaluations (poll 0) rather than spin, so
-     * that the cores are free for the event loop and for the other contexts. */
-    struct ggml_threadpool_params pool = ggml_threadpool_params_default(n_threads);
-    pool.poll = 0;
-    c->threads = ggml_threadpool_new(&pool);
-    if (c->threads != NULL)
-        llama_attach_threadpool(c->ctx, c->threads, c->threads);
-    c->model = m;
-    c->n_batch = n_batch;
-    c->n_seq = n_seq;
-    c->n_ctx_seq = n_ctx_seq;
-    c->batch = llama_batch_init(n_batch, 0, 1);
-    return c;
+    return open_context(m, params, n_ctx_seq, m->gpu_layers > 0, "llama.cpp could not create a context", err,
+                        err_size);
 }
 
 SLL_EXPORT void sll_context_free(sll_context *c) {
@@ -525,37 +534,13 @@ SLL_EXPORT sll_context *sll_embedding_context_new(sll_model *m, int32_t n_tokens
     params.n_threads_batch = n_threads;
     params.embeddings = true;
     params.no_perf = true;
-    sll_context *c = calloc(1, sizeof *c);
-    if (c == NULL || (c->in_batch = calloc((size_t)n_seq, 1)) == NULL) {
-        free(c);
-        snprintf(err, err_size, "out of memory");
-        return NULL;
-    }
-    c->ctx = llama_init_from_model(m->model, params);
-    if (c->ctx == NULL) {
-        take_error(err, err_size, "llama.cpp could not create an embedding context");
-        free(c->in_batch);
-        free(c);
-        return NULL;
-    }
-    if (llama_pooling_type(c->ctx) == LLAMA_POOLING_TYPE_NONE) {
-        llama_free(c->ctx);
-        free(c->in_batch);
-        free(c);
+    sll_context *c = open_context(m, params, n_tokens, false, "llama.cpp could not create an embedding context", err,
+                                  err_size);
+    if (c != NULL && llama_pooling_type(c->ctx) == LLAMA_POOLING_TYPE_NONE) {
+        sll_context_free(c);
         snprintf(err, err_size, "the model's file names no pooling: it has no sentence embedding");
         return NULL;
     }
-    /* Threads kept between evaluations, as a generation's context keeps them (sll_context_new). */
-    struct ggml_threadpool_params pool = ggml_threadpool_params_default(n_threads);
-    pool.poll = 0;
-    c->threads = ggml_threadpool_new(&pool);
-    if (c->threads != NULL)
-        llama_attach_threadpool(c->ctx, c->threads, c->threads);
-    c->model = m;
-    c->n_batch = n_tokens;
-    c->n_seq = n_seq;
-    c->n_ctx_seq = n_tokens;
-    c->batch = llama_batch_init(n_tokens, 0, 1);
     return c;
 }
 
