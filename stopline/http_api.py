@@ -468,7 +468,8 @@ class AnthropicReply(HttpReply):
         self._headers: dict = {}
         self._prompt_tokens = 0
         self._reader = None if asked.calls is None else CallReader(prose=asked.calls is ToolChoice.AUTO)
-        # The content blocks so far; a tool_use block's input is its arguments' text until the end.
+        # The content blocks so far. Unstreamed, they gather the answer: a text block its text,
+        # a tool_use block its arguments' text until the end.
         self._blocks: list[dict] = []
 
     async def emit(self, frame: Frame) -> None:
@@ -506,15 +507,16 @@ class AnthropicReply(HttpReply):
         self._blocks.append(dict(block))
 
     async def _delta(self, delta: dict) -> None:
-        if self.stream:
-            event = {"type": "content_block_delta", "index": len(self._blocks) - 1, "delta": delta}
-            await self._event("content_block_delta", event)
+        event = {"type": "content_block_delta", "index": len(self._blocks) - 1, "delta": delta}
+        await self._event("content_block_delta", event)
 
     async def _text(self, text: str) -> None:
         if not self._blocks or self._blocks[-1]["type"] != "text":
             await self._start_block({"type": "text", "text": ""})
-        self._blocks[-1]["text"] += text
-        await self._delta({"type": "text_delta", "text": text})
+        if self.stream:
+            await self._delta({"type": "text_delta", "text": text})
+        else:
+            self._blocks[-1]["text"] += text
 
     async def _read(self, events: list[Event]) -> None:
         for event in events:
@@ -524,9 +526,10 @@ class AnthropicReply(HttpReply):
                 call_id = f"toolu_{self._id.removeprefix('msg_').replace('-', '')[:24]}_{event.index}"
                 await self._start_block({"type": "tool_use", "id": call_id, "name": event.name, "input": {}})
                 self._blocks[-1]["input"] = ""
+            elif self.stream:
+                await self._delta({"type": "input_json_delta", "partial_json": event.text})
             else:
                 self._blocks[-1]["input"] += event.text
-                await self._delta({"type": "input_json_delta", "partial_json": event.text})
 
     def _message(
         self, content: list[dict], ending: Ending | None, output_tokens: int, stop_reason: str | None = None
