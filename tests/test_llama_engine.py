@@ -27,6 +27,7 @@ from stopline.engine.llama_build import cached_library
 from stopline.engine.loop import KV_MEMORY_SHARE, MAX_SEQUENCES, Engine, kv_bytes_per_token, sized_slots
 from stopline.engine.model import embedded_tokenizer, gemma_gguf_path, original_gguf_path
 from stopline.engine.model_check import ModelFileError, read_gguf_metadata
+from stopline.engine.tokenizer import ChatTokenizer
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
 from stopline.protocol.vocabulary import TERMINAL_TYPES, AbortMode, Batching, EngineName
@@ -815,6 +816,21 @@ def test_gemma_loads_generates_and_resumes_mid_conversation(gemma):
     finally:
         slot.close()
         control.close()
+
+
+def test_gemmas_sentencepiece_vocabulary_is_rebuilt_as_llama_cpp_tokenizes(gemma):
+    # The bench's AIPerf counts Gemma's tokens with this rebuilt tokenizer, which has no merges to read.
+    tokenizer = ChatTokenizer.from_gguf(gemma_gguf_path(progress=False))
+    docs = (Path(__file__).parent.parent / "docs" / "http.md").read_text("utf-8")
+    docs += " 日本語、中文。Ünïcödé ёлка 😀 \x01"
+    rng = random.Random(5)
+    texts = ["Hello world", "  two  spaces\n\n\tand a tab", "<start_of_turn>user\nHi<end_of_turn>", "<b>x</b>", "   "]
+    texts += [docs[a : a + rng.randrange(1, 300)] for a in (rng.randrange(len(docs)) for _ in range(150))]
+    for text in texts:
+        ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == gemma.model.tokenize(text), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.bos_token == "<bos>" and tokenizer.chat_template is None
 
 
 def test_a_prefix_a_sliding_window_gave_away_is_evaluated_again(gemma):

@@ -1,7 +1,8 @@
 """Prompt tokenization and chat templates, built from the GGUF itself.
 
 Token ids come from the model's own byte-level BPE, rebuilt with the
-``tokenizers`` library from the GGUF's vocab and merges. Special tokens such as
+``tokenizers`` library from the GGUF's vocab and merges (a SentencePiece vocab,
+which has no merges, is rebuilt from its scores for the bench's counting). Special tokens such as
 ``<|im_start|>`` stay single ids. Generated text is not decoded here: the token
 loop hands over each token's raw bytes, and :class:`TextStream` turns them into
 whole UTF-8 text.
@@ -22,7 +23,7 @@ from pathlib import Path
 import gguf
 import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ..protocol.errors import StoplineError
 from ..protocol.vocabulary import BuiltinTemplate
@@ -46,7 +47,11 @@ class ChatTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ChatTokenizer:
-        return cls.from_fields(read_gguf_metadata(Path(path)).fields, str(path))
+        """The GGUF's tokenizer, byte-level BPE or SentencePiece (:meth:`from_sentencepiece_fields`)."""
+        fields = read_gguf_metadata(Path(path)).fields
+        if "tokenizer.ggml.model" in fields and fields["tokenizer.ggml.model"].contents() == "llama":
+            return cls.from_sentencepiece_fields(fields, str(path))
+        return cls.from_fields(fields, str(path))
 
     @classmethod
     def from_fields(cls, fields: dict, source: str) -> ChatTokenizer:
@@ -83,6 +88,57 @@ class ChatTokenizer:
         ]
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
 
+        return cls(tokenizer, *chat_template_of(fields, tokens))
+
+    @classmethod
+    def from_sentencepiece_fields(cls, fields: dict, source: str) -> ChatTokenizer:
+        """A SentencePiece vocabulary ('llama': pieces with scores, no merges), rebuilt
+        as the BPE that llama.cpp runs on it: of the adjacent pairs whose concatenation is
+        a piece, the one making the highest-scoring piece merges first. Text that no piece
+        covers falls back to the vocabulary's byte pieces (``<0x41>``)."""
+        kind = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else None
+        if kind != "llama":
+            raise TokenizerError(f"{source}: tokenizer model {kind!r} is not SentencePiece ('llama')")
+        tokens = fields["tokenizer.ggml.tokens"].contents()
+        scores = fields["tokenizer.ggml.scores"].contents()
+        token_types = fields["tokenizer.ggml.token_type"].contents()
+        normal = int(gguf.TokenType.NORMAL)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pieces = {t for t, kind in zip(tokens, token_types) if kind == normal}
+        merges = []
+        for piece in pieces:
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in pieces and right in pieces:
+                    merges.append((-scores[vocab[piece]], vocab[left], vocab[right], left, right))
+        merges.sort()
+        unk_key = "tokenizer.ggml.unknown_token_id"
+        unk = fields[unk_key].contents() if unk_key in fields else None
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for *_, left, right in merges],
+            unk_token=tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+        tokenizer = Tokenizer(bpe)
+        add_space = "tokenizer.ggml.add_space_prefix" in fields and bool(
+            fields["tokenizer.ggml.add_space_prefix"].contents()
+        )
+        steps = [normalizers.Prepend("\u2581")] if add_space else []
+        tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if add_space else [])
+        )
+        control, user = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+        # llama.cpp matches user-defined pieces whole wherever they occur, as it does control ones.
+        tokenizer.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types) if kind == user]
+        )
+        tokenizer.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind == control]
+        )
         return cls(tokenizer, *chat_template_of(fields, tokens))
 
     def dumps(self, source_sha256: str) -> str:
