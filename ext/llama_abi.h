@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 9
+#define SLL_ABI_VERSION 10
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -115,6 +115,15 @@ typedef struct {
      * of a sliding-window layer gives the cells of positions outside a sequence's window to other
      * tokens, other sequences' included, so a prefix it held may be gone. */
     int (*holds)(sll_context *ctx, int32_t seq, int32_t n);
+    /* Make sequence dst hold positions [0, n) of sequence src, by sharing src's cells
+     * (llama_memory_seq_cp in a unified cache: no token is evaluated and no byte copied).
+     * Whatever dst held is dropped first. A later cut or evaluation of either sequence leaves
+     * the other's cells as they are. 1 when dst holds exactly [0, n); 0 when refused (an
+     * unknown sequence, src == dst, n outside [1, n_ctx_seq], src not holding [0, n)), dst
+     * then unchanged, or when the copy did not hold them all, dst then holding nothing; -1,
+     * whatever the arguments, for a model with sliding-window layers, whose cache gives
+     * cells away: nothing is shared there. */
+    int (*copy_prefix)(sll_context *ctx, int32_t src, int32_t dst, int32_t n);
     /* A sequence's KV state as bytes (llama_state_seq_get_data): state_size() is the room
      * state_save() needs, and state_save() returns the bytes written (0: failure). state_load()
      * replaces the sequence's positions with a saved state of the same model and context
@@ -200,6 +209,7 @@ static int sll_api_open(sll_api *api, const char *path, char *err, size_t err_si
     SLL_RESOLVE(pos_max)
     SLL_RESOLVE(truncate)
     SLL_RESOLVE(holds)
+    SLL_RESOLVE(copy_prefix)
     SLL_RESOLVE(state_size)
     SLL_RESOLVE(state_save)
     SLL_RESOLVE(state_load)

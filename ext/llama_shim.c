@@ -318,6 +318,30 @@ SLL_EXPORT int sll_holds(sll_context *c, int32_t seq, int32_t n) {
     return llama_memory_seq_pos_max(mem, seq) == n - 1 && (n == 0 || llama_memory_seq_pos_min(mem, seq) == 0);
 }
 
+SLL_EXPORT int sll_copy_prefix(sll_context *c, int32_t src, int32_t dst, int32_t n) {
+    llama_memory_t mem = llama_get_memory(c->ctx);
+    /* Sliding-window layers give the cells of positions out of a window to other tokens:
+     * a prefix shared there is not known to stay whole. */
+    if (llama_model_n_swa(c->model->model) > 0)
+        return -1;
+    /* What llama.cpp asserts on, or would get wrong, refused instead: an unknown sequence,
+     * a copy onto itself, a range outside a sequence's positions and a source that lacks
+     * part of it. */
+    if (src < 0 || src >= c->n_seq || dst < 0 || dst >= c->n_seq || src == dst)
+        return 0;
+    if (n < 1 || n > c->n_ctx_seq)
+        return 0;
+    if (llama_memory_seq_pos_min(mem, src) != 0 || llama_memory_seq_pos_max(mem, src) < n - 1)
+        return 0;
+    /* dst's own cells go first: a cell it already shared with src would be added twice. */
+    llama_memory_seq_rm(mem, dst, -1, -1);
+    llama_memory_seq_cp(mem, src, dst, 0, n);
+    if (sll_holds(c, dst, n))
+        return 1;
+    llama_memory_seq_rm(mem, dst, -1, -1);
+    return 0;
+}
+
 SLL_EXPORT size_t sll_state_size(sll_context *c, int32_t seq) {
     if (seq < 0 || seq >= c->n_seq)
         return 0;
@@ -613,6 +637,7 @@ static const sll_api sll_signatures __attribute__((unused)) = {
     .pos_max = sll_pos_max,
     .truncate = sll_truncate,
     .holds = sll_holds,
+    .copy_prefix = sll_copy_prefix,
     .state_size = sll_state_size,
     .state_save = sll_state_save,
     .state_load = sll_state_load,

@@ -120,9 +120,21 @@ class _PromptCacheCollector(Collector):
             ),
             (
                 "stopline_prompt_tokens_cached",
-                "Prompt tokens restored from the prompt cache instead of evaluated (part of "
+                "Prompt tokens restored or shared from the prompt cache instead of evaluated (part of "
                 "stopline_prompt_tokens_reused).",
                 stats.tokens_restored,
+            ),
+            (
+                "stopline_prompt_cache_live_hits",
+                "Prompts that shared the cells of their prefix with another sequence of their context, "
+                "running or idle, instead of a restore (part of stopline_prompt_cache_hits).",
+                stats.live_hits,
+            ),
+            (
+                "stopline_prompt_cache_live_tokens",
+                "Prompt tokens shared from another sequence of their context instead of evaluated (part of "
+                "stopline_prompt_tokens_cached).",
+                stats.live_tokens,
             ),
             ("stopline_prompt_cache_saves", "KV states saved into the prompt cache.", stats.saves),
             (

@@ -666,7 +666,10 @@ async def test_a_request_of_higher_priority_preempts_one_of_lower_and_it_resumes
         assert end["type"] == "done" and end["tokens_generated"] == 120
         assert [f["index"] for f in client.tokens(name)] == list(range(120))
     [record] = logs.records("generation_done", id="low-2")
-    assert record["preemptions"] == 1 and record["prompt_tokens_evaluated"] == record["prompt_tokens"]
+    # Its prompt was evaluated once: the prefix low-1's sequence held was shared (the prompt
+    # cache's live tier), the rest evaluated, and none of it again after the pause.
+    assert record["preemptions"] == 1
+    assert record["prompt_tokens_evaluated"] + record["prompt_tokens_reused"] == record["prompt_tokens"]
 
 
 async def test_a_server_with_shared_steps_stops_one_request_and_finishes_the_other(engine, logs):

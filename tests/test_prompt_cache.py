@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ import pytest
 from stopline import _core
 from stopline.engine import prompt_cache as prompt_cache_module
 from stopline.engine.loop import Engine
+from stopline.engine.model import gemma_gguf_path
 from stopline.engine.prompt_cache import BLOCK_TOKENS, PromptCache, model_key
 from stopline.protocol.requests import SamplingParams
+from stopline.protocol.vocabulary import EngineName
 from stopline.settings import (
     MIB,
     Settings,
@@ -25,7 +28,7 @@ from stopline.settings import (
     default_prompt_cache_bytes,
     default_prompt_cache_dir,
 )
-from support import fetch_metrics, metric_value, openai_client, running_server
+from support import UNIT, fetch_metrics, metric_value, openai_client, running_server
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 FIRST = [{"role": "user", "content": " ".join(f"Fact {i}: the {i}th stone is grey." for i in range(24)) + " Why?"}]
@@ -38,6 +41,18 @@ def others(count: int) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def engine(llama_engine) -> Engine:
     return llama_engine
+
+
+@pytest.fixture(scope="module")
+def gemma_engine() -> Engine:
+    return Engine.load(
+        gemma_gguf_path(progress=False),
+        engine=EngineName.LLAMA_CPP,
+        threads=1,
+        context_length=2048,
+        progress=False,
+        sequences=2,
+    )
 
 
 @pytest.fixture
@@ -139,6 +154,161 @@ def test_a_state_restores_only_into_a_sequence_that_can_hold_it(engine, slots):
     # Garbage is refused, and leaves the sequence empty.
     assert not slots[1].restore_state(b"\0" * 64, first[:40], chunk)
     assert slots[1].n_held == 0 and slots[1].kv_positions == 0
+
+
+# The live tier: another sequence's cells, shared in place ---------------------------
+
+SHARED = "The history of bread is long, and every town tells it its own way. " * 24
+
+
+def live_prompts(engine: Engine) -> tuple[list[int], list[int], int]:
+    """Two prompts sharing a long prefix, and its length."""
+    shared = engine.encode(prompt=SHARED)
+    return (
+        shared + engine.encode(prompt=" Tell me about rye."),
+        shared + engine.encode(prompt=" And wheat?"),
+        len(shared),
+    )
+
+
+def running_source(engine: Engine, slot, prompt: list[int], max_tokens: int):
+    """A stream on ``slot`` that has evaluated its prompt and is decoding, and its thread."""
+    stream = engine.start(slot, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    worker = threading.Thread(target=stream._run, args=(False,))
+    worker.start()
+    deadline = time.monotonic() + 60 * UNIT
+    while len(stream.generation.token_ids()) < 2:
+        assert time.monotonic() < deadline and not stream.generation.finished
+        time.sleep(0.001)
+    return stream, worker
+
+
+def without_cache(engine: Engine, slot, prompt: list[int]) -> str:
+    assert engine.prompt_cache is None
+    slot.forget()
+    text, result, _ = generate(engine, slot, prompt)
+    assert result.prompt_tokens_reused == 0
+    slot.forget()
+    return text
+
+
+def test_a_generation_shares_a_running_sequences_prefix_and_evaluates_only_its_own_tokens(engine, slots):
+    first, second, shared = live_prompts(engine)
+    expected = without_cache(engine, slots[1], second)
+    engine.prompt_cache = cache = PromptCache(256 * MIB)
+    try:
+        source, worker = running_source(engine, slots[0], first, max_tokens=64)
+        answer, result, cached = generate(engine, slots[1], second)
+        source.cancel()
+        worker.join()
+    finally:
+        engine.prompt_cache = None
+    # The shared prefix's cells were taken from the running sequence: only the new tokens were evaluated.
+    assert cached == shared
+    assert result.prompt_tokens_reused == shared and result.prompt_tokens_evaluated == len(second) - shared
+    # Evaluated with the same prefill chunk, it gives the answer of a prompt evaluated whole.
+    assert answer == expected
+    stats = cache.stats
+    assert stats.live_hits == stats.hits == 1 and stats.live_tokens == stats.tokens_restored == shared
+    assert all(slot.kv_positions == slot.n_held for slot in slots)
+
+
+@pytest.mark.parametrize("source_end", ["stopped", "finished"])
+def test_the_copy_outlives_its_sources_stop_and_cells(engine, slots, cache, source_end):
+    first, second, shared = live_prompts(engine)
+    engine.prompt_cache = None
+    expected = without_cache(engine, slots[1], second)
+    engine.prompt_cache = cache
+    source, worker = running_source(engine, slots[0], first, max_tokens=12 if source_end == "finished" else 400)
+    copied = cache.prepare(cache_key(engine, slots[1]), slots[1], second, engine.prefill_chunk)
+    assert copied == shared and slots[1].kv_positions == slots[1].n_held == shared
+    if source_end == "stopped":
+        source.cancel()
+    worker.join()
+    assert source.result is not None
+    # The source's cells go, then others take their place: the copy keeps its own.
+    slots[0].forget()
+    assert slots[0].kv_positions == 0 and slots[1].kv_positions == shared
+    generate(engine, slots[0], engine.encode(messages=others(1)[0]))
+    engine.prompt_cache = None
+    answer, result, _ = generate(engine, slots[1], second)
+    assert result.prompt_tokens_reused == shared and result.prompt_tokens_evaluated == len(second) - shared
+    assert answer == expected
+
+
+def test_a_stop_during_a_copy_ends_the_stream_within_a_step(engine, slots, cache):
+    first, second, shared = live_prompts(engine)
+    source, worker = running_source(engine, slots[0], first, max_tokens=400)
+    try:
+        # The copy waits for the source's step under way at most; the stream then ends at once.
+        stream = engine.start(slots[1], second, GREEDY)
+        copier = threading.Thread(target=stream._run, args=(False,))
+        copier.start()
+        started = time.monotonic_ns()
+        stream.cancel()
+        copier.join(60 * UNIT)
+        assert not copier.is_alive()
+        result = stream.result
+        assert result is not None and result.exit == _core.ExitKind.CANCELLED and result.tokens_generated == 0
+        assert stream.prompt_tokens_cached in (0, shared)
+        assert slots[1].kv_positions == slots[1].n_held
+    finally:
+        source.cancel()
+        worker.join()
+    decoded = source.result
+    step_ns = (decoded.end_ns - decoded.first_token_ns) / max(decoded.tokens_generated - 1, 1)
+    assert result.end_ns - started < (4 * step_ns + 50e6) * UNIT
+
+
+async def test_openai_usage_and_metrics_count_a_prefix_shared_from_a_running_request(engine):
+    async with running_server(engine, workers=2, cache_ram_mib=256) as server:
+        client = openai_client(server)
+        system = {"role": "system", "content": SHARED}
+
+        def asked(question: str, **options):
+            messages = [system, {"role": "user", "content": question}]
+            return client.chat.completions.create(model=server.engine.name, messages=messages, temperature=0, **options)
+
+        running = await asked("Tell me about rye.", max_tokens=400, stream=True)
+        # Its prompt is evaluated once it has sent text.
+        async for chunk in running:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        second = await asked("And wheat?", max_tokens=4)
+        await running.close()
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= len(engine.encode(prompt=SHARED)) - BLOCK_TOKENS
+        text = await fetch_metrics(server)
+        assert metric_value(text, "stopline_prompt_cache_live_hits_total") == 1
+        assert metric_value(text, "stopline_prompt_cache_live_tokens_total") == cached
+        assert metric_value(text, "stopline_prompt_tokens_cached_total") == cached
+
+
+def test_a_copy_of_nothing_or_of_a_prefix_too_short_changes_nothing(engine, slots):
+    first, second, shared = live_prompts(engine)
+    generate(engine, slots[0], first)
+    chunk = engine.prefill_chunk
+    assert slots[1].copy_live_prefix([], chunk, -5) == 0
+    # Another chunk's record, or a prefix no longer than asked for, is not taken.
+    assert slots[1].copy_live_prefix(second[:-1], chunk + 1, 0) == 0
+    assert slots[1].copy_live_prefix(second[:-1], chunk, shared) == 0
+    assert slots[1].kv_positions == slots[1].n_held == 0
+    # Ids outside the vocabulary are only compared, never evaluated.
+    assert slots[1].copy_live_prefix([-1, 10**9], chunk, -5) == 0
+    assert slots[1].copy_live_prefix(second[:-1], chunk, -5) == shared
+    assert slots[1].kv_positions == slots[1].n_held == shared
+
+
+def test_a_sliding_window_model_shares_nothing(gemma_engine):
+    slots = gemma_engine.open_slots(2)
+    try:
+        prompt = gemma_engine.encode(prompt=SHARED)
+        generate(gemma_engine, slots[0], prompt)
+        assert slots[1].copy_live_prefix(prompt[:-1], gemma_engine.prefill_chunk, 0) == 0
+        assert slots[1].kv_positions == slots[1].n_held == 0
+    finally:
+        for slot in slots:
+            slot.close()
 
 
 # The cache's key and budget ------------------------------------------------

@@ -45,6 +45,16 @@ cdef struct Batcher:
     int64_t interruptions
     # The stop conditions of the step being evaluated (the abort callback's data).
     sl.sl_group_watch group
+    # Per sequence, what its cache holds for another sequence to share (copy_live_prefix):
+    # positions [0, record_n) hold record_tokens[0..record_n), evaluated in whole steps with
+    # prefill chunks of record_chunk. The tokens are the running generation's, else the
+    # slot's record. record_n grows as a step hands a result and drops as soon as a cut
+    # below it is asked for, so it never counts the half of an aborted or unfinished step.
+    const int *record_tokens[ll.SLL_MAX_SEQUENCES]
+    int record_n[ll.SLL_MAX_SEQUENCES]
+    int record_chunk[ll.SLL_MAX_SEQUENCES]
+    # Whether the model lets one sequence share another's cells (see sll_api.copy_prefix).
+    bint shares_cells
 
 
 cdef void claim_context(Batcher *b) noexcept nogil:
@@ -76,6 +86,7 @@ cdef void truncate_sequence(Batcher *b, int seq, int p0) noexcept nogil:
     sl.pthread_mutex_lock(&b.lock)
     if b.cut_from[seq] < 0 or p0 < b.cut_from[seq]:
         b.cut_from[seq] = p0
+    b.record_n[seq] = min(b.record_n[seq], max(p0, 0))
     if not b.leading:
         make_cuts(b)
     sl.pthread_mutex_unlock(&b.lock)
@@ -88,7 +99,36 @@ cdef void make_cuts(Batcher *b) noexcept nogil:
     for seq in range(ll.SLL_MAX_SEQUENCES):
         if b.cut_from[seq] >= 0:
             LLAMA.truncate(b.ctx, seq, b.cut_from[seq])
+            b.record_n[seq] = min(b.record_n[seq], max(b.cut_from[seq], 0))
             b.cut_from[seq] = -1
+
+
+cdef void set_record(Batcher *b, int seq, const int *tokens, int n, int chunk) noexcept nogil:
+    """Say what ``seq``'s cache holds for copies (called with the lock held): ``tokens[0..n)``,
+    which stay as they are while they are its record, evaluated with prefill chunks of ``chunk``."""
+    b.record_tokens[seq] = tokens
+    b.record_n[seq] = n
+    b.record_chunk[seq] = chunk
+
+
+cdef int longest_record(Batcher *b, int dst, const int *tokens, int n, int chunk, int *length) noexcept nogil:
+    """The sequence other than ``dst`` whose record holds the longest prefix of ``tokens[0..n)``
+    evaluated with prefill chunks of ``chunk``, longer than ``*length`` (then set to its length);
+    -1 when none (called with the lock held)."""
+    cdef int seq, i, limit, best = -1
+    for seq in range(ll.SLL_MAX_SEQUENCES):
+        if seq == dst or b.record_tokens[seq] is NULL or b.record_chunk[seq] != chunk:
+            continue
+        limit = min(b.record_n[seq], n)
+        if limit <= length[0]:
+            continue
+        i = 0
+        while i < limit and b.record_tokens[seq][i] == tokens[i]:
+            i += 1
+        if i > length[0]:
+            length[0] = i
+            best = seq
+    return best
 
 
 cdef int32_t probe_decode(Batcher *b, int seq, const int32_t *ids, int n) noexcept nogil:
@@ -448,6 +488,7 @@ cdef void evaluate_from_start(Batcher *b, LoopState *s) noexcept nogil:
     holds the prefix its record does (another sequence took cells of it from a
     sliding-window layer; see sll_api.holds), so none of it is reused."""
     LLAMA.truncate(b.ctx, s.seq, 0)
+    b.record_n[s.seq] = 0
     s.n_reused = 0
     s.n_past = 0
     s.post_count = min(s.prefill_chunk, s.n_prompt)
@@ -476,6 +517,9 @@ cdef int give_result_locked(Batcher *b, LoopState **members, int i, PostResult r
     """give_result, called with the lock held."""
     cdef LoopState *s = members[i]
     members[i] = NULL
+    if result == PostResult.POST_DONE:
+        # Its cache holds every token evaluated so far: another sequence may share them.
+        b.record_n[s.seq] = s.n_past
     s.post_result = result
     s.in_step = False
     s.delivering = False

@@ -805,6 +805,8 @@ cdef class LlamaContext:
             self.b.cut_from[seq] = -1
         self.b.applied_threads = threads
         LLAMA.set_abort(self.b.ctx, sl.sl_group_abort_callback, &self.b.group)
+        # -1 whatever the arguments: a model whose cache gives cells away shares none.
+        self.b.shares_cells = sequences > 1 and LLAMA.copy_prefix(self.b.ctx, 0, 0, 0) != -1
         self.model = model
         self.max_batch = batch
         self.context_length = LLAMA.context_n_ctx(self.b.ctx)
@@ -993,12 +995,66 @@ cdef class LlamaSequence(Slot):
                     whole = LLAMA.holds(b.ctx, self.seq, n)
                 if not whole:
                     LLAMA.truncate(b.ctx, self.seq, 0)
+                else:
+                    memcpy(self.held, ids, n * sizeof(int))
+                    self.n_held = n
+                    self.held_chunk = chunk
+                sl.pthread_mutex_lock(&b.lock)
+                set_record(b, self.seq, self.held, self.n_held, self.held_chunk)
+                sl.pthread_mutex_unlock(&b.lock)
                 release_context(b)
-            if whole:
-                memcpy(self.held, ids, n * sizeof(int))
-                self.n_held = n
-                self.held_chunk = chunk
             return whole
+        finally:
+            free(ids)
+
+    def copy_live_prefix(self, tokens, int chunk, int longer_than):
+        """Take the longest prefix of ``tokens`` that another sequence of this context holds,
+        evaluated with prefill chunks of ``chunk``, if it is longer than ``longer_than``: this
+        sequence's cells are dropped and it shares the other's cells of that prefix
+        (sll_api.copy_prefix: nothing is evaluated or copied). The other sequence may be
+        running: only what its finished steps evaluated counts, and a later cut or stop of it
+        leaves the copy as it is. Returns the tokens taken (0: none, the slot as it was)."""
+        cdef Batcher *b = &self.owner.b
+        cdef int n = min(len(tokens), self.context_length), source = -1, copied = 0
+        cdef int found = max(longer_than, 0)
+        cdef int *ids
+        self._check_idle()
+        longer_than = found
+        if n <= longer_than or not b.shares_cells:
+            return 0
+        ids = token_ids(tokens)
+        try:
+            with nogil:
+                # A look first, without waiting for the step under way: most prompts find none.
+                sl.pthread_mutex_lock(&b.lock)
+                source = longest_record(b, self.seq, ids, n, chunk, &found)
+                sl.pthread_mutex_unlock(&b.lock)
+                if source >= 0:
+                    claim_context(b)
+                    # Looked at again once the context is this thread's: the records may have changed,
+                    # and no cut asked for from now on is made before release_context.
+                    found = longer_than
+                    sl.pthread_mutex_lock(&b.lock)
+                    source = longest_record(b, self.seq, ids, n, chunk, &found)
+                    sl.pthread_mutex_unlock(&b.lock)
+                    if source >= 0:
+                        copied = LLAMA.copy_prefix(b.ctx, source, self.seq, found)
+                        if copied == 1:
+                            memcpy(self.held, ids, found * sizeof(int))
+                            self.n_held = found
+                            self.held_chunk = chunk
+                        elif not LLAMA.holds(b.ctx, self.seq, self.n_held):
+                            # A copy that did not hold leaves the sequence empty.
+                            LLAMA.truncate(b.ctx, self.seq, 0)
+                            self.n_held = 0
+                        sl.pthread_mutex_lock(&b.lock)
+                        if copied == 1:
+                            set_record(b, self.seq, self.held, found, chunk)
+                        elif self.n_held == 0:
+                            b.record_n[self.seq] = 0
+                        sl.pthread_mutex_unlock(&b.lock)
+                    release_context(b)
+            return found if copied == 1 else 0
         finally:
             free(ids)
 
@@ -1034,6 +1090,9 @@ cdef class LlamaSequence(Slot):
                 second = probe_decode(b, self.seq, ids, n)
                 LLAMA.truncate(b.ctx, self.seq, 0)
                 b.group.n = 0
+                sl.pthread_mutex_lock(&b.lock)
+                set_record(b, self.seq, self.held, 0, 0)
+                sl.pthread_mutex_unlock(&b.lock)
                 release_context(b)
             return first == ll.SLL_ABORTED and left == -1 and second == ll.SLL_OK, True
         finally:
@@ -1752,6 +1811,11 @@ cdef class Generation:
             if self.s.batcher is not NULL:
                 # Positions from n_reused on go: the cache must continue exactly where the record does.
                 truncate_sequence(self.s.batcher, self.s.seq, self.s.n_reused)
+                # Its cache is its tokens' now (the slot's record and they agree up to n_reused).
+                sl.pthread_mutex_lock(&self.s.batcher.lock)
+                set_record(self.s.batcher, self.s.seq, self.s.tokens,
+                           min(self.s.batcher.record_n[self.s.seq], self.s.n_reused), self.s.prefill_chunk)
+                sl.pthread_mutex_unlock(&self.s.batcher.lock)
                 set_present(&self.s, True)
             run_loop(&self.s)
             set_present(&self.s, False)
@@ -1759,6 +1823,12 @@ cdef class Generation:
             memcpy(context.held, self.s.tokens, self.s.n_past * sizeof(int))
             context.n_held = self.s.n_past
             context.held_chunk = self.s.prefill_chunk
+            if self.s.batcher is not NULL:
+                # The slot's record holds the same tokens, and outlives the generation.
+                sl.pthread_mutex_lock(&self.s.batcher.lock)
+                set_record(self.s.batcher, self.s.seq, context.held, self.s.batcher.record_n[self.s.seq],
+                           self.s.prefill_chunk)
+                sl.pthread_mutex_unlock(&self.s.batcher.lock)
             context.busy = 0
             # Publish in this order: the loop's record, then the finished state (a
             # release store), then the wake-up. A reader that sees "finished", or

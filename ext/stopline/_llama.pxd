@@ -62,6 +62,7 @@ cdef extern from "llama_abi.h" nogil:
         int32_t (*pos_max)(sll_context *ctx, int32_t seq) noexcept nogil
         int (*truncate)(sll_context *ctx, int32_t seq, int32_t p0) noexcept nogil
         int (*holds)(sll_context *ctx, int32_t seq, int32_t n) noexcept nogil
+        int (*copy_prefix)(sll_context *ctx, int32_t src, int32_t dst, int32_t n) noexcept nogil
         size_t (*state_size)(sll_context *ctx, int32_t seq) noexcept nogil
         size_t (*state_save)(sll_context *ctx, int32_t seq, uint8_t *dst, size_t size) noexcept nogil
         size_t (*state_load)(sll_context *ctx, int32_t seq, const uint8_t *src, size_t size) noexcept nogil

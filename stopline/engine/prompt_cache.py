@@ -27,6 +27,14 @@ directory is indexed from the headers alone, so the next turn of a conversation 
 restart is served from disk. A file that is corrupt, truncated or not what its name
 says is skipped with one ``prompt_cache_file_skipped`` line and removed. The least
 recently used files go first once the disk's budget is passed.
+
+A live tier comes before both: in a context of several sequences (shared steps), where
+another sequence, running or idle, holds a longer prefix of a prompt than its slot keeps
+and than a restore would give, evaluated with the same prefill chunk, the slot drops its
+cells and shares that sequence's cells of the prefix (``copy_live_prefix``,
+llama_memory_seq_cp in the unified KV cache): nothing is evaluated, read or copied. Only
+what that sequence's finished steps evaluated is shared, and a later cut or stop of it
+leaves the copy as it is. Models with sliding-window layers share nothing.
 """
 
 from __future__ import annotations
@@ -152,6 +160,10 @@ class CacheStats:
     disk_entries: int = 0
     disk_bytes: int = 0
     disk_budget_bytes: int = 0
+    # The live tier: prompts that shared another running or idle sequence's cells of their
+    # prefix (part of hits), and the tokens they took that way (part of tokens_restored).
+    live_hits: int = 0
+    live_tokens: int = 0
 
 
 # The disk tier ----------------------------------------------------------------
@@ -492,6 +504,7 @@ class PromptCache:
         self._index: dict[int, dict[_Entry, None]] = {}
         self._bytes = 0
         self._hits = self._misses = self._tokens_restored = self._saves = self._evictions = 0
+        self._live_hits = self._live_tokens = 0
 
     @property
     def stats(self) -> CacheStats:
@@ -505,6 +518,8 @@ class PromptCache:
                 entries=len(self._entries),
                 bytes_held=self._bytes,
                 budget_bytes=self.budget_bytes,
+                live_hits=self._live_hits,
+                live_tokens=self._live_tokens,
                 **self._disk_stats(),
             )
 
@@ -560,6 +575,22 @@ class PromptCache:
                     return None
                 self._entries.move_to_end(entry)
                 return entry.state, n, False
+
+    def _stored(self, key: str, tokens: Sequence[int], chunk: int) -> int:
+        """How many leading ``tokens`` the memory or disk tier holds for ``chunk``, read from
+        neither (what a restore would give at most)."""
+        with self._lock:
+            n = self._longest(key, tokens)[1]
+        disk_n = self.disk.longest(key, tokens, chunk)[1] if self.disk is not None else 0
+        return max(n, disk_n)
+
+    def copied(self, tokens: int) -> None:
+        """Count a hit of the live tier: ``tokens`` prompt tokens shared from another sequence."""
+        with self._lock:
+            self._hits += 1
+            self._tokens_restored += tokens
+            self._live_hits += 1
+            self._live_tokens += tokens
 
     def restored(self, tokens: int) -> None:
         """Count a hit: ``tokens`` prompt tokens were restored from a state found by :meth:`lookup`."""
@@ -637,8 +668,10 @@ class PromptCache:
         """Ready ``slot`` (a ``LlamaSequence``, idle) for a generation of ``prompt_tokens``
         with prefill chunks of ``chunk``: save what it holds if the prompt would lose at
         least a block of it that no entry holds, then load the state holding the longest
-        prefix of the prompt, if that is at least a block more than the slot keeps. Returns
-        how many prompt tokens were restored (0: none)."""
+        prefix of the prompt, if that is at least a block more than the slot keeps. Where
+        another sequence of the slot's context holds a longer prefix still (the live tier),
+        the slot shares its cells instead (``copy_live_prefix``). Returns how many prompt
+        tokens were restored or shared (0: none)."""
         held, held_chunk = slot.held_record()
         reuse = slot.reusable_prefix(prompt_tokens, chunk)
         if (
@@ -653,6 +686,14 @@ class PromptCache:
         wanted = list(prompt_tokens[: len(prompt_tokens) - 1])
         if len(wanted) < reuse + self.block_tokens:
             return 0
+        # The live tier first: another sequence of the slot's context (one model, template and
+        # shape: one key) that holds more of the prompt than a restore would give shares it.
+        copied = slot.copy_live_prefix(
+            wanted, chunk, max(reuse + self.block_tokens - 1, self._stored(key, wanted, chunk))
+        )
+        if copied:
+            self.copied(copied)
+            return copied
         found = self._find(key, wanted, reuse, chunk)
         if found is None:
             return 0
