@@ -17,6 +17,8 @@
     python -m bench embeddings --build-llama-server       all-MiniLM-L6-v2: Stopline's numpy against llama-server
                                                           on the GGUF file converted from it
     python -m bench responses-cancel [--rounds 100]       the Responses API's cancel against DELETE, on one server
+    python -m bench gpu-check [--pack DIR] [--backend cpu]  the CUDA engine against llama-server, offline, in one
+                                                          table (docs/benchmarks.md, "The GPU check")
 
 ``python -m bench COMMAND --help`` says more; the microbenchmarks are ``python -m pytest bench/ --benchmark-only``.
 """
@@ -42,6 +44,7 @@ COMMANDS = {
     "prompt-cache": "bench.prompt_cache:main",
     "embeddings": "bench.embeddings:main",
     "responses-cancel": "bench.responses_cancel:main",
+    "gpu-check": "bench.gpu_check:main",
 }
 
 

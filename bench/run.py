@@ -70,6 +70,10 @@ MODELS = {
     "llama-1b-shaped": BenchModel(
         f"{random_llama.TITLE} (Q4_0)", lambda: random_llama.random_llama_path(progress=True), False
     ),
+    # About 4.5 GB, for a GPU (python -m bench gpu-check).
+    "llama-8b-shaped": BenchModel(
+        f"{random_llama.TITLE_8B} (Q4_0)", lambda: random_llama.random_llama_8b_path(progress=True), False
+    ),
 }
 # The sampling flags: their names in the plan (whose defaults they take), and what they mean.
 PLAN_FLAGS = {
@@ -119,6 +123,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shared-threads",
         action="store_true",
         help="--threads is what each server's generations share (Stopline's default policy), not per slot",
+    )
+    servers.add_argument(
+        "--context", type=int, default=DEFAULT_CONTEXT_LENGTH, help="context per slot, in tokens, of every server"
+    )
+    servers.add_argument(
+        "--gpu-layers",
+        default=None,
+        help="llama-server's --n-gpu-layers (default: its own); Stopline offloads every layer where it has a GPU",
     )
     servers.add_argument("--cpus", help="the cores every server is confined to, e.g. 0,1 (default: all available)")
     servers.add_argument(
@@ -190,17 +202,19 @@ async def start_servers(args, model: BenchModel, workers: int, out_dir: Path, pr
             if not (binary.is_file() and os.access(binary, os.X_OK)):
                 raise SystemExit(f"--llama-server {binary}: not an executable file")
             tokenize = lambda messages: prompts.tokenizer.encode(prompts.tokenizer.render_chat(messages))  # noqa: E731
-            context = DEFAULT_CONTEXT_LENGTH
-            drivers.append(
-                LlamaServerDriver(binary, gguf, out_dir, workers, threads, context, tokenize, cpus=args.cpu_set)
-            )
+            context = args.context
+            peer = LlamaServerDriver(binary, gguf, out_dir, workers, threads, context, tokenize, args.cpu_set)
+            peer.gpu_layers = args.gpu_layers
+            drivers.append(peer)
             continue
         if SERVED_ENGINES[engine].unedited:
             # Built here, once, rather than while the benchmark waits for the server to start.
             ensure_llama_library(edited=False)
         # The ctransformers engines load the embedded model their own way (a converted copy).
         path = gguf if SERVED_ENGINES[engine].kind is EngineName.LLAMA_CPP else None
-        drivers.append(ServedStopline(engine, out_dir, workers, args.threads, model=path, cpus=args.cpu_set))
+        extra = () if args.context == DEFAULT_CONTEXT_LENGTH else ("--context", str(args.context))
+        served = ServedStopline(engine, out_dir, workers, args.threads, extra_args=extra, model=path, cpus=args.cpu_set)
+        drivers.append(served)
     print(f"starting {', '.join(d.name for d in drivers)} with {workers} slots ...", file=sys.stderr)
     await asyncio.gather(*(d.start() for d in drivers))
     return drivers

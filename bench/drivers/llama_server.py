@@ -33,7 +33,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stopline.engine.llama_build import BUILD_KEY, SOURCE_LABEL, LlamaBuildError, build_root, build_unedited
+from stopline.engine.llama_build import (
+    BUILD_KEY,
+    CPU,
+    SOURCE_LABEL,
+    LlamaBuildError,
+    build_root,
+    build_unedited,
+    selected_backend,
+)
 from stopline.protocol.requests import DEFAULT_SAMPLING
 from stopline.protocol.vocabulary import Outcome, Reason
 
@@ -51,18 +59,20 @@ _LAUNCH = re.compile(r"launch_slot_: id\s+\d+ \| task (\d+)")
 _CANCEL = re.compile(r"cancel task, id_task = (\d+)")
 
 
-def llama_server_binary() -> Path:
-    """Where the llama-server the benchmark builds is kept, built or not."""
-    return build_root() / "bin" / f"llama-server-{BUILD_KEY}"
+def llama_server_binary(backend: str = CPU) -> Path:
+    """Where the llama-server the benchmark builds for ``backend`` is kept, built or not."""
+    return build_root() / "bin" / f"llama-server-{BUILD_KEY}{'' if backend == CPU else '-' + backend}"
 
 
-def ensure_llama_server(progress: bool = True, jobs: int | None = None) -> Path:
+def ensure_llama_server(progress: bool = True, jobs: int | None = None, backend: str | None = None) -> Path:
     """The cached llama-server binary, built on first use from the pinned llama.cpp tree,
-    unedited and with the engine's build options."""
-    binary = llama_server_binary()
+    unedited and with the engine's build options, for ``backend`` (default: the engine's, as
+    STOPLINE_GPU or the machine chooses it)."""
+    backend = backend or selected_backend().name
+    binary = llama_server_binary(backend)
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
-    built = build_unedited("llama-server", progress, jobs) / "bin" / "llama-server"
+    built = build_unedited("llama-server", progress, jobs, backend) / "bin" / "llama-server"
     if not built.is_file():
         raise LlamaBuildError(f"the build produced no {built}")
     binary.parent.mkdir(parents=True, exist_ok=True)
@@ -310,14 +320,17 @@ class LlamaServerDriver(Driver):
         tokenize=None,
         cpus: frozenset[int] | None = None,
         cache_ram: bool = False,
+        gpu_layers: str | None = None,
     ):
         """``threads``: compute threads of the whole process, shared by its slots; ``tokenize``:
         a chat's messages to the prompt's token ids, as the other engines would read it;
         ``cache_ram``: keep llama-server's own prompt cache across requests (its default), which
-        every other measurement turns off so that each prompt is evaluated whole."""
+        every other measurement turns off so that each prompt is evaluated whole; ``gpu_layers``:
+        its ``--n-gpu-layers`` (None: llama-server's default)."""
         super().__init__(ENGINE, slots)
         self.binary, self.model, self.threads, self.context_length = Path(binary), Path(model), threads, context_length
         self.tokenize, self.cpus, self.cache_ram = tokenize, cpus, cache_ram
+        self.gpu_layers = gpu_layers
         self.log_path = out_dir / "server-llama-server.log"
         self.http_url = ""
         self._process: asyncio.subprocess.Process | None = None
@@ -333,6 +346,7 @@ class LlamaServerDriver(Driver):
             "--no-kv-unified",  # each slot gets its own context of context_length tokens
             *("--threads", threads, "--threads-batch", threads, "--slots", "--metrics"),
             *(() if self.cache_ram else ("--cache-ram", "0")),
+            *(() if self.gpu_layers is None else ("--n-gpu-layers", self.gpu_layers)),
             *("--fit", "off", "--log-colors", "off"),
         ]
 

@@ -12,16 +12,19 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
-import openai
 from websockets.asyncio.client import connect
 
 from stopline.protocol.vocabulary import TERMINAL_TYPES, Outcome, Reason
 
 from ..launch import ServerProcess
 from .base import DEADLINES, DELETE, OPENAI, QUEUE, Driver, End, Lane, Request, Stream
+
+if TYPE_CHECKING:
+    import openai
 
 _ids = itertools.count()
 
@@ -259,6 +262,9 @@ class OpenAIStream(StoplineStream):
 
 class OpenAILane(Lane):
     def __init__(self, driver: StoplineDriver):
+        # Imported here: only the HTTP scenarios need it, and a machine without it runs the others.
+        import openai
+
         self.driver = driver
         self.client = openai.AsyncOpenAI(base_url=driver.api_url, api_key="unused", max_retries=0)
 

@@ -102,37 +102,51 @@ class LlamaShape:
 
 
 LLAMA_3_2_1B = LlamaShape()
+# Llama 3.1 8B's shapes (its own output matrix aside: the logits come from the tied embedding here).
+LLAMA_3_1_8B = LlamaShape(layers=32, width=4096, heads=32, kv_heads=8, ffn=14336)
+TITLE_8B = "Llama-3.1-8B-shaped, random weights"
 
 
 def random_llama_path(layers: int = LLAMA_3_2_1B.layers, progress: bool = False) -> Path:
     """The Llama-3.2-1B-shaped GGUF with ``layers`` layers, written into the cache on first use."""
     shape = LlamaShape(layers=layers)
-    target = cache_dir() / f"llama-3.2-1b-shaped-random.{shape.label}.Q4_0.w{WRITER_VERSION}.gguf"
+    return _written(shape, f"llama-3.2-1b-shaped-random.{shape.label}", TITLE, progress)
+
+
+def random_llama_8b_path(progress: bool = False) -> Path:
+    """The Llama-3.1-8B-shaped GGUF (about 4.5 GB), written into the cache on first use."""
+    return _written(LLAMA_3_1_8B, f"llama-3.1-8b-shaped-random.{LLAMA_3_1_8B.label}", TITLE_8B, progress)
+
+
+def _written(shape: LlamaShape, stem: str, title: str, progress: bool) -> Path:
+    target = cache_dir() / f"{stem}.Q4_0.w{WRITER_VERSION}.gguf"
     if not target.is_file():
         if progress:
-            print(f"Writing {TITLE} ({layers} layers, first use only) into {target.parent}", file=sys.stderr)
-        write_random_llama(target, shape, llama_source_dir() / VOCABULARY_FILE, progress)
+            print(f"Writing {title} ({shape.layers} layers, first use only) into {target.parent}", file=sys.stderr)
+        write_random_llama(target, shape, llama_source_dir() / VOCABULARY_FILE, progress, title)
     return target
 
 
-def write_random_llama(target: Path, shape: LlamaShape, vocabulary: Path, progress: bool = False) -> None:
+def write_random_llama(
+    target: Path, shape: LlamaShape, vocabulary: Path, progress: bool = False, title: str = TITLE
+) -> None:
     """Write ``shape`` with random Q4_0 weights and ``vocabulary``'s tokenizer into ``target``:
     all of it, through a temporary file beside it, or nothing."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     os.close(fd)
     try:
-        _write(Path(temp), shape, vocabulary, progress)
+        _write(Path(temp), shape, vocabulary, progress, title)
         os.replace(temp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
 
 
-def _write(path: Path, shape: LlamaShape, vocabulary: Path, progress: bool) -> None:
+def _write(path: Path, shape: LlamaShape, vocabulary: Path, progress: bool, title: str) -> None:
     writer = gguf.GGUFWriter(path, arch="llama")
     try:
-        writer.add_name(TITLE)
+        writer.add_name(title)
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
         writer.add_block_count(shape.layers)
         writer.add_context_length(shape.context)

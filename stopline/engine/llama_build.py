@@ -18,6 +18,9 @@ the benchmark only, unedited (:func:`build_unedited`, :func:`ensure_llama_librar
 with ``edited=False``): the benchmark's ``llama-server``, the peer as its users run
 it (``bench/drivers/llama_server.py``), and a shim library to measure the edits against.
 Nothing of llama.cpp is part of this repository.
+
+``STOPLINE_LLAMA_SOURCE`` names an extracted copy of that tree (``python -m bench gpu-check --pack``
+writes a trimmed one) to build from instead, on a machine that cannot reach the package index.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         "-DGGML_F16C=ON",
         "-DGGML_BMI2=ON",
     ]
+# An extracted llama.cpp tree to build from instead of the sdist's (a machine without network).
+SOURCE_ENV = "STOPLINE_LLAMA_SOURCE"
 # The static libraries the shim links, in link order, relative to the build tree.
 STATIC_LIBRARIES = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
 SHIM_SOURCES = ("llama_shim.c", "llama_abi.h")
@@ -340,6 +345,8 @@ def build_unedited(target: str, progress: bool = True, jobs: int | None = None, 
 def llama_source_dir() -> Path:
     """The unedited llama.cpp tree (its ``models/`` holds real vocabularies as GGUF
     files), fetched and extracted on first use."""
+    if given := given_source():
+        return given
     source = build_root() / "src"
     # An extracted tree is only read from then on: no waiting for the lock, which a build holds for minutes.
     if (source / "CMakeLists.txt").is_file():
@@ -365,15 +372,19 @@ def _tree(edited: bool, progress: bool = True, backend: str = CPU) -> tuple[Path
     """The source tree (extracted, and edited when ``edited``) and its build tree for ``backend``.
     The source trees are shared; each backend builds in its own tree."""
     root = build_root()
-    sdist = _download_sdist(root, progress)
+    given = given_source()
     if not edited:
-        return _extract(sdist, root / "src"), root / f"build-{_build_key(backend)}"
+        pristine = given or _extract(_download_sdist(root, progress), root / "src")
+        return pristine, root / f"build-{_build_key(backend)}"
     source = root / "src-edited"
     marker = source / ".stopline-edits"
     if not (marker.is_file() and marker.read_text() == edits_key()):
         # Edits apply to the pristine text only: a tree edited otherwise is extracted again.
         shutil.rmtree(source, ignore_errors=True)
-        _extract(sdist, source)
+        if given:
+            shutil.copytree(given, source)
+        else:
+            _extract(_download_sdist(root, progress), source)
         try:
             apply_edits(source)
         except LlamaEditError as exc:
@@ -382,6 +393,22 @@ def _tree(edited: bool, progress: bool = True, backend: str = CPU) -> tuple[Path
     # The CPU build keeps the name it had; a GPU build's key ends in its backend's name.
     key = BUILD_KEY if backend == CPU else f"{BUILD_KEY}-edited-{backend}"
     return source, root / (f"build-{key}-edited" if backend == CPU else f"build-{key}")
+
+
+def given_source() -> Path | None:
+    """The tree ``STOPLINE_LLAMA_SOURCE`` names, or None; an error if it names no llama.cpp tree."""
+    named = os.environ.get(SOURCE_ENV)
+    if not named:
+        return None
+    source = Path(named).resolve()
+    if not (source / "CMakeLists.txt").is_file():
+        raise LlamaBuildError(f"{SOURCE_ENV}={named}: no llama.cpp tree there (no CMakeLists.txt)")
+    return source
+
+
+def cached_sdist(progress: bool = True) -> Path:
+    """The pinned sdist, verified, from the build cache (downloaded on first use)."""
+    return _download_sdist(build_root(), progress)
 
 
 def _download_sdist(root: Path, progress: bool) -> Path:
