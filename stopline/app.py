@@ -138,6 +138,7 @@ class StoplineServer:
                 metrics=self.metrics.for_model(served[0]),
                 threads=settings.threads,
                 batching=settings.batching,
+                prompt_steps=settings.prompt_steps,
             )
             for each, served in zip(engines, names, strict=True)
         ]
@@ -278,6 +279,7 @@ class StoplineServer:
             metrics=self.metrics.for_model(name),
             threads=settings.threads,
             batching=settings.batching,
+            prompt_steps=settings.prompt_steps,
         )
         limits = settings.limits_for(engine)
         services = replace(self.services, model=name, encode=_encoder(engine), limits=limits, scheduler=scheduler)

@@ -39,7 +39,7 @@ from .engine.loop import Engine, Stream
 from .observability import log
 from .protocol.errors import Busy
 from .protocol.requests import GenerationResult, Request
-from .protocol.vocabulary import Batching
+from .protocol.vocabulary import Batching, PromptSteps
 from .settings import Settings
 
 # Sequences beyond the workers in a context of shared steps: how many generations of a
@@ -88,6 +88,7 @@ class Scheduler:
         metrics=None,
         threads: int | None = None,
         batching: Batching | None = None,
+        prompt_steps: PromptSteps = PromptSteps.MIXED,
     ):
         if (workers is not None and workers < 1) or max_queue < 0:
             raise ValueError("workers must be at least 1 and max_queue at least 0")
@@ -109,7 +110,7 @@ class Scheduler:
         # beyond the workers: a request of higher priority starts on one while the generation
         # it preempts keeps its own sequence, and its cache (see _preempt).
         spare = PREEMPTION_SLOTS if self.batching is Batching.SHARED else 0
-        self._free = deque(engine.open_slots(self._workers + spare, self.batching))
+        self._free = deque(engine.open_slots(self._workers + spare, self.batching, prompt_steps))
         self._slots = list(self._free)
         self._executor = ThreadPoolExecutor(max_workers=self._workers + spare, thread_name_prefix="stopline-slot")
         # Waiting requests, by priority (lower first), then in order of arrival.

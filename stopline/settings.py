@@ -27,7 +27,7 @@ from .auth import check_key
 from .protocol.errors import UsageError
 from .protocol.origin import OriginPolicy
 from .protocol.requests import DEFAULT_WINDOW, MAX_SECONDS, Limits
-from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames
+from .protocol.vocabulary import AbortMode, Batching, BuiltinTemplate, EngineName, ModelNames, PromptSteps
 from .structured.frame_grammar import frame_grammar
 
 MIB = 1024 * 1024
@@ -110,6 +110,8 @@ class Settings:
     # How the llama.cpp engine evaluates the generations that run at once; None: the engine's
     # own way (Engine.batching): shared steps on llama.cpp.
     batching: Batching | None = None
+    # Which step a prompt's last chunk takes in shared steps.
+    prompt_steps: PromptSteps = PromptSteps.MIXED
     # Compute threads per generation; None: the cores, shared among the generations
     # running when one starts (a user alone gets the whole machine).
     threads: int | None = None
@@ -272,6 +274,7 @@ _CHOICES: dict[str, type[StrEnum]] = {
     "engine": EngineName,
     "abort_mode": AbortMode,
     "batching": Batching,
+    "prompt_steps": PromptSteps,
 }
 
 
@@ -614,6 +617,15 @@ FLAGS = [
         "shared: the slots are sequences of one context, and every step is one batch of every running "
         "generation's next tokens (continuous batching; docs/engine.md compares the two)",
         default_text="shared on llama.cpp, per_slot on ctransformers",
+    ),
+    Flag(
+        "--prompt-steps",
+        "prompt_steps",
+        one_of(PromptSteps),
+        "with shared steps: the step a prompt's last chunk takes. mixed: beside every running "
+        "generation's next token; alone: a step of its own, so that the new generation's first token "
+        "waits for no other's work, and the running generations' tokens take the next step "
+        '(docs/engine.md, "A prompt\'s last chunk")',
     ),
     Flag(
         "--threads",

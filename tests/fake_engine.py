@@ -144,7 +144,7 @@ class FakeEngine:
         self.slots.append(slot)
         return slot
 
-    def open_slots(self, count: int, batching: Batching | None = None) -> list[FakeSlot]:
+    def open_slots(self, count: int, batching: Batching | None = None, prompt_steps=None) -> list[FakeSlot]:
         assert batching in (None, Batching.PER_SLOT)
         return [self.open_slot() for _ in range(count)]
 

@@ -98,11 +98,13 @@ def test_the_flags_parse_to_members_without_the_compiled_engine():
     script = (
         "import sys\n"
         "from stopline import __main__ as cli\n"
-        "settings = cli.settings_from(cli.parse_args(['--engine', 'ctransformers', '--batching', 'shared']))\n"
-        "print(type(settings.engine).__name__, type(settings.batching).__name__, 'stopline._core' in sys.modules)\n"
+        "args = ['--engine', 'ctransformers', '--batching', 'shared', '--prompt-steps', 'alone']\n"
+        "settings = cli.settings_from(cli.parse_args(args))\n"
+        "print(type(settings.engine).__name__, type(settings.batching).__name__, settings.prompt_steps.name,\n"
+        "      'stopline._core' in sys.modules)\n"
     )
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert shown.stdout.split() == ["EngineName", "Batching", "False"]
+    assert shown.stdout.split() == ["EngineName", "Batching", "ALONE", "False"]
 
 
 def test_a_choice_given_by_its_name_is_held_as_its_member():

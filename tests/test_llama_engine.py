@@ -30,7 +30,7 @@ from stopline.engine.model_check import ModelFileError, read_gguf_metadata
 from stopline.engine.tokenizer import ChatTokenizer
 from stopline.observability import ConsoleRenderer
 from stopline.protocol.requests import SamplingParams, exit_outcome
-from stopline.protocol.vocabulary import TERMINAL_TYPES, AbortMode, Batching, EngineName
+from stopline.protocol.vocabulary import TERMINAL_TYPES, AbortMode, Batching, EngineName, PromptSteps
 from support import LONG_ANSWER, UNIT, client_for, http_get, make_generation, running_server, started_running
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -488,6 +488,38 @@ def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
         assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations[1:], strict=True))
         # A decoding generation's stop never aborts the step it leaves: the others go on with it.
         assert slots[0].owner.step_counts[2] == 0
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+
+
+def test_a_prompts_last_chunk_alone_costs_the_running_generations_no_token(engine):
+    # With --prompt-steps alone, the step of a newcomer's last chunk leaves the decode tokens
+    # out, handing them to the next step: each generation still computes what it computes alone.
+    prompts = [engine.encode(messages=story) for story in STORIES[:3]]
+    expected = [reference(engine, prompt, 32) for prompt in prompts]
+    slots = engine.open_slots(3, Batching.SHARED, PromptSteps.ALONE)
+    try:
+        assert slots[0].owner.prompts_first
+        generations = [
+            make_generation(slot, prompt, max_tokens=32, prefill_chunk=engine.prefill_chunk, **GREEDY)
+            for slot, prompt in zip(slots, prompts, strict=True)
+        ]
+        workers = [threading.Thread(target=g.run) for g in generations]
+        workers[0].start()
+        # The others arrive one by one while the first decodes.
+        for index, worker in enumerate(workers[1:], start=1):
+            deadline = time.monotonic() + 60 * UNIT
+            while len(generations[0].token_ids()) < 8 * index:
+                assert time.monotonic() < deadline and not generations[0].finished
+                time.sleep(0.001)
+            worker.start()
+        for worker in workers:
+            worker.join(120 * UNIT)
+            assert not worker.is_alive()
+        assert [g.result.exit for g in generations] == [_core.ExitKind.MAX_TOKENS] * 3
+        assert all(e.agrees_up_to_a_near_tie(g.token_ids()) for e, g in zip(expected, generations, strict=True))
         assert all(slot.kv_positions == slot.n_held for slot in slots)
     finally:
         for slot in slots:

@@ -24,6 +24,9 @@ cdef struct Batcher:
     LoopState *posted[ll.SLL_MAX_SEQUENCES]
     # A thread is using the context (evaluating, or changing its cache).
     bint leading
+    # Threads waiting in claim_context: no new step starts before they have had their turn,
+    # so that a restore or a copy waits for the step under way at most, not for every next one.
+    int claims_waiting
     # The context's steps are led by a thread of its own (see run_context_steps),
     # which ends once closing is set.
     bint own_thread
@@ -34,6 +37,9 @@ cdef struct Batcher:
     int cut_from[ll.SLL_MAX_SEQUENCES]
     int applied_threads
     int max_tokens         # the most tokens one evaluation takes
+    # A prompt's last chunk takes a step without the decode tokens, which wait for the
+    # next one (see evaluate_together).
+    bint prompts_first
     # Evaluations run, the generations they carried in all (their ratio is how
     # many generations a step shared on average), and the evaluations that were
     # stopped for one generation and run again for the others.
@@ -60,8 +66,10 @@ cdef struct Batcher:
 cdef void claim_context(Batcher *b) noexcept nogil:
     """Wait until no thread uses the context, and take it, with every cut asked for made."""
     sl.pthread_mutex_lock(&b.lock)
+    b.claims_waiting += 1
     while b.leading:
         sl.pthread_cond_wait(&b.changed, &b.lock)
+    b.claims_waiting -= 1
     b.leading = True
     # No step is under way: an interrupt asked for during an earlier one has nothing to end.
     sl.sl_store_release(&b.group.interrupt, 0)
@@ -170,7 +178,7 @@ cdef bint evaluate_in_step(LoopState *s, int count) noexcept nogil:
             sl.sl_store_release(&b.group.interrupt, 1)
     sl.pthread_cond_broadcast(&b.changed)
     while s.post_result == PostResult.POST_WAITING:
-        if not b.own_thread and not b.leading and b.n_posted >= b.present:
+        if not b.own_thread and not b.leading and not b.claims_waiting and b.n_posted >= b.present:
             lead_step(b, s)
         elif sl.sl_check(&s.watch) != sl.SL_RUN and leave(b, s):
             pass
@@ -254,7 +262,7 @@ cdef void *run_context_steps(void *arg) noexcept nogil:
     cdef Batcher *b = <Batcher *>arg
     sl.pthread_mutex_lock(&b.lock)
     while not b.closing:
-        if not b.leading and b.n_posted > 0 and b.n_posted >= b.present:
+        if not b.leading and not b.claims_waiting and b.n_posted > 0 and b.n_posted >= b.present:
             lead_step(b, NULL)
         else:
             sl.pthread_cond_wait(&b.changed, &b.lock)
@@ -360,7 +368,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
     cdef int32_t output[ll.SLL_MAX_SEQUENCES]
     cdef int i, j, k, room, stopped, total, waiting = n, threads = 1
     cdef int32_t index, status
-    cdef bint want_logits
+    cdef bint want_logits, prompts_only
     cdef const float *row
     # Every member asks for the same cores (the scheduler shares them among steps, not members).
     for i in range(n):
@@ -374,6 +382,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
         room = b.max_tokens
         # Under the lock, a member can neither leave nor be stopped unseen while it joins the batch.
         sl.pthread_mutex_lock(&b.lock)
+        prompts_only = b.prompts_first and ends_a_prompt(members, n)
         for i in range(n):
             s = members[i]
             if s is NULL:
@@ -389,7 +398,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 evaluate_from_start(b, s)
             # The batch holds one prompt chunk beside every other member's token
             # (see LlamaContext); a second chunk waits for the next step.
-            if s.post_count > room:
+            if s.post_count > room or (prompts_only and s.n_past >= s.n_prompt):
                 waiting -= post_again(b, members, i)
                 continue
             # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
@@ -481,6 +490,20 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
+
+
+cdef bint ends_a_prompt(LoopState **members, int n) noexcept nogil:
+    """Whether a member posts its prompt's last chunk: with prompts_first, that step
+    leaves the decode tokens out, so that the new generation's first token waits for
+    no other generation's work. The others lose no token, only the time of one step's
+    fixed costs: their tokens would have been evaluated beside the chunk otherwise."""
+    cdef LoopState *s
+    cdef int i
+    for i in range(n):
+        s = members[i]
+        if s is not NULL and s.n_past < s.n_prompt <= s.n_past + s.post_count:
+            return True
+    return False
 
 
 cdef void evaluate_from_start(Batcher *b, LoopState *s) noexcept nogil:

@@ -822,6 +822,16 @@ cdef class LlamaContext:
         return self.b.ctx is NULL
 
     @property
+    def prompts_first(self):
+        """Whether a prompt's last chunk takes a step of its own, the decode tokens
+        waiting for the next (see ends_a_prompt)."""
+        return self.b.prompts_first
+
+    @prompts_first.setter
+    def prompts_first(self, bint value):
+        self.b.prompts_first = value
+
+    @property
     def step_under_way(self):
         """Whether a thread is using the context now: a step, or a change to its cache."""
         sl.pthread_mutex_lock(&self.b.lock)

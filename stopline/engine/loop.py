@@ -37,7 +37,7 @@ from stopline import _core
 
 from ..protocol.errors import SettingError
 from ..protocol.requests import GenerationResult, SamplingParams
-from ..protocol.vocabulary import AbortMode, Batching, EngineName
+from ..protocol.vocabulary import AbortMode, Batching, EngineName, PromptSteps
 from ..settings import DEFAULT_CONTEXT_LENGTH, GPU_LAYERS_ALL, Settings, physical_memory
 from . import conversion
 from . import model as embedded
@@ -189,9 +189,11 @@ class Engine:
         """A new native context for this model. Close it with ``slot.close()``."""
         raise NotImplementedError
 
-    def open_slots(self, count: int, batching: Batching | None = None) -> Sequence[_core.Slot]:
+    def open_slots(
+        self, count: int, batching: Batching | None = None, prompt_steps: PromptSteps = PromptSteps.MIXED
+    ) -> Sequence[_core.Slot]:
         """``count`` slots for generations that run at the same time (``batching``: the
-        engine's own, :attr:`batching`, unless given)."""
+        engine's own, :attr:`batching`, unless given; ``prompt_steps`` matters to shared steps only)."""
         if (batching or self.batching) is not Batching.PER_SLOT:
             raise SettingError("--batching shared needs the llama.cpp engine")
         return [self.open_slot() for _ in range(count)]
@@ -552,9 +554,12 @@ class LlamaEngine(Engine):
             return slot
         return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads).sequences[0]
 
-    def open_slots(self, count: int, batching: Batching | None = None) -> Sequence[_core.LlamaSequence]:
+    def open_slots(
+        self, count: int, batching: Batching | None = None, prompt_steps: PromptSteps = PromptSteps.MIXED
+    ) -> Sequence[_core.LlamaSequence]:
         """``count`` contexts of one sequence each, or with ``Batching.SHARED`` (the
-        default) the ``count`` sequences of one context."""
+        default) the ``count`` sequences of one context, whose steps take a prompt's
+        last chunk as ``prompt_steps`` says."""
         if (batching or self.batching) is Batching.PER_SLOT:
             return [self.open_slot() for _ in range(count)]
         if self._probe is not None:
@@ -562,6 +567,7 @@ class LlamaEngine(Engine):
             self._probe.close()
             self._probe = None
         context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count)
+        context.prompts_first = prompt_steps is PromptSteps.ALONE
         return list(context.sequences)
 
 

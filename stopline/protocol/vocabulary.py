@@ -68,6 +68,16 @@ class Batching(StrEnum):
     SHARED = "shared"
 
 
+class PromptSteps(StrEnum):
+    """Which step a prompt's last chunk takes in shared steps: ``--prompt-steps``."""
+
+    # The step of every running generation's next token, as any other chunk.
+    MIXED = "mixed"
+    # A step of its own, the running generations' tokens waiting for the next: the new
+    # generation's first token then waits for no other generation's work.
+    ALONE = "alone"
+
+
 class EngineName(StrEnum):
     """Which engine computes the model: ``--engine``, ``/healthz``, the ``engine`` label."""
 
