@@ -22,7 +22,7 @@
 /* The llama.cpp source this interface is built from. A shim reporting another
  * version (sll_abi_version) is refused. */
 #define SLL_LLAMA_COMMIT "0c1e570"
-#define SLL_ABI_VERSION 10
+#define SLL_ABI_VERSION 11
 
 /* The largest prompt chunk, the most sequences one context holds, and the
  * largest batch one evaluation takes (the context's n_batch): a whole chunk
@@ -101,9 +101,11 @@ typedef struct {
     /* Contexts: n_seq sequences (0..n_seq-1) of up to n_ctx_seq positions each,
      * in one pool of KV cells, evaluated by n_threads compute threads that the
      * context keeps (set_threads may lower the count that takes part, not raise it).
+     * A call's batch is computed in pieces of n_ubatch tokens (at most n_batch), in the
+     * batch's order; an aborted call keeps the pieces it finished in the cache.
      * Not thread-safe: one thread at a time calls a context. */
-    sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
-                                int32_t n_seq, char *err, size_t err_size);
+    sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_ubatch,
+                                int32_t n_threads, int32_t n_seq, char *err, size_t err_size);
     void (*context_free)(sll_context *ctx);
     int32_t (*context_n_ctx)(const sll_context *ctx);  /* n_ctx_seq */
     void (*set_abort)(sll_context *ctx, sll_abort_fn fn, void *data);

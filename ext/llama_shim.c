@@ -243,19 +243,20 @@ static sll_context *open_context(sll_model *m, struct llama_context_params param
     return c;
 }
 
-SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
-                                        int32_t n_seq, char *err, size_t err_size) {
-    if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ctx_seq < 2 || n_threads < 1 || n_seq < 1 ||
-        n_seq > SLL_MAX_SEQUENCES) {
+SLL_EXPORT sll_context *sll_context_new(sll_model *m, int32_t n_ctx_seq, int32_t n_batch, int32_t n_ubatch,
+                                        int32_t n_threads, int32_t n_seq, char *err, size_t err_size) {
+    if (n_batch < 1 || n_batch > SLL_MAX_BATCH || n_ubatch < 1 || n_ubatch > n_batch || n_ctx_seq < 2 ||
+        n_threads < 1 || n_seq < 1 || n_seq > SLL_MAX_SEQUENCES) {
         snprintf(err, err_size, "invalid context sizes");
         return NULL;
     }
     struct llama_context_params params = llama_context_default_params();
     params.n_ctx = (uint32_t)(n_ctx_seq * n_seq);
-    /* One physical batch per call: an aborted call then leaves no finished
-     * part of itself in the cache, and a prompt chunk is one evaluation. */
+    /* llama.cpp computes a call in physical batches of n_ubatch tokens, and an
+     * abort drops the positions of the one under way only: the finished ones
+     * stay in the cache, and pos_max() says how far they reach. */
     params.n_batch = (uint32_t)n_batch;
-    params.n_ubatch = (uint32_t)n_batch;
+    params.n_ubatch = (uint32_t)n_ubatch;
     params.n_seq_max = (uint32_t)n_seq;
     /* One pool of cells for every sequence: a batch is then never split by
      * sequence (llama.cpp splits per-sequence caches into equal shares of

@@ -114,6 +114,8 @@ class LlamaContext:
     @property
     def max_batch(self) -> int: ...
     @property
+    def ubatch(self) -> int: ...
+    @property
     def closed(self) -> bool: ...
     prompts_first: bool
     @property
@@ -121,7 +123,13 @@ class LlamaContext:
     @property
     def step_counts(self) -> tuple[int, int, int, int]: ...
     def __new__(
-        cls, model: LlamaModel, context_length: int = 2048, batch: int = 64, threads: int = 1, sequences: int = 1
+        cls,
+        model: LlamaModel,
+        context_length: int = 2048,
+        batch: int = 64,
+        threads: int = 1,
+        sequences: int = 1,
+        ubatch: int = 0,
     ) -> Self: ...
 
 class LlamaSequence(Slot):

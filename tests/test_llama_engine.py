@@ -793,16 +793,57 @@ def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
     result = generation.result
     assert result.exit is _core.ExitKind.CANCELLED and result.tokens_generated == 0
     assert result.prompt_tokens_evaluated < result.prompt_tokens
-    # The chunk under way was abandoned, and its positions dropped.
-    assert result.prompt_tokens_evaluated % engine.prefill_chunk == 0
+    # The piece under way was abandoned, and its positions dropped; the pieces of the
+    # chunk that the evaluation finished are kept.
+    ubatch = slot.owner.ubatch
+    assert 1 < ubatch < engine.prefill_chunk
+    assert result.prompt_tokens_evaluated % ubatch == 0
     assert slot.kv_positions == slot.n_held == result.prompt_tokens_evaluated
-    # Its work is reported as thrown away: the whole chunk, and the time it had run.
-    assert result.prompt_tokens_wasted == engine.prefill_chunk
+    # Its work is reported as thrown away: the piece under way, and its share of the time.
+    assert result.prompt_tokens_wasted == min(ubatch, result.prompt_tokens - result.prompt_tokens_evaluated)
     assert 0 < result.wasted_eval_ns <= result.end_ns - result.start_ns
     # The chunks before it are kept: a resend evaluates from where the stop came.
     if result.prompt_tokens_evaluated:
         again = make_generation(slot, prompt, max_tokens=1, prefill_chunk=engine.prefill_chunk).run()
         assert again.prompt_tokens_reused == result.prompt_tokens_evaluated
+
+
+def test_a_stop_keeps_the_pieces_of_its_chunk_that_were_finished(engine):
+    # One 512-token chunk in pieces of 16: a stop halfway through keeps the pieces before
+    # it, and a resend evaluates only the rest, with the answer of a fresh evaluation.
+    context = _core.LlamaContext(engine.model, 1024, 512, engine.threads, ubatch=16)
+    slot, fresh = context.sequences[0], engine.open_slot()
+    try:
+        prompt = engine.encode(prompt="The history of bread is long. " * 80)[:512]
+        begun = time.monotonic()
+        expected, cold = greedy_in_one_chunk(fresh, prompt)
+        whole = time.monotonic() - begun
+        assert cold.prompt_tokens_evaluated == 512
+        generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=512)
+        worker = threading.Thread(target=generation.run)
+        worker.start()
+        started_running(generation)
+        time.sleep(whole / 2)
+        generation.cancel()
+        worker.join()
+        result = generation.result
+        assert result.exit is _core.ExitKind.CANCELLED and result.tokens_generated == 0
+        kept = result.prompt_tokens_evaluated
+        assert 0 < kept < 512 and kept % 16 == 0
+        assert result.prompt_tokens_wasted == 16
+        assert slot.kv_positions == slot.n_held == kept
+        answer, again = greedy_in_one_chunk(slot, prompt)
+        assert again.prompt_tokens_reused == kept and again.prompt_tokens_evaluated == 512 - kept
+        assert answer == expected
+    finally:
+        slot.close()
+        fresh.close()
+
+
+def greedy_in_one_chunk(slot, prompt: list[int]) -> tuple[list[bytes], _core.LoopResult]:
+    generation = make_generation(slot, prompt, max_tokens=12, prefill_chunk=512, **GREEDY)
+    result = generation.run()
+    return generation.take(), result
 
 
 async def test_a_base_model_says_so_and_completes_a_chat_as_plain_text(gemma, logs, http):  # noqa: F811

@@ -365,6 +365,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
     cdef LoopState *s
     # The members in the batch being evaluated, and where each one's sampled token is in it (-1: none).
     cdef int included[ll.SLL_MAX_SEQUENCES]
+    cdef int order[ll.SLL_MAX_SEQUENCES]
     cdef int32_t output[ll.SLL_MAX_SEQUENCES]
     cdef int i, j, k, room, stopped, total, waiting = n, threads = 1
     cdef int32_t index, status
@@ -383,7 +384,11 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
         # Under the lock, a member can neither leave nor be stopped unseen while it joins the batch.
         sl.pthread_mutex_lock(&b.lock)
         prompts_only = b.prompts_first and ends_a_prompt(members, n)
-        for i in range(n):
+        # Prompt chunks first: llama.cpp computes a batch in pieces taken in its order, so a
+        # chunk is cut into the same pieces whatever decode tokens share its step.
+        put_chunks_first(members, n, order)
+        for j in range(n):
+            i = order[j]
             s = members[i]
             if s is NULL:
                 continue
@@ -461,16 +466,19 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 s.n_past += s.post_count
                 waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
             continue
-        # One call is one physical batch, so an aborted or failed step leaves
-        # at most its own positions behind: drop them, so that each sequence's
-        # cache holds exactly the tokens of its record.
+        # An aborted or failed step leaves its finished pieces behind: drop them, so that
+        # each sequence's cache holds exactly the tokens of its record, except the
+        # prompt chunk of a generation that a stop ended, which keeps them.
         # (A member that left is counted as stopped: it has been let go already.)
         stopped = 0
         for j in range(k):
             if included[j] < 0:
                 stopped += 1
-            else:
-                LLAMA.truncate(b.ctx, members[included[j]].seq, members[included[j]].n_past)
+                continue
+            s = members[included[j]]
+            if b.group.aborted and posts_a_chunk(s) and should_stop(s):
+                keep_finished_pieces(b, s)
+            LLAMA.truncate(b.ctx, s.seq, s.n_past)
         # Stopped part-way: the stop condition that did it still holds (the
         # flag is sticky, deadlines only pass). Its generation leaves at once;
         # the others evaluate the step again without it.
@@ -490,6 +498,38 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
             # Failed, or aborted while no stop condition held: nothing to retry.
             fail_the_rest(b, members, n)
             return
+
+
+cdef void put_chunks_first(LoopState **members, int n, int *order) noexcept nogil:
+    """Fill ``order`` with the members' indices, those posting prompt chunks first."""
+    cdef int i, k = 0
+    for i in range(n):
+        if posts_a_chunk(members[i]):
+            order[k] = i
+            k += 1
+    for i in range(n):
+        if not posts_a_chunk(members[i]):
+            order[k] = i
+            k += 1
+
+
+cdef inline bint posts_a_chunk(LoopState *s) noexcept nogil:
+    return s is not NULL and s.n_past < s.n_prompt
+
+
+cdef void keep_finished_pieces(Batcher *b, LoopState *s) noexcept nogil:
+    """Keep the pieces of ``s``'s prompt chunk that an aborted step finished: llama.cpp
+    drops the positions of the piece under way only. They become evaluated tokens of its
+    record, and a resend of the prompt starts after them instead of at the chunk."""
+    cdef int end = LLAMA.pos_max(b.ctx, s.seq) + 1
+    if end <= s.n_past or end > s.n_past + s.post_count:
+        return
+    sl.pthread_mutex_lock(&b.lock)
+    # Only where the record reaches the chunk: no cut below it was asked for meanwhile.
+    if b.record_n[s.seq] == s.n_past:
+        b.record_n[s.seq] = end
+        s.n_past = end
+    sl.pthread_mutex_unlock(&b.lock)
 
 
 cdef bint ends_a_prompt(LoopState **members, int n) noexcept nogil:

@@ -629,6 +629,7 @@ cdef struct LoopState:
     float *top_logprobs
     int seed
     int prefill_chunk
+    int piece              # a chunk's tokens computed at once: a prompt resumes at multiples of it
     int threads            # wanted for the next evaluation; Python may change it at any time
     int window
     bint step_abort        # let the hook stop evaluations between graph nodes
@@ -660,8 +661,9 @@ cdef struct LoopState:
     int64_t end_ns
     int64_t longest_prefill_node_ns
     int64_t longest_decode_node_ns
-    # The work a stop threw away: the prompt chunk an evaluation it cut short was computing
-    # (the chunks before it stay in the KV cache), and how long that evaluation had run.
+    # The work a stop threw away: the piece of a prompt chunk that an evaluation it cut short
+    # was computing (the chunks before it, and the chunk's pieces the evaluation finished,
+    # stay in the KV cache), and its share of the evaluation's time.
     int prompt_tokens_wasted
     int64_t wasted_eval_ns
     # Set by an evaluation that ended before its tokens were part of any step (evaluate_in_step).
@@ -772,16 +774,19 @@ cdef class LlamaContext:
     """One llama.cpp context over a :class:`LlamaModel`: one KV cache holding
     ``sequences`` sequences, each a :class:`LlamaSequence` slot. The generations
     running on its sequences are evaluated together, one batch per step.
-    ``batch`` is the most tokens one evaluation takes (the prefill chunk)."""
+    ``batch`` is the most tokens one evaluation takes (the prefill chunk), computed in
+    pieces of ``ubatch`` tokens (0: the whole batch) that a stop keeps once finished: a
+    prompt chunk it cuts short loses the piece under way only (see keep_finished_pieces)."""
     cdef Batcher b
     cdef readonly LlamaModel model
     cdef readonly tuple sequences
     cdef readonly int context_length
     cdef readonly int max_batch
+    cdef readonly int ubatch
     cdef int open_sequences
 
     def __cinit__(self, LlamaModel model, int context_length=2048, int batch=64, int threads=1,
-                  int sequences=1):
+                  int sequences=1, int ubatch=0):
         cdef char err[512]
         cdef int errnum
         model._check_open()
@@ -789,14 +794,19 @@ cdef class LlamaContext:
             raise ValueError(f"batch is 1 to {ll.SLL_MAX_CHUNK}")
         if not 1 <= sequences <= ll.SLL_MAX_SEQUENCES:
             raise ValueError(f"sequences is 1 to {ll.SLL_MAX_SEQUENCES}")
-        if context_length < 2 or threads < 1:
-            raise ValueError("context_length must be at least 2 and threads positive")
+        if context_length < 2 or threads < 1 or ubatch < 0:
+            raise ValueError("context_length must be at least 2, threads positive and ubatch not negative")
+        # Pieces end where a chunk does (prompt chunks go first in a batch; see
+        # evaluate_together), or a resumed prompt would be cut elsewhere than a fresh one.
+        if ubatch == 0 or ubatch > batch or batch % ubatch:
+            ubatch = batch
         # Room for a whole prompt chunk and the next token of every other sequence.
         self.b.max_tokens = batch + sequences - 1
         err[0] = 0
         with nogil:
-            self.b.ctx = LLAMA.context_new(model.model, context_length, self.b.max_tokens, threads, sequences,
-                                           err, sizeof(err))
+            self.b.ctx = LLAMA.context_new(model.model, context_length, self.b.max_tokens,
+                                           self.b.max_tokens if ubatch == batch else ubatch, threads,
+                                           sequences, err, sizeof(err))
         if self.b.ctx is NULL:
             raise c_failure(ModelLoadError, "llama.cpp could not create a context", 0, err)
         sl.pthread_mutex_init(&self.b.lock, NULL)
@@ -809,6 +819,7 @@ cdef class LlamaContext:
         self.b.shares_cells = sequences > 1 and LLAMA.copy_prefix(self.b.ctx, 0, 0, 0) != -1
         self.model = model
         self.max_batch = batch
+        self.ubatch = ubatch
         self.context_length = LLAMA.context_n_ctx(self.b.ctx)
         self.sequences = tuple(LlamaSequence(self, seq) for seq in range(sequences))
         self.open_sequences = sequences
@@ -901,6 +912,8 @@ cdef class LlamaSequence(Slot):
         # logits asked for: nothing to trim.
         s.step_abort = step_abort
         s.trim_output = False
+        if s.prefill_chunk % self.owner.ubatch == 0:
+            s.piece = self.owner.ubatch
         sampling.temperature = s.temperature
         sampling.top_k = s.top_k
         sampling.top_p = s.top_p
@@ -1303,21 +1316,27 @@ cdef void run_loop(LoopState *s) noexcept nogil:
 
 cdef void run_steps(LoopState *s) noexcept nogil:
     cdef int chunk, token, step, size, old_size
+    cdef bint done
 
     # Prefill in chunks so that a cancel or a deadline is seen between them
-    # even when the hook cannot stop an evaluation part-way. Chunks end at
-    # multiples of prefill_chunk, wherever the prompt resumes: a token's
-    # attention sums in an order that depends on where its batch ends, so
-    # aligned ends make a resumed prompt compute exactly what a fresh one does.
+    # even when the hook cannot stop an evaluation part-way. Chunks, and the
+    # pieces an evaluation computes them in, end at multiples of prefill_chunk
+    # and piece, wherever the prompt resumes: a token's attention sums in an
+    # order that depends on where its batch ends, so aligned ends make a
+    # resumed prompt compute exactly what a fresh one does.
     while s.n_past < s.n_prompt:
         if should_stop(s):
             return
         chunk = s.prefill_chunk - s.n_past % s.prefill_chunk
+        if s.n_past % s.piece:
+            chunk = min(chunk, s.piece - s.n_past % s.piece)
         if chunk > s.n_prompt - s.n_past:
             chunk = s.n_prompt - s.n_past
-        if not evaluate_counted(s, chunk, True):
-            return
+        done = evaluate_counted(s, chunk, True)
+        # A stop keeps the pieces it let finish (see keep_finished_pieces).
         s.n_prompt_evaluated = s.n_past - s.n_reused
+        if not done:
+            return
 
     for step in range(s.max_tokens):
         if should_stop(s):
@@ -1373,13 +1392,18 @@ cdef bint evaluate_counted(LoopState *s, int count, bint prompt) noexcept nogil:
     """The engine's evaluation of the next ``count`` tokens. One that fails after it began
     computing threw its work away: the result reports it as wasted."""
     cdef int64_t start = sl.sl_monotonic_ns()
+    cdef int n_past = s.n_past, kept, lost
     s.withdrawn = False
     if s.ops.evaluate(s, count):
         return True
     if not s.withdrawn:
-        s.wasted_eval_ns += sl.sl_monotonic_ns() - start
+        # The piece under way is lost; the pieces before it are kept (see keep_finished_pieces),
+        # and those after it were never computed. The time is shared out over the computed ones.
+        kept = s.n_past - n_past
+        lost = min(s.piece, count - kept)
+        s.wasted_eval_ns += (sl.sl_monotonic_ns() - start) * lost // max(kept + lost, 1)
         if prompt:
-            s.prompt_tokens_wasted = count
+            s.prompt_tokens_wasted = lost
     return False
 
 
@@ -1634,6 +1658,7 @@ cdef class Generation:
         self.s.vocab_size = context.vocab_size
         self.s.seed = seed
         self.s.prefill_chunk = prefill_chunk
+        self.s.piece = prefill_chunk
         self.s.threads = threads
         self.s.window = window
         self.s.watch.deadline_ns = deadline_ns

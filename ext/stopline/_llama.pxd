@@ -53,8 +53,8 @@ cdef extern from "llama_abi.h" nogil:
         int32_t (*bos)(const sll_model *model) noexcept nogil
         int32_t (*eos)(const sll_model *model) noexcept nogil
         int (*add_bos)(const sll_model *model) noexcept nogil
-        sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_threads,
-                                    int32_t n_seq, char *err, size_t err_size) noexcept nogil
+        sll_context *(*context_new)(sll_model *model, int32_t n_ctx_seq, int32_t n_batch, int32_t n_ubatch,
+                                    int32_t n_threads, int32_t n_seq, char *err, size_t err_size) noexcept nogil
         void (*context_free)(sll_context *ctx) noexcept nogil
         int32_t (*context_n_ctx)(const sll_context *ctx) noexcept nogil
         void (*set_abort)(sll_context *ctx, sll_abort_fn fn, void *data) noexcept nogil

@@ -63,6 +63,11 @@ DEFAULT_PREFILL_CHUNK = {
     EngineName.LLAMA_CPP: {AbortMode.IN_STEP: 512, AbortMode.BETWEEN_STEPS: 1},
 }
 
+# The pieces llama.cpp computes a prompt chunk in. A stop that cuts a chunk short keeps the
+# pieces finished before it (a resend, or the prompt cache, starts after them), so a piece
+# bounds what a stop throws away; smaller ones cost prompt speed. docs/engine.md has the
+# measurements.
+DEFAULT_UBATCH = 128
 
 # The share of the machine's memory that the llama.cpp engine's KV cache may take when no
 # context length is asked for: every sequence gets the model's trained context, shortened
@@ -452,7 +457,7 @@ class LlamaEngine(Engine):
         self.sequences, context_length = sized_slots(model, sequences, context_length, physical_memory() or 0)
         # A context's batch bounds its prefill chunk, whichever abort mode ends up in force.
         self._batch = prefill_chunk or DEFAULT_PREFILL_CHUNK[self.kind][AbortMode.IN_STEP]
-        probe = _core.LlamaContext(model, context_length, self._batch, threads).sequences[0]
+        probe = _core.LlamaContext(model, context_length, self._batch, threads, ubatch=DEFAULT_UBATCH).sequences[0]
         self._probe: _core.LlamaSequence | None = probe
         self.context_length = probe.context_length
         self.vocab_size = model.vocab_size
@@ -540,6 +545,7 @@ class LlamaEngine(Engine):
             str(self.kind),
             self.context_length,
             self.prefill_chunk,
+            slot.owner.ubatch,
             len(slot.owner.sequences),
             self.tokenizer.chat_template,
         )
@@ -552,7 +558,9 @@ class LlamaEngine(Engine):
         if self._probe is not None:
             slot, self._probe = self._probe, None
             return slot
-        return _core.LlamaContext(self.model, self.context_length, self._batch, self.threads).sequences[0]
+        return _core.LlamaContext(
+            self.model, self.context_length, self._batch, self.threads, ubatch=DEFAULT_UBATCH
+        ).sequences[0]
 
     def open_slots(
         self, count: int, batching: Batching | None = None, prompt_steps: PromptSteps = PromptSteps.MIXED
@@ -566,7 +574,7 @@ class LlamaEngine(Engine):
             # The probe's cache would sit unused beside the shared context's.
             self._probe.close()
             self._probe = None
-        context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count)
+        context = _core.LlamaContext(self.model, self.context_length, self._batch, self.threads, count, DEFAULT_UBATCH)
         context.prompts_first = prompt_steps is PromptSteps.ALONE
         return list(context.sequences)
 

@@ -66,7 +66,7 @@ BLOCK_TOKENS = 32
 def model_key(model_path: Path, *parts: object) -> str:
     """What a saved state belongs to: the model file (its resolved path, size and
     modification time) and every other part given (the chat template, the context's
-    shape, the prefill chunk); a state is only ever restored under the same key."""
+    shape, the prefill chunk and its pieces); a state is only ever restored under the same key."""
     path = Path(model_path).resolve()
     stat = path.stat()
     h = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
