@@ -675,6 +675,38 @@ def test_an_urgent_generation_interrupts_the_step_under_way_and_the_others_lose_
             slot.close()
 
 
+def test_an_interrupted_prompt_chunk_keeps_its_finished_pieces(engine):
+    # A newcomer that preempts ends the step under way, here a 512-token chunk in pieces
+    # of 16: the chunk keeps the pieces finished before it and evaluates only the rest.
+    context = _core.LlamaContext(engine.model, 2048, 512, engine.threads, 2, 16)
+    slot, other = context.sequences
+    try:
+        prompt = engine.encode(prompt="The history of bread is long. " * 100)[:600]
+        begun = time.monotonic()
+        expected = reference(engine, prompt, 12)
+        first_chunk = (time.monotonic() - begun) * 512 / len(prompt)
+        generation = make_generation(slot, prompt, max_tokens=12, prefill_chunk=512, **GREEDY)
+        worker = threading.Thread(target=generation.run)
+        worker.start()
+        started_running(generation)
+        time.sleep(first_chunk / 2)
+        urgent = make_generation(other, engine.encode(messages=FRANCE), max_tokens=2, prefill_chunk=512, urgent=True)
+        assert urgent.run().exit is _core.ExitKind.MAX_TOKENS
+        worker.join(120 * UNIT)
+        result = generation.result
+        assert context.step_counts[3] == 1
+        kept = context.kept_after_aborts
+        assert 0 < kept < 512 and kept % 16 == 0
+        # Every prompt token evaluated once, and the answer a lone evaluation's.
+        assert result.exit is _core.ExitKind.MAX_TOKENS and result.prompt_tokens_evaluated == len(prompt)
+        assert result.prompt_tokens_wasted == 0
+        assert slot.kv_positions == slot.n_held
+        assert expected.agrees_up_to_a_near_tie(generation.token_ids())
+    finally:
+        for sequence in context.sequences:
+            sequence.close()
+
+
 async def test_a_request_of_higher_priority_preempts_one_of_lower_and_it_resumes_losing_nothing(engine, logs):
     async with running_server(engine, workers=2) as server:
         async with client_for(server) as client:
@@ -811,14 +843,14 @@ def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
 def test_a_stop_keeps_the_pieces_of_its_chunk_that_were_finished(engine):
     # One 512-token chunk in pieces of 16: a stop halfway through keeps the pieces before
     # it, and a resend evaluates only the rest, with the answer of a fresh evaluation.
-    context = _core.LlamaContext(engine.model, 1024, 512, engine.threads, ubatch=16)
-    slot, fresh = context.sequences[0], engine.open_slot()
+    slot = _core.LlamaContext(engine.model, 1024, 512, engine.threads, ubatch=16).sequences[0]
     try:
         prompt = engine.encode(prompt="The history of bread is long. " * 80)[:512]
         begun = time.monotonic()
-        expected, cold = greedy_in_one_chunk(fresh, prompt)
+        expected, cold = greedy_in_one_chunk(slot, prompt)
         whole = time.monotonic() - begun
         assert cold.prompt_tokens_evaluated == 512
+        slot.forget()
         generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=512)
         worker = threading.Thread(target=generation.run)
         worker.start()
@@ -837,7 +869,6 @@ def test_a_stop_keeps_the_pieces_of_its_chunk_that_were_finished(engine):
         assert answer == expected
     finally:
         slot.close()
-        fresh.close()
 
 
 def greedy_in_one_chunk(slot, prompt: list[int]) -> tuple[list[bytes], _core.LoopResult]:

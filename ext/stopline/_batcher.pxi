@@ -49,6 +49,8 @@ cdef struct Batcher:
     # Evaluations interrupted for a generation that preempted one of their members (see
     # evaluate_in_step): their members evaluate again, with its tokens.
     int64_t interruptions
+    # Prompt tokens of aborted steps kept in the cache (see keep_finished_pieces).
+    int64_t kept_after_aborts
     # The stop conditions of the step being evaluated (the abort callback's data).
     sl.sl_group_watch group
     # Per sequence, what its cache holds for another sequence to share (copy_live_prefix):
@@ -467,8 +469,8 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 waiting -= give_result(b, members, included[j], PostResult.POST_DONE)
             continue
         # An aborted or failed step leaves its finished pieces behind: drop them, so that
-        # each sequence's cache holds exactly the tokens of its record, except the
-        # prompt chunk of a generation that a stop ended, which keeps them.
+        # each sequence's cache holds exactly the tokens of its record, except those of a
+        # prompt chunk cut short by a stop or an interrupt, which keeps them.
         # (A member that left is counted as stopped: it has been let go already.)
         stopped = 0
         for j in range(k):
@@ -476,7 +478,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
                 stopped += 1
                 continue
             s = members[included[j]]
-            if b.group.aborted and posts_a_chunk(s) and should_stop(s):
+            if b.group.aborted and posts_a_chunk(s):
                 keep_finished_pieces(b, s)
             LLAMA.truncate(b.ctx, s.seq, s.n_past)
         # Stopped part-way: the stop condition that did it still holds (the
@@ -520,14 +522,21 @@ cdef inline bint posts_a_chunk(LoopState *s) noexcept nogil:
 cdef void keep_finished_pieces(Batcher *b, LoopState *s) noexcept nogil:
     """Keep the pieces of ``s``'s prompt chunk that an aborted step finished: llama.cpp
     drops the positions of the piece under way only. They become evaluated tokens of its
-    record, and a resend of the prompt starts after them instead of at the chunk."""
+    record, and what it posts shrinks to the rest of the chunk: a stopped generation's
+    resend starts after them, and one whose step was interrupted evaluates only the rest.
+    A whole chunk is kept only by a stopped generation: another needs the logits of its
+    last token, which the abort lost."""
     cdef int end = LLAMA.pos_max(b.ctx, s.seq) + 1
     if end <= s.n_past or end > s.n_past + s.post_count:
+        return
+    if end == s.n_past + s.post_count and not should_stop(s):
         return
     sl.pthread_mutex_lock(&b.lock)
     # Only where the record reaches the chunk: no cut below it was asked for meanwhile.
     if b.record_n[s.seq] == s.n_past:
         b.record_n[s.seq] = end
+        b.kept_after_aborts += end - s.n_past
+        s.post_count -= end - s.n_past
         s.n_past = end
     sl.pthread_mutex_unlock(&b.lock)
 

@@ -860,6 +860,14 @@ cdef class LlamaContext:
         release_context(&self.b)
         return counts
 
+    @property
+    def kept_after_aborts(self):
+        """The prompt tokens that aborted steps kept: the finished pieces of the chunks they cut short."""
+        claim_context(&self.b)
+        kept = self.b.kept_after_aborts
+        release_context(&self.b)
+        return kept
+
     cdef void sequence_closed(self) noexcept:
         self.open_sequences -= 1
         if self.open_sequences == 0 and self.b.ctx is not NULL:
