@@ -5,6 +5,8 @@
     python -m bench render [--out DIR] [--results-md]     the tables, chart and RESULTS.md section again
     python -m bench one-user | auth-flood                 a measurement against a Stopline of its own
     python -m bench faults churn | kill                   memory under keep-alive churn; a replica killed
+    python -m bench faults cache-churn [--minutes 30]     the prompt cache's memory and disk against their
+                                                          budgets under varied prompts
     python -m bench priority [--rounds 3]                 TTFT of users beyond the workers, and of a request
                                                           of higher priority among long generations
     python -m bench native | llama-native | structured    the engines' loops in-process

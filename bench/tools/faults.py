@@ -11,8 +11,18 @@ that one with SIGKILL, and times how long a DELETE through a survivor takes to a
 long until every one of the dead replica's generations reads a terminal status in Redis, with
 one cancellation-log record each. It does this ``--rounds`` times.
 
+``cache-churn`` starts ``python -m stopline`` with a prompt cache of ``--cache-ram`` MiB in memory
+and ``--disk-mib`` MiB on disk (a temporary folder), and for ``--minutes`` sends one-token chat
+completions, two at a time, each one of a few shared system prompts or none, then 100 to 1,500
+tokens of fresh text: the shared prefixes hit the cache, the fresh text keeps it saving and
+evicting. Every 15 seconds it reads the server's RSS, the disk tier's files and the cache's
+/metrics. Its targets: the RSS grows from its baseline (the model loaded, two short requests
+answered, the cache still nearly empty) by at most the memory budget and 5%, and the files on
+disk stay within their budget.
+
     python -m bench faults churn [--requests 20000] [--warmup 2000] [--server-args '--no-prompt-cache']
     python -m bench faults kill [--rounds 5] [--generations 3]
+    python -m bench faults cache-churn [--minutes 30] [--cache-ram 64] [--disk-mib 64]
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
 import shlex
 import signal
 import statistics
@@ -32,8 +44,11 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from stopline.cluster import CANCELLATIONS, ENDED_STATUSES, StoreEvent, generation_key
+from stopline.engine import model as embedded
 
+from ..drivers.stopline import parse_metrics
 from ..launch import ServerProcess
+from ..prompts import PromptMaker
 from ..report import write_results_section
 from ..servers import RedisServer
 
@@ -41,6 +56,20 @@ AT_ONCE = 4
 SAMPLE_EVERY = 1000
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+# cache-churn: two requests at once, one for each core of the machine it was written for.
+CACHE_AT_ONCE = 2
+CACHE_SAMPLE_S = 15
+# A few shared system prompts, so that some prompts find their prefix in the cache; short enough
+# that one and the longest fresh text fit the smallest context a slot gets.
+SYSTEM_PROMPTS = 4
+SYSTEM_TOKENS = (200, 400)
+FRESH_TOKENS = (100, 1500)
+# A prompt without a system prompt: fresh text alone, which nothing in the cache starts.
+NO_SYSTEM_ODDS = 0.25
+RSS_SLACK = 1.05
+MIB = 1024 * 1024
+CACHE_GAUGES = ("bytes", "budget_bytes", "entries", "disk_bytes", "disk_budget_bytes", "disk_entries")
+CACHE_COUNTERS = ("saves", "evictions", "hits", "misses", "disk_writes", "disk_evictions", "disk_hits")
 
 
 def rss_mib(pid: int) -> float:
@@ -195,6 +224,174 @@ async def kill(args) -> dict:
     }
 
 
+def directory_bytes(directory: Path) -> int:
+    """The sizes of the files under ``directory``, those half written included."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except FileNotFoundError:
+                pass  # removed between the listing and its stat: an eviction
+    return total
+
+
+def cache_metrics(metrics: dict[str, float]) -> dict[str, int]:
+    """The prompt cache's gauges and counters, by their names without the prefix (counters without ``_total``)."""
+    prefix = "stopline_prompt_cache_"
+    gauges = {name: int(metrics.get(prefix + name, 0)) for name in CACHE_GAUGES}
+    return gauges | {name: int(metrics.get(f"{prefix}{name}_total", 0)) for name in CACHE_COUNTERS}
+
+
+def cache_prompt(prompts: PromptMaker, systems: list[str]) -> list[dict]:
+    """A chat of one of ``systems`` (or none) and fresh text of FRESH_TOKENS."""
+    rng = prompts.rng
+    fresh = prompts.story(rng.randint(*FRESH_TOKENS))
+    if rng.random() < NO_SYSTEM_ODDS:
+        return fresh
+    return [{"role": "system", "content": rng.choice(systems)}, *fresh]
+
+
+def cache_verdicts(result: dict) -> dict[str, bool]:
+    """Whether the RSS grew by at most the memory budget and 5%, and the disk tier stayed within its budget."""
+    return {
+        "rss": result["rss_growth_mib"] <= result["rss_limit_mib"],
+        "disk": result["peak_disk_bytes"] <= result["disk_budget_bytes"],
+    }
+
+
+async def cache_churn(args) -> dict:
+    rng = random.Random(args.seed)
+    prompts = PromptMaker(embedded.embedded_tokenizer(progress=False), rng)
+    systems = [prompts.story(rng.randint(*SYSTEM_TOKENS))[0]["content"] for _ in range(SYSTEM_PROMPTS)]
+    with tempfile.TemporaryDirectory(prefix="stopline-cache-churn-") as directory:
+        disk_dir = Path(directory) / "prompt-cache"
+        server = ServerProcess(
+            *("--port", "0", "--http-port", "0", "--threads", "1", "--cache-ram", str(args.cache_ram)),
+            *("--prompt-cache-dir", str(disk_dir), "--prompt-cache-disk", str(args.disk_mib)),
+            stderr_path=Path(directory) / "server.stderr",
+        )
+        try:
+            await server.started()
+            return await cache_churn_on(server, disk_dir, args, prompts, systems)
+        finally:
+            await server.stopped()
+
+
+async def cache_churn_on(server: ServerProcess, disk_dir: Path, args, prompts: PromptMaker, systems) -> dict:
+    metrics_url = server.start_record["url"] + "metrics"
+    samples: list[dict] = []
+    sent = 0
+    # The samples on a session of their own, so that they wait for no request: the requests keep both of theirs busy.
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CACHE_AT_ONCE)) as session,
+        aiohttp.ClientSession() as sampling_session,
+    ):
+
+        async def ask(messages: list[dict]) -> None:
+            body = {"model": "x", "messages": messages, "max_tokens": 1, "temperature": 0}
+            async with session.post(f"{server.api_url}/chat/completions", json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                await response.read()
+
+        async def sample(started: float) -> dict:
+            async with sampling_session.get(metrics_url) as response:
+                metrics = parse_metrics(await response.text())
+            row = {"s": round(time.monotonic() - started, 1), "requests": sent}
+            row |= {"rss_mib": round(rss_mib(server.pid), 2), "disk_files_bytes": directory_bytes(disk_dir)}
+            return row | cache_metrics(metrics)
+
+        # The baseline: the model loaded and its contexts allocated, the cache still nearly empty.
+        for text in ("Hi", "Hello there"):
+            await ask([{"role": "user", "content": text}])
+        started = time.monotonic()
+        baseline = await sample(started)
+        deadline = started + args.minutes * 60
+
+        async def lane() -> None:
+            nonlocal sent
+            while time.monotonic() < deadline:
+                await ask(cache_prompt(prompts, systems))
+                sent += 1
+
+        async def sampler() -> None:
+            while True:
+                await asyncio.sleep(CACHE_SAMPLE_S)
+                samples.append(await sample(started))
+                last = samples[-1]
+                print(
+                    f"cache-churn: {last['s']:.0f} s, {sent} requests, RSS {last['rss_mib']} MiB, "
+                    f"cache {last['bytes'] / MIB:.1f} MiB, disk {last['disk_files_bytes'] / MIB:.1f} MiB, "
+                    f"{last['hits']} hits, {last['evictions']} evictions",
+                    file=sys.stderr,
+                )
+
+        sampling = asyncio.create_task(sampler())
+        try:
+            await asyncio.gather(*(lane() for _ in range(CACHE_AT_ONCE)))
+        finally:
+            sampling.cancel()
+        samples.append(await sample(started))
+    last = samples[-1]
+    budget_mib = (last["budget_bytes"] or args.cache_ram * MIB) / MIB
+    peak_rss = max(s["rss_mib"] for s in samples)
+    result = {
+        "minutes": args.minutes,
+        "seconds": last["s"],
+        "cache_ram_mib": args.cache_ram,
+        "disk_mib": args.disk_mib,
+        "requests": sent,
+        "baseline_rss_mib": baseline["rss_mib"],
+        "peak_rss_mib": peak_rss,
+        "rss_growth_mib": round(peak_rss - baseline["rss_mib"], 2),
+        "memory_budget_mib": round(budget_mib, 2),
+        "rss_limit_mib": round(budget_mib * RSS_SLACK, 2),
+        "peak_cache_bytes": max(s["bytes"] for s in samples),
+        "peak_disk_bytes": max(s["disk_files_bytes"] for s in samples),
+        "peak_disk_metric_bytes": max(s["disk_bytes"] for s in samples),
+        "disk_budget_bytes": last["disk_budget_bytes"] or args.disk_mib * MIB,
+        **{name: last[name] - baseline[name] for name in CACHE_COUNTERS},
+        "baseline": baseline,
+        "samples": samples,
+    }
+    verdicts = cache_verdicts(result)
+    return result | {"rss_met": verdicts["rss"], "disk_met": verdicts["disk"]}
+
+
+def cache_churn_section(result: dict, command: str) -> str:
+    verdicts = cache_verdicts(result)
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    r = result
+    return "\n".join(
+        [
+            "## The prompt cache's memory under churn",
+            "",
+            f"`{command}`: the server's defaults but `--cache-ram {r['cache_ram_mib']}`, `--prompt-cache-disk"
+            f" {r['disk_mib']}` and `--threads 1`; for {r['minutes']:g} minutes, one-token chat completions two at a"
+            " time, each one of a few shared system prompts or none and 100 to 1,500 tokens of fresh text; the RSS,"
+            f" the disk tier's files and /metrics read every {CACHE_SAMPLE_S} s.",
+            "",
+            "| requests | hits | saves | evictions | evictions from disk | baseline RSS (MiB) | peak RSS (MiB) |"
+            " growth (MiB) | peak on disk (MiB) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {r['requests']:,} | {r['hits']:,} | {r['saves']:,} | {r['evictions']:,} | {r['disk_evictions']:,} |"
+            f" {r['baseline_rss_mib']:.1f} | {r['peak_rss_mib']:.1f} | {r['rss_growth_mib']:+.1f} |"
+            f" {r['peak_disk_bytes'] / MIB:.1f} |",
+            "",
+            f"RSS growth ≤ budget + 5%: {r['rss_growth_mib']:.1f} MiB against {r['rss_limit_mib']:.1f} MiB,"
+            f" {met(verdicts['rss'])}.",
+            "",
+            f"Disk ≤ its budget: {r['peak_disk_bytes'] / MIB:.1f} MiB against {r['disk_budget_bytes'] / MIB:.1f} MiB,"
+            f" {met(verdicts['disk'])}.",
+            "",
+        ]
+    )
+
+
 def churn_section(result: dict, command: str) -> str:
     rows = [
         f"| {name} | {r['requests']:,} | {dict(r['rss_mib'])[r['growth_from_request']]:.1f} | "
@@ -248,18 +445,32 @@ def main(argv: list[str]) -> int:
     kill_parser = commands.add_parser("kill", help="a replica killed with generations running")
     kill_parser.add_argument("--rounds", type=int, default=5)
     kill_parser.add_argument("--generations", type=int, default=3)
-    for sub in (churn_parser, kill_parser):
+    cache_parser = commands.add_parser("cache-churn", help="the prompt cache's memory and disk under churn")
+    cache_parser.add_argument("--minutes", type=float, default=30)
+    cache_parser.add_argument("--cache-ram", type=int, default=64, help="MiB of memory for the prompt cache")
+    cache_parser.add_argument("--disk-mib", type=int, default=64, help="MiB of disk for its disk tier")
+    cache_parser.add_argument("--seed", type=int, default=0)
+    for sub in (churn_parser, kill_parser, cache_parser):
         sub.add_argument("--out", type=Path, default=Path("bench/out"))
         sub.add_argument("--results-md", action="store_true", help="also write the run's section of bench/RESULTS.md")
     args = parser.parse_args(argv)
-    result = asyncio.run(churn(args) if args.command == "churn" else kill(args))
+    run, section_of, after = {
+        "churn": (churn, churn_section, None),
+        "kill": (kill, kill_section, None),
+        "cache-churn": (cache_churn, cache_churn_section, "faults-churn"),
+    }[args.command]
+    result = asyncio.run(run(args))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"faults-{args.command}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    command = " ".join(["python -m bench faults", *argv])
+    if args.command == "cache-churn":
+        # Its samples are in the file; the section says what they come to.
+        print(section_of(result, command))
+    else:
+        print(json.dumps(result, indent=2))
     print(f"written to {path}", file=sys.stderr)
     if args.results_md:
-        command = " ".join(["python -m bench faults", *argv])
-        section = (churn_section if args.command == "churn" else kill_section)(result, command)
-        write_results_section(Path(__file__).resolve().parents[1] / "RESULTS.md", f"faults-{args.command}", section)
+        results_md = Path(__file__).resolve().parents[1] / "RESULTS.md"
+        write_results_section(results_md, f"faults-{args.command}", section_of(result, command), after)
     return 0
