@@ -18,7 +18,9 @@ def churn_result(**fields) -> dict:
         "saves": 900,
         "evictions": 850,
         "disk_evictions": 700,
-        "baseline_rss_mib": 500.0,
+        "warmup_minutes": 3,
+        "baseline_rss_mib": 510.0,
+        "footprint_mib": 500.0,
         "peak_rss_mib": 560.0,
         "rss_growth_mib": 60.0,
         "rss_limit_mib": 67.2,
@@ -42,10 +44,10 @@ def test_the_section_has_its_heading_command_table_and_one_line_per_target():
     lines = section.splitlines()
     assert lines[0] == "## The prompt cache's memory under churn"
     assert lines[2].startswith(f"`{command}`: ")
-    assert "`--cache-ram 64`" in lines[2] and "for 30 minutes" in lines[2]
+    assert "`--cache-ram 64`" in lines[2] and "then 30 minutes" in lines[2]
     assert lines[4].startswith("| requests | hits | saves | evictions |")
     assert lines[6] == "| 1,234 | 300 | 900 | 850 | 700 | 500.0 | 560.0 | +60.0 | 65.0 |"
-    assert "RSS growth ≤ budget + 5%: 60.0 MiB against 67.2 MiB, met." in lines
+    assert "RSS over the footprint ≤ budget + 5%: 60.0 MiB against 67.2 MiB, met." in lines
     assert "Disk ≤ its budget: 65.0 MiB against 64.0 MiB, not met." in lines
     assert section.endswith("\n")
 
