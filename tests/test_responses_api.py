@@ -456,14 +456,18 @@ def comparable(item):
 @pytest.mark.parametrize("choice", ["required", "auto"])
 async def test_a_streamed_function_call_arrives_in_pieces_and_ends_as_the_whole_one(llama_engine, choice):
     asked = dict(input=QUESTION, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, temperature=0)
+    if choice == "auto":
+        # The model may answer in text instead, which can run long: both ends are the whole one's.
+        asked["max_output_tokens"] = 64
     async with running_server(llama_engine) as server, openai_client(server, GRAMMAR_TIMEOUT) as client:
         asked["model"] = server.engine.name
         whole = await client.responses.create(**asked)
         async with client.responses.stream(**asked) as stream:
             events = [event async for event in stream]
-            final = await stream.get_final_response()
     names = [event.type for event in events]
-    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == f"response.{whole.status}"
+    final = events[-1].response
+    assert final.status == whole.status in ("completed", "incomplete")
     numbers = [event.sequence_number for event in events]
     assert numbers == sorted(set(numbers))
     items = streamed_items(events)
