@@ -574,6 +574,29 @@ def test_the_disk_budget_removes_the_least_recently_used_file_first(tmp_path):
         cache.close()
 
 
+def test_the_disk_tier_makes_room_before_it_writes(tmp_path, monkeypatch):
+    file_size = 1000 + prompt_cache_module._HEADER.size + 4 * len(tokens(0))
+    budget = 2 * file_size + 100
+    # What the folder holds as each file is finished, the file itself included.
+    held = []
+    replace = os.replace
+
+    def spy(source, target):
+        held.append(sum(path.stat().st_size for path in tmp_path.iterdir()))
+        replace(source, target)
+
+    monkeypatch.setattr(prompt_cache_module.os, "replace", spy)
+    cache = PromptCache(1000, disk_dir=tmp_path, disk_budget_bytes=budget)
+    try:
+        for i in range(5):
+            assert cache.store("k" * 64, tokens(1000 * i), bytes(1000))
+        cache.disk.flush()
+        assert len(held) == 4 and max(held) <= budget
+        assert cache.stats.disk_evictions == 2
+    finally:
+        cache.close()
+
+
 def test_files_are_written_on_the_writer_thread_only(tmp_path, monkeypatch):
     threads = []
     replace = os.replace

@@ -322,9 +322,10 @@ class DiskTier:
             if self._by_name.get(entry.path.name) is entry:
                 del self._by_name[entry.path.name]
 
-    def _evict(self) -> None:
-        """Remove the least recently used files until the rest fit the budget (called locked)."""
-        while self._entries and self._bytes > self.budget_bytes:
+    def _evict(self, incoming: int = 0) -> None:
+        """Remove the least recently used files until the rest, and ``incoming`` bytes about to
+        be written, fit the budget (called locked)."""
+        while self._entries and self._bytes + incoming > self.budget_bytes:
             oldest = next(iter(self._entries))
             self._drop(oldest)
             self.evictions += 1
@@ -416,9 +417,10 @@ class DiskTier:
         self._queue.join()
 
     def _write(self, entry: _Entry) -> None:
-        if len(entry.state) > self.budget_bytes or self.holds(entry.key, entry.tokens):
-            return
         raw_tokens = struct.pack(f"<{len(entry.tokens)}I", *entry.tokens)
+        size = _HEADER.size + len(raw_tokens) + len(entry.state)
+        if size > self.budget_bytes or self.holds(entry.key, entry.tokens):
+            return
         digest = hashlib.sha256(raw_tokens)
         digest.update(entry.state)
         header = _HEADER.pack(
@@ -433,6 +435,9 @@ class DiskTier:
         name = _file_name(entry.key, entry.tokens)
         path = self.directory / name
         temporary = self.directory / f".{name}.{threading.get_ident()}.tmp"
+        # Room first: the folder never holds more than its budget, the file being written included.
+        with self._lock:
+            self._evict(size)
         try:
             with temporary.open("wb") as handle:
                 handle.write(header)
@@ -443,9 +448,7 @@ class DiskTier:
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
-        written = _DiskEntry(
-            entry.key, entry.tokens, entry.hashes, entry.chunk, path, len(header) + len(raw_tokens) + len(entry.state)
-        )
+        written = _DiskEntry(entry.key, entry.tokens, entry.hashes, entry.chunk, path, size)
         self._add(written)
         log.debug("prompt_cache_written", file=name, tokens=len(entry.tokens), bytes=written.size)
         with self._lock:
