@@ -676,27 +676,28 @@ def test_an_urgent_generation_interrupts_the_step_under_way_and_the_others_lose_
 
 
 def test_an_interrupted_prompt_chunk_keeps_its_finished_pieces(engine):
-    # A newcomer that preempts ends the step under way, here a 512-token chunk in pieces
-    # of 16: the chunk keeps the pieces finished before it and evaluates only the rest.
-    context = _core.LlamaContext(engine.model, 2048, 512, engine.threads, 2, 16)
+    # A newcomer that preempts ends the step under way, here a prompt chunk in pieces of
+    # 16: the chunk keeps the pieces finished before it and evaluates only the rest.
+    chunk = engine.prefill_chunk
+    context = _core.LlamaContext(engine.model, 4 * chunk, chunk, engine.threads, 2, 16)
     slot, other = context.sequences
     try:
-        prompt = engine.encode(prompt="The history of bread is long. " * 100)[:600]
+        prompt = engine.encode(prompt="The history of bread is long. " * 100)[: chunk + chunk // 4]
         begun = time.monotonic()
         expected = reference(engine, prompt, 12)
-        first_chunk = (time.monotonic() - begun) * 512 / len(prompt)
-        generation = make_generation(slot, prompt, max_tokens=12, prefill_chunk=512, **GREEDY)
+        first_chunk = (time.monotonic() - begun) * chunk / len(prompt)
+        generation = make_generation(slot, prompt, max_tokens=12, prefill_chunk=chunk, **GREEDY)
         worker = threading.Thread(target=generation.run)
         worker.start()
         started_running(generation)
         time.sleep(first_chunk / 2)
-        urgent = make_generation(other, engine.encode(messages=FRANCE), max_tokens=2, prefill_chunk=512, urgent=True)
+        urgent = make_generation(other, engine.encode(messages=FRANCE), max_tokens=2, prefill_chunk=chunk, urgent=True)
         assert urgent.run().exit is _core.ExitKind.MAX_TOKENS
         worker.join(120 * UNIT)
         result = generation.result
         assert context.step_counts[3] == 1
         kept = context.kept_after_aborts
-        assert 0 < kept < 512 and kept % 16 == 0
+        assert 0 < kept < chunk and kept % 16 == 0
         # Every prompt token evaluated once, and the answer a lone evaluation's.
         assert result.exit is _core.ExitKind.MAX_TOKENS and result.prompt_tokens_evaluated == len(prompt)
         assert result.prompt_tokens_wasted == 0
@@ -841,17 +842,18 @@ def test_a_stop_during_the_prompt_ends_inside_an_evaluation(engine, slot):
 
 
 def test_a_stop_keeps_the_pieces_of_its_chunk_that_were_finished(engine):
-    # One 512-token chunk in pieces of 16: a stop halfway through keeps the pieces before
-    # it, and a resend evaluates only the rest, with the answer of a fresh evaluation.
-    slot = _core.LlamaContext(engine.model, 1024, 512, engine.threads, ubatch=16).sequences[0]
+    # One chunk in pieces of 16: a stop halfway through keeps the pieces before it, and a
+    # resend evaluates only the rest, with the answer of a fresh evaluation.
+    chunk = engine.prefill_chunk
+    slot = _core.LlamaContext(engine.model, 2 * chunk, chunk, engine.threads, ubatch=16).sequences[0]
     try:
-        prompt = engine.encode(prompt="The history of bread is long. " * 80)[:512]
+        prompt = engine.encode(prompt="The history of bread is long. " * 80)[:chunk]
         begun = time.monotonic()
-        expected, cold = greedy_in_one_chunk(slot, prompt)
+        expected, cold = greedy(engine, slot, prompt, 12)
         whole = time.monotonic() - begun
-        assert cold.prompt_tokens_evaluated == 512
+        assert cold.prompt_tokens_evaluated == chunk
         slot.forget()
-        generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=512)
+        generation = make_generation(slot, prompt, max_tokens=8, prefill_chunk=chunk)
         worker = threading.Thread(target=generation.run)
         worker.start()
         started_running(generation)
@@ -861,20 +863,14 @@ def test_a_stop_keeps_the_pieces_of_its_chunk_that_were_finished(engine):
         result = generation.result
         assert result.exit is _core.ExitKind.CANCELLED and result.tokens_generated == 0
         kept = result.prompt_tokens_evaluated
-        assert 0 < kept < 512 and kept % 16 == 0
+        assert 0 < kept < chunk and kept % 16 == 0
         assert result.prompt_tokens_wasted == 16
         assert slot.kv_positions == slot.n_held == kept
-        answer, again = greedy_in_one_chunk(slot, prompt)
-        assert again.prompt_tokens_reused == kept and again.prompt_tokens_evaluated == 512 - kept
+        answer, again = greedy(engine, slot, prompt, 12)
+        assert again.prompt_tokens_reused == kept and again.prompt_tokens_evaluated == chunk - kept
         assert answer == expected
     finally:
         slot.close()
-
-
-def greedy_in_one_chunk(slot, prompt: list[int]) -> tuple[list[bytes], _core.LoopResult]:
-    generation = make_generation(slot, prompt, max_tokens=12, prefill_chunk=512, **GREEDY)
-    result = generation.run()
-    return generation.take(), result
 
 
 async def test_a_base_model_says_so_and_completes_a_chat_as_plain_text(gemma, logs, http):  # noqa: F811
