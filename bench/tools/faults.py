@@ -257,7 +257,8 @@ def cache_prompt(prompts: PromptMaker, systems: list[str]) -> list[dict]:
 
 
 def cache_verdicts(result: dict) -> dict[str, bool]:
-    """Whether the RSS grew by at most the memory budget and 5%, and the disk tier stayed within its budget."""
+    """Whether the RSS over the server's footprint stayed within the memory budget and 5%, and the disk tier
+    within its budget."""
     return {
         "rss": result["rss_growth_mib"] <= result["rss_limit_mib"],
         "disk": result["peak_disk_bytes"] <= result["disk_budget_bytes"],
