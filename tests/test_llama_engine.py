@@ -526,6 +526,44 @@ def test_a_prompts_last_chunk_alone_costs_the_running_generations_no_token(engin
             slot.close()
 
 
+def test_a_short_second_chunk_never_takes_a_decode_tokens_room(engine):
+    # A step holds one whole chunk and one token of every other sequence. A newcomer's prompt
+    # of exactly that spare room arrives while a long prompt is in its chunks: it waits for a
+    # later step rather than push the decoding generation's token out of this one.
+    slots = engine.open_slots(3, Batching.SHARED)
+    owner = slots[0].owner
+    chunk = engine.prefill_chunk
+    long_prompt = engine.encode(prompt="The history of bread is long. " * 200)
+    assert len(long_prompt) > 2 * chunk
+    short_prompt = engine.encode(messages=STORIES[1])[: len(owner.sequences) - 1]
+    try:
+        decoding = make_generation(
+            slots[0], engine.encode(messages=STORIES[0]), max_tokens=400, prefill_chunk=chunk, **GREEDY
+        )
+        prefilling = make_generation(slots[1], long_prompt, max_tokens=1, prefill_chunk=chunk, **GREEDY)
+        newcomer = make_generation(slots[2], short_prompt, max_tokens=1, prefill_chunk=chunk, **GREEDY)
+        workers = [threading.Thread(target=g.run) for g in (decoding, prefilling, newcomer)]
+        workers[0].start()
+        deadline = time.monotonic() + 60 * UNIT
+        while len(decoding.token_ids()) < 2:
+            assert time.monotonic() < deadline and not decoding.finished
+            time.sleep(0.001)
+        workers[1].start()
+        started_running(prefilling)
+        workers[2].start()
+        for worker in workers[1:]:
+            worker.join(120 * UNIT)
+            assert not worker.is_alive()
+        decoding.cancel()
+        workers[0].join(120 * UNIT)
+        assert [g.result.exit for g in (prefilling, newcomer)] == [_core.ExitKind.MAX_TOKENS] * 2
+        assert owner.decode_tokens_deferred == 0
+        assert all(slot.kv_positions == slot.n_held for slot in slots)
+    finally:
+        for slot in slots:
+            slot.close()
+
+
 def test_a_stopped_generation_leaves_the_shared_step_under_way(engine):
     # A long prompt's chunks make the steps long; a second generation decodes beside them, its
     # token in each of those steps. Stopped during one, it ends while that step goes on for the

@@ -51,6 +51,9 @@ cdef struct Batcher:
     int64_t interruptions
     # Prompt tokens of aborted steps kept in the cache (see keep_finished_pieces).
     int64_t kept_after_aborts
+    # Decode tokens handed to a later step because the batch had no room for them:
+    # none, since a chunk never takes the room they are owed (see evaluate_together).
+    int64_t decode_tokens_deferred
     # The stop conditions of the step being evaluated (the abort callback's data).
     sl.sl_group_watch group
     # Per sequence, what its cache holds for another sequence to share (copy_live_prefix):
@@ -369,7 +372,7 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
     cdef int included[ll.SLL_MAX_SEQUENCES]
     cdef int order[ll.SLL_MAX_SEQUENCES]
     cdef int32_t output[ll.SLL_MAX_SEQUENCES]
-    cdef int i, j, k, room, stopped, total, waiting = n, threads = 1
+    cdef int i, j, k, room, owed, stopped, total, waiting = n, threads = 1
     cdef int32_t index, status
     cdef bint want_logits, prompts_only
     cdef const float *row
@@ -387,8 +390,9 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
         sl.pthread_mutex_lock(&b.lock)
         prompts_only = b.prompts_first and ends_a_prompt(members, n)
         # Prompt chunks first: llama.cpp computes a batch in pieces taken in its order, so a
-        # chunk is cut into the same pieces whatever decode tokens share its step.
-        put_chunks_first(members, n, order)
+        # chunk is cut into the same pieces whatever decode tokens share its step. The room
+        # that the decode tokens after them are owed is kept for them.
+        owed = put_chunks_first(members, n, order)
         for j in range(n):
             i = order[j]
             s = members[i]
@@ -404,8 +408,18 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
             if s.n_past == s.n_reused > 0 and not LLAMA.holds(b.ctx, s.seq, s.n_past):
                 evaluate_from_start(b, s)
             # The batch holds one prompt chunk beside every other member's token
-            # (see LlamaContext); a second chunk waits for the next step.
-            if s.post_count > room or (prompts_only and s.n_past >= s.n_prompt):
+            # (see LlamaContext); a second chunk waits for the next step, even a short
+            # one that would fit in the room of the decode tokens.
+            if s.n_past >= s.n_prompt:
+                owed -= 1
+                if prompts_only:
+                    waiting -= post_again(b, members, i)
+                    continue
+                if s.post_count > room:
+                    b.decode_tokens_deferred += 1
+                    waiting -= post_again(b, members, i)
+                    continue
+            elif s.post_count > room - owed:
                 waiting -= post_again(b, members, i)
                 continue
             # Logits only where a token will be sampled: after the prompt's last chunk, and in decode.
@@ -502,9 +516,10 @@ cdef void evaluate_together(Batcher *b, LoopState **members, int n, bint led_by_
             return
 
 
-cdef void put_chunks_first(LoopState **members, int n, int *order) noexcept nogil:
-    """Fill ``order`` with the members' indices, those posting prompt chunks first."""
-    cdef int i, k = 0
+cdef int put_chunks_first(LoopState **members, int n, int *order) noexcept nogil:
+    """Fill ``order`` with the members' indices, those posting prompt chunks first.
+    Returns how many members after them post a decode token."""
+    cdef int i, k = 0, decoders = 0
     for i in range(n):
         if posts_a_chunk(members[i]):
             order[k] = i
@@ -513,6 +528,8 @@ cdef void put_chunks_first(LoopState **members, int n, int *order) noexcept nogi
         if not posts_a_chunk(members[i]):
             order[k] = i
             k += 1
+            decoders += members[i] is not NULL
+    return decoders
 
 
 cdef inline bint posts_a_chunk(LoopState *s) noexcept nogil:

@@ -868,6 +868,15 @@ cdef class LlamaContext:
         release_context(&self.b)
         return kept
 
+    @property
+    def decode_tokens_deferred(self):
+        """Decode tokens handed to a later step for want of room in the batch (with
+        ``--prompt-steps mixed``, none: a prompt chunk never takes a decode token's room)."""
+        claim_context(&self.b)
+        deferred = self.b.decode_tokens_deferred
+        release_context(&self.b)
+        return deferred
+
     cdef void sequence_closed(self) noexcept:
         self.open_sequences -= 1
         if self.open_sequences == 0 and self.b.ctx is not NULL:
