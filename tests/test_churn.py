@@ -43,12 +43,18 @@ async def http_requests(session: aiohttp.ClientSession, url: str, count: int) ->
         await asyncio.gather(*(one() for _ in range(4)))
 
 
-async def websocket_requests(ws: aiohttp.ClientWebSocketResponse, first: int, count: int) -> None:
+async def websocket_requests(server, ws: aiohttp.ClientWebSocketResponse, first: int, count: int) -> None:
     for n in range(first, first + count):
         request_id = f"r{n}"
         await ws.send_str(json.dumps({"type": "generate", "id": request_id, "prompt": "Hi", "max_tokens": 1}))
+        seen: list[dict] = []
         while True:
-            frame = json.loads((await asyncio.wait_for(ws.receive(), 60 * UNIT)).data)
+            try:
+                frame = json.loads((await asyncio.wait_for(ws.receive(), 60 * UNIT)).data)
+            except TimeoutError:
+                live = [entry.describe() for entry in server.registry.live()]
+                raise AssertionError(f"no terminal frame for {request_id}: frames {seen}, live {live}") from None
+            seen.append(frame)
             if frame.get("id") == request_id and frame["type"] not in ("accepted", "token"):
                 assert frame["type"] == "done", frame
                 break
@@ -107,7 +113,7 @@ async def websocket_churn(
 
             async def run_round(count: int) -> None:
                 nonlocal sent
-                await websocket_requests(ws, sent, count)
+                await websocket_requests(server, ws, sent, count)
                 sent += count
                 logs.clear()
 

@@ -158,15 +158,31 @@ def load_ctransformers_library(str path):
     STEP_ABORT = hook == sl.SL_HOOK_INSTALLED
 
 
+cdef extern from "<malloc.h>" nogil:
+    int mallopt(int param, int value)
+    int M_MMAP_THRESHOLD
+
+# Blocks of at least this many bytes are mapped on their own (see load_llama_library).
+LARGE_BLOCK_BYTES = 1 << 20
+
+
 def load_llama_library(str path):
     """Resolve the llama.cpp shim's C API from ``path`` (once per process). The
-    library is opened RTLD_LOCAL: its ggml stays its own."""
+    library is opened RTLD_LOCAL: its ggml stays its own.
+
+    The KV states this engine saves and restores (save_state, the prompt cache's
+    files) are blocks of many MiB, allocated and freed in turn. glibc's malloc raises
+    its mmap threshold to the largest block freed, after which such blocks come from
+    the heap, which keeps the space they free: the process would grow past the states
+    it holds. A fixed threshold maps every large block on its own, and a freed one
+    goes back to the system at once."""
     global LLAMA_READY
     cdef char err[512]
     if LLAMA_READY:
         return
     if ll.sll_api_open(&LLAMA, os.fsencode(path), err, sizeof(err)) != 0:
         raise c_failure(EngineError, f"cannot load {path}", 0, err)
+    mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
     LLAMA_READY = True
 
 
