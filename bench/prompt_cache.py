@@ -1,7 +1,8 @@
 """python -m bench prompt-cache: what the prompt cache across requests saves (docs/engine.md, "The prompt cache").
 
 Servers started on the same cores, model file, slots and context per slot: Stopline on
-the llama.cpp engine with its defaults (``ours_llama``), the same with
+the llama.cpp engine with its defaults (``ours_llama``: shared steps, which take every
+compute thread), the same with
 ``--no-prompt-cache`` (``ours_llama_no_cache``), and llama-server with its own
 defaults (its ``--cache-ram`` on, each request on the slot it picks). Each is paused
 while another is measured. Three measurements, each skipped with ``--parts``:
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     resend.add_argument("--edit-tokens", type=int, default=20, help="prompt tokens changed at its end")
     resend.add_argument("--resend-reps", type=int, default=3)
     p.add_argument("--restart-reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="compute threads per slot (llama-server: as many in all)")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per slot, in all for each server's steps")
     p.add_argument("--cpus", help="the cores every server is confined to, e.g. 0,1 (default: all available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "prompt-cache", help="output directory")
@@ -200,12 +201,14 @@ class PromptCacheBench:
 
 def start_drivers(args, prompts: PromptMaker, out: Path) -> list[Driver]:
     gguf, context = MODELS[args.model].gguf(), context_length(args)
+    # As many compute threads in all for each server: Stopline's slots share each step, and
+    # the step takes them all, as llama-server's batch does.
+    threads = args.concurrency * args.threads
     drivers: list[Driver] = []
     for name in args.engines:
         if name == LLAMA_SERVER:
             binary = Path(args.llama_server) if args.llama_server else ensure_llama_server()
             tokenize = lambda messages: prompts.tokenizer.encode(prompts.tokenizer.render_chat(messages))  # noqa: E731
-            threads = args.concurrency * args.threads
             drivers.append(
                 LlamaServerDriver(
                     binary, gguf, out, args.concurrency, threads, context, tokenize, args.cpu_set, cache_ram=True
@@ -217,7 +220,7 @@ def start_drivers(args, prompts: PromptMaker, out: Path) -> list[Driver]:
         cache = ("--prompt-cache-dir", str(cache_dir)) if name == OURS else ("--no-prompt-cache",)
         extra = ("--context", str(context), *cache)
         drivers.append(
-            ServedStopline("ours_llama", out, args.concurrency, args.threads, name, extra, gguf, args.cpu_set)
+            ServedStopline("ours_llama_shared", out, args.concurrency, threads, name, extra, gguf, args.cpu_set)
         )
     return drivers
 
@@ -240,7 +243,8 @@ async def run(args) -> dict:
         "context_per_slot": context_length(args),
         "load_average_start": load_average(),
         "sizes": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens", "user_tokens")}
-        | {k: getattr(args, k) for k in ("answer_tokens", "concurrency", "resend_tokens", "cancel_at", "edit_tokens")},
+        | {k: getattr(args, k) for k in ("answer_tokens", "concurrency", "resend_tokens", "cancel_at", "edit_tokens")}
+        | {"threads": args.concurrency * args.threads},
     }
     bench = PromptCacheBench(args, prompts)
     print(f"starting {', '.join(d.name for d in drivers)} ...", file=sys.stderr)
@@ -334,13 +338,14 @@ def restart_table(rows: list[dict]) -> str | None:
 def section(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     s, m = meta["sizes"], meta["machine"]
+    threads = f", {s['threads']} compute threads in all for each server" if "threads" in s else ""
     loads = "/".join(f"{x:.1f}" for x in (meta["load_average_start"][0], meta["load_average_end"][0]))
     parts = [
         f"## The prompt cache across requests: {meta['model']}\n",
         f"`{meta['command']}`\n",
         f"{m.get('cpu', 'CPU')}, {m.get('cores_available', '?')} cores available, 1-minute load average "
         f"{loads} at the start/end; {s['concurrency']} slots per server, {meta['context_per_slot']} tokens of "
-        "context each. Stopline on the llama.cpp engine with its defaults (`ours_llama`) and with "
+        f"context each{threads}. Stopline on the llama.cpp engine with its defaults (`ours_llama`) and with "
         "`--no-prompt-cache`; llama-server with its defaults (its `--cache-ram` on, each request on the slot it "
         "picks). TTFT is the client's, from sending to the first token.\n",
     ]

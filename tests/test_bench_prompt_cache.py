@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from bench.drivers.llama_server import LlamaServerDriver
-from bench.prompt_cache import LLAMA_SERVER, NO_CACHE, OURS, context_length, section
+from bench.prompt_cache import LLAMA_SERVER, NO_CACHE, OURS, context_length, parse_args, section, start_drivers
 from bench.prompts import PromptMaker
 
 
@@ -29,6 +29,15 @@ def test_llama_server_keeps_its_own_prompt_cache_only_where_asked(tmp_path):
     off = command()
     assert off[off.index("--cache-ram") + 1] == "0"
     assert "--cache-ram" not in command(cache_ram=True)  # its default budget
+
+
+def test_stopline_serves_its_default_shared_steps_with_as_many_threads_as_llama_server(tmp_path):
+    args = parse_args(["--engines", f"{OURS},{NO_CACHE},{LLAMA_SERVER}", "--llama-server", "/s", "--concurrency", "2"])
+    prompts = PromptMaker(WordTokenizer(), random.Random(1))
+    ours, no_cache, peer = start_drivers(args, prompts, tmp_path)
+    for driver in (ours, no_cache):
+        served = dict(zip(driver.args[1::2], driver.args[2::2]))
+        assert served["--engine"] == "ours_llama_shared" and served["--threads"] == "2" == str(peer.threads)
 
 
 def test_an_edit_changes_the_last_tokens_and_keeps_the_rest():
