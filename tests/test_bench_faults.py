@@ -26,6 +26,11 @@ def churn_result(**fields) -> dict:
         "rss_limit_mib": 67.2,
         "peak_disk_bytes": 60 * MIB,
         "disk_budget_bytes": 64 * MIB,
+        "samples": [
+            {"rss_mib": 530.0, "bytes": 20 * MIB},
+            {"rss_mib": 560.0, "bytes": 58 * MIB},
+            {"rss_mib": 545.0, "bytes": 30 * MIB},
+        ],
     }
     return result | fields
 
@@ -49,6 +54,8 @@ def test_the_section_has_its_heading_command_table_and_one_line_per_target():
     assert lines[6] == "| 1,234 | 300 | 900 | 850 | 700 | 500.0 | 560.0 | +60.0 | 65.0 |"
     assert "RSS over the footprint ≤ budget + 5%: 60.0 MiB against 67.2 MiB, met." in lines
     assert "Disk ≤ its budget: 65.0 MiB against 64.0 MiB, not met." in lines
+    # Beyond the cache's bytes: 10, 2 and 15 MiB.
+    assert "the cache's own bytes, sample by sample: +10.0 MiB at the median, +15.0 MiB at most (3 samples)." in section
     assert section.endswith("\n")
 
 

@@ -375,6 +375,7 @@ def cache_churn_section(result: dict, command: str) -> str:
         return "met" if ok else "not met"
 
     r = result
+    beyond = sorted(s["rss_mib"] - s["bytes"] / MIB - r["footprint_mib"] for s in r["samples"])
     return "\n".join(
         [
             "## The prompt cache's memory under churn",
@@ -395,6 +396,9 @@ def cache_churn_section(result: dict, command: str) -> str:
             "",
             f"RSS over the footprint ≤ budget + 5%: {r['rss_growth_mib']:.1f} MiB against {r['rss_limit_mib']:.1f} MiB,"
             f" {met(verdicts['rss'])}.",
+            "",
+            f"RSS over the footprint and the cache's own bytes, sample by sample: {beyond[len(beyond) // 2]:+.1f} MiB"
+            f" at the median, {beyond[-1]:+.1f} MiB at most ({len(beyond)} samples).",
             "",
             f"Disk ≤ its budget: {r['peak_disk_bytes'] / MIB:.1f} MiB against {r['disk_budget_bytes'] / MIB:.1f} MiB,"
             f" {met(verdicts['disk'])}.",
