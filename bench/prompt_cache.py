@@ -199,11 +199,16 @@ class PromptCacheBench:
             self.rows.append(row)
 
 
+def threads_in_all(args) -> int:
+    """Each server's compute threads: Stopline's slots share each step, and the step takes them all,
+    as llama-server's batch does. Never more than the cores both are confined to: ggml's threads
+    wait for each other at every node, spinning."""
+    return min(args.concurrency * args.threads, len(args.cpu_set))
+
+
 def start_drivers(args, prompts: PromptMaker, out: Path) -> list[Driver]:
     gguf, context = MODELS[args.model].gguf(), context_length(args)
-    # As many compute threads in all for each server: Stopline's slots share each step, and
-    # the step takes them all, as llama-server's batch does.
-    threads = args.concurrency * args.threads
+    threads = threads_in_all(args)
     drivers: list[Driver] = []
     for name in args.engines:
         if name == LLAMA_SERVER:
@@ -244,7 +249,7 @@ async def run(args) -> dict:
         "load_average_start": load_average(),
         "sizes": {k: getattr(args, k) for k in ("conversations", "turns", "system_tokens", "user_tokens")}
         | {k: getattr(args, k) for k in ("answer_tokens", "concurrency", "resend_tokens", "cancel_at", "edit_tokens")}
-        | {"threads": args.concurrency * args.threads},
+        | {"threads": threads_in_all(args)},
     }
     bench = PromptCacheBench(args, prompts)
     print(f"starting {', '.join(d.name for d in drivers)} ...", file=sys.stderr)

@@ -32,12 +32,17 @@ def test_llama_server_keeps_its_own_prompt_cache_only_where_asked(tmp_path):
 
 
 def test_stopline_serves_its_default_shared_steps_with_as_many_threads_as_llama_server(tmp_path):
-    args = parse_args(["--engines", f"{OURS},{NO_CACHE},{LLAMA_SERVER}", "--llama-server", "/s", "--concurrency", "2"])
-    prompts = PromptMaker(WordTokenizer(), random.Random(1))
-    ours, no_cache, peer = start_drivers(args, prompts, tmp_path)
-    for driver in (ours, no_cache):
-        served = dict(zip(driver.args[1::2], driver.args[2::2]))
-        assert served["--engine"] == "ours_llama_shared" and served["--threads"] == "2" == str(peer.threads)
+    def threads(concurrency: int, cpus: str) -> list[str]:
+        argv = ["--engines", f"{OURS},{NO_CACHE},{LLAMA_SERVER}", "--llama-server", "/s", "--cpus", cpus]
+        args = parse_args([*argv, "--concurrency", str(concurrency)])
+        ours, no_cache, peer = start_drivers(args, PromptMaker(WordTokenizer(), random.Random(1)), tmp_path)
+        served = [dict(zip(driver.args[1::2], driver.args[2::2])) for driver in (ours, no_cache)]
+        assert [s["--engine"] for s in served] == ["ours_llama_shared"] * 2
+        return [s["--threads"] for s in served] + [str(peer.threads)]
+
+    assert threads(2, "0,1,2,3") == ["2"] * 3
+    # Never more threads than cores.
+    assert threads(4, "0,1") == ["2"] * 3
 
 
 def test_an_edit_changes_the_last_tokens_and_keeps_the_rest():
