@@ -886,8 +886,9 @@ cdef class LlamaContext:
 
     @property
     def decode_tokens_deferred(self):
-        """Decode tokens handed to a later step for want of room in the batch (with
-        ``--prompt-steps mixed``, none: a prompt chunk never takes a decode token's room)."""
+        """Decode tokens handed to a later step for want of room in the batch: none, since a
+        prompt chunk never takes a decode token's room (``--prompt-steps alone`` hands them
+        on by design, and they are not counted here)."""
         claim_context(&self.b)
         deferred = self.b.decode_tokens_deferred
         release_context(&self.b)
