@@ -473,10 +473,7 @@ def test_a_cancel_in_a_shared_step_costs_the_others_one_step_at_most(engine):
         for worker in workers:
             worker.start()
         started_running(generations[0])
-        deadline = time.monotonic() + 60 * UNIT
-        while len(generations[0].token_ids()) < 8:
-            assert time.monotonic() < deadline and not generations[0].finished
-            time.sleep(0.001)
+        wait_for_tokens(generations[0], 8)
         generations[0].cancel()
         for worker in workers:
             worker.join(120 * UNIT)
@@ -510,10 +507,7 @@ def test_a_prompts_last_chunk_alone_costs_the_running_generations_no_token(engin
         workers[0].start()
         # The others arrive one by one while the first decodes.
         for index, worker in enumerate(workers[1:], start=1):
-            deadline = time.monotonic() + 60 * UNIT
-            while len(generations[0].token_ids()) < 8 * index:
-                assert time.monotonic() < deadline and not generations[0].finished
-                time.sleep(0.001)
+            wait_for_tokens(generations[0], 8 * index)
             worker.start()
         for worker in workers:
             worker.join(120 * UNIT)
@@ -544,10 +538,7 @@ def test_a_short_second_chunk_never_takes_a_decode_tokens_room(engine):
         newcomer = make_generation(slots[2], short_prompt, max_tokens=1, prefill_chunk=chunk, **GREEDY)
         workers = [threading.Thread(target=g.run) for g in (decoding, prefilling, newcomer)]
         workers[0].start()
-        deadline = time.monotonic() + 60 * UNIT
-        while len(decoding.token_ids()) < 2:
-            assert time.monotonic() < deadline and not decoding.finished
-            time.sleep(0.001)
+        wait_for_tokens(decoding, 2)
         workers[1].start()
         started_running(prefilling)
         workers[2].start()
@@ -585,10 +576,8 @@ def test_a_stopped_generation_leaves_the_shared_step_under_way(engine):
             )
             workers = [threading.Thread(target=g.run) for g in (decoding, prefilling)]
             workers[0].start()
+            wait_for_tokens(decoding, 2)
             deadline = time.monotonic() + 60 * UNIT
-            while len(decoding.token_ids()) < 2:
-                assert time.monotonic() < deadline and not decoding.finished
-                time.sleep(0.001)
             workers[1].start()
             started_running(prefilling)
             time.sleep(0.02 * UNIT)

@@ -656,7 +656,7 @@ async def test_after_a_restart_a_repeated_prompt_is_served_from_disk(engine, tmp
 # Large blocks written and freed in turn, as KV states are, between small ones that stay:
 # prints how many bytes the process's RSS kept after the large ones were freed.
 FREED_STATES = """
-import os, sys
+import os
 from stopline import _core
 from stopline.engine.llama_build import engine_library
 
@@ -664,8 +664,7 @@ def rss():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-if sys.argv[1] == "loaded":
-    _core.load_llama_library(str(engine_library(progress=False)))
+_core.load_llama_library(str(engine_library(progress=False)))
 size = 4 * _core.LARGE_BLOCK_BYTES
 # A larger block freed first: glibc's own threshold would rise above the states' size.
 first = b"\x01" * (2 * size)
@@ -683,6 +682,6 @@ print(rss() - before)
 def test_a_freed_kv_state_goes_back_to_the_system():
     # Without a fixed threshold, glibc would serve the states after the first from its heap,
     # and keep their space once they are freed: the RSS would hold 8 states no one holds.
-    run = subprocess.run([sys.executable, "-c", FREED_STATES, "loaded"], capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-c", FREED_STATES], capture_output=True, text=True, check=True)
     kept = int(run.stdout)
     assert kept < 2 * _core.LARGE_BLOCK_BYTES, f"{kept / 2**20:.1f} MiB kept"
